@@ -1,0 +1,27 @@
+"""tfllm: train Keras 3 language models on TensorFlow DTensor meshes with XLA."""
+
+from setuptools import find_packages, setup
+
+setup(
+    name="tfllm",
+    version="0.1.0",
+    description="Train Keras 3 transformer LMs on TensorFlow DTensor meshes with XLA.",
+    long_description=open("README.md", encoding="utf-8").read(),
+    long_description_content_type="text/markdown",
+    python_requires=">=3.10",
+    packages=find_packages(include=["tfllm", "tfllm.*"]),
+    install_requires=[
+        "tensorflow>=2.16,<2.22",
+        "keras>=3.5",
+        "keras-hub>=0.20",
+        "tensorflow-datasets",
+        "absl-py",
+        "pyyaml",
+        "numpy",
+    ],
+    extras_require={
+        "and-cuda": ["tensorflow[and-cuda]>=2.16,<2.22"],
+        "test": ["pytest>=7", "pytest-timeout"],
+    },
+    entry_points={"console_scripts": ["tfllm=tfllm.cli.main:main"]},
+)

@@ -1,0 +1,207 @@
+"""Loading, overriding, validating and saving configs.
+
+A config is the schema's defaults, then a YAML file's values (strict: every key must
+exist in the schema), then `--set section.key=value` overrides, in that order.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import os
+from typing import Any, Iterable, Optional
+
+import yaml
+
+from tfllm.config import schema
+
+
+class ConfigError(ValueError):
+    """A config file or override is wrong; the message names the key and the fix."""
+
+
+def _closest(name: str, options: Iterable[str]) -> str:
+    match = difflib.get_close_matches(name, list(options), n=1, cutoff=0.5)
+    return f" Did you mean '{match[0]}'?" if match else ""
+
+
+def _fields(obj) -> dict:
+    return {f.name: f for f in dataclasses.fields(obj)}
+
+
+def _coerce(key: str, fld: dataclasses.Field, value: Any) -> Any:
+    """Checks `value` against the field's type and range; returns the typed value."""
+    # The schema uses `from __future__ import annotations`, so types are strings.
+    hint = str(fld.type).replace("typing.", "")
+    optional = hint.startswith("Optional[")
+    base = hint[len("Optional["):-1] if optional else hint
+    if value is None:
+        if optional:
+            return None
+        raise ConfigError(f"{key}: null is not allowed; give a {base}.")
+    if base == "bool":
+        if isinstance(value, bool):
+            out = value
+        elif isinstance(value, str) and value.lower() in ("true", "false"):
+            out = value.lower() == "true"
+        else:
+            raise ConfigError(f"{key}: expected true or false, got {value!r}.")
+    elif base == "int":
+        if isinstance(value, bool) or not isinstance(value, (int, str)):
+            raise ConfigError(f"{key}: expected an integer, got {value!r}.")
+        try:
+            out = int(value)
+        except ValueError:
+            raise ConfigError(f"{key}: expected an integer, got {value!r}.") from None
+    elif base == "float":
+        if isinstance(value, bool):
+            raise ConfigError(f"{key}: expected a number, got {value!r}.")
+        try:
+            out = float(value)
+        except (TypeError, ValueError):
+            raise ConfigError(f"{key}: expected a number, got {value!r}.") from None
+    elif base == "str":
+        if isinstance(value, bool):
+            value = "true" if value else "false"
+        if not isinstance(value, (str, int, float)):
+            raise ConfigError(f"{key}: expected a string, got {value!r}.")
+        out = str(value)
+    elif base == "List[str]":
+        if isinstance(value, str):
+            value = [v.strip() for v in value.split(",") if v.strip()]
+        if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+            raise ConfigError(f"{key}: expected a list of strings, got {value!r}.")
+        out = list(value)
+    elif base == "List[List[str]]":
+        ok = isinstance(value, list) and all(
+            isinstance(v, (list, tuple)) and len(v) == 2 and isinstance(v[0], str)
+            and (v[1] is None or isinstance(v[1], str)) for v in value)
+        if not ok:
+            raise ConfigError(f"{key}: expected a list of [logical_axis, mesh_axis] pairs, "
+                              f"got {value!r}.")
+        out = [[v[0], v[1] if v[1] not in (None, "null", "none") else None] for v in value]
+    else:  # pragma: no cover - a schema field of a type this loader does not know
+        raise ConfigError(f"{key}: unsupported field type {hint}.")
+    meta = fld.metadata
+    if "choices" in meta and out not in meta["choices"]:
+        raise ConfigError(f"{key}: {out!r} is not one of {list(meta['choices'])}."
+                          + _closest(str(out), map(str, meta["choices"])))
+    if "min" in meta and out < meta["min"]:
+        raise ConfigError(f"{key}: {out!r} is below the minimum {meta['min']}.")
+    if "max" in meta and out > meta["max"]:
+        raise ConfigError(f"{key}: {out!r} is above the maximum {meta['max']}.")
+    return out
+
+
+def _set(cfg: schema.Config, dotted: str, value: Any, source: str) -> None:
+    parts = dotted.split(".")
+    if len(parts) != 2:
+        raise ConfigError(f"{source}: '{dotted}' must be section.key, e.g. model.hidden_dim "
+                          f"(sections: {', '.join(schema.SECTIONS)}).")
+    section, key = parts
+    if section not in schema.SECTIONS:
+        raise ConfigError(f"{source}: unknown section '{section}'."
+                          + _closest(section, schema.SECTIONS))
+    sub = getattr(cfg, section)
+    flds = _fields(sub)
+    if key not in flds:
+        raise ConfigError(f"{source}: unknown key '{section}.{key}'."
+                          + _closest(key, flds).replace("'", f"'{section}.", 1))
+    setattr(sub, key, _coerce(f"{section}.{key}", flds[key], value))
+
+
+def apply_dict(cfg: schema.Config, data: dict, source: str) -> None:
+    """Applies a nested {section: {key: value}} mapping strictly onto `cfg`."""
+    if not isinstance(data, dict):
+        raise ConfigError(f"{source}: the top level must be a mapping of sections "
+                          f"({', '.join(schema.SECTIONS)}), got {type(data).__name__}.")
+    for section, values in data.items():
+        if section not in schema.SECTIONS:
+            raise ConfigError(f"{source}: unknown section '{section}'."
+                              + _closest(str(section), schema.SECTIONS))
+        if not isinstance(values, dict):
+            raise ConfigError(f"{source}: section '{section}' must be a mapping of keys.")
+        for key, value in values.items():
+            _set(cfg, f"{section}.{key}", value, source)
+
+
+def parse_override(text: str) -> tuple:
+    """Splits 'section.key=value' and parses value as YAML (so 3 is an int)."""
+    if "=" not in text:
+        raise ConfigError(f"--set {text!r}: expected section.key=value.")
+    key, raw = text.split("=", 1)
+    try:
+        value = yaml.safe_load(raw) if raw.strip() else ""
+    except yaml.YAMLError:
+        value = raw
+    return key.strip(), value
+
+
+def load_config(path: Optional[str] = None, overrides: Iterable[str] = ()) -> schema.Config:
+    """Builds a validated Config from defaults, an optional YAML file and overrides.
+
+    Args:
+      path: a YAML file of overrides, or None for the defaults.
+      overrides: strings 'section.key=value', applied after the file.
+    """
+    cfg = schema.Config()
+    if path:
+        if not os.path.isfile(path):
+            raise ConfigError(f"--config {path}: no such file. Presets live in configs/ "
+                              "(e.g. configs/tiny.yaml).")
+        with open(path, encoding="utf-8") as f:
+            try:
+                data = yaml.safe_load(f) or {}
+            except yaml.YAMLError as e:
+                raise ConfigError(f"{path}: not valid YAML: {e}") from None
+        apply_dict(cfg, data, path)
+    for text in overrides:
+        key, value = parse_override(text)
+        _set(cfg, key, value, f"--set {text}")
+    validate(cfg)
+    return cfg
+
+
+def validate(cfg: schema.Config) -> None:
+    """Cross-field checks that a single field's range cannot express."""
+    m = cfg.model
+    if m.head_dim == 0 and m.hidden_dim % m.num_query_heads:
+        raise ConfigError(f"model.hidden_dim ({m.hidden_dim}) must be divisible by "
+                          f"model.num_query_heads ({m.num_query_heads}), or set model.head_dim.")
+    kv = m.num_key_value_heads or m.num_query_heads
+    if m.num_query_heads % kv:
+        raise ConfigError(f"model.num_query_heads ({m.num_query_heads}) must be a multiple of "
+                          f"model.num_key_value_heads ({kv}).")
+    if cfg.data.sequence_length > m.max_sequence_length:
+        raise ConfigError(f"data.sequence_length ({cfg.data.sequence_length}) exceeds "
+                          f"model.max_sequence_length ({m.max_sequence_length}); lower it or "
+                          "raise model.max_sequence_length.")
+    t = cfg.train
+    if t.global_batch_size % t.grad_accum_steps:
+        raise ConfigError(f"train.global_batch_size ({t.global_batch_size}) must be divisible "
+                          f"by train.grad_accum_steps ({t.grad_accum_steps}).")
+    bad = set(cfg.optimizer.weight_decay_exclude) - {"bias", "norm", "embedding"}
+    if bad:
+        raise ConfigError(f"optimizer.weight_decay_exclude: unknown kind(s) {sorted(bad)}; "
+                          "use bias, norm, embedding.")
+    from tfllm.parallel import mesh as mesh_lib  # local: parsing only, no TensorFlow
+    mesh_lib.parse_axes(cfg.mesh.axes)
+
+
+def to_dict(cfg: schema.Config) -> dict:
+    return dataclasses.asdict(cfg)
+
+
+def dump_yaml(cfg: schema.Config) -> str:
+    return yaml.safe_dump(to_dict(cfg), sort_keys=False)
+
+
+def save_config(cfg: schema.Config, workdir: str) -> str:
+    """Writes the resolved config to WORKDIR/config.yaml atomically; returns the path."""
+    os.makedirs(workdir, exist_ok=True)
+    path = os.path.join(workdir, "config.yaml")
+    tmp = path + ".tmp"
+    with open(tmp, "w", encoding="utf-8") as f:
+        f.write(dump_yaml(cfg))
+    os.replace(tmp, path)
+    return path

@@ -1,0 +1,39 @@
+"""Model families on the `CausalLM` base, and `build_model`."""
+
+from __future__ import annotations
+
+from typing import Optional
+
+from tfllm.models.causal_lm import Block, CausalLM
+from tfllm.models.gpt import GPT
+from tfllm.models.llama import Llama
+
+FAMILIES = {"gpt": GPT, "llama": Llama}
+
+POLICIES = {"float32": "float32", "bfloat16": "mixed_bfloat16"}
+
+
+def model_class(family: str):
+    if family not in FAMILIES:
+        raise ValueError(f"model.family: unknown family '{family}'; use one of {sorted(FAMILIES)}.")
+    return FAMILIES[family]
+
+
+def build_model(config, parallel=None, seed: Optional[int] = None, model_cls=None,
+                allocate: bool = True) -> CausalLM:
+    """Builds the model a config describes, its variables created in their layouts.
+
+    Args:
+      config: a full `tfllm.config.Config`.
+      parallel: a `tfllm.parallel.Parallel`, or None for single-device variables.
+      seed: the init seed (default: config.train.seed).
+      model_cls: a `CausalLM` subclass to use instead of the config's family.
+      allocate: False builds shapes only (no memory), for `tfllm layouts`.
+    """
+    from tfllm.parallel.placement import build_abstract, place_variables
+    cls = model_cls or model_class(config.model.family)
+    model = cls(config.model, dtype=POLICIES[config.precision.policy])
+    build_abstract(model)
+    if allocate:
+        place_variables(model, parallel, config.train.seed if seed is None else seed)
+    return model

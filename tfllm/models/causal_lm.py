@@ -1,0 +1,156 @@
+"""`CausalLM`: the base Keras model that GPT, Llama and users' models subclass.
+
+The model is written for one device; it names logical axes only (see
+`tfllm.parallel.rules`). Subclasses change behaviour by overriding hooks:
+
+* `make_norm(name)`, `make_attention(index)`, `make_mlp(index)`: the sublayers;
+* `make_block(index)`: a whole transformer block (default: pre-norm residual);
+* `embed(token_ids)`: token ids (B, T) -> hidden (B, T, E);
+* `head(hidden)`: hidden (B, T, E) -> logits (B, T, V) in float32;
+* `compute_lm_loss(logits, targets, mask)`: the training loss.
+
+Example, replacing the MLP of every block:
+
+    class MyLM(tfllm.models.Llama):
+        def make_mlp(self, index):
+            return MyMLP(self.config.hidden_dim, name="mlp")
+
+Build a model with `tfllm.models.build_model(config, parallel)` so that its variables
+are created in their DTensor layouts.
+"""
+
+from __future__ import annotations
+
+import math
+
+import keras
+import tensorflow as tf
+
+from tfllm.config.schema import ModelConfig
+from tfllm.models.common.layers import Projection, TokenEmbedding
+from tfllm.parallel.context import constrain
+
+_EMBED = ("activation_batch", "activation_length", "activation_embed")
+
+
+class Block(keras.layers.Layer):
+    """Pre-norm transformer block: x + attn(norm1(x)), then + mlp(norm2(x)).
+
+    Args:
+      attention, mlp, attention_norm, mlp_norm: the sublayers.
+    """
+
+    def __init__(self, attention, mlp, attention_norm, mlp_norm, **kwargs):
+        super().__init__(**kwargs)
+        self.attention_norm, self.attention = attention_norm, attention
+        self.mlp_norm, self.mlp = mlp_norm, mlp
+
+    def build(self, input_shape=None):
+        for layer in (self.attention_norm, self.attention, self.mlp_norm, self.mlp):
+            layer.build(None)
+
+    def call(self, x):
+        x = x + self.attention(self.attention_norm(x))
+        x = constrain(x, _EMBED)
+        x = x + self.mlp(self.mlp_norm(x))
+        return constrain(x, _EMBED)
+
+
+class CausalLM(keras.Model):
+    """A decoder-only language model: embed, blocks, final norm, LM head.
+
+    Args:
+      config: the model section of the tfllm config.
+      dtype: a Keras dtype policy name ("float32" or "mixed_bfloat16").
+    """
+
+    #: defaults a family may set for config fields left null
+    family_defaults = {"tie_embeddings": False, "use_bias": False}
+
+    def __init__(self, config: ModelConfig, dtype="float32", **kwargs):
+        super().__init__(dtype=dtype, **kwargs)
+        self.config = config
+        c = config
+        self.tie_embeddings = (self.family_defaults["tie_embeddings"]
+                               if c.tie_embeddings is None else c.tie_embeddings)
+        self.use_bias = self.family_defaults["use_bias"] if c.use_bias is None else c.use_bias
+        self.num_key_value_heads = c.num_key_value_heads or c.num_query_heads
+        self.head_dim = c.head_dim or c.hidden_dim // c.num_query_heads
+        # GPT-2's depth-scaled init of the projections that write into the residual stream.
+        self.output_init_std = c.init_std / math.sqrt(2 * c.num_layers)
+        self.token_embedding = TokenEmbedding(c.vocab_size, c.hidden_dim, c.init_std,
+                                              name="token_embedding", dtype=dtype)
+        self.blocks = [self.make_block(i) for i in range(c.num_layers)]
+        self.final_norm = self.make_norm("final_norm")
+        self.lm_head = None
+        if not self.tie_embeddings:
+            self.lm_head = Projection("btd,dv->btv", (c.hidden_dim, c.vocab_size),
+                                      ("embed", "vocab"), init_std=c.init_std,
+                                      output_axes=("activation_batch", "activation_length",
+                                                   "activation_vocab"),
+                                      name="lm_head", dtype=dtype)
+
+    # ---- hooks for subclasses -------------------------------------------------------------
+    def make_norm(self, name: str) -> keras.layers.Layer:
+        """The normalization layer used before attention, MLP and the head."""
+        raise NotImplementedError("CausalLM subclasses define make_norm")
+
+    def make_attention(self, index: int) -> keras.layers.Layer:
+        """The attention layer of block `index`: (B, T, E) -> (B, T, E)."""
+        raise NotImplementedError("CausalLM subclasses define make_attention")
+
+    def make_mlp(self, index: int) -> keras.layers.Layer:
+        """The feed-forward layer of block `index`: (B, T, E) -> (B, T, E)."""
+        raise NotImplementedError("CausalLM subclasses define make_mlp")
+
+    def make_block(self, index: int) -> keras.layers.Layer:
+        """Transformer block `index`; by default pre-norm attention then MLP."""
+        return Block(self.make_attention(index), self.make_mlp(index),
+                     self.make_norm("attention_norm"), self.make_norm("mlp_norm"),
+                     name=f"block_{index}", dtype=self.dtype_policy)
+
+    def embed(self, token_ids):
+        """Token ids (B, T) -> hidden states (B, T, E)."""
+        return self.token_embedding(token_ids)
+
+    def head(self, hidden):
+        """Hidden (B, T, E) -> float32 logits (B, T, V)."""
+        if self.tie_embeddings:
+            logits = self.token_embedding.attend(hidden)
+        else:
+            logits = self.lm_head(hidden)
+        return tf.cast(logits, tf.float32)
+
+    def compute_lm_loss(self, logits, targets, mask=None):
+        """Mean next-token cross-entropy over unmasked positions, in float32.
+
+        Args:
+          logits: (B, T, V) float32.
+          targets: (B, T) int token ids.
+          mask: (B, T) 1 where the position counts, or None for all.
+        """
+        logits = tf.cast(logits, tf.float32)
+        lse = tf.reduce_logsumexp(logits, axis=-1)  # (B, T)
+        target_logit = tf.reduce_sum(
+            logits * tf.one_hot(targets, tf.shape(logits)[-1], dtype=tf.float32), -1)  # (B, T)
+        nll = lse - target_logit
+        if mask is None:
+            return tf.reduce_mean(nll)
+        mask = tf.cast(mask, tf.float32)
+        return tf.reduce_sum(nll * mask) / tf.maximum(tf.reduce_sum(mask), 1.0)
+
+    # ---- Keras --------------------------------------------------------------------------
+    def build(self, input_shape=None):
+        self.token_embedding.build(None)
+        for block in self.blocks:
+            block.build(None)
+        self.final_norm.build(None)
+        if self.lm_head is not None:
+            self.lm_head.build(None)
+        self.built = True
+
+    def call(self, token_ids):
+        x = self.embed(token_ids)
+        for block in self.blocks:
+            x = block(x)
+        return self.head(self.final_norm(x))

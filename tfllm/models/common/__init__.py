@@ -1,0 +1,5 @@
+"""Layers shared by the model families; each names the logical axes of its weights."""
+from tfllm.models.common.attention import Attention, rotary
+from tfllm.models.common.layers import (LayerNorm, PositionEmbedding, Projection, RMSNorm,
+                                        TokenEmbedding, add_param)
+from tfllm.models.common.mlp import MLP, GatedMLP

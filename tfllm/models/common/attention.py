@@ -1,0 +1,93 @@
+"""Causal self-attention with grouped-query heads and optional rotary positions."""
+
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import keras
+import tensorflow as tf
+
+from tfllm.models.common.layers import Projection
+from tfllm.parallel.context import constrain
+
+_HEADS = ("activation_batch", "activation_length", "activation_heads", "activation_head_dim")
+_KV_HEADS = ("activation_batch", "activation_length", "activation_kv_heads",
+             "activation_head_dim")
+
+
+def rotary(x, theta: float):
+    """Applies rotary position embeddings to x of shape (B, T, H, D) (rotate-half form)."""
+    length, dim = tf.shape(x)[1], x.shape[-1]
+    inv_freq = 1.0 / (theta ** (tf.range(0, dim, 2, dtype=tf.float32) / dim))  # (D/2,)
+    angles = tf.cast(tf.range(length), tf.float32)[:, None] * inv_freq[None, :]  # (T, D/2)
+    angles = tf.concat([angles, angles], axis=-1)[None, :, None, :]  # (1, T, 1, D)
+    x32 = tf.cast(x, tf.float32)
+    x1, x2 = tf.split(x32, 2, axis=-1)
+    rotated = tf.concat([-x2, x1], axis=-1)  # (B, T, H, D)
+    return tf.cast(x32 * tf.cos(angles) + rotated * tf.sin(angles), x.dtype)
+
+
+class Attention(keras.layers.Layer):
+    """Multi-head causal self-attention; grouped-query when num_key_value_heads < heads.
+
+    Args:
+      hidden_dim: width E of the residual stream.
+      num_query_heads: H.
+      num_key_value_heads: K (divides H); each K head serves H // K query heads.
+      head_dim: D.
+      use_bias: biases on the projections (GPT) or not (Llama).
+      rope_theta: apply rotary embeddings with this base, or None for none.
+      init_std: init of the q/k/v projections.
+      output_init_std: init of the output projection (scaled for depth).
+    """
+
+    def __init__(self, hidden_dim: int, num_query_heads: int, num_key_value_heads: int,
+                 head_dim: int, use_bias: bool = False, rope_theta: Optional[float] = None,
+                 init_std: float = 0.02, output_init_std: float = 0.02, **kwargs):
+        super().__init__(**kwargs)
+        self.num_query_heads = num_query_heads
+        self.num_key_value_heads = num_key_value_heads
+        self.head_dim = head_dim
+        self.rope_theta = rope_theta
+        E, H, K, D = hidden_dim, num_query_heads, num_key_value_heads, head_dim
+        kw = dict(use_bias=use_bias, init_std=init_std)
+        self.query = Projection("btd,dhk->bthk", (E, H, D), ("embed", "heads", "head_dim"),
+                                output_axes=_HEADS, name="query", **kw)
+        self.key = Projection("btd,dhk->bthk", (E, K, D), ("embed", "kv_heads", "head_dim"),
+                              output_axes=_KV_HEADS, name="key", **kw)
+        self.value = Projection("btd,dhk->bthk", (E, K, D), ("embed", "kv_heads", "head_dim"),
+                                output_axes=_KV_HEADS, name="value", **kw)
+        self.output_proj = Projection(
+            "bthk,hkd->btd", (H, D, E), ("heads", "head_dim", "embed"), use_bias=use_bias,
+            init_std=output_init_std,
+            output_axes=("activation_batch", "activation_length", "activation_embed"),
+            name="output")
+
+    def build(self, input_shape=None):
+        for layer in (self.query, self.key, self.value, self.output_proj):
+            layer.build(None)
+
+    def attend(self, q, k, v):
+        """Causal scaled dot-product attention; q (B,T,H,D), k/v (B,T,K,D) -> (B,T,H,D).
+
+        Scores and softmax are float32 whatever the compute dtype.
+        """
+        groups = self.num_query_heads // self.num_key_value_heads
+        if groups > 1:  # each K head serves `groups` consecutive query heads
+            k = constrain(tf.repeat(k, groups, axis=2), _HEADS)  # (B, T, H, D)
+            v = constrain(tf.repeat(v, groups, axis=2), _HEADS)  # (B, T, H, D)
+        scores = tf.einsum("bthd,bshd->bhts", q, k)  # (B, H, T, S)
+        scores = tf.cast(scores, tf.float32) / math.sqrt(self.head_dim)
+        length = tf.shape(scores)[-1]
+        causal = tf.linalg.band_part(tf.ones((length, length), tf.bool), -1, 0)  # (T, S)
+        scores = tf.where(causal, scores, tf.constant(-1e30, tf.float32))
+        probs = tf.cast(tf.nn.softmax(scores, axis=-1), v.dtype)  # (B, H, T, S)
+        out = tf.einsum("bhts,bshd->bthd", probs, v)  # (B, T, H, D)
+        return constrain(out, _HEADS)
+
+    def call(self, x):
+        q, k, v = self.query(x), self.key(x), self.value(x)  # (B,T,H,D), (B,T,K,D) x2
+        if self.rope_theta is not None:
+            q, k = rotary(q, self.rope_theta), rotary(k, self.rope_theta)
+        return self.output_proj(self.attend(q, k, v))  # (B, T, E)

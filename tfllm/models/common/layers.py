@@ -1,0 +1,172 @@
+"""Building blocks that declare the logical axes of their weights.
+
+Every weight is created through `add_param`, which records on the Keras variable:
+
+* `logical_axes`: one logical name per dimension (see `tfllm.parallel.rules`);
+* `init`: how to initialize it (`("normal", std)`, `("zeros",)` or `("ones",)`),
+  which `tfllm.parallel.placement` turns into the same values on any mesh;
+* `kind`: kernel, bias, norm or embedding (weight decay uses it).
+
+Layers create their weights in `build()` from their constructor arguments, so a model
+can be built without data, and under `keras.StatelessScope` without allocating memory.
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Sequence, Tuple
+
+import keras
+import tensorflow as tf
+
+from tfllm.parallel.context import constrain
+
+INIT_KINDS = ("normal", "zeros", "ones")
+
+
+def _keras_initializer(init):
+    """A Keras initializer equivalent in distribution to a tfllm init spec."""
+    if init[0] == "normal":
+        return keras.initializers.RandomNormal(stddev=init[1])
+    return init[0]
+
+
+def add_param(layer: keras.layers.Layer, name: str, shape: Sequence[int],
+              logical_axes: Sequence[Optional[str]], init: Tuple, kind: str):
+    """Adds a weight to `layer` and records its logical axes, init and kind.
+
+    Args:
+      layer: the owning layer (call from its `build`).
+      name: the weight's name inside the layer, e.g. "kernel".
+      shape: its global shape.
+      logical_axes: one logical axis name (or None: never sharded) per dimension.
+      init: ("normal", std), ("zeros",) or ("ones",).
+      kind: "kernel", "bias", "norm" or "embedding".
+    """
+    if init[0] not in INIT_KINDS:
+        raise ValueError(f"{layer.name}/{name}: unknown init {init!r}; use one of {INIT_KINDS}.")
+    if len(logical_axes) != len(shape):
+        raise ValueError(f"{layer.name}/{name}: {len(shape)}-d shape {tuple(shape)} needs one "
+                         f"logical axis per dimension, got {tuple(logical_axes)}.")
+    var = layer.add_weight(name=name, shape=tuple(shape), initializer=_keras_initializer(init))
+    var.logical_axes = tuple(logical_axes)
+    var.init = tuple(init)
+    var.kind = kind
+    return var
+
+
+class Projection(keras.layers.Layer):
+    """A dense projection written as an einsum, with named kernel and bias axes.
+
+    Example: the query projection maps (B, T, E) to (B, T, H, D) with
+    `Projection("btd,dhk->bthk", (E, H, D), ("embed", "heads", "head_dim"))`.
+
+    Args:
+      equation: einsum equation "input,kernel->output".
+      kernel_shape: shape of the kernel.
+      kernel_axes: logical axes of the kernel.
+      use_bias: add a bias shaped like the output's trailing kernel dimensions.
+      init_std: standard deviation of the kernel's normal init.
+      output_axes: logical axes to constrain the output to (None: no constraint).
+    """
+
+    def __init__(self, equation: str, kernel_shape, kernel_axes, use_bias: bool = False,
+                 init_std: float = 0.02, output_axes=None, **kwargs):
+        super().__init__(**kwargs)
+        self.equation = equation
+        self.kernel_shape = tuple(kernel_shape)
+        self.kernel_axes = tuple(kernel_axes)
+        self.use_bias = use_bias
+        self.init_std = init_std
+        self.output_axes = output_axes
+        inputs, output = equation.split("->")
+        kernel_letters = inputs.split(",")[1]
+        # The bias covers the output dimensions that come from the kernel.
+        self._bias_dims = [i for i, c in enumerate(kernel_letters) if c in output
+                           and c not in inputs.split(",")[0]]
+
+    def build(self, input_shape=None):
+        self.kernel = add_param(self, "kernel", self.kernel_shape, self.kernel_axes,
+                                ("normal", self.init_std), "kernel")
+        if self.use_bias:
+            self.bias = add_param(self, "bias", [self.kernel_shape[i] for i in self._bias_dims],
+                                  [self.kernel_axes[i] for i in self._bias_dims], ("zeros",),
+                                  "bias")
+
+    def call(self, x):
+        y = tf.einsum(self.equation, x, self.kernel)
+        if self.use_bias:
+            y = y + self.bias
+        if self.output_axes is not None:
+            y = constrain(y, self.output_axes, self.name)
+        return y
+
+
+class TokenEmbedding(keras.layers.Layer):
+    """Token embedding table (V, E); `attend` gives logits against it (tied heads)."""
+
+    def __init__(self, vocab_size: int, hidden_dim: int, init_std: float = 0.02, **kwargs):
+        super().__init__(**kwargs)
+        self.vocab_size, self.hidden_dim, self.init_std = vocab_size, hidden_dim, init_std
+
+    def build(self, input_shape=None):
+        self.embeddings = add_param(self, "embeddings", (self.vocab_size, self.hidden_dim),
+                                    ("vocab", "embed"), ("normal", self.init_std), "embedding")
+
+    def call(self, token_ids):
+        x = tf.gather(self.embeddings, token_ids)  # (B, T, E)
+        return constrain(x, ("activation_batch", "activation_length", "activation_embed"))
+
+    def attend(self, x):
+        logits = tf.einsum("btd,vd->btv", x, self.embeddings)  # (B, T, V)
+        return constrain(logits, ("activation_batch", "activation_length", "activation_vocab"))
+
+
+class PositionEmbedding(keras.layers.Layer):
+    """Learned absolute positions (L, E), added for the first T positions."""
+
+    def __init__(self, max_length: int, hidden_dim: int, init_std: float = 0.02, **kwargs):
+        super().__init__(**kwargs)
+        self.max_length, self.hidden_dim, self.init_std = max_length, hidden_dim, init_std
+
+    def build(self, input_shape=None):
+        self.embeddings = add_param(self, "embeddings", (self.max_length, self.hidden_dim),
+                                    ("position", "embed"), ("normal", self.init_std), "embedding")
+
+    def call(self, x):
+        length = tf.shape(x)[1]
+        return x + self.embeddings[:length]  # (T, E) broadcast over the batch
+
+
+class LayerNorm(keras.layers.Layer):
+    """LayerNorm over the last axis; statistics in float32 whatever the compute dtype."""
+
+    def __init__(self, hidden_dim: int, epsilon: float = 1e-5, **kwargs):
+        super().__init__(**kwargs)
+        self.hidden_dim, self.epsilon = hidden_dim, epsilon
+
+    def build(self, input_shape=None):
+        self.scale = add_param(self, "scale", (self.hidden_dim,), ("norm",), ("ones",), "norm")
+        self.bias = add_param(self, "bias", (self.hidden_dim,), ("norm",), ("zeros",), "norm")
+
+    def call(self, x):
+        x32 = tf.cast(x, tf.float32)
+        mean, var = tf.nn.moments(x32, axes=[-1], keepdims=True)
+        y = (x32 - mean) * tf.math.rsqrt(var + self.epsilon)
+        y = y * tf.cast(self.scale, tf.float32) + tf.cast(self.bias, tf.float32)
+        return tf.cast(y, x.dtype)
+
+
+class RMSNorm(keras.layers.Layer):
+    """RMSNorm over the last axis; statistics in float32."""
+
+    def __init__(self, hidden_dim: int, epsilon: float = 1e-5, **kwargs):
+        super().__init__(**kwargs)
+        self.hidden_dim, self.epsilon = hidden_dim, epsilon
+
+    def build(self, input_shape=None):
+        self.scale = add_param(self, "scale", (self.hidden_dim,), ("norm",), ("ones",), "norm")
+
+    def call(self, x):
+        x32 = tf.cast(x, tf.float32)
+        y = x32 * tf.math.rsqrt(tf.reduce_mean(tf.square(x32), -1, keepdims=True) + self.epsilon)
+        return tf.cast(y * tf.cast(self.scale, tf.float32), x.dtype)

@@ -1,0 +1,70 @@
+"""Feed-forward blocks: GELU MLP (GPT) and SwiGLU gated MLP (Llama)."""
+
+from __future__ import annotations
+
+import keras
+import tensorflow as tf
+
+from tfllm.models.common.layers import Projection
+
+_MLP = ("activation_batch", "activation_length", "activation_mlp")
+_EMBED = ("activation_batch", "activation_length", "activation_embed")
+
+
+class MLP(keras.layers.Layer):
+    """up (E -> F), GELU (tanh approximation, as GPT-2), down (F -> E).
+
+    Args:
+      hidden_dim: E.
+      intermediate_dim: F.
+      use_bias: biases on both projections.
+      init_std: init of the up projection.
+      output_init_std: init of the down projection (scaled for depth).
+    """
+
+    def __init__(self, hidden_dim: int, intermediate_dim: int, use_bias: bool = True,
+                 init_std: float = 0.02, output_init_std: float = 0.02, **kwargs):
+        super().__init__(**kwargs)
+        self.up = Projection("btd,df->btf", (hidden_dim, intermediate_dim), ("embed", "mlp"),
+                             use_bias=use_bias, init_std=init_std, output_axes=_MLP, name="up")
+        self.down = Projection("btf,fd->btd", (intermediate_dim, hidden_dim), ("mlp", "embed"),
+                               use_bias=use_bias, init_std=output_init_std, output_axes=_EMBED,
+                               name="down")
+
+    def build(self, input_shape=None):
+        self.up.build(None)
+        self.down.build(None)
+
+    def call(self, x):
+        return self.down(tf.nn.gelu(self.up(x), approximate=True))
+
+
+class GatedMLP(keras.layers.Layer):
+    """SwiGLU: down(silu(gate(x)) * up(x)).
+
+    Args:
+      hidden_dim: E.
+      intermediate_dim: F.
+      use_bias: biases on the projections.
+      init_std: init of gate and up.
+      output_init_std: init of down (scaled for depth).
+    """
+
+    def __init__(self, hidden_dim: int, intermediate_dim: int, use_bias: bool = False,
+                 init_std: float = 0.02, output_init_std: float = 0.02, **kwargs):
+        super().__init__(**kwargs)
+        kw = dict(use_bias=use_bias, init_std=init_std, output_axes=_MLP)
+        self.gate = Projection("btd,df->btf", (hidden_dim, intermediate_dim), ("embed", "mlp"),
+                               name="gate", **kw)
+        self.up = Projection("btd,df->btf", (hidden_dim, intermediate_dim), ("embed", "mlp"),
+                             name="up", **kw)
+        self.down = Projection("btf,fd->btd", (intermediate_dim, hidden_dim), ("mlp", "embed"),
+                               use_bias=use_bias, init_std=output_init_std, output_axes=_EMBED,
+                               name="down")
+
+    def build(self, input_shape=None):
+        for layer in (self.gate, self.up, self.down):
+            layer.build(None)
+
+    def call(self, x):
+        return self.down(tf.nn.silu(self.gate(x)) * self.up(x))

@@ -1,0 +1,1 @@
+from tfllm.models.gpt.gpt import GPT

@@ -1,0 +1,1 @@
+from tfllm.models.llama.llama import Llama

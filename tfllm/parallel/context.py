@@ -1,0 +1,46 @@
+"""The active sharding setup, seen by model code only through `constrain`.
+
+Model code never names a mesh axis: it calls `constrain(x, logical_axes)` on large
+activations. Inside `use(parallel)` (the train step enters it while tracing) that
+becomes a DTensor relayout chosen by the rules table; outside, it returns `x` as is,
+so the same model runs on one device without DTensor.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from typing import Optional, Sequence
+
+_state = threading.local()
+
+
+def current():
+    """The `tfllm.parallel.Parallel` in effect, or None."""
+    return getattr(_state, "parallel", None)
+
+
+@contextlib.contextmanager
+def use(parallel):
+    """Makes `parallel` the active sharding setup for the duration of the block."""
+    previous = current()
+    _state.parallel = parallel
+    try:
+        yield parallel
+    finally:
+        _state.parallel = previous
+
+
+def constrain(x, logical_axes: Sequence[Optional[str]], name: str = "activation"):
+    """Lays out activation `x` by its logical axes under the active setup (else a no-op).
+
+    Args:
+      x: a tensor.
+      logical_axes: one logical name per dimension, e.g.
+        ("activation_batch", "activation_length", "activation_embed").
+      name: used in error messages.
+    """
+    parallel = current()
+    if parallel is None:
+        return x
+    return parallel.constrain(x, logical_axes, name)

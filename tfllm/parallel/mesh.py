@@ -1,0 +1,161 @@
+"""Device meshes from config: parsing (pure), device setup and DTensor mesh creation.
+
+`mesh.axes: "data=2,fsdp=2,model=2"` names the axes in order, the last varying
+fastest over devices. On CPU tfllm splits the host into as many logical devices as the
+mesh needs, so an 8-device mesh runs on a laptop. Multi-client runs use DTensor's own
+environment (`DTENSOR_CLIENT_ID`, `DTENSOR_JOB_NAME`, `DTENSOR_JOBS`; the client count is
+the number of entries in `DTENSOR_JOBS`).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import re
+from typing import List, Optional, Sequence, Tuple
+
+from tfllm.parallel.rules import KNOWN_MESH_AXES
+
+
+class MeshError(ValueError):
+    """The mesh does not fit the devices, batch or model; the message says how to fix it."""
+
+
+_PAIR = re.compile(r"^\s*([A-Za-z_][A-Za-z0-9_]*)\s*=\s*(-?\d+)\s*$")
+
+
+def parse_axes(text: str, known: Sequence[str] = KNOWN_MESH_AXES) -> List[Tuple[str, int]]:
+    """Parses 'data=2,fsdp=-1' into [('data', 2), ('fsdp', -1)] with checks.
+
+    Args:
+      text: comma-separated name=size pairs; at most one size may be -1.
+      known: the mesh axis names the rules table uses.
+    """
+    if not isinstance(text, str) or not text.strip():
+        raise MeshError("mesh.axes: empty; give name=size pairs such as 'data=8' or "
+                        "'data=2,model=4'.")
+    axes = []
+    for part in text.split(","):
+        m = _PAIR.match(part)
+        if not m:
+            raise MeshError(f"mesh.axes: '{part.strip()}' is not name=size (e.g. 'model=4').")
+        name, size = m.group(1), int(m.group(2))
+        if name not in known:
+            raise MeshError(f"mesh.axes: unknown axis '{name}'; the rules table uses "
+                            f"{', '.join(known)} (add rules in mesh.rules for others).")
+        if any(name == n for n, _ in axes):
+            raise MeshError(f"mesh.axes: axis '{name}' is given twice.")
+        if size == 0 or size < -1:
+            raise MeshError(f"mesh.axes: axis '{name}' has size {size}; use a positive size "
+                            "or -1 to fill the remaining devices.")
+        axes.append((name, size))
+    if sum(1 for _, s in axes if s == -1) > 1:
+        raise MeshError("mesh.axes: only one axis may be -1.")
+    return axes
+
+
+def resolve_axes(axes: Sequence[Tuple[str, int]], num_devices: Optional[int]
+                 ) -> List[Tuple[str, int]]:
+    """Fills a -1 axis from the device count; checks the product when it is known."""
+    fixed = math.prod(s for _, s in axes if s != -1)
+    if any(s == -1 for _, s in axes):
+        if num_devices is None:
+            raise MeshError("mesh.axes: a -1 axis needs a known device count; give every "
+                            "axis a size.")
+        if num_devices % fixed:
+            raise MeshError(f"mesh.axes: {num_devices} devices are not divisible by the "
+                            f"fixed axes' product {fixed}.")
+        return [(n, num_devices // fixed if s == -1 else s) for n, s in axes]
+    if num_devices is not None and fixed != num_devices:
+        raise MeshError(f"mesh.axes: the mesh has {fixed} devices but {num_devices} are "
+                        "available; make the sizes multiply to the device count (or use -1).")
+    return list(axes)
+
+
+def num_clients() -> int:
+    """Clients of a DTensor multi-client job: the entries of DTENSOR_JOBS (else 1)."""
+    jobs = os.environ.get("DTENSOR_JOBS", "")
+    return len([j for j in jobs.split(",") if j]) or 1
+
+
+def _gpu_count() -> int:
+    import tensorflow as tf
+    return len(tf.config.list_physical_devices("GPU"))
+
+
+def device_type(requested: str = "auto") -> str:
+    """GPU when present (or asked for), else CPU."""
+    if requested == "auto":
+        return "GPU" if _gpu_count() else "CPU"
+    if requested == "GPU" and not _gpu_count():
+        raise MeshError("mesh.device_type: GPU was asked for but TensorFlow sees no GPU; "
+                        "install tensorflow[and-cuda] or set mesh.device_type=CPU.")
+    return requested
+
+
+def setup_cpu_devices(count: int) -> int:
+    """Splits the host CPU into `count` logical devices if TF is not yet initialized.
+
+    Returns the number of logical CPU devices available afterwards.
+    """
+    import tensorflow as tf
+    cpu = tf.config.list_physical_devices("CPU")[0]
+    try:
+        tf.config.set_logical_device_configuration(
+            cpu, [tf.config.LogicalDeviceConfiguration()] * count)
+    except RuntimeError:
+        pass  # TensorFlow is initialized already: keep what it has.
+    return len(tf.config.list_logical_devices("CPU"))
+
+
+def build_mesh(axes_text: str, requested_device_type: str = "auto", num_cpu_devices: int = 0):
+    """Creates the DTensor mesh for `mesh.axes` (single- or multi-client).
+
+    Args:
+      axes_text: the `mesh.axes` string.
+      requested_device_type: auto, CPU or GPU.
+      num_cpu_devices: logical CPU devices per client; 0 means as many as the mesh needs.
+
+    Returns:
+      A `tf.experimental.dtensor.Mesh`.
+    """
+    from tensorflow.experimental import dtensor
+    axes = parse_axes(axes_text)
+    kind = device_type(requested_device_type)
+    clients = num_clients()
+    if kind == "GPU":
+        local = _gpu_count()
+    else:
+        fixed = math.prod(s for _, s in axes if s != -1)
+        wanted = num_cpu_devices or (fixed if all(s != -1 for _, s in axes) else 8) // clients
+        local = setup_cpu_devices(max(wanted, 1))
+    total = local * clients
+    if kind == "CPU" and all(s != -1 for _, s in axes):
+        need = math.prod(s for _, s in axes)
+        if need < total and clients == 1:
+            total = need  # tests reuse one 8-device host for smaller meshes
+    axes = resolve_axes(axes, total)
+    if clients > 1:
+        dtensor.initialize_accelerator_system(kind)
+        return dtensor.create_distributed_mesh(axes, device_type=kind)
+    devices = [f"{kind}:{i}" for i in range(total)]
+    return dtensor.create_mesh(axes, devices=devices, device_type=kind)
+
+
+def mesh_shape(mesh) -> dict:
+    """{axis name: size} of a DTensor mesh."""
+    return {name: mesh.dim_size(name) for name in mesh.dim_names}
+
+
+def batch_mesh_axis(spec) -> Optional[str]:
+    return spec[0] if spec else None
+
+
+def check_batch(global_batch: int, grad_accum: int, spec_axis: Optional[str], shape: dict) -> None:
+    """Each micro-batch must split evenly over the mesh axis that shards the batch."""
+    micro = global_batch // grad_accum
+    if spec_axis and micro % shape[spec_axis]:
+        raise MeshError(
+            f"train.global_batch_size ({global_batch}) / train.grad_accum_steps ({grad_accum}) "
+            f"= {micro} sequences per micro-batch do not divide over mesh axis '{spec_axis}' "
+            f"(size {shape[spec_axis]}); use a multiple of {shape[spec_axis]}.")

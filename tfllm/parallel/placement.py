@@ -1,0 +1,162 @@
+"""The bridge between Keras 3 variables and DTensor.
+
+A model is first built under `keras.StatelessScope`, which gives every Keras variable
+its path and shape but allocates nothing. `place_variables` then creates each variable
+directly in its layout: on every local device it generates only that device's shard
+(`tfllm.parallel.init`), packs the shards into a DTensor and wraps it in a
+`dtensor.DVariable` that the Keras variable adopts. No weight is ever materialized
+whole on one accelerator. Without a mesh (`parallel=None`) the same values go into
+plain `tf.Variable`s: the single-device reference the parity tests compare against.
+"""
+
+from __future__ import annotations
+
+from typing import Dict, Optional, Sequence
+
+import keras
+import numpy as np
+import tensorflow as tf
+from keras.src.backend.common import global_state
+from tensorflow.experimental import dtensor
+
+from tfllm.parallel import rules as rules_lib
+from tfllm.parallel.init import initial_block, variable_key
+from tfllm.parallel.mesh import mesh_shape
+
+
+class Parallel:
+    """A mesh, its rules table and the placement options: the whole sharding setup.
+
+    Args:
+      mesh: a `dtensor.Mesh`.
+      rules: ordered (logical axis, mesh axis or None) pairs.
+      shard_optimizer_state: ZeRO-1, optimizer states further sharded over "data".
+    """
+
+    def __init__(self, mesh, rules: rules_lib.Rules = rules_lib.DEFAULT_RULES,
+                 shard_optimizer_state: bool = False):
+        self.mesh = mesh
+        self.rules = tuple(rules)
+        self.shape: Dict[str, int] = mesh_shape(mesh)
+        self.shard_optimizer_state = shard_optimizer_state
+        self.device_type = mesh.device_type()
+
+    # ---- specs and layouts ---------------------------------------------------------------
+    def spec(self, path: str, shape: Sequence[int], logical_axes) -> rules_lib.Spec:
+        return rules_lib.resolve_spec(path, shape, logical_axes, self.rules, self.shape)
+
+    def layout(self, spec: rules_lib.Spec) -> dtensor.Layout:
+        return dtensor.Layout([m or dtensor.UNSHARDED for m in spec], self.mesh)
+
+    def replicated(self, rank: int) -> dtensor.Layout:
+        return dtensor.Layout.replicated(self.mesh, rank)
+
+    def variable_spec(self, var) -> rules_lib.Spec:
+        return self.spec(var.path, tuple(var.shape), var.logical_axes)
+
+    def optimizer_spec(self, var) -> rules_lib.Spec:
+        spec = self.variable_spec(var)
+        if self.shard_optimizer_state:
+            spec = rules_lib.zero1_spec(var.path, tuple(var.shape), spec, self.shape)
+        return spec
+
+    def batch_spec(self, shape: Sequence[int]) -> rules_lib.Spec:
+        axes = ("activation_batch", "activation_length") + (None,) * (len(shape) - 2)
+        return self.spec("batch", shape, axes)
+
+    def constrain(self, x, logical_axes, name: str = "activation"):
+        spec = self.spec(name, x.shape.as_list(), logical_axes)
+        return dtensor.relayout(x, self.layout(spec))
+
+    # ---- shards ------------------------------------------------------------------------
+    def local_blocks(self, shape: Sequence[int], spec: rules_lib.Spec):
+        """(device, start, size) of this client's shards of a tensor laid out by spec."""
+        size = rules_lib.shard_shape(shape, spec, self.shape)
+        out = []
+        for device, loc in zip(self.mesh.local_devices(), self.mesh.local_device_locations()):
+            start = [loc[m] * n if m else 0 for m, n in zip(spec, size)]
+            out.append((device, start, size))
+        return out
+
+    def make_sharded(self, spec: rules_lib.Spec, shape: Sequence[int], block_fn):
+        """Packs a DTensor whose shard on each local device is block_fn(start, size)."""
+        components = []
+        for device, start, size in self.local_blocks(shape, spec):
+            with tf.device(device):
+                components.append(block_fn(start, size))
+        return dtensor.pack(components, self.layout(spec))
+
+    def shard_array(self, array: np.ndarray, spec: Optional[rules_lib.Spec] = None):
+        """A global numpy array as a DTensor; each local device receives only its slice."""
+        spec = self.batch_spec(array.shape) if spec is None else spec
+        def block(start, size):
+            return tf.constant(array[tuple(slice(s, s + n) for s, n in zip(start, size))])
+        return self.make_sharded(spec, array.shape, block)
+
+
+def to_numpy(x) -> np.ndarray:
+    """A tensor or (possibly sharded) DTensor, gathered to one numpy array."""
+    if hasattr(x, "value") and not isinstance(x, tf.Tensor):
+        x = x.value  # Keras variable
+    if isinstance(x, tf.Variable):
+        x = x.read_value()
+    if not dtensor.is_dtensor(x):
+        return np.asarray(x)
+    layout = dtensor.fetch_layout(x)
+    parts = dtensor.unpack(x)
+    out = None
+    mesh = layout.mesh
+    shape = x.shape.as_list()
+    spec = [None if s == dtensor.UNSHARDED else s for s in layout.sharding_specs]
+    size = [n // (mesh.dim_size(m) if m else 1) for n, m in zip(shape, spec)]
+    out = np.zeros(shape, dtype=x.dtype.as_numpy_dtype)
+    for part, loc in zip(parts, mesh.local_device_locations()):
+        start = [loc[m] * n if m else 0 for m, n in zip(spec, size)]
+        out[tuple(slice(s, s + n) for s, n in zip(start, size))] = part.numpy()
+    return out
+
+
+def build_abstract(model: keras.Model) -> keras.Model:
+    """Builds `model` under a stateless scope: paths and shapes, no memory."""
+    with keras.StatelessScope(initialize_variables=False):
+        model.build(None)
+    return model
+
+
+def _forget_uninitialized(done) -> None:
+    pending = global_state.get_global_attribute("uninitialized_variables") or []
+    ids = {id(v) for v in done}
+    global_state.set_global_attribute("uninitialized_variables",
+                                      [v for v in pending if id(v) not in ids])
+
+
+def place_variables(model: keras.Model, parallel: Optional[Parallel], seed: int) -> None:
+    """Creates every (deferred) variable of `model` in its layout, with mesh-independent values.
+
+    Args:
+      model: built with `build_abstract`; every variable carries `logical_axes` and `init`.
+      parallel: the sharding setup, or None for plain single-device variables.
+      seed: the init seed.
+    """
+    done = []
+    jit = parallel is not None and parallel.device_type != "CPU"
+    for var in model.variables:
+        if var._value is not None:
+            raise ValueError(f"{var.path}: already initialized; build the model with "
+                             "tfllm.models.build_model (or build_abstract) first.")
+        if not hasattr(var, "init"):
+            raise ValueError(f"{var.path}: created without tfllm.models.common.add_param, so "
+                             "it has no logical axes; create weights with add_param.")
+        key = variable_key(seed, var.path)
+        shape, dtype = tuple(var.shape), var.dtype
+        block = lambda start, size: initial_block(var.init, shape, key, start, size, dtype, jit)
+        if parallel is None:
+            value = block([0] * len(shape), shape)
+            tf_var = tf.Variable(value, trainable=var.trainable, name=var.name)
+        else:
+            value = parallel.make_sharded(parallel.variable_spec(var), shape, block)
+            tf_var = dtensor.DVariable(value, trainable=var.trainable, name=var.name)
+        var._initializer = None
+        var._initialize(tf_var)
+        done.append(var)
+    _forget_uninitialized(done)

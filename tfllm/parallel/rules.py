@@ -1,0 +1,151 @@
+"""Logical-axis sharding rules: pure functions, no devices, no TensorFlow.
+
+Model code names the *logical* axes of each weight and large activation
+(`("embed", "mlp")`). One ordered table of `(logical_axis, mesh_axis)` pairs says where
+each goes. For each dimension of a tensor, in order, the candidates are the rules for
+its logical name, tried in table order:
+
+* a rule whose mesh axis is None makes the dimension replicated (explicitly);
+* a rule whose mesh axis is absent from the mesh, has size 1, or is already used by an
+  earlier dimension of the same tensor is skipped;
+* otherwise the dimension is sharded over that mesh axis and must divide by its size.
+
+A dimension whose candidates are all skipped stays replicated. A logical name with no
+rule at all is an error (fail closed: nothing is replicated because a rule was
+forgotten). DTensor shards a tensor dimension over at most one mesh axis, so each
+dimension takes one rule.
+"""
+
+from __future__ import annotations
+
+from typing import Dict, Mapping, Optional, Sequence, Tuple
+
+Rules = Sequence[Tuple[str, Optional[str]]]
+Spec = Tuple[Optional[str], ...]
+
+# Weights: "embed" is the FSDP dimension, "heads"/"mlp"/"vocab" the tensor-parallel ones.
+# Activations use their own names (MaxText's convention) so that the residual stream is
+# not sharded over fsdp just because the weights' embed dimension is.
+DEFAULT_RULES: Tuple[Tuple[str, Optional[str]], ...] = (
+    ("activation_batch", "data"),
+    ("activation_batch", "fsdp"),
+    ("activation_length", None),
+    ("activation_embed", None),
+    ("activation_heads", "model"),
+    ("activation_kv_heads", "model"),
+    ("activation_head_dim", None),
+    ("activation_mlp", "model"),
+    ("activation_vocab", "model"),
+    ("vocab", "model"),
+    ("embed", "fsdp"),
+    ("mlp", "model"),
+    ("heads", "model"),
+    ("kv_heads", "model"),
+    ("head_dim", None),
+    ("position", None),
+    ("norm", None),
+)
+
+# The mesh axes the default table knows. A mesh may use others only with custom rules.
+KNOWN_MESH_AXES = ("data", "fsdp", "model")
+
+
+class ShardingError(ValueError):
+    """A tensor cannot be laid out; the message names the tensor and the fix."""
+
+
+def rules_from_config(pairs) -> Tuple[Tuple[str, Optional[str]], ...]:
+    """The rules table a config asks for: its `mesh.rules`, or the defaults when empty."""
+    if not pairs:
+        return DEFAULT_RULES
+    return tuple((str(l), None if m is None else str(m)) for l, m in pairs)
+
+
+def mesh_axes_of(rules: Rules) -> Tuple[str, ...]:
+    """Mesh axis names that a rules table refers to, in first-use order."""
+    seen = []
+    for _, m in rules:
+        if m is not None and m not in seen:
+            seen.append(m)
+    return tuple(seen)
+
+
+def resolve_spec(path: str, shape: Sequence[int], logical_axes: Sequence[Optional[str]],
+                 rules: Rules, mesh_shape: Mapping[str, int]) -> Spec:
+    """Maps a tensor's logical axes to mesh axes (None = replicated) per dimension.
+
+    Args:
+      path: the tensor's name, used in error messages (e.g. "gpt/block_0/mlp/up/kernel").
+      shape: its global shape.
+      logical_axes: one logical name (or None for "never shard") per dimension.
+      rules: ordered (logical_axis, mesh_axis or None) pairs.
+      mesh_shape: mesh axis name -> size.
+
+    Returns:
+      A tuple with one mesh axis name or None per dimension.
+
+    Raises:
+      ShardingError: a logical name has no rule, or a dimension does not divide.
+    """
+    if len(shape) != len(logical_axes):
+        raise ShardingError(f"{path}: shape {tuple(shape)} has {len(shape)} dimensions but "
+                            f"{len(logical_axes)} logical axes {tuple(logical_axes)} were "
+                            "declared; declare one logical axis per dimension.")
+    used = set()
+    spec = []
+    for dim, (size, name) in enumerate(zip(shape, logical_axes)):
+        if name is None:
+            spec.append(None)
+            continue
+        candidates = [m for l, m in rules if l == name]
+        if not candidates:
+            raise ShardingError(
+                f"{path}: logical axis '{name}' (dimension {dim}) has no sharding rule. Add "
+                f"a pair ['{name}', <mesh axis or null>] to mesh.rules.")
+        chosen = None
+        for m in candidates:
+            if m is None:
+                break
+            if mesh_shape.get(m, 1) <= 1 or m in used:
+                continue
+            chosen = m
+            break
+        if chosen is not None:
+            if size % mesh_shape[chosen]:
+                raise ShardingError(
+                    f"{path}: dimension {dim} ('{name}', size {size}) is not divisible by mesh "
+                    f"axis '{chosen}' (size {mesh_shape[chosen]}). Choose a mesh whose "
+                    f"'{chosen}' size divides {size}, change the model size, or map '{name}' "
+                    "elsewhere in mesh.rules.")
+            used.add(chosen)
+        spec.append(chosen)
+    return tuple(spec)
+
+
+def zero1_spec(path: str, shape: Sequence[int], spec: Spec,
+               mesh_shape: Mapping[str, int], axis: str = "data") -> Spec:
+    """ZeRO-1: a parameter's spec further sharded over `axis` for its optimizer states.
+
+    The first replicated dimension that `axis` divides takes it. When the parameter
+    already uses `axis`, or no dimension divides, the parameter's own spec is returned.
+    """
+    size = mesh_shape.get(axis, 1)
+    if size <= 1 or axis in spec:
+        return tuple(spec)
+    for dim, (n, m) in enumerate(zip(shape, spec)):
+        if m is None and n % size == 0:
+            return tuple(spec[:dim]) + (axis,) + tuple(spec[dim + 1:])
+    return tuple(spec)
+
+
+def shard_shape(shape: Sequence[int], spec: Spec, mesh_shape: Mapping[str, int]) -> Tuple[int, ...]:
+    """The per-device shape of a tensor laid out by `spec`."""
+    return tuple(n // (mesh_shape[m] if m else 1) for n, m in zip(shape, spec))
+
+
+def spec_to_str(spec: Spec) -> str:
+    return "[" + ", ".join(m or "-" for m in spec) + "]"
+
+
+def mesh_shape_dict(axes: Sequence[Tuple[str, int]]) -> Dict[str, int]:
+    return {name: size for name, size in axes}
