@@ -130,6 +130,27 @@ def _forget_uninitialized(done) -> None:
                                       [v for v in pending if id(v) not in ids])
 
 
+def new_variable(parallel: Optional[Parallel], spec, shape, init, dtype, name: str,
+                 key: int = 0, trainable: bool = False) -> tf.Variable:
+    """A variable filled by `init`: a DVariable in layout `spec`, or a plain tf.Variable.
+
+    Args:
+      parallel: the sharding setup, or None for a single-device variable.
+      spec: per-dimension mesh axes (ignored without `parallel`).
+      shape, dtype, name: of the variable.
+      init: ("normal", std), ("zeros",) or ("ones",).
+      key: the random key for "normal" (see `tfllm.parallel.init.variable_key`).
+      trainable: whether gradient tapes watch it.
+    """
+    shape = tuple(int(n) for n in shape)
+    jit = parallel is not None and parallel.device_type != "CPU"
+    block = lambda start, size: initial_block(init, shape, key, start, size, dtype, jit)
+    if parallel is None:
+        return tf.Variable(block([0] * len(shape), shape), trainable=trainable, name=name)
+    value = parallel.make_sharded(spec, shape, block)
+    return dtensor.DVariable(value, trainable=trainable, name=name)
+
+
 def place_variables(model: keras.Model, parallel: Optional[Parallel], seed: int) -> None:
     """Creates every (deferred) variable of `model` in its layout, with mesh-independent values.
 
@@ -139,7 +160,6 @@ def place_variables(model: keras.Model, parallel: Optional[Parallel], seed: int)
       seed: the init seed.
     """
     done = []
-    jit = parallel is not None and parallel.device_type != "CPU"
     for var in model.variables:
         if var._value is not None:
             raise ValueError(f"{var.path}: already initialized; build the model with "
@@ -147,15 +167,9 @@ def place_variables(model: keras.Model, parallel: Optional[Parallel], seed: int)
         if not hasattr(var, "init"):
             raise ValueError(f"{var.path}: created without tfllm.models.common.add_param, so "
                              "it has no logical axes; create weights with add_param.")
-        key = variable_key(seed, var.path)
-        shape, dtype = tuple(var.shape), var.dtype
-        block = lambda start, size: initial_block(var.init, shape, key, start, size, dtype, jit)
-        if parallel is None:
-            value = block([0] * len(shape), shape)
-            tf_var = tf.Variable(value, trainable=var.trainable, name=var.name)
-        else:
-            value = parallel.make_sharded(parallel.variable_spec(var), shape, block)
-            tf_var = dtensor.DVariable(value, trainable=var.trainable, name=var.name)
+        spec = parallel.variable_spec(var) if parallel is not None else None
+        tf_var = new_variable(parallel, spec, tuple(var.shape), var.init, var.dtype, var.name,
+                              key=variable_key(seed, var.path), trainable=var.trainable)
         var._initializer = None
         var._initialize(tf_var)
         done.append(var)

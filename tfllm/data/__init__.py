@@ -1,0 +1,2 @@
+"""Token sources for training."""
+from tfllm.data.synthetic import SyntheticTokens

@@ -1,0 +1,97 @@
+"""The train step: forward, masked cross-entropy (fp32), backward, clip, AdamW update.
+
+One `tf.function` (XLA-compiled when `jit_compile`) over micro-batches laid out as
+(grad_accum_steps, micro_batch, length + 1) with the micro-batch dimension sharded by
+the rules table. Gradients are averaged over micro-batches before one update.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import numpy as np
+import tensorflow as tf
+from tensorflow.experimental import dtensor
+
+from tfllm.parallel import context
+from tfllm.parallel.placement import Parallel, to_numpy
+
+BATCH_AXES = ("activation_batch", "activation_length")
+
+
+def resolve_jit(setting: str, parallel: Optional[Parallel]) -> bool:
+    """train.jit_compile: 'auto' means XLA on GPU and plain graphs on CPU (faster there)."""
+    if setting in ("true", "false"):
+        return setting == "true"
+    kind = parallel.device_type if parallel is not None else (
+        "GPU" if tf.config.list_physical_devices("GPU") else "CPU")
+    return kind != "CPU"
+
+
+class TrainStep:
+    """Compiles and runs the training step of `model` with `optimizer`.
+
+    Args:
+      model: a built `tfllm.models.CausalLM` whose variables are placed.
+      optimizer: a built `tfllm.optim.AdamW` over the model's trainable variables.
+      parallel: the sharding setup, or None for one device.
+      jit_compile: XLA-compile the step.
+    """
+
+    def __init__(self, model, optimizer, parallel: Optional[Parallel], jit_compile: bool):
+        self.model, self.optimizer, self.parallel = model, optimizer, parallel
+        self.jit_compile = jit_compile
+        self.variables = list(model.trainable_variables)
+        self._step = tf.function(self._train_step, jit_compile=jit_compile)
+        self._grads = tf.function(self._loss_and_grads, jit_compile=jit_compile)
+
+    def batch_spec(self, shape):
+        return self.parallel.spec("batch", shape, BATCH_AXES) if self.parallel else None
+
+    def to_device(self, tokens: np.ndarray):
+        """A global (A, M, T+1) token array as this step's input: a tuple of A micro-batches
+        (M, T+1), each sharded over the batch axis when on a mesh.
+
+        Separate tensors, not one (A, M, T+1) DTensor: DTensor loses the layout of the
+        micro-batch dimension when slicing out one micro-batch with a shrinking index.
+        """
+        if self.parallel is None:
+            return tuple(tf.constant(t) for t in tokens)
+        spec = self.batch_spec(tokens.shape[1:])
+        return tuple(self.parallel.shard_array(t, spec) for t in tokens)
+
+    def _micro(self, tokens):
+        inputs, targets = tokens[:, :-1], tokens[:, 1:]  # (M, T) each
+        logits = self.model(inputs)  # (M, T, V) float32
+        return self.model.compute_lm_loss(logits, targets)
+
+    def _loss_and_grads(self, micro_batches):
+        """Mean loss and gradients over a tuple of micro-batches, each (M, T+1)."""
+        with context.use(self.parallel):
+            accum = len(micro_batches)
+            total_loss, total_grads = 0.0, None
+            for tokens in micro_batches:  # unrolled: grad_accum_steps is small and static
+                with tf.GradientTape() as tape:
+                    loss = self._micro(tokens)
+                # Embedding lookups give IndexedSlices; accumulate and clip dense tensors.
+                grads = [tf.convert_to_tensor(g) for g in tape.gradient(loss, self.variables)]
+                total_loss = total_loss + loss
+                total_grads = grads if total_grads is None else [
+                    a + b for a, b in zip(total_grads, grads)]
+            return total_loss / accum, [g / accum for g in total_grads]
+
+    def _train_step(self, tokens):
+        loss, grads = self._loss_and_grads(tokens)
+        with context.use(self.parallel):
+            grad_norm, lr = self.optimizer.apply(grads)
+        return {"loss": loss, "grad_norm": grad_norm, "learning_rate": lr}
+
+    def __call__(self, tokens) -> dict:
+        """Runs one optimizer step on device tokens; returns numpy float metrics."""
+        out = self._step(tokens)
+        return {k: float(to_numpy(v)) for k, v in out.items()}
+
+    def loss_and_grads(self, tokens):
+        """(loss, gathered numpy gradients) without updating: for parity tests."""
+        loss, grads = self._grads(tokens)
+        return float(to_numpy(loss)), [to_numpy(g) for g in grads]
