@@ -34,6 +34,9 @@ def build_model(config, parallel=None, seed: Optional[int] = None, model_cls=Non
     cls = model_cls or model_class(config.model.family)
     model = cls(config.model, dtype=POLICIES[config.precision.policy])
     build_abstract(model)
+    if parallel is not None:  # fail before allocating anything if a variable cannot be laid out
+        for var in model.variables:
+            parallel.variable_spec(var)
     if allocate:
         place_variables(model, parallel, config.train.seed if seed is None else seed)
     return model

@@ -1,0 +1,50 @@
+"""`tfllm bench`: time the compiled train step of a config; report medians and MFU."""
+
+from __future__ import annotations
+
+import statistics
+import time
+
+import tensorflow as tf
+
+from tfllm.train.metrics import count_params, flops_per_token, measure_matmul_peak
+
+
+def benchmark(config, steps: int = 20, warmup: int = 3, repeats: int = 1) -> dict:
+    """Runs `warmup` untimed steps, then `steps` timed steps, `repeats` times.
+
+    Returns:
+      tokens_per_s and step_ms from the median step time over all timed steps, params,
+      flops_per_token, peak_flops (an n=2048 matmul measured in this run) and mfu.
+    """
+    from tfllm.train.loop import Run
+    run = Run(config)
+    t = config.train
+    tokens_per_step = t.global_batch_size * config.data.sequence_length
+    batches = [run.batch(i) for i in range(4)]  # input preparation is not timed
+    for i in range(warmup):
+        run.step(batches[i % len(batches)])
+    times = []
+    for _ in range(repeats):
+        for i in range(steps):
+            start = time.perf_counter()
+            run.step(batches[i % len(batches)])  # returns numpy: synchronizes the devices
+            times.append(time.perf_counter() - start)
+    step_s = statistics.median(times)
+    fpt = flops_per_token(config.model, config.data.sequence_length)
+    dtype = tf.bfloat16 if config.precision.policy == "bfloat16" else tf.float32
+    with tf.device(run.parallel.mesh.local_devices()[0]):
+        peak = measure_matmul_peak(dtype=dtype)
+    achieved = fpt * tokens_per_step / step_s
+    devices = len(run.parallel.mesh.local_devices())
+    return {
+        "tokens_per_s": round(tokens_per_step / step_s, 1),
+        "step_ms": round(step_s * 1000, 2),
+        "params": count_params(run.model),
+        "flops_per_token": fpt,
+        "peak_flops": round(peak * devices, 1),
+        "mfu": round(achieved / (peak * devices), 4),
+        "jit_compile": run.jit_compile,
+        "mesh": config.mesh.axes,
+        "steps": steps * repeats,
+    }
