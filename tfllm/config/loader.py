@@ -184,8 +184,19 @@ def validate(cfg: schema.Config) -> None:
     if bad:
         raise ConfigError(f"optimizer.weight_decay_exclude: unknown kind(s) {sorted(bad)}; "
                           "use bias, norm, embedding.")
-    from tfllm.parallel import mesh as mesh_lib  # local: parsing only, no TensorFlow
-    mesh_lib.parse_axes(cfg.mesh.axes)
+    from tfllm.parallel import mesh as mesh_lib  # parsing only, no TensorFlow
+    try:
+        mesh_lib.parse_axes(cfg.mesh.axes, mesh_axes_known(cfg))
+    except mesh_lib.MeshError as e:
+        raise ConfigError(str(e)) from None
+
+
+def mesh_axes_known(cfg: schema.Config):
+    """Mesh axis names the config's rules table refers to."""
+    from tfllm.parallel import rules as rules_lib
+    if not cfg.mesh.rules:
+        return rules_lib.KNOWN_MESH_AXES
+    return rules_lib.mesh_axes_of(rules_lib.rules_from_config(cfg.mesh.rules))
 
 
 def to_dict(cfg: schema.Config) -> dict:

@@ -8,7 +8,9 @@ def make_parallel(config):
     """Builds the mesh and `Parallel` setup a config describes."""
     from tfllm.parallel.mesh import build_mesh
     from tfllm.parallel.placement import Parallel
-    from tfllm.parallel.rules import rules_from_config
-    mesh = build_mesh(config.mesh.axes, config.mesh.device_type, config.mesh.num_cpu_devices)
-    return Parallel(mesh, rules_from_config(config.mesh.rules),
+    from tfllm.parallel.rules import mesh_axes_of, rules_from_config
+    rules = rules_from_config(config.mesh.rules)
+    mesh = build_mesh(config.mesh.axes, config.mesh.device_type, config.mesh.num_cpu_devices,
+                      known=mesh_axes_of(rules))
+    return Parallel(mesh, rules,
                     config.optimizer.shard_optimizer_state)

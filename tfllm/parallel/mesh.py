@@ -108,19 +108,21 @@ def setup_cpu_devices(count: int) -> int:
     return len(tf.config.list_logical_devices("CPU"))
 
 
-def build_mesh(axes_text: str, requested_device_type: str = "auto", num_cpu_devices: int = 0):
+def build_mesh(axes_text: str, requested_device_type: str = "auto", num_cpu_devices: int = 0,
+               known: Sequence[str] = KNOWN_MESH_AXES):
     """Creates the DTensor mesh for `mesh.axes` (single- or multi-client).
 
     Args:
       axes_text: the `mesh.axes` string.
       requested_device_type: auto, CPU or GPU.
       num_cpu_devices: logical CPU devices per client; 0 means as many as the mesh needs.
+      known: mesh axis names the rules table uses.
 
     Returns:
       A `tf.experimental.dtensor.Mesh`.
     """
     from tensorflow.experimental import dtensor
-    axes = parse_axes(axes_text)
+    axes = parse_axes(axes_text, known)
     kind = device_type(requested_device_type)
     clients = num_clients()
     if kind == "GPU":

@@ -1,0 +1,117 @@
+import dataclasses
+
+import pytest
+import yaml
+
+from tfllm.config import ConfigError, Config, load_config, save_config
+from tfllm.config import schema
+
+# Every config key. Adding a knob means adding it here: new settings are deliberate.
+ALL_KEYS = {
+    "model": ["family", "vocab_size", "hidden_dim", "num_layers", "num_query_heads",
+              "num_key_value_heads", "head_dim", "intermediate_dim", "max_sequence_length",
+              "tie_embeddings", "use_bias", "norm_epsilon", "rope_theta", "init_std"],
+    "mesh": ["axes", "device_type", "num_cpu_devices", "rules"],
+    "precision": ["policy"],
+    "optimizer": ["learning_rate", "warmup_steps", "decay_steps", "min_learning_rate_ratio",
+                  "beta1", "beta2", "epsilon", "weight_decay", "weight_decay_exclude",
+                  "clip_norm", "shard_optimizer_state"],
+    "data": ["source", "sequence_length", "seed"],
+    "train": ["steps", "global_batch_size", "grad_accum_steps", "seed", "jit_compile",
+              "log_every"],
+}
+
+
+def test_every_key_is_listed():
+    cfg = Config()
+    got = {s: [f.name for f in dataclasses.fields(getattr(cfg, s))] for s in schema.SECTIONS}
+    assert got == ALL_KEYS
+
+
+def test_every_field_is_documented():
+    for section in schema.SECTIONS:
+        for f in dataclasses.fields(getattr(Config(), section)):
+            assert f.metadata.get("help"), f"{section}.{f.name} has no help text"
+
+
+def test_defaults_validate():
+    cfg = load_config()
+    assert cfg.model.family == "gpt" and cfg.train.jit_compile == "auto"
+
+
+def test_yaml_and_overrides_apply_in_order(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text("model:\n  hidden_dim: 32\n  num_query_heads: 2\ntrain:\n  steps: 7\n")
+    cfg = load_config(str(path), ["train.steps=9", "optimizer.learning_rate=1e-3",
+                                  "mesh.axes=data=2,model=4", "train.jit_compile=true",
+                                  "optimizer.shard_optimizer_state=true"])
+    assert cfg.model.hidden_dim == 32 and cfg.train.steps == 9
+    assert cfg.optimizer.learning_rate == 1e-3 and isinstance(cfg.optimizer.learning_rate, float)
+    assert cfg.mesh.axes == "data=2,model=4"
+    assert cfg.train.jit_compile == "true" and cfg.optimizer.shard_optimizer_state is True
+
+
+@pytest.mark.parametrize("override, message", [
+    ("model.hiden_dim=3", "unknown key 'model.hiden_dim'. Did you mean 'model.hidden_dim'"),
+    ("modle.hidden_dim=3", "unknown section 'modle'. Did you mean 'model'"),
+    ("model.hidden_dim=abc", "model.hidden_dim: expected an integer"),
+    ("model.hidden_dim=true", "model.hidden_dim: expected an integer"),
+    ("model.hidden_dim=0", "model.hidden_dim: 0 is below the minimum 1"),
+    ("optimizer.beta1=1.5", "optimizer.beta1: 1.5 is above the maximum 1.0"),
+    ("model.family=gtp", "model.family: 'gtp' is not one of ['gpt', 'llama']. Did you mean 'gpt'"),
+    ("optimizer.shard_optimizer_state=maybe", "expected true or false"),
+    ("hidden_dim=3", "must be section.key"),
+    ("train.steps", "expected section.key=value"),
+    ("mesh.axes=data=3,foo=2", "unknown axis 'foo'"),
+    ("mesh.axes=data=-1,model=-1", "only one axis may be -1"),
+    ("model.num_query_heads=3", "model.hidden_dim (64) must be divisible by model.num_query_heads"),
+    ("data.sequence_length=4096", "data.sequence_length (4096) exceeds model.max_sequence_length"),
+    ("train.grad_accum_steps=3", "train.global_batch_size (16) must be divisible by "
+                                 "train.grad_accum_steps (3)"),
+    ("optimizer.weight_decay_exclude=bias,norms", "unknown kind(s) ['norms']"),
+])
+def test_bad_overrides_name_the_key(override, message):
+    with pytest.raises(ConfigError) as e:
+        load_config(None, [override])
+    assert message in str(e.value)
+
+
+def test_yaml_unknown_key_names_file_and_key(tmp_path):
+    path = tmp_path / "bad.yaml"
+    path.write_text("train:\n  stepz: 3\n")
+    with pytest.raises(ConfigError, match=r"bad.yaml: unknown key 'train.stepz'. Did you mean "
+                                          r"'train.steps'"):
+        load_config(str(path))
+
+
+def test_yaml_must_be_sections(tmp_path):
+    path = tmp_path / "bad.yaml"
+    path.write_text("- 1\n- 2\n")
+    with pytest.raises(ConfigError, match="top level must be a mapping"):
+        load_config(str(path))
+    with pytest.raises(ConfigError, match="no such file"):
+        load_config(str(tmp_path / "missing.yaml"))
+
+
+def test_rules_override_parses_null():
+    cfg = load_config(None, ['mesh.rules=[["embed", null], ["vocab", "model"]]',
+                             "mesh.axes=model=-1"])
+    assert cfg.mesh.rules == [["embed", None], ["vocab", "model"]]
+    with pytest.raises(ConfigError, match="unknown axis 'data'; the rules table uses model"):
+        load_config(None, ['mesh.rules=[["vocab", "model"]]', "mesh.axes=data=2"])
+    with pytest.raises(ConfigError, match="mesh.rules: expected a list of"):
+        load_config(None, ['mesh.rules=[["embed"]]'])
+
+
+def test_resolved_config_round_trips(tmp_path):
+    cfg = load_config(None, ["model.hidden_dim=32", "model.num_query_heads=4"])
+    path = save_config(cfg, str(tmp_path / "run"))
+    again = load_config(path)
+    assert again == cfg
+    assert yaml.safe_load(open(path))["model"]["hidden_dim"] == 32
+
+
+@pytest.mark.parametrize("preset", ["tiny", "gpt2-small", "gpt2-medium", "llama-1b",
+                                    "llama-7b", "llama-70b", "bench/gpt_5m"])
+def test_presets_load(preset):
+    load_config(f"configs/{preset}.yaml")

@@ -1,0 +1,53 @@
+"""Test setup: 8 logical CPU devices, tiny configs, global-state hygiene."""
+
+import os
+
+os.environ.setdefault("KERAS_BACKEND", "tensorflow")
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+# Reference and sharded runs must differ only by sharding, not by oneDNN's blocked
+# kernels choosing different summation orders for different shard shapes.
+os.environ.setdefault("TF_ENABLE_ONEDNN_OPTS", "0")
+
+import keras  # noqa: E402
+import pytest  # noqa: E402
+
+from tfllm.parallel.mesh import setup_cpu_devices  # noqa: E402
+
+NUM_DEVICES = 8
+assert setup_cpu_devices(NUM_DEVICES) == NUM_DEVICES, "TensorFlow was initialized too early"
+
+
+def pytest_addoption(parser):
+    parser.addoption("--update-golden", action="store_true",
+                     help="Rewrite tests/golden/*.json from the current layouts.")
+
+
+@pytest.fixture
+def update_golden(request):
+    return request.config.getoption("--update-golden")
+
+
+@pytest.fixture(autouse=True)
+def _reset_keras_state():
+    """Dtype policies and Keras global state never leak from one test to the next."""
+    yield
+    keras.config.set_dtype_policy("float32")
+
+
+def tiny_overrides(family="gpt", axes="data=1", **extra):
+    """--set overrides for the test model: vocab 128, hidden 64, 2 layers.
+
+    Llama gets 16 query / 8 key-value heads so that grouped-query attention is exercised
+    and both divide over model=8; GPT gets 8 heads.
+    """
+    heads = {"gpt": (8, 0), "llama": (16, 8)}[family]
+    values = {
+        "model.family": family, "model.vocab_size": 128, "model.hidden_dim": 64,
+        "model.num_layers": 2, "model.num_query_heads": heads[0],
+        "model.num_key_value_heads": heads[1], "model.intermediate_dim": 128,
+        "model.max_sequence_length": 32, "data.sequence_length": 16,
+        "train.global_batch_size": 16, "train.steps": 3, "optimizer.warmup_steps": 1,
+        "optimizer.learning_rate": 1e-2, "mesh.axes": axes,
+    }
+    values.update(extra)
+    return [f"{k}={v}" for k, v in values.items()]

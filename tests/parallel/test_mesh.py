@@ -1,0 +1,39 @@
+import pytest
+
+from tfllm.parallel.mesh import MeshError, check_batch, num_clients, parse_axes, resolve_axes
+
+
+def test_parse_and_fill():
+    assert parse_axes("data=2, fsdp=2,model=2") == [("data", 2), ("fsdp", 2), ("model", 2)]
+    assert resolve_axes(parse_axes("data=-1,model=2"), 8) == [("data", 4), ("model", 2)]
+
+
+@pytest.mark.parametrize("text, message", [
+    ("", "empty"), ("data", "is not name=size"), ("data=0", "has size 0"),
+    ("data=2,data=4", "given twice"), ("pipeline=2", "unknown axis 'pipeline'"),
+    ("data=-1,model=-1", "only one axis may be -1"),
+])
+def test_parse_errors(text, message):
+    with pytest.raises(MeshError, match=message):
+        parse_axes(text)
+
+
+def test_size_mismatch_errors():
+    with pytest.raises(MeshError, match="the mesh has 4 devices but 8 are available"):
+        resolve_axes(parse_axes("data=2,model=2"), 8)
+    with pytest.raises(MeshError, match="not divisible by the fixed axes' product 3"):
+        resolve_axes(parse_axes("data=-1,model=3"), 8)
+
+
+def test_batch_must_divide_over_batch_axis():
+    check_batch(16, 2, "data", {"data": 8})
+    with pytest.raises(MeshError, match=r"= 4 sequences per micro-batch do not divide over "
+                                        r"mesh axis 'data' \(size 8\)"):
+        check_batch(16, 4, "data", {"data": 8})
+
+
+def test_num_clients_from_dtensor_jobs(monkeypatch):
+    monkeypatch.setenv("DTENSOR_JOBS", "localhost:1000,localhost:1001")
+    assert num_clients() == 2
+    monkeypatch.delenv("DTENSOR_JOBS")
+    assert num_clients() == 1

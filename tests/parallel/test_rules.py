@@ -1,0 +1,72 @@
+"""Rule resolution as pure functions: no devices."""
+
+import pytest
+
+from tfllm.parallel.rules import (DEFAULT_RULES, ShardingError, resolve_spec, rules_from_config,
+                                  shard_shape, zero1_spec)
+
+MESH = {"data": 2, "fsdp": 2, "model": 2}
+
+
+def test_first_unused_rule_wins():
+    rules = [("a", "model"), ("b", "model"), ("b", "data")]
+    assert resolve_spec("w", (4, 4), ("a", "b"), rules, MESH) == ("model", "data")
+
+
+def test_none_rule_replicates_and_stops():
+    rules = [("a", None), ("a", "model")]
+    assert resolve_spec("w", (4,), ("a",), rules, MESH) == (None,)
+
+
+def test_absent_and_size_one_axes_are_skipped():
+    rules = [("batch", "data"), ("batch", "fsdp")]
+    assert resolve_spec("x", (8,), ("batch",), rules, {"fsdp": 8}) == ("fsdp",)
+    assert resolve_spec("x", (8,), ("batch",), rules, {"data": 1, "fsdp": 4}) == ("fsdp",)
+    assert resolve_spec("x", (8,), ("batch",), rules, {"model": 8}) == (None,)
+
+
+def test_none_logical_axis_is_never_sharded():
+    assert resolve_spec("w", (4, 4), (None, "mlp"), DEFAULT_RULES, MESH) == (None, "model")
+
+
+def test_missing_rule_is_an_error_naming_the_variable():
+    with pytest.raises(ShardingError, match=r"gpt/block_0/w: logical axis 'experts' "
+                                            r"\(dimension 1\) has no sharding rule"):
+        resolve_spec("gpt/block_0/w", (4, 4), ("embed", "experts"), DEFAULT_RULES, MESH)
+
+
+def test_indivisible_dimension_is_an_error_naming_the_variable():
+    with pytest.raises(ShardingError, match=r"llama/attn/key/kernel: dimension 1 \('kv_heads', "
+                                            r"size 3\) is not divisible by mesh axis 'model' "
+                                            r"\(size 2\)"):
+        resolve_spec("llama/attn/key/kernel", (8, 3, 4), ("embed", "kv_heads", "head_dim"),
+                     DEFAULT_RULES, MESH)
+
+
+def test_rank_mismatch_is_an_error():
+    with pytest.raises(ShardingError, match="has 2 dimensions but 1 logical axes"):
+        resolve_spec("w", (4, 4), ("embed",), DEFAULT_RULES, MESH)
+
+
+def test_default_table_on_a_3d_mesh():
+    r = lambda shape, axes: resolve_spec("w", shape, axes, DEFAULT_RULES, MESH)
+    assert r((128, 64), ("vocab", "embed")) == ("model", "fsdp")
+    assert r((64, 8, 8), ("embed", "heads", "head_dim")) == ("fsdp", "model", None)
+    assert r((8, 16, 64), ("activation_batch", "activation_length", "activation_embed")) == \
+        ("data", None, None)
+    assert r((64,), ("norm",)) == (None,)
+
+
+def test_zero1_shards_first_free_dimension_over_data():
+    assert zero1_spec("w", (64, 128), ("fsdp", "model"), MESH) == ("fsdp", "model")
+    assert zero1_spec("w", (64,), (None,), MESH) == ("data",)
+    assert zero1_spec("w", (3, 64), (None, "model"), MESH) == (None, "model")  # 3 % 2
+    assert zero1_spec("w", (3, 8), (None, None), MESH) == (None, "data")
+    assert zero1_spec("w", (64,), ("data",), MESH) == ("data",)
+    assert zero1_spec("w", (64,), (None,), {"model": 8}) == (None,)
+
+
+def test_shard_shape_and_rules_from_config():
+    assert shard_shape((8, 6), ("data", None), MESH) == (4, 6)
+    assert rules_from_config([]) == DEFAULT_RULES
+    assert rules_from_config([["embed", None]]) == (("embed", None),)
