@@ -44,3 +44,16 @@ def constrain(x, logical_axes: Sequence[Optional[str]], name: str = "activation"
     if parallel is None:
         return x
     return parallel.constrain(x, logical_axes, name)
+
+
+def gather_weight(w, logical_axes: Sequence[Optional[str]], name: str = "weight"):
+    """A weight as its layer computes with it under the active setup (else a no-op).
+
+    Weight dimensions sharded over a mesh axis that also shards the batch (FSDP) are
+    all-gathered for the computation; the gradient flows back reduce-scattered to the
+    weight's own layout. Tensor-parallel dimensions stay sharded.
+    """
+    parallel = current()
+    if parallel is None:
+        return w
+    return parallel.gather_weight(w, logical_axes, name)

@@ -64,6 +64,18 @@ class Parallel:
         axes = ("activation_batch", "activation_length") + (None,) * (len(shape) - 2)
         return self.spec("batch", shape, axes)
 
+    @property
+    def batch_mesh_axes(self):
+        """Mesh axes that the rules can use for the batch (data and fsdp by default)."""
+        return {m for l, m in self.rules if l == "activation_batch" and m is not None}
+
+    def gather_weight(self, w, logical_axes, name: str = "weight"):
+        spec = self.spec(name, w.shape.as_list(), logical_axes)
+        compute = tuple(None if m in self.batch_mesh_axes else m for m in spec)
+        if compute == spec:
+            return w
+        return dtensor.relayout(w, self.layout(compute))
+
     def constrain(self, x, logical_axes, name: str = "activation"):
         spec = self.spec(name, x.shape.as_list(), logical_axes)
         return dtensor.relayout(x, self.layout(spec))

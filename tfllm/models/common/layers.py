@@ -18,7 +18,7 @@ from typing import Optional, Sequence, Tuple
 import keras
 import tensorflow as tf
 
-from tfllm.parallel.context import constrain
+from tfllm.parallel.context import constrain, gather_weight
 
 INIT_KINDS = ("normal", "zeros", "ones")
 
@@ -93,9 +93,9 @@ class Projection(keras.layers.Layer):
                                   "bias")
 
     def call(self, x):
-        y = tf.einsum(self.equation, x, self.kernel)
+        y = tf.einsum(self.equation, x, gather_weight(self.kernel, self.kernel_axes, self.name))
         if self.use_bias:
-            y = y + self.bias
+            y = y + gather_weight(self.bias, self.bias.logical_axes, self.name)
         if self.output_axes is not None:
             y = constrain(y, self.output_axes, self.name)
         return y
@@ -113,11 +113,13 @@ class TokenEmbedding(keras.layers.Layer):
                                     ("vocab", "embed"), ("normal", self.init_std), "embedding")
 
     def call(self, token_ids):
-        x = tf.gather(self.embeddings, token_ids)  # (B, T, E)
+        table = gather_weight(self.embeddings, ("vocab", "embed"), self.name)  # (V, E)
+        x = tf.gather(table, token_ids)  # (B, T, E)
         return constrain(x, ("activation_batch", "activation_length", "activation_embed"))
 
     def attend(self, x):
-        logits = tf.einsum("btd,vd->btv", x, self.embeddings)  # (B, T, V)
+        table = gather_weight(self.embeddings, ("vocab", "embed"), self.name)  # (V, E)
+        logits = tf.einsum("btd,vd->btv", x, table)  # (B, T, V)
         return constrain(logits, ("activation_batch", "activation_length", "activation_vocab"))
 
 
@@ -134,7 +136,8 @@ class PositionEmbedding(keras.layers.Layer):
 
     def call(self, x):
         length = tf.shape(x)[1]
-        return x + self.embeddings[:length]  # (T, E) broadcast over the batch
+        table = gather_weight(self.embeddings, ("position", "embed"), self.name)  # (L, E)
+        return x + table[:length]  # (T, E) broadcast over the batch
 
 
 class LayerNorm(keras.layers.Layer):
@@ -152,7 +155,9 @@ class LayerNorm(keras.layers.Layer):
         x32 = tf.cast(x, tf.float32)
         mean, var = tf.nn.moments(x32, axes=[-1], keepdims=True)
         y = (x32 - mean) * tf.math.rsqrt(var + self.epsilon)
-        y = y * tf.cast(self.scale, tf.float32) + tf.cast(self.bias, tf.float32)
+        scale = gather_weight(self.scale, ("norm",), self.name)
+        bias = gather_weight(self.bias, ("norm",), self.name)
+        y = y * tf.cast(scale, tf.float32) + tf.cast(bias, tf.float32)
         return tf.cast(y, x.dtype)
 
 
@@ -169,4 +174,5 @@ class RMSNorm(keras.layers.Layer):
     def call(self, x):
         x32 = tf.cast(x, tf.float32)
         y = x32 * tf.math.rsqrt(tf.reduce_mean(tf.square(x32), -1, keepdims=True) + self.epsilon)
-        return tf.cast(y * tf.cast(self.scale, tf.float32), x.dtype)
+        scale = gather_weight(self.scale, ("norm",), self.name)
+        return tf.cast(y * tf.cast(scale, tf.float32), x.dtype)
