@@ -88,7 +88,9 @@ class AdamW:
         bias2 = 1.0 - tf.pow(c.beta2, stepf)
         for var, grad, (spec, m, v) in zip(self.variables, grads, self.states):
             param_spec = self.parallel.variable_spec(var) if self.parallel else None
-            g = self._to(tf.cast(grad, tf.float32) * scale, spec)  # ZeRO-1: reduce-scatter
+            # Pin the gradient to its parameter's layout first: DTensor's layout propagation
+            # otherwise pulls the ZeRO-1 layout back into the backward pass's relayouts.
+            g = self._to(self._to(tf.cast(grad, tf.float32), param_spec) * scale, spec)
             p = self._to(tf.convert_to_tensor(var.value), spec)
             m_new = c.beta1 * m + (1.0 - c.beta1) * g
             v_new = c.beta2 * v + (1.0 - c.beta2) * tf.square(g)

@@ -1,0 +1,83 @@
+"""The `tfllm` command: its surface, and each subcommand end to end."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from tfllm.cli.main import build_parser
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def _tfllm(*args, timeout=300):
+    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3")
+    return subprocess.run([sys.executable, "-m", "tfllm.cli.main", *args], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=timeout)
+
+
+def test_cli_surface_is_frozen():
+    # A new subcommand or flag is a deliberate change: update this list with it.
+    parser = build_parser()
+    sub = next(a for a in parser._actions if a.dest == "command")
+    surface = {name: sorted(o for a in p._actions for o in a.option_strings)
+               for name, p in sub.choices.items()}
+    assert surface == {
+        "train": ["--config", "--help", "--set", "--workdir", "-h"],
+        "layouts": ["--config", "--help", "--num-devices", "--set", "-h"],
+        "bench": ["--config", "--help", "--repeats", "--set", "--steps", "--warmup", "-h"],
+    }
+
+
+def test_train_tiny_on_a_mesh_writes_metrics_and_config(tmp_path):
+    workdir = tmp_path / "run"
+    r = _tfllm("train", "--config", "configs/tiny.yaml", "--workdir", str(workdir),
+               "--set", "train.steps=12", "--set", "train.log_every=5",
+               "--set", "mesh.axes=data=2,fsdp=2,model=2")
+    assert r.returncode == 0, r.stderr
+    lines = [json.loads(l) for l in (workdir / "metrics.jsonl").read_text().splitlines()]
+    assert [l["step"] for l in lines] == [1, 5, 10, 12]
+    for line in lines:
+        assert set(line) == {"step", "loss", "grad_norm", "learning_rate", "tokens_per_s"}
+    assert lines[-1]["loss"] < lines[0]["loss"]
+    assert lines[-1]["tokens_per_s"] > 0
+    assert "mesh.axes" not in (workdir / "config.yaml").read_text()
+    assert "axes: data=2,fsdp=2,model=2" in (workdir / "config.yaml").read_text()
+    assert "mesh [data=2, fsdp=2, model=2]" in r.stdout
+
+
+def test_layouts_for_llama_70b_without_allocating():
+    r = _tfllm("layouts", "--config", "configs/llama-70b.yaml")
+    assert r.returncode == 0, r.stderr
+    assert "parameters: 70,553,706,496" in r.stdout
+    assert "llama/block_79/mlp/down/kernel" in r.stdout
+    assert "optimizer state per device" in r.stdout
+
+
+@pytest.mark.parametrize("args, message", [
+    (["train", "--set", "model.hiden_dim=3"], "Did you mean 'model.hidden_dim'"),
+    (["layouts", "--config", "configs/tiny.yaml", "--set", "mesh.axes=data=3"],
+     "the mesh has 3 devices but 8 are available"),
+    (["layouts", "--config", "configs/tiny.yaml", "--set", "mesh.axes=model=3",
+      "--num-devices", "3"], "is not divisible by mesh axis 'model' (size 3)"),
+    (["train", "--config", "configs/nope.yaml"], "no such file"),
+])
+def test_bad_input_exits_2_with_a_message(args, message, tmp_path):
+    if args[0] == "layouts" and "--num-devices" not in args:
+        args = args + ["--num-devices", "8"]
+    r = _tfllm(*args, "--workdir", str(tmp_path)) if args[0] == "train" else _tfllm(*args)
+    assert r.returncode == 2
+    assert message in r.stderr
+
+
+@pytest.mark.slow
+def test_bench_prints_one_json_line():
+    r = _tfllm("bench", "--config", "configs/bench/gpt_5m.yaml", "--steps", "2",
+               "--warmup", "1")
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout.strip().splitlines()[-1])
+    assert out["params"] == 5_322_240
+    assert out["flops_per_token"] == 34_603_008
+    assert 0 < out["mfu"] < 1.5 and out["tokens_per_s"] > 0

@@ -1,0 +1,128 @@
+"""Model behaviour on one device: shapes, causality, GQA, subclassing hooks, policies."""
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from tfllm.config import load_config
+from tfllm.models import GPT, CausalLM, Llama, build_model
+from tfllm.models.common import MLP, add_param, rotary
+from tfllm.parallel.placement import to_numpy
+from tests.conftest import tiny_overrides
+
+
+def _tokens(batch=2, length=12, vocab=128, seed=0):
+    return tf.constant(np.random.default_rng(seed).integers(0, vocab, (batch, length)), tf.int32)
+
+
+@pytest.mark.parametrize("family, cls", [("gpt", GPT), ("llama", Llama)])
+def test_forward_shape_and_causality(family, cls):
+    model = build_model(load_config(None, tiny_overrides(family)))
+    assert isinstance(model, cls) and isinstance(model, CausalLM)
+    tokens = _tokens()
+    logits = model(tokens)
+    assert logits.shape == (2, 12, 128) and logits.dtype == tf.float32
+    # Changing a later token must not change earlier logits.
+    changed = tf.concat([tokens[:, :6], (tokens[:, 6:] + 1) % 128], axis=1)
+    np.testing.assert_allclose(model(changed)[:, :6], logits[:, :6], atol=1e-6)
+    assert not np.allclose(model(changed)[:, 6:], logits[:, 6:])
+
+
+def test_family_defaults_tie_and_bias():
+    gpt = build_model(load_config(None, tiny_overrides("gpt")))
+    llama = build_model(load_config(None, tiny_overrides("llama")))
+    assert gpt.tie_embeddings and gpt.lm_head is None and gpt.use_bias
+    assert not llama.tie_embeddings and llama.lm_head is not None and not llama.use_bias
+    assert not any(v.path.endswith("bias") for v in llama.variables)
+
+
+def test_gqa_equals_mha_with_repeated_kv_heads():
+    # A GQA layer equals an MHA layer whose k/v kernels repeat each kv head per group.
+    cfg = load_config(None, tiny_overrides("llama"))
+    gqa = build_model(cfg).blocks[0].attention
+    x = tf.random.stateless_normal((2, 5, 64), seed=(1, 2))
+    q, k, v = gqa.query(x), gqa.key(x), gqa.value(x)
+    out = gqa.attend(rotary(q, 1e4), rotary(k, 1e4), v)
+    groups = 16 // 8
+    k_rep, v_rep = tf.repeat(k, groups, axis=2), tf.repeat(v, groups, axis=2)
+    # Naive causal attention per head.
+    qr, kr = rotary(q, 1e4).numpy(), rotary(k_rep, 1e4).numpy()
+    scores = np.einsum("bthd,bshd->bhts", qr, kr) / np.sqrt(q.shape[-1])
+    scores = np.where(np.tril(np.ones((5, 5), bool)), scores, -np.inf)
+    probs = np.exp(scores - scores.max(-1, keepdims=True))
+    probs /= probs.sum(-1, keepdims=True)
+    want = np.einsum("bhts,bshd->bthd", probs, v_rep.numpy())
+    np.testing.assert_allclose(out.numpy(), want, atol=1e-5)
+
+
+def test_rotary_preserves_norm_and_relative_positions():
+    x = tf.random.stateless_normal((1, 6, 2, 8), seed=(3, 4))
+    y = rotary(x, 10000.0)
+    np.testing.assert_allclose(tf.norm(y, axis=-1), tf.norm(x, axis=-1), rtol=1e-5)
+    # Position 0 is not rotated.
+    np.testing.assert_allclose(y[:, 0], x[:, 0], atol=1e-6)
+    # q.k depends only on the offset: same vector at positions (1, 3) and (2, 4).
+    same = tf.tile(x[:, :1], [1, 6, 1, 1])
+    r = rotary(same, 10000.0).numpy()[0, :, 0]
+    np.testing.assert_allclose(r[1] @ r[3], r[2] @ r[4], rtol=1e-5)
+
+
+class SquaredMLP(keras.layers.Layer):
+    """A user's MLP: relu(x W)^2, one weight with declared logical axes."""
+
+    def __init__(self, hidden_dim, **kwargs):
+        super().__init__(**kwargs)
+        self.hidden_dim = hidden_dim
+
+    def build(self, input_shape=None):
+        self.kernel = add_param(self, "kernel", (self.hidden_dim, self.hidden_dim),
+                                ("embed", "mlp"), ("normal", 0.02), "kernel")
+
+    def call(self, x):
+        return tf.square(tf.nn.relu(tf.einsum("btd,de->bte", x, self.kernel)))
+
+
+class MyLlama(Llama):
+    def make_mlp(self, index):
+        return SquaredMLP(self.config.hidden_dim, name="mlp")
+
+    def compute_lm_loss(self, logits, targets, mask=None):
+        return 2.0 * super().compute_lm_loss(logits, targets, mask)
+
+
+def test_subclass_replaces_mlp_and_loss_and_trains_on_a_mesh(tmp_path):
+    from tfllm.train.loop import train
+    cfg = load_config(None, tiny_overrides("llama", "data=2,model=4",
+                                           **{"train.steps": 2, "train.log_every": 1}))
+    model = build_model(cfg, None, model_cls=MyLlama)
+    assert any("block_0/mlp/kernel" in v.path for v in model.variables)
+    assert not any(isinstance(l, MLP) for l in model._flatten_layers())
+    last = train(cfg, str(tmp_path), model_cls=MyLlama)
+    assert last["step"] == 2 and np.isfinite(last["loss"])
+    assert last["loss"] > 1.5 * np.log(128) * 0.9  # the doubled loss is in effect
+
+
+def test_weights_without_logical_axes_are_rejected():
+    class Bad(GPT):
+        def make_mlp(self, index):
+            return keras.layers.Dense(64, name="mlp")
+
+        def build(self, input_shape=None):
+            super().build(input_shape)
+            for block in self.blocks:
+                block.mlp.build((None, None, 64))
+
+    with pytest.raises(ValueError, match="created without tfllm.models.common.add_param"):
+        build_model(load_config(None, tiny_overrides("gpt")), model_cls=Bad)
+
+
+@pytest.mark.parametrize("policy, compute", [("float32", "float32"), ("bfloat16", "bfloat16")])
+def test_precision_policy_dtypes(policy, compute):
+    cfg = load_config(None, tiny_overrides("llama", **{"precision.policy": policy}))
+    model = build_model(cfg)
+    assert all(v.dtype == "float32" for v in model.variables)  # master weights stay fp32
+    for layer in model._flatten_layers():
+        assert layer.dtype_policy.compute_dtype == compute, layer.name
+    logits = model(_tokens())
+    assert logits.dtype == tf.float32  # logits and loss are float32 under every policy
