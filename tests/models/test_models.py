@@ -104,14 +104,16 @@ def test_subclass_replaces_mlp_and_loss_and_trains_on_a_mesh(tmp_path):
 
 
 def test_weights_without_logical_axes_are_rejected():
+    class PlainKerasWeight(keras.layers.Layer):
+        def build(self, input_shape=None):
+            self.kernel = self.add_weight(shape=(64, 64), name="kernel")
+
+        def call(self, x):
+            return x @ self.kernel
+
     class Bad(GPT):
         def make_mlp(self, index):
-            return keras.layers.Dense(64, name="mlp")
-
-        def build(self, input_shape=None):
-            super().build(input_shape)
-            for block in self.blocks:
-                block.mlp.build((None, None, 64))
+            return PlainKerasWeight(name="mlp")
 
     with pytest.raises(ValueError, match="created without tfllm.models.common.add_param"):
         build_model(load_config(None, tiny_overrides("gpt")), model_cls=Bad)

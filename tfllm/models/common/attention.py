@@ -51,7 +51,7 @@ class Attention(keras.layers.Layer):
         self.head_dim = head_dim
         self.rope_theta = rope_theta
         E, H, K, D = hidden_dim, num_query_heads, num_key_value_heads, head_dim
-        kw = dict(use_bias=use_bias, init_std=init_std)
+        kw = dict(use_bias=use_bias, init_std=init_std, dtype=self.dtype_policy)
         self.query = Projection("btd,dhk->bthk", (E, H, D), ("embed", "heads", "head_dim"),
                                 output_axes=_HEADS, name="query", **kw)
         self.key = Projection("btd,dhk->bthk", (E, K, D), ("embed", "kv_heads", "head_dim"),
@@ -62,7 +62,7 @@ class Attention(keras.layers.Layer):
             "bthk,hkd->btd", (H, D, E), ("heads", "head_dim", "embed"), use_bias=use_bias,
             init_std=output_init_std,
             output_axes=("activation_batch", "activation_length", "activation_embed"),
-            name="output")
+            name="output", dtype=self.dtype_policy)
 
     def build(self, input_shape=None):
         for layer in (self.query, self.key, self.value, self.output_proj):

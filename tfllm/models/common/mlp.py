@@ -26,10 +26,11 @@ class MLP(keras.layers.Layer):
                  init_std: float = 0.02, output_init_std: float = 0.02, **kwargs):
         super().__init__(**kwargs)
         self.up = Projection("btd,df->btf", (hidden_dim, intermediate_dim), ("embed", "mlp"),
-                             use_bias=use_bias, init_std=init_std, output_axes=_MLP, name="up")
+                             use_bias=use_bias, init_std=init_std, output_axes=_MLP, name="up",
+                             dtype=self.dtype_policy)
         self.down = Projection("btf,fd->btd", (intermediate_dim, hidden_dim), ("mlp", "embed"),
                                use_bias=use_bias, init_std=output_init_std, output_axes=_EMBED,
-                               name="down")
+                               name="down", dtype=self.dtype_policy)
 
     def build(self, input_shape=None):
         self.up.build(None)
@@ -53,14 +54,15 @@ class GatedMLP(keras.layers.Layer):
     def __init__(self, hidden_dim: int, intermediate_dim: int, use_bias: bool = False,
                  init_std: float = 0.02, output_init_std: float = 0.02, **kwargs):
         super().__init__(**kwargs)
-        kw = dict(use_bias=use_bias, init_std=init_std, output_axes=_MLP)
+        kw = dict(use_bias=use_bias, init_std=init_std, output_axes=_MLP,
+                  dtype=self.dtype_policy)
         self.gate = Projection("btd,df->btf", (hidden_dim, intermediate_dim), ("embed", "mlp"),
                                name="gate", **kw)
         self.up = Projection("btd,df->btf", (hidden_dim, intermediate_dim), ("embed", "mlp"),
                              name="up", **kw)
         self.down = Projection("btf,fd->btd", (intermediate_dim, hidden_dim), ("mlp", "embed"),
                                use_bias=use_bias, init_std=output_init_std, output_axes=_EMBED,
-                               name="down")
+                               name="down", dtype=self.dtype_policy)
 
     def build(self, input_shape=None):
         for layer in (self.gate, self.up, self.down):
