@@ -125,21 +125,26 @@ def build_mesh(axes_text: str, requested_device_type: str = "auto", num_cpu_devi
     axes = parse_axes(axes_text, known)
     kind = device_type(requested_device_type)
     clients = num_clients()
-    if kind == "GPU":
-        local = _gpu_count()
-    else:
-        fixed = math.prod(s for _, s in axes if s != -1)
-        wanted = num_cpu_devices or (fixed if all(s != -1 for _, s in axes) else 8) // clients
-        local = setup_cpu_devices(max(wanted, 1))
-    total = local * clients
-    if kind == "CPU" and all(s != -1 for _, s in axes):
-        need = math.prod(s for _, s in axes)
-        if need < total and clients == 1:
-            total = need  # tests reuse one 8-device host for smaller meshes
-    axes = resolve_axes(axes, total)
+    fixed_sizes = all(s != -1 for _, s in axes)
+    need = math.prod(s for _, s in axes) if fixed_sizes else None
+    if kind == "CPU":
+        wanted = num_cpu_devices or max((need or 8) // clients, 1)
     if clients > 1:
-        dtensor.initialize_accelerator_system(kind)
+        # Multi-client: DTensor's own initialization (coordination service over gRPC,
+        # NCCL on GPU when DTENSOR_GPU_USE_NCCL_COMMUNICATION=1) must come before
+        # anything else initializes TensorFlow.
+        local = wanted if kind == "CPU" else _gpu_count()
+        dtensor.initialize_accelerator_system(
+            kind, num_logical_cpu_devices=local if kind == "CPU" else None)
+        axes = resolve_axes(axes, local * clients)
         return dtensor.create_distributed_mesh(axes, device_type=kind)
+    if kind == "GPU":
+        total = _gpu_count()
+    else:
+        total = setup_cpu_devices(wanted)
+        if need is not None and need < total:
+            total = need  # e.g. tests reuse one 8-device host for smaller meshes
+    axes = resolve_axes(axes, total)
     devices = [f"{kind}:{i}" for i in range(total)]
     return dtensor.create_mesh(axes, devices=devices, device_type=kind)
 
