@@ -46,6 +46,7 @@ def test_train_tiny_on_a_mesh_writes_metrics_and_config(tmp_path):
     assert "mesh.axes" not in (workdir / "config.yaml").read_text()
     assert "axes: data=2,fsdp=2,model=2" in (workdir / "config.yaml").read_text()
     assert "mesh [data=2, fsdp=2, model=2]" in r.stdout
+    assert "the batch is sharded over 'data' only" in r.stdout  # fsdp repeats activations
 
 
 def test_layouts_for_llama_70b_without_allocating():

@@ -8,7 +8,6 @@ import tensorflow as tf
 from tfllm.config import load_config
 from tfllm.models import GPT, CausalLM, Llama, build_model
 from tfllm.models.common import MLP, add_param, rotary
-from tfllm.parallel.placement import to_numpy
 from tests.conftest import tiny_overrides
 
 

@@ -154,10 +154,6 @@ def mesh_shape(mesh) -> dict:
     return {name: mesh.dim_size(name) for name in mesh.dim_names}
 
 
-def batch_mesh_axis(spec) -> Optional[str]:
-    return spec[0] if spec else None
-
-
 def check_batch(global_batch: int, grad_accum: int, spec_axis: Optional[str], shape: dict) -> None:
     """Each micro-batch must split evenly over the mesh axis that shards the batch."""
     micro = global_batch // grad_accum

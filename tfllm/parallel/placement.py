@@ -116,7 +116,6 @@ def to_numpy(x) -> np.ndarray:
         return np.asarray(x)
     layout = dtensor.fetch_layout(x)
     parts = dtensor.unpack(x)
-    out = None
     mesh = layout.mesh
     shape = x.shape.as_list()
     spec = [None if s == dtensor.UNSHARDED else s for s in layout.sharding_specs]

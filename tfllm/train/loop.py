@@ -6,7 +6,6 @@ import json
 import os
 import sys
 import time
-from typing import Optional
 
 from tfllm.config import save_config
 from tfllm.data import SyntheticTokens
@@ -29,10 +28,11 @@ class Run:
         self.config = config
         self.parallel = make_parallel(config)
         t = config.train
-        batch_axis = self.parallel.spec(
+        self.batch_axis = self.parallel.spec(
             "batch", (t.global_batch_size // t.grad_accum_steps, config.data.sequence_length + 1),
             ("activation_batch", "activation_length"))[0]
-        check_batch(t.global_batch_size, t.grad_accum_steps, batch_axis, self.parallel.shape)
+        check_batch(t.global_batch_size, t.grad_accum_steps, self.batch_axis,
+                    self.parallel.shape)
         self.model = build_model(config, self.parallel, model_cls=model_cls)
         self.optimizer = AdamW(config.optimizer, t.steps, self.parallel)
         self.optimizer.build(self.model.trainable_variables)
@@ -40,6 +40,12 @@ class Run:
         self.step = TrainStep(self.model, self.optimizer, self.parallel, self.jit_compile)
         self.data = SyntheticTokens(config.model.vocab_size, config.data.sequence_length + 1,
                                     config.data.seed)
+
+    def idle_batch_axes(self):
+        """Batch-capable mesh axes (size > 1) that the batch does not use."""
+        p = self.parallel
+        return sorted(a for a in p.batch_mesh_axes
+                      if p.shape.get(a, 1) > 1 and a != self.batch_axis)
 
     def batch(self, step: int):
         t = self.config.train
@@ -71,6 +77,11 @@ def train(config, workdir: str, model_cls=None, out=sys.stdout) -> dict:
     mesh = ", ".join(f"{k}={v}" for k, v in run.parallel.shape.items())
     print(f"tfllm: {config.model.family} on mesh [{mesh}] ({run.parallel.device_type}), "
           f"jit_compile={run.jit_compile}, precision={config.precision.policy}", file=out)
+    idle = run.idle_batch_axes()
+    if idle:
+        print(f"tfllm: note: the batch is sharded over '{run.batch_axis}' only; the devices "
+              f"along {', '.join(repr(a) for a in idle)} repeat the same activations "
+              "(DTensor shards one tensor dimension over at most one mesh axis).", file=out)
     last = {}
     window_start, window_tokens = None, 0
     start = time.perf_counter()
