@@ -15,6 +15,7 @@ setup(
         "keras>=3.5",
         "keras-hub>=0.20",
         "tensorflow-datasets",
+        "tensorboard",
         "absl-py",
         "pyyaml",
         "numpy",

@@ -66,8 +66,22 @@ class MeshConfig:
 class PrecisionConfig:
     """Numeric precision of compute and weights."""
 
-    policy: str = _f("float32", "float32, or bfloat16 (bf16 compute, fp32 weights, optimizer "
-                     "states, softmax, logits and loss).", choices=("float32", "bfloat16"))
+    policy: str = _f("float32", "float32; bfloat16 (bf16 compute; fp32 weights, optimizer "
+                     "states, softmax, norm statistics, logits and loss); float16 (the same "
+                     "with fp16 compute and dynamic loss scaling); fp8 (bfloat16 plus FP8 "
+                     "matmuls in the attention and MLP projections).",
+                     choices=("float32", "bfloat16", "float16", "fp8"))
+    fp8_recipe: str = _f("delayed", "FP8 scaling: current (amax of this step) or delayed "
+                         "(largest amax of a history).", choices=("current", "delayed"))
+    fp8_amax_history_length: int = _f(16, "Steps of amax history for delayed scaling.",
+                                      min=1, max=1024)
+    fp8_margin: int = _f(0, "FP8 scale = format max / (amax * 2**margin).", min=0, max=16)
+    fp8_exclude: List[str] = _f([], "Layer-path substrings whose projections stay in bf16 "
+                                "under fp8, e.g. ['block_0/', 'mlp/down']. The embedding, LM "
+                                "head and norms are always bf16.")
+    loss_scale_initial: float = _f(32768.0, "float16: initial dynamic loss scale.", min=1.0)
+    loss_scale_growth_interval: int = _f(2000, "float16: double the loss scale after this "
+                                         "many finite steps in a row.", min=1)
 
 
 @dataclass

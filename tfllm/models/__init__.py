@@ -10,7 +10,6 @@ from tfllm.models.llama import Llama
 
 FAMILIES = {"gpt": GPT, "llama": Llama}
 
-POLICIES = {"float32": "float32", "bfloat16": "mixed_bfloat16"}
 
 
 def model_class(family: str):
@@ -31,8 +30,10 @@ def build_model(config, parallel=None, seed: Optional[int] = None, model_cls=Non
       allocate: False builds shapes only (no memory), for `tfllm layouts`.
     """
     from tfllm.parallel.placement import build_abstract, place_variables
+    from tfllm.precision import fp8_settings, keras_policy
     cls = model_cls or model_class(config.model.family)
-    model = cls(config.model, dtype=POLICIES[config.precision.policy])
+    model = cls(config.model, dtype=keras_policy(config.precision.policy),
+                fp8=fp8_settings(config.precision))
     build_abstract(model)
     if parallel is not None:  # fail before allocating anything if a variable cannot be laid out
         for var in model.variables:

@@ -61,15 +61,18 @@ class CausalLM(keras.Model):
 
     Args:
       config: the model section of the tfllm config.
-      dtype: a Keras dtype policy name ("float32" or "mixed_bfloat16").
+      dtype: a Keras dtype policy name ("float32", "mixed_bfloat16", "mixed_float16").
+      fp8: `tfllm.precision.Fp8Settings` to run the attention and MLP projections in FP8
+        (pass `fp8=self.fp8, fp8_path=...` on to them in `make_attention`/`make_mlp`).
     """
 
     #: defaults a family may set for config fields left null
     family_defaults = {"tie_embeddings": False, "use_bias": False}
 
-    def __init__(self, config: ModelConfig, dtype="float32", **kwargs):
+    def __init__(self, config: ModelConfig, dtype="float32", fp8=None, **kwargs):
         super().__init__(dtype=dtype, **kwargs)
         self.config = config
+        self.fp8 = fp8
         c = config
         self.tie_embeddings = (self.family_defaults["tie_embeddings"]
                                if c.tie_embeddings is None else c.tie_embeddings)
@@ -138,6 +141,10 @@ class CausalLM(keras.Model):
             return tf.reduce_mean(nll)
         mask = tf.cast(mask, tf.float32)
         return tf.reduce_sum(nll * mask) / tf.maximum(tf.reduce_sum(mask), 1.0)
+
+    def fp8_state_variables(self) -> list:
+        """The FP8 amax histories: updated by the train step, never by the optimizer."""
+        return [v for v in self.variables if getattr(v, "kind", None) == "fp8_state"]
 
     # ---- Keras --------------------------------------------------------------------------
     def build(self, input_shape=None):

@@ -69,12 +69,22 @@ class AdamW:
             return x
         return dtensor.relayout(x, self.parallel.layout(spec))
 
-    def apply(self, grads: Sequence[tf.Tensor]):
+    def apply(self, grads: Sequence[tf.Tensor], apply_update=None):
         """Clips `grads` by global norm and applies one AdamW update (call in tf.function).
+
+        Args:
+          grads: one gradient per variable.
+          apply_update: optional boolean scalar; where false (a skipped step) nothing
+            changes: not the weights, the states, nor the step counter.
 
         Returns:
           (gradient norm before clipping, learning rate used).
         """
+        # A blend, not tf.where: DTensor crashes on a scalar-condition where (TF 2.21).
+        # new * 1 + old * 0 is exactly new (old is finite), and the reverse for 0.
+        on = None if apply_update is None else tf.cast(apply_update, tf.float32)
+        keep = (lambda new, old: new) if on is None else (
+            lambda new, old: new * on + old * (1.0 - on))
         c = self.config
         norm = global_norm(grads)
         if c.clip_norm > 0:
@@ -97,8 +107,11 @@ class AdamW:
             update = (m_new / bias1) / (tf.sqrt(v_new / bias2) + c.epsilon)
             if self.decays(var):
                 update = update + c.weight_decay * p
-            m.assign(m_new)
-            v.assign(v_new)
-            var.assign(self._to(p - lr * update, param_spec))  # ZeRO-1: all-gather
-        self.iterations.assign_add(tf.ones_like(self.iterations))
+            m.assign(keep(m_new, m.read_value()))
+            v.assign(keep(v_new, v.read_value()))
+            new_p = keep(p - lr * update, p)
+            var.assign(self._to(new_p, param_spec))  # ZeRO-1: all-gather
+        one = tf.ones_like(self.iterations)
+        self.iterations.assign_add(one if apply_update is None else
+                                   one * tf.cast(apply_update, one.dtype))
         return norm, lr

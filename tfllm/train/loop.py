@@ -13,7 +13,9 @@ from tfllm.models import build_model
 from tfllm.optim import AdamW
 from tfllm.parallel import make_parallel
 from tfllm.parallel.mesh import check_batch
+from tfllm.precision import describe
 from tfllm.train.step import TrainStep, resolve_jit
+from tfllm.train.tensorboard import TensorBoard
 
 
 class Run:
@@ -37,7 +39,14 @@ class Run:
         self.optimizer = AdamW(config.optimizer, t.steps, self.parallel)
         self.optimizer.build(self.model.trainable_variables)
         self.jit_compile = resolve_jit(t.jit_compile, self.parallel)
-        self.step = TrainStep(self.model, self.optimizer, self.parallel, self.jit_compile)
+        self.loss_scale = None
+        if config.precision.policy == "float16":
+            from tfllm.precision.loss_scale import DynamicLossScale
+            self.loss_scale = DynamicLossScale(config.precision.loss_scale_initial,
+                                               config.precision.loss_scale_growth_interval,
+                                               self.parallel)
+        self.step = TrainStep(self.model, self.optimizer, self.parallel, self.jit_compile,
+                              self.loss_scale)
         self.data = SyntheticTokens(config.model.vocab_size, config.data.sequence_length + 1,
                                     config.data.seed)
 
@@ -76,7 +85,7 @@ def train(config, workdir: str, model_cls=None, out=sys.stdout) -> dict:
     metrics_path = os.path.join(workdir, "metrics.jsonl")
     mesh = ", ".join(f"{k}={v}" for k, v in run.parallel.shape.items())
     print(f"tfllm: {config.model.family} on mesh [{mesh}] ({run.parallel.device_type}), "
-          f"jit_compile={run.jit_compile}, precision={config.precision.policy}", file=out)
+          f"jit_compile={run.jit_compile}, {describe(config.precision)}", file=out)
     idle = run.idle_batch_axes()
     if idle:
         print(f"tfllm: note: the batch is sharded over '{run.batch_axis}' only; the devices "
@@ -85,6 +94,7 @@ def train(config, workdir: str, model_cls=None, out=sys.stdout) -> dict:
     last = {}
     window_start, window_tokens = None, 0
     start = time.perf_counter()
+    tensorboard = TensorBoard(os.path.join(workdir, "tensorboard"))
     with open(metrics_path, "a", encoding="utf-8") as metrics_file:
         for step in range(t.steps):
             values = run.step(run.batch(step))
@@ -102,8 +112,11 @@ def train(config, workdir: str, model_cls=None, out=sys.stdout) -> dict:
                 metrics_file.write(json.dumps(last) + "\n")
                 metrics_file.flush()
                 remaining = (t.steps - number) * tokens_per_step / tps if tps else 0.0
+                extra = (f"  loss_scale {values['loss_scale']:g} skipped "
+                         f"{int(values['skipped_steps'])}" if "loss_scale" in values else "")
                 print(f"step {number}/{t.steps}  loss {values['loss']:.4f}  "
                       f"grad_norm {values['grad_norm']:.3f}  lr {values['learning_rate']:.2e}  "
-                      f"{tps:,.0f} tok/s  eta {_eta(remaining)}", file=out, flush=True)
+                      f"{tps:,.0f} tok/s  eta {_eta(remaining)}{extra}", file=out, flush=True)
+                tensorboard.write(number, last, run.model)
     last["first_step_s"] = first_step_s
     return last

@@ -38,12 +38,17 @@ class TrainStep:
       optimizer: a built `tfllm.optim.AdamW` over the model's trainable variables.
       parallel: the sharding setup, or None for one device.
       jit_compile: XLA-compile the step.
+      loss_scale: a `tfllm.precision.loss_scale.DynamicLossScale` (float16), or None.
     """
 
-    def __init__(self, model, optimizer, parallel: Optional[Parallel], jit_compile: bool):
+    def __init__(self, model, optimizer, parallel: Optional[Parallel], jit_compile: bool,
+                 loss_scale=None):
         self.model, self.optimizer, self.parallel = model, optimizer, parallel
         self.jit_compile = jit_compile
+        self.loss_scale = loss_scale
         self.variables = list(model.trainable_variables)
+        # FP8 amax histories: their "gradients" are their new values (overwrite).
+        self.fp8_state = list(model.fp8_state_variables())
         self._step = tf.function(self._train_step, jit_compile=jit_compile)
         self._grads = tf.function(self._loss_and_grads, jit_compile=jit_compile)
 
@@ -68,25 +73,51 @@ class TrainStep:
         return self.model.compute_lm_loss(logits, targets)
 
     def _loss_and_grads(self, micro_batches):
-        """Mean loss and gradients over a tuple of micro-batches, each (M, T+1)."""
+        """Mean loss, gradients and new FP8 histories over a tuple of micro-batches."""
         with context.use(self.parallel):
             accum = len(micro_batches)
-            total_loss, total_grads = 0.0, None
+            scale = self.loss_scale.scale if self.loss_scale is not None else None
+            fp8_handles = [v.value for v in self.fp8_state]
+            total_loss, total_grads, fp8_new = 0.0, None, None
             for tokens in micro_batches:  # unrolled: grad_accum_steps is small and static
                 with tf.GradientTape() as tape:
+                    tape.watch(fp8_handles)
                     loss = self._micro(tokens)
+                    scaled = loss * scale if scale is not None else loss
+                out = tape.gradient(scaled, self.variables + fp8_handles)
                 # Embedding lookups give IndexedSlices; accumulate and clip dense tensors.
-                grads = [tf.convert_to_tensor(g) for g in tape.gradient(loss, self.variables)]
+                grads = [tf.convert_to_tensor(g) for g in out[:len(self.variables)]]
+                histories = out[len(self.variables):]
                 total_loss = total_loss + loss
                 total_grads = grads if total_grads is None else [
                     a + b for a, b in zip(total_grads, grads)]
-            return total_loss / accum, [g / accum for g in total_grads]
+                # Each micro-batch rolls the same old history; keep the largest amaxes.
+                fp8_new = histories if fp8_new is None else [
+                    tf.maximum(a, b) for a, b in zip(fp8_new, histories)]
+            divisor = accum * scale if scale is not None else accum
+            grads = [g / divisor for g in total_grads]
+            return total_loss / accum, grads, fp8_new
 
-    def _train_step(self, tokens):
-        loss, grads = self._loss_and_grads(tokens)
+    def _train_step(self, micro_batches):
+        loss, grads, fp8_new = self._loss_and_grads(micro_batches)
         with context.use(self.parallel):
-            grad_norm, lr = self.optimizer.apply(grads)
-        return {"loss": loss, "grad_norm": grad_norm, "learning_rate": lr}
+            finite = None
+            if self.loss_scale is not None:
+                from tfllm.precision.loss_scale import all_finite
+                finite = all_finite(grads)
+                # Non-finite values must not reach the norm and the update arithmetic
+                # (multiply_no_nan gives 0 for NaN * 0; DTensor crashes on a scalar where).
+                on = tf.cast(finite, tf.float32)
+                grads = [tf.math.multiply_no_nan(g, on) for g in grads]
+            grad_norm, lr = self.optimizer.apply(grads, apply_update=finite)
+            for var, new in zip(self.fp8_state, fp8_new):
+                var.assign(new)
+            out = {"loss": loss, "grad_norm": grad_norm, "learning_rate": lr}
+            if self.loss_scale is not None:
+                self.loss_scale.update(finite)
+                out["loss_scale"] = self.loss_scale.scale + 0.0
+                out["skipped_steps"] = tf.cast(self.loss_scale.skipped_steps, tf.float32)
+        return out
 
     def __call__(self, tokens) -> dict:
         """Runs one optimizer step on device tokens; returns numpy float metrics."""
@@ -95,5 +126,5 @@ class TrainStep:
 
     def loss_and_grads(self, tokens):
         """(loss, gathered numpy gradients) without updating: for parity tests."""
-        loss, grads = self._grads(tokens)
+        loss, grads, _ = self._grads(tokens)
         return float(to_numpy(loss)), [to_numpy(g) for g in grads]

@@ -40,12 +40,16 @@ class Attention(keras.layers.Layer):
       rope_theta: apply rotary embeddings with this base, or None for none.
       init_std: init of the q/k/v projections.
       output_init_std: init of the output projection (scaled for depth).
+      fp8: `Fp8Settings` for FP8 projections, or None.
+      fp8_path: this layer's path for `fp8.exclude` (e.g. "block_0/attention").
     """
 
     def __init__(self, hidden_dim: int, num_query_heads: int, num_key_value_heads: int,
                  head_dim: int, use_bias: bool = False, rope_theta: Optional[float] = None,
-                 init_std: float = 0.02, output_init_std: float = 0.02, **kwargs):
+                 init_std: float = 0.02, output_init_std: float = 0.02, fp8=None,
+                 fp8_path: str = "attention", **kwargs):
         super().__init__(**kwargs)
+        fp8_for = lambda name: fp8.for_layer(f"{fp8_path}/{name}") if fp8 else None
         self.num_query_heads = num_query_heads
         self.num_key_value_heads = num_key_value_heads
         self.head_dim = head_dim
@@ -53,16 +57,17 @@ class Attention(keras.layers.Layer):
         E, H, K, D = hidden_dim, num_query_heads, num_key_value_heads, head_dim
         kw = dict(use_bias=use_bias, init_std=init_std, dtype=self.dtype_policy)
         self.query = Projection("btd,dhk->bthk", (E, H, D), ("embed", "heads", "head_dim"),
-                                output_axes=_HEADS, name="query", **kw)
+                                output_axes=_HEADS, name="query", fp8=fp8_for("query"), **kw)
         self.key = Projection("btd,dhk->bthk", (E, K, D), ("embed", "kv_heads", "head_dim"),
-                              output_axes=_KV_HEADS, name="key", **kw)
+                              output_axes=_KV_HEADS, name="key", fp8=fp8_for("key"), **kw)
         self.value = Projection("btd,dhk->bthk", (E, K, D), ("embed", "kv_heads", "head_dim"),
-                                output_axes=_KV_HEADS, name="value", **kw)
+                                output_axes=_KV_HEADS, name="value", fp8=fp8_for("value"),
+                                **kw)
         self.output_proj = Projection(
             "bthk,hkd->btd", (H, D, E), ("heads", "head_dim", "embed"), use_bias=use_bias,
             init_std=output_init_std,
             output_axes=("activation_batch", "activation_length", "activation_embed"),
-            name="output", dtype=self.dtype_policy)
+            name="output", fp8=fp8_for("output"), dtype=self.dtype_policy)
 
     def build(self, input_shape=None):
         for layer in (self.query, self.key, self.value, self.output_proj):

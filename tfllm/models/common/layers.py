@@ -31,7 +31,8 @@ def _keras_initializer(init):
 
 
 def add_param(layer: keras.layers.Layer, name: str, shape: Sequence[int],
-              logical_axes: Sequence[Optional[str]], init: Tuple, kind: str):
+              logical_axes: Sequence[Optional[str]], init: Tuple, kind: str,
+              trainable: bool = True):
     """Adds a weight to `layer` and records its logical axes, init and kind.
 
     Args:
@@ -40,14 +41,18 @@ def add_param(layer: keras.layers.Layer, name: str, shape: Sequence[int],
       shape: its global shape.
       logical_axes: one logical axis name (or None: never sharded) per dimension.
       init: ("normal", std), ("zeros",) or ("ones",).
-      kind: "kernel", "bias", "norm" or "embedding".
+      kind: "kernel", "bias", "norm", "embedding", or "fp8_state" (amax histories:
+        float32 whatever the compute dtype, updated by the train step, not the optimizer).
+      trainable: whether the optimizer updates it.
     """
     if init[0] not in INIT_KINDS:
         raise ValueError(f"{layer.name}/{name}: unknown init {init!r}; use one of {INIT_KINDS}.")
     if len(logical_axes) != len(shape):
         raise ValueError(f"{layer.name}/{name}: {len(shape)}-d shape {tuple(shape)} needs one "
                          f"logical axis per dimension, got {tuple(logical_axes)}.")
-    var = layer.add_weight(name=name, shape=tuple(shape), initializer=_keras_initializer(init))
+    var = layer.add_weight(name=name, shape=tuple(shape), initializer=_keras_initializer(init),
+                           trainable=trainable, autocast=kind != "fp8_state",
+                           dtype="float32" if kind == "fp8_state" else None)
     var.logical_axes = tuple(logical_axes)
     var.init = tuple(init)
     var.kind = kind
@@ -67,11 +72,13 @@ class Projection(keras.layers.Layer):
       use_bias: add a bias shaped like the output's trailing kernel dimensions.
       init_std: standard deviation of the kernel's normal init.
       output_axes: logical axes to constrain the output to (None: no constraint).
+      fp8: `tfllm.precision.Fp8Settings` to compute the einsum in FP8, or None.
     """
 
     def __init__(self, equation: str, kernel_shape, kernel_axes, use_bias: bool = False,
-                 init_std: float = 0.02, output_axes=None, **kwargs):
+                 init_std: float = 0.02, output_axes=None, fp8=None, **kwargs):
         super().__init__(**kwargs)
+        self.fp8 = fp8
         self.equation = equation
         self.kernel_shape = tuple(kernel_shape)
         self.kernel_axes = tuple(kernel_axes)
@@ -91,9 +98,18 @@ class Projection(keras.layers.Layer):
             self.bias = add_param(self, "bias", [self.kernel_shape[i] for i in self._bias_dims],
                                   [self.kernel_axes[i] for i in self._bias_dims], ("zeros",),
                                   "bias")
+        if self.fp8 is not None:  # amax histories of input, kernel and output gradient
+            n = self.fp8.history_length
+            self.fp8_history = [add_param(self, f"amax_history_{t}", (n,), (None,), ("zeros",),
+                                          "fp8_state", trainable=False) for t in "xwg"]
 
     def call(self, x):
-        y = tf.einsum(self.equation, x, gather_weight(self.kernel, self.kernel_axes, self.name))
+        kernel = gather_weight(self.kernel, self.kernel_axes, self.name)
+        if self.fp8 is not None:
+            from tfllm.precision.fp8 import fp8_einsum
+            y = fp8_einsum(self.equation, x, kernel, *self.fp8_history, self.fp8)
+        else:
+            y = tf.einsum(self.equation, x, kernel)
         if self.use_bias:
             y = y + gather_weight(self.bias, self.bias.logical_axes, self.name)
         if self.output_axes is not None:

@@ -20,17 +20,21 @@ class MLP(keras.layers.Layer):
       use_bias: biases on both projections.
       init_std: init of the up projection.
       output_init_std: init of the down projection (scaled for depth).
+      fp8: `Fp8Settings` for FP8 projections, or None.
+      fp8_path: this layer's path for `fp8.exclude` (e.g. "block_0/mlp").
     """
 
     def __init__(self, hidden_dim: int, intermediate_dim: int, use_bias: bool = True,
-                 init_std: float = 0.02, output_init_std: float = 0.02, **kwargs):
+                 init_std: float = 0.02, output_init_std: float = 0.02, fp8=None,
+                 fp8_path: str = "mlp", **kwargs):
         super().__init__(**kwargs)
+        fp8_for = lambda name: fp8.for_layer(f"{fp8_path}/{name}") if fp8 else None
         self.up = Projection("btd,df->btf", (hidden_dim, intermediate_dim), ("embed", "mlp"),
                              use_bias=use_bias, init_std=init_std, output_axes=_MLP, name="up",
-                             dtype=self.dtype_policy)
+                             fp8=fp8_for("up"), dtype=self.dtype_policy)
         self.down = Projection("btf,fd->btd", (intermediate_dim, hidden_dim), ("mlp", "embed"),
                                use_bias=use_bias, init_std=output_init_std, output_axes=_EMBED,
-                               name="down", dtype=self.dtype_policy)
+                               name="down", fp8=fp8_for("down"), dtype=self.dtype_policy)
 
     def build(self, input_shape=None):
         self.up.build(None)
@@ -49,20 +53,24 @@ class GatedMLP(keras.layers.Layer):
       use_bias: biases on the projections.
       init_std: init of gate and up.
       output_init_std: init of down (scaled for depth).
+      fp8: `Fp8Settings` for FP8 projections, or None.
+      fp8_path: this layer's path for `fp8.exclude` (e.g. "block_0/mlp").
     """
 
     def __init__(self, hidden_dim: int, intermediate_dim: int, use_bias: bool = False,
-                 init_std: float = 0.02, output_init_std: float = 0.02, **kwargs):
+                 init_std: float = 0.02, output_init_std: float = 0.02, fp8=None,
+                 fp8_path: str = "mlp", **kwargs):
         super().__init__(**kwargs)
+        fp8_for = lambda name: fp8.for_layer(f"{fp8_path}/{name}") if fp8 else None
         kw = dict(use_bias=use_bias, init_std=init_std, output_axes=_MLP,
                   dtype=self.dtype_policy)
         self.gate = Projection("btd,df->btf", (hidden_dim, intermediate_dim), ("embed", "mlp"),
-                               name="gate", **kw)
+                               name="gate", fp8=fp8_for("gate"), **kw)
         self.up = Projection("btd,df->btf", (hidden_dim, intermediate_dim), ("embed", "mlp"),
-                             name="up", **kw)
+                             name="up", fp8=fp8_for("up"), **kw)
         self.down = Projection("btf,fd->btd", (intermediate_dim, hidden_dim), ("mlp", "embed"),
                                use_bias=use_bias, init_std=output_init_std, output_axes=_EMBED,
-                               name="down", dtype=self.dtype_policy)
+                               name="down", fp8=fp8_for("down"), dtype=self.dtype_policy)
 
     def build(self, input_shape=None):
         for layer in (self.gate, self.up, self.down):

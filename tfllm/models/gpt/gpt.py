@@ -13,9 +13,9 @@ class GPT(CausalLM):
 
     family_defaults = {"tie_embeddings": True, "use_bias": True}
 
-    def __init__(self, config, dtype="float32", **kwargs):
+    def __init__(self, config, dtype="float32", fp8=None, **kwargs):
         kwargs.setdefault("name", "gpt")
-        super().__init__(config, dtype=dtype, **kwargs)
+        super().__init__(config, dtype=dtype, fp8=fp8, **kwargs)
         self.position_embedding = PositionEmbedding(
             config.max_sequence_length, config.hidden_dim, config.init_std,
             name="position_embedding", dtype=dtype)
@@ -29,13 +29,14 @@ class GPT(CausalLM):
         return Attention(c.hidden_dim, c.num_query_heads, self.num_key_value_heads,
                          self.head_dim, use_bias=self.use_bias, rope_theta=None,
                          init_std=c.init_std, output_init_std=self.output_init_std,
-                         name="attention", dtype=self.dtype_policy)
+                         fp8=self.fp8, fp8_path=f"block_{index}/attention", name="attention",
+                         dtype=self.dtype_policy)
 
     def make_mlp(self, index):
         c = self.config
         return MLP(c.hidden_dim, c.intermediate_dim, use_bias=self.use_bias,
-                   init_std=c.init_std, output_init_std=self.output_init_std, name="mlp",
-                   dtype=self.dtype_policy)
+                   init_std=c.init_std, output_init_std=self.output_init_std, fp8=self.fp8,
+                   fp8_path=f"block_{index}/mlp", name="mlp", dtype=self.dtype_policy)
 
     def build(self, input_shape=None):
         self.position_embedding.build(None)

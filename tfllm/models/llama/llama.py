@@ -13,9 +13,9 @@ class Llama(CausalLM):
 
     family_defaults = {"tie_embeddings": False, "use_bias": False}
 
-    def __init__(self, config, dtype="float32", **kwargs):
+    def __init__(self, config, dtype="float32", fp8=None, **kwargs):
         kwargs.setdefault("name", "llama")
-        super().__init__(config, dtype=dtype, **kwargs)
+        super().__init__(config, dtype=dtype, fp8=fp8, **kwargs)
 
     def make_norm(self, name):
         return RMSNorm(self.config.hidden_dim, self.config.norm_epsilon, name=name,
@@ -26,10 +26,12 @@ class Llama(CausalLM):
         return Attention(c.hidden_dim, c.num_query_heads, self.num_key_value_heads,
                          self.head_dim, use_bias=self.use_bias, rope_theta=c.rope_theta,
                          init_std=c.init_std, output_init_std=self.output_init_std,
-                         name="attention", dtype=self.dtype_policy)
+                         fp8=self.fp8, fp8_path=f"block_{index}/attention", name="attention",
+                         dtype=self.dtype_policy)
 
     def make_mlp(self, index):
         c = self.config
         return GatedMLP(c.hidden_dim, c.intermediate_dim, use_bias=self.use_bias,
-                        init_std=c.init_std, output_init_std=self.output_init_std, name="mlp",
+                        init_std=c.init_std, output_init_std=self.output_init_std,
+                        fp8=self.fp8, fp8_path=f"block_{index}/mlp", name="mlp",
                         dtype=self.dtype_policy)

@@ -1,0 +1,3 @@
+"""Precision policies (fp32, bf16, fp16 + loss scaling) and FP8 ops."""
+from tfllm.precision.fp8 import Fp8Settings, fp8_einsum
+from tfllm.precision.policies import POLICIES, describe, fp8_settings, keras_policy

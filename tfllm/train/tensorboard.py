@@ -1,0 +1,49 @@
+"""TensorBoard event files: training scalars and FP8 scale statistics."""
+
+from __future__ import annotations
+
+import numpy as np
+import tensorflow as tf
+
+from tfllm.parallel.placement import to_numpy
+from tfllm.precision.fp8 import E4M3_MAX, E5M2_MAX
+
+_FORMAT_MAX = {"x": E4M3_MAX, "w": E4M3_MAX, "g": E5M2_MAX}
+
+
+def fp8_scale_stats(model, margin: int = 0) -> dict:
+    """min / mean / max over layers of the scale each FP8 operand kind (x: inputs,
+    w: weights, g: output gradients) would use next under delayed scaling."""
+    scales = {}
+    for var in model.fp8_state_variables():
+        kind = var.name[-1]  # amax_history_x / _w / _g
+        amax = float(np.max(to_numpy(var)))
+        if amax > 0:
+            scales.setdefault(kind, []).append(_FORMAT_MAX[kind] / (amax * 2.0 ** margin))
+    out = {}
+    for kind, values in scales.items():
+        out.update({f"fp8/scale_{kind}_min": min(values), f"fp8/scale_{kind}_max": max(values),
+                    f"fp8/scale_{kind}_mean": float(np.mean(values))})
+    return out
+
+
+class TensorBoard:
+    """Writes scalars to WORKDIR/tensorboard (one event file per run).
+
+    Args:
+      logdir: the directory for event files.
+    """
+
+    def __init__(self, logdir: str):
+        with tf.device("/cpu:0"):
+            self.writer = tf.summary.create_file_writer(logdir)
+
+    def write(self, step: int, metrics: dict, model=None) -> None:
+        values = {k: v for k, v in metrics.items() if k != "step"}
+        if model is not None and model.fp8_state_variables():
+            margin = model.fp8.margin if model.fp8 is not None else 0
+            values.update(fp8_scale_stats(model, margin))
+        with tf.device("/cpu:0"), self.writer.as_default(step=step):
+            for name, value in values.items():
+                tf.summary.scalar(name, float(value))
+        self.writer.flush()
