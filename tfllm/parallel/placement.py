@@ -108,8 +108,8 @@ class Parallel:
 
 def to_numpy(x) -> np.ndarray:
     """A tensor or (possibly sharded) DTensor, gathered to one numpy array."""
-    if hasattr(x, "value") and not isinstance(x, tf.Tensor):
-        x = x.value  # Keras variable
+    if isinstance(x, keras.Variable):
+        x = x.value
     if isinstance(x, tf.Variable):
         x = x.read_value()
     if not dtensor.is_dtensor(x):

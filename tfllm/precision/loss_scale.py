@@ -35,15 +35,21 @@ class DynamicLossScale:
         return [self.scale, self.good_steps, self.skipped_steps]
 
     def update(self, finite):
-        """Adjusts the state after a step whose gradients were (not) all finite."""
+        """Adjusts the state after a step whose gradients were (not) all finite.
+
+        Returns:
+          (new scale, new skipped-step count): the values just assigned.
+        """
         one = tf.ones_like(self.good_steps)
         good = tf.where(finite, self.good_steps + one, tf.zeros_like(self.good_steps))
         grow = good >= self.growth_interval
         new_scale = tf.where(finite, tf.where(grow, self.scale * 2.0, self.scale),
                              tf.maximum(self.scale * 0.5, 1.0))
+        skipped = self.skipped_steps + one * tf.cast(tf.logical_not(finite), one.dtype)
         self.scale.assign(new_scale)
         self.good_steps.assign(tf.where(grow, tf.zeros_like(good), good))
-        self.skipped_steps.assign(self.skipped_steps + tf.where(finite, 0 * one, one))
+        self.skipped_steps.assign(skipped)
+        return new_scale, skipped
 
 
 def all_finite(tensors) -> tf.Tensor:

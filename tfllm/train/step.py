@@ -12,6 +12,7 @@ from typing import Optional
 import numpy as np
 import tensorflow as tf
 
+from tfllm.optim.adamw import global_norm
 from tfllm.parallel import context
 from tfllm.parallel.placement import Parallel, to_numpy
 
@@ -108,15 +109,18 @@ class TrainStep:
                 # Non-finite values must not reach the norm and the update arithmetic
                 # (multiply_no_nan gives 0 for NaN * 0; DTensor crashes on a scalar where).
                 on = tf.cast(finite, tf.float32)
+                raw_norm = global_norm(grads)  # reported: inf or NaN on a skipped step
                 grads = [tf.math.multiply_no_nan(g, on) for g in grads]
             grad_norm, lr = self.optimizer.apply(grads, apply_update=finite)
+            if finite is not None:
+                grad_norm = raw_norm
             for var, new in zip(self.fp8_state, fp8_new):
                 var.assign(new)
             out = {"loss": loss, "grad_norm": grad_norm, "learning_rate": lr}
             if self.loss_scale is not None:
-                self.loss_scale.update(finite)
-                out["loss_scale"] = self.loss_scale.scale + 0.0
-                out["skipped_steps"] = tf.cast(self.loss_scale.skipped_steps, tf.float32)
+                new_scale, skipped = self.loss_scale.update(finite)
+                out["loss_scale"] = new_scale
+                out["skipped_steps"] = tf.cast(skipped, tf.float32)
         return out
 
     def __call__(self, tokens) -> dict:
