@@ -28,6 +28,7 @@ def test_cli_surface_is_frozen():
         "train": ["--config", "--help", "--set", "--workdir", "-h"],
         "layouts": ["--config", "--help", "--num-devices", "--set", "-h"],
         "bench": ["--config", "--help", "--repeats", "--set", "--steps", "--warmup", "-h"],
+        "export-step": ["--check", "--config", "--help", "--out", "--set", "-h"],
     }
 
 

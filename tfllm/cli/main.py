@@ -48,6 +48,16 @@ def cmd_bench(args) -> int:
     return 0
 
 
+def cmd_export_step(args) -> int:
+    from tfllm.train.export_step import export_step
+    config = _load(args)
+    desc = export_step(config, args.out, check=args.check)
+    print(json.dumps({"out": args.out, "params": len(desc["params"]),
+                      "outputs": len(desc["outputs"]), "num_params": desc["num_params"],
+                      "flops_per_token": desc["flops_per_token"]}))
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="tfllm", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
@@ -67,6 +77,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--warmup", type=int, default=3, help="Untimed steps first.")
     p.add_argument("--repeats", type=int, default=1, help="Repeat the timed steps.")
     p.set_defaults(fn=cmd_bench)
+    p = sub.add_parser("export-step", help="Write the one-device XLA train step (HLO) and "
+                       "its parameter description, for benchmarks/gpu/run_step.py.")
+    _common(p)
+    p.add_argument("--out", required=True, help="Output directory.")
+    p.add_argument("--check", action="store_true",
+                   help="Also save one step's inputs and TensorFlow's outputs (check.npz).")
+    p.set_defaults(fn=cmd_export_step)
     return parser
 
 

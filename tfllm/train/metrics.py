@@ -9,7 +9,8 @@ import tensorflow as tf
 
 
 def count_params(model) -> int:
-    return int(sum(_numel(v.shape) for v in model.variables))
+    """Trainable parameters (FP8 amax histories and other state excluded)."""
+    return int(sum(_numel(v.shape) for v in model.trainable_variables))
 
 
 def _numel(shape) -> int:

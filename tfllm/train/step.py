@@ -19,7 +19,7 @@ from tfllm.parallel.placement import Parallel, to_numpy
 BATCH_AXES = ("activation_batch", "activation_length")
 
 
-def resolve_jit(setting: str, parallel: Optional[Parallel] = None) -> bool:
+def resolve_jit(setting: str) -> bool:
     """train.jit_compile: 'auto' means XLA on every device type.
 
     On GPU XLA is the point. On a 2-core CPU XLA and plain graphs measured equal within

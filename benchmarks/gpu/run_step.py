@@ -1,0 +1,164 @@
+"""Run tfllm's exported train step (HLO) with jaxlib's PJRT client: GPU timing or a check.
+
+Needs only python3 with jax/jaxlib and numpy (no TensorFlow):
+
+    python run_step.py DIR                 # time it on the GPU (or CPU), print JSON
+    python run_step.py DIR --check         # one step on check.npz, compare with TF
+
+DIR is what `tfllm export-step --config C --out DIR [--check]` wrote. Timing fills the
+inputs with random values of the right dtypes (token ids in [1, vocab), weights and
+optimizer states small and non-zero), warms up, then times `--steps` steps, each
+synchronized with the device, feeding every step's updated variables into the next.
+It reports tokens/s, the median step time, TFLOP/s and MFU against the datasheet dense
+bf16 peak and against a bf16 matmul measured in the same run, saves the optimized HLO
+and lists which dots became cuBLAS / cuBLASLt calls (FP8 ones as `__cublas$lt$matmul$f8`).
+"""
+
+import argparse
+import json
+import os
+import re
+import statistics
+import time
+
+import numpy as np
+import jax
+
+jax.config.update("jax_enable_x64", True)  # the step has int64 parameters
+import jax.numpy as jnp  # noqa: E402
+from jax._src import xla_bridge  # noqa: E402
+from jax._src.lib import _jax, xla_client  # noqa: E402
+
+# Dense bf16 tensor-core peaks from NVIDIA's datasheets (SXM parts), TFLOP/s.
+DATASHEET_BF16_TFLOPS = {"H100": 989.4, "H200": 989.4, "A100": 312.0}
+
+
+def compile_step(directory, backend):
+    with open(os.path.join(directory, "step.hlo.pb"), "rb") as f:
+        mlir = _jax.mlir.hlo_to_stablehlo(f.read())
+    client = xla_bridge.get_backend(backend)
+    device = client.local_devices()[0]
+    exe = client.compile_and_load(mlir, _jax.DeviceList((device,)),
+                                  xla_client.CompileOptions())
+    return exe, device
+
+
+def random_inputs(desc, seed=0):
+    rng = np.random.default_rng(seed)
+    vocab = desc["config"]["vocab_size"]
+    out = []
+    for p in desc["params"]:
+        shape, dtype = p["shape"], np.dtype(p["dtype"])
+        if p["role"] == "batch":
+            out.append(rng.integers(1, vocab, shape).astype(dtype))  # no zeros
+        elif p["role"] == "step":
+            out.append(np.full(shape, 10, dtype))
+        elif p["role"] == "optimizer_state" and p["name"].endswith("/v"):
+            out.append((np.abs(rng.normal(size=shape)) * 1e-4 + 1e-6).astype(dtype))
+        elif p["role"] == "fp8_state":
+            out.append((np.abs(rng.normal(size=shape)) + 0.5).astype(dtype))
+        else:
+            out.append((rng.normal(size=shape) * 0.02).astype(dtype))
+    return out
+
+
+def run_once(exe, device, arrays):
+    args = [jax.device_put(a, device) for a in arrays]
+    outs = exe.execute_sharded(args).disassemble_into_single_device_arrays()
+    return [o[0] for o in outs]
+
+
+def check(directory, backend):
+    """One step on the exported inputs; compares every output with TensorFlow's."""
+    with open(os.path.join(directory, "step.json")) as f:
+        desc = json.load(f)
+    exe, device = compile_step(directory, backend)
+    ref = np.load(os.path.join(directory, "check.npz"))
+    outs = run_once(exe, device, [ref[f"input/{i}"] for i in range(len(desc["params"]))])
+    worst, noise_only = 0.0, []
+    for out, spec in zip(outs, desc["outputs"]):
+        key = (f"metric/{spec['name']}" if spec["role"] == "metric"
+               else f"update/{spec['param']}")
+        got, want = np.asarray(out, np.float64), np.asarray(ref[key], np.float64)
+        # Error relative to the tensor's scale. The key bias and its Adam moments get a
+        # gradient that is zero in exact arithmetic (softmax ignores a shift shared by
+        # all keys), so they hold rounding noise only: listed, not scored.
+        scale = float(np.max(np.abs(want))) if want.size else 0.0
+        if "attention/key/bias" in spec["name"]:
+            noise_only.append(spec["name"])
+            continue
+        worst = max(worst, float(np.max(np.abs(got - want))) / (scale + 1e-12))
+    loss_index = [o.get("name") for o in desc["outputs"]].index("loss")
+    return {"checked_outputs": len(outs) - len(noise_only), "noise_only": noise_only,
+            "max_relative_error": worst,
+            "loss": float(np.asarray(outs[loss_index])), "tf_loss": float(ref["metric/loss"])}
+
+
+def matmul_peak(device, n=8192, repeats=10):
+    a = jax.device_put(jnp.ones((n, n), jnp.bfloat16), device)
+    f = jax.jit(lambda x, y: x @ y)
+    f(a, a).block_until_ready()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        f(a, a).block_until_ready()
+        times.append(time.perf_counter() - start)
+    return 2 * n ** 3 / statistics.median(times)
+
+
+def gemm_report(hlo_text):
+    calls = re.findall(r'custom_call_target="([^"]+)"', hlo_text)
+    return {name: calls.count(name) for name in sorted(set(calls)) if "cublas" in name
+            or "cudnn" in name}
+
+
+def time_steps(directory, backend, steps, warmup):
+    with open(os.path.join(directory, "step.json")) as f:
+        desc = json.load(f)
+    exe, device = compile_step(directory, backend)
+    optimized = "\n".join(m.to_string() for m in exe.hlo_modules())
+    with open(os.path.join(directory, f"step.optimized.{backend}.hlo.txt"), "w") as f:
+        f.write(optimized)
+    args = [jax.device_put(a, device) for a in random_inputs(desc)]
+    updates = [(i, o["param"]) for i, o in enumerate(desc["outputs"]) if o["role"] == "update"]
+    times = []
+    for i in range(warmup + steps):
+        start = time.perf_counter()
+        outs = exe.execute_sharded(args).disassemble_into_single_device_arrays()
+        for o in outs:
+            o[0].block_until_ready()
+        if i >= warmup:
+            times.append(time.perf_counter() - start)
+        for out_index, param in updates:
+            args[param] = outs[out_index][0]
+    step_s = statistics.median(times)
+    flops = desc["flops_per_token"] * desc["tokens_per_step"] / step_s
+    peak = matmul_peak(device)
+    kind = device.device_kind
+    sheet = next((v for k, v in DATASHEET_BF16_TFLOPS.items() if k in kind), None)
+    return {"device": kind, "backend": backend, **desc["config"],
+            "params": desc["num_params"], "tokens_per_s": desc["tokens_per_step"] / step_s,
+            "step_ms": step_s * 1e3, "tflops": flops / 1e12,
+            "mfu_datasheet": flops / (sheet * 1e12) if sheet else None,
+            "matmul_peak_tflops": peak / 1e12, "mfu_measured_peak": flops / peak,
+            "gemm_calls": gemm_report(optimized),
+            "fp8_gemms": optimized.count("__cublas$lt$matmul$f8"),
+            "steps": steps, "jax": jax.__version__}
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("directory")
+    parser.add_argument("--backend", default="gpu" if any(
+        d.platform == "gpu" for d in jax.devices()) else "cpu")
+    parser.add_argument("--steps", type=int, default=50)
+    parser.add_argument("--warmup", type=int, default=5)
+    parser.add_argument("--check", action="store_true")
+    args = parser.parse_args()
+    result = (check(args.directory, args.backend) if args.check
+              else time_steps(args.directory, args.backend, args.steps, args.warmup))
+    print(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()

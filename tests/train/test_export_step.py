@@ -1,0 +1,67 @@
+"""`tfllm export-step` and the jaxlib runner (benchmarks/gpu/run_step.py)."""
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from tfllm.config import load_config
+from tfllm.train.export_step import export_step
+from tests.conftest import tiny_overrides
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+HAVE_JAX = importlib.util.find_spec("jax") is not None
+
+
+@pytest.mark.parametrize("policy", ["bfloat16", "fp8"])
+def test_export_describes_every_parameter_and_output(tmp_path, policy):
+    cfg = load_config(None, tiny_overrides("llama", **{"precision.policy": policy}))
+    desc = export_step(cfg, str(tmp_path))
+    roles = [p["role"] for p in desc["params"]]
+    assert roles[0] == "batch" and roles.count("batch") == 1
+    assert desc["params"][0]["shape"] == [16, 17] and desc["params"][0]["dtype"] == "int32"
+    assert roles.count("optimizer_state") == 2 * roles.count("weight")
+    assert roles.count("step") == 1
+    assert (roles.count("fp8_state") > 0) == (policy == "fp8")
+    assert {o["name"] for o in desc["outputs"] if o["role"] == "metric"} == {
+        "loss", "grad_norm", "learning_rate"}
+    updated = {o["param"] for o in desc["outputs"] if o["role"] == "update"}
+    assert updated == {i for i, r in enumerate(roles) if r != "batch"}  # all state moves
+    assert desc["num_params"] == sum(
+        int(np.prod(p["shape"])) for p in desc["params"] if p["role"] == "weight")
+    hlo = (tmp_path / "step.hlo.txt").read_text()
+    assert ("f8e4m3fn" in hlo) == (policy == "fp8")
+    assert (tmp_path / "step.hlo.pb").stat().st_size > 0
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not HAVE_JAX, reason="jax/jaxlib not installed (pip install jax)")
+@pytest.mark.parametrize("policy", ["float32", "bfloat16"])
+def test_jaxlib_runs_the_exported_step_like_tensorflow(tmp_path, policy):
+    cfg = load_config(None, tiny_overrides("gpt", **{"precision.policy": policy,
+                                                     "model.num_layers": 1}))
+    export_step(cfg, str(tmp_path), check=True)
+    runner = os.path.join(ROOT, "benchmarks", "gpu", "run_step.py")
+    r = subprocess.run([sys.executable, runner, str(tmp_path), "--check", "--backend", "cpu"],
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    out = json.loads(r.stdout.strip().splitlines()[-1])
+    # jaxlib's XLA is another version than TensorFlow's and fuses differently.
+    # float32: the loss to 1e-5; AdamW's scale-free update turns the gradients' ~1e-6
+    # relative rounding into up to ~2e-4 of the smallest moments: 1e-3 leaves 5x.
+    # bfloat16 rounds each op to 2**-8, so only the loss is compared, to 1e-2.
+    assert out["loss"] == pytest.approx(out["tf_loss"], rel=1e-5 if policy == "float32"
+                                        else 1e-2)
+    if policy == "float32":
+        assert out["max_relative_error"] < 1e-3
+    assert out["checked_outputs"] > 40
+    r = subprocess.run([sys.executable, runner, str(tmp_path), "--steps", "3", "--warmup",
+                        "1", "--backend", "cpu"], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    timing = json.loads(r.stdout.strip().splitlines()[-1])
+    assert timing["tokens_per_s"] > 0 and timing["step_ms"] > 0
+    assert (tmp_path / "step.optimized.cpu.hlo.txt").exists()

@@ -1,0 +1,110 @@
+"""Export the compiled train step as portable XLA (HLO) for a machine without TensorFlow.
+
+`tfllm export-step --config C --out DIR` writes, for one device:
+
+* `step.hlo.pb`: the serialized HloModule of the `jit_compile=True` train step that
+  `tfllm train` runs (forward, loss, backward, clipping, AdamW update);
+* `step.hlo.txt`: the same, as text;
+* `step.json`: each HLO parameter (shape, dtype, role: batch, weight, optimizer_state,
+  fp8_state, step), each output (metric name, or the parameter it updates), FLOPs per
+  token, tokens per step and versions;
+* `check.npz` (with `--check`): the inputs of one step and TensorFlow's outputs, so a
+  runner can prove that it executes the same program (`benchmarks/gpu/run_step.py`).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+
+import numpy as np
+import tensorflow as tf
+
+from tfllm.data import SyntheticTokens
+from tfllm.models import build_model
+from tfllm.optim import AdamW
+from tfllm.train.metrics import count_params, flops_per_token
+from tfllm.train.step import TrainStep
+
+
+def _entry_signature(hlo_text: str):
+    """(parameter types, output types) of the HLO module's entry computation."""
+    entry = next(l for l in hlo_text.splitlines() if l.startswith("ENTRY"))
+    params_text, out_text = re.match(r"ENTRY \S+ \((.*)\) -> (.*) \{", entry).groups()
+    types = lambda text: re.findall(r"([a-z]+[0-9]*[a-z0-9]*)\[([0-9,]*)\]", text)
+    return types(params_text), types(out_text)
+
+
+def export_step(config, out_dir: str, check: bool = False) -> dict:
+    """Writes the step's HLO and description to `out_dir`; returns the description."""
+    os.makedirs(out_dir, exist_ok=True)
+    model = build_model(config, None)  # one device, no DTensor: plain XLA parameters
+    t = config.train
+    optimizer = AdamW(config.optimizer, t.steps)
+    optimizer.build(model.trainable_variables)
+    step = TrainStep(model, optimizer, None, jit_compile=True)
+    data = SyntheticTokens(config.model.vocab_size, config.data.sequence_length + 1,
+                           config.data.seed)
+    batch = step.to_device(data.batch(0, t.global_batch_size, t.grad_accum_steps))
+    ir = step._step.experimental_get_compiler_ir(batch)
+    hlo_bytes, hlo_text = ir(stage="hlo_serialized"), ir(stage="hlo")
+    concrete = step._step.get_concrete_function(batch)
+
+    named = [(v.value, "weight", v.path) for v in model.trainable_variables]
+    named += [(v.value, "fp8_state", v.path) for v in model.fp8_state_variables()]
+    named += [(optimizer.iterations, "step", "optimizer/iterations")]
+    for var, (_, m, s) in zip(optimizer.variables, optimizer.states):
+        named += [(m, "optimizer_state", f"optimizer/{var.path}/m"),
+                  (s, "optimizer_state", f"optimizer/{var.path}/v")]
+    by_handle = {var.handle.ref(): (role, name, var) for var, role, name in named}
+
+    params = [{"role": "batch", "name": f"tokens/{i}", "shape": list(b.shape),
+               "dtype": b.dtype.name} for i, b in enumerate(batch)]
+    written, captured = [], []
+    for handle in concrete.captured_inputs:
+        match = by_handle.get(handle.ref())
+        if match is None:
+            raise RuntimeError("export-step: the step captures a tensor that is not a "
+                               "known variable; cannot describe its HLO parameters.")
+        role, name, var = match
+        captured.append(var)
+        params.append({"role": role, "name": name, "shape": list(var.shape),
+                       "dtype": var.dtype.name})
+        written.append(len(params) - 1)
+    hlo_params, hlo_outputs = _entry_signature(hlo_text)
+    if len(hlo_params) != len(params):
+        raise RuntimeError(f"export-step: HLO has {len(hlo_params)} parameters, the step "
+                           f"{len(params)}; the calling convention changed.")
+    metric_names = sorted(concrete.structured_outputs)  # tf.function flattens dicts sorted
+    outputs = [{"role": "metric", "name": n} for n in metric_names]
+    outputs += [{"role": "update", "param": i, "name": params[i]["name"]} for i in written]
+    if len(hlo_outputs) != len(outputs):
+        raise RuntimeError(f"export-step: HLO returns {len(hlo_outputs)} values, expected "
+                           f"{len(outputs)} (metrics + updated variables).")
+    tokens_per_step = t.global_batch_size * config.data.sequence_length
+    description = {
+        "config": {"family": config.model.family, "policy": config.precision.policy,
+                   "global_batch_size": t.global_batch_size,
+                   "sequence_length": config.data.sequence_length,
+                   "vocab_size": config.model.vocab_size},
+        "params": params, "outputs": outputs,
+        "num_params": count_params(model),
+        "flops_per_token": flops_per_token(config.model, config.data.sequence_length),
+        "tokens_per_step": tokens_per_step,
+        "tensorflow": tf.__version__,
+    }
+    with open(os.path.join(out_dir, "step.hlo.pb"), "wb") as f:
+        f.write(hlo_bytes)
+    with open(os.path.join(out_dir, "step.hlo.txt"), "w") as f:
+        f.write(hlo_text)
+    with open(os.path.join(out_dir, "step.json"), "w") as f:
+        json.dump(description, f, indent=1)
+    if check:  # one step's inputs and TensorFlow's results, for the runner to match
+        inputs = [b.numpy() for b in batch] + [var.numpy() for var in captured]
+        result = step._step(batch)
+        arrays = {f"input/{i}": x for i, x in enumerate(inputs)}
+        arrays.update({f"metric/{k}": np.asarray(v) for k, v in result.items()})
+        arrays.update({f"update/{i}": captured[i - len(batch)].numpy() for i in written})
+        np.savez(os.path.join(out_dir, "check.npz"), **arrays)
+    return description
