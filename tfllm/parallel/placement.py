@@ -83,12 +83,7 @@ class Parallel:
     # ---- shards ------------------------------------------------------------------------
     def local_blocks(self, shape: Sequence[int], spec: rules_lib.Spec):
         """(device, start, size) of this client's shards of a tensor laid out by spec."""
-        size = rules_lib.shard_shape(shape, spec, self.shape)
-        out = []
-        for device, loc in zip(self.mesh.local_devices(), self.mesh.local_device_locations()):
-            start = [loc[m] * n if m else 0 for m, n in zip(spec, size)]
-            out.append((device, start, size))
-        return out
+        return local_blocks(self.mesh, shape, spec)
 
     def make_sharded(self, spec: rules_lib.Spec, shape: Sequence[int], block_fn):
         """Packs a DTensor whose shard on each local device is block_fn(start, size)."""
@@ -102,8 +97,21 @@ class Parallel:
         """A global numpy array as a DTensor; each local device receives only its slice."""
         spec = self.batch_spec(array.shape) if spec is None else spec
         def block(start, size):
-            return tf.constant(array[tuple(slice(s, s + n) for s, n in zip(start, size))])
+            return tf.constant(array[_block_slices(start, size)])
         return self.make_sharded(spec, array.shape, block)
+
+
+def local_blocks(mesh, shape: Sequence[int], spec: rules_lib.Spec):
+    """(device, start, size) of each local shard of a `shape` tensor laid out by `spec`
+    (one mesh axis name or None per dimension) on `mesh`."""
+    mesh_dims = {name: mesh.dim_size(name) for name in mesh.dim_names}
+    size = rules_lib.shard_shape(shape, spec, mesh_dims)
+    return [(device, [loc[m] * n if m else 0 for m, n in zip(spec, size)], size)
+            for device, loc in zip(mesh.local_devices(), mesh.local_device_locations())]
+
+
+def _block_slices(start, size):
+    return tuple(slice(s, s + n) for s, n in zip(start, size))
 
 
 def to_numpy(x) -> np.ndarray:
@@ -115,15 +123,11 @@ def to_numpy(x) -> np.ndarray:
     if not dtensor.is_dtensor(x):
         return np.asarray(x)
     layout = dtensor.fetch_layout(x)
-    parts = dtensor.unpack(x)
-    mesh = layout.mesh
-    shape = x.shape.as_list()
     spec = [None if s == dtensor.UNSHARDED else s for s in layout.sharding_specs]
-    size = [n // (mesh.dim_size(m) if m else 1) for n, m in zip(shape, spec)]
-    out = np.zeros(shape, dtype=x.dtype.as_numpy_dtype)
-    for part, loc in zip(parts, mesh.local_device_locations()):
-        start = [loc[m] * n if m else 0 for m, n in zip(spec, size)]
-        out[tuple(slice(s, s + n) for s, n in zip(start, size))] = part.numpy()
+    out = np.zeros(x.shape.as_list(), dtype=x.dtype.as_numpy_dtype)
+    blocks = local_blocks(layout.mesh, x.shape.as_list(), spec)
+    for part, (_, start, size) in zip(dtensor.unpack(x), blocks):
+        out[_block_slices(start, size)] = part.numpy()
     return out
 
 

@@ -18,7 +18,7 @@ dimension takes one rule.
 
 from __future__ import annotations
 
-from typing import Dict, Mapping, Optional, Sequence, Tuple
+from typing import Mapping, Optional, Sequence, Tuple
 
 Rules = Sequence[Tuple[str, Optional[str]]]
 Spec = Tuple[Optional[str], ...]
@@ -146,6 +146,3 @@ def shard_shape(shape: Sequence[int], spec: Spec, mesh_shape: Mapping[str, int])
 def spec_to_str(spec: Spec) -> str:
     return "[" + ", ".join(m or "-" for m in spec) + "]"
 
-
-def mesh_shape_dict(axes: Sequence[Tuple[str, int]]) -> Dict[str, int]:
-    return {name: size for name, size in axes}

@@ -8,8 +8,6 @@ after `growth_interval` finite steps in a row the scale doubles.
 
 from __future__ import annotations
 
-from typing import Optional
-
 import tensorflow as tf
 
 from tfllm.parallel.placement import new_variable

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import statistics
 import time
 
@@ -10,14 +11,7 @@ import tensorflow as tf
 
 def count_params(model) -> int:
     """Trainable parameters (FP8 amax histories and other state excluded)."""
-    return int(sum(_numel(v.shape) for v in model.trainable_variables))
-
-
-def _numel(shape) -> int:
-    n = 1
-    for d in shape:
-        n *= int(d)
-    return n
+    return int(sum(math.prod(int(d) for d in v.shape) for v in model.trainable_variables))
 
 
 def flops_per_token(model_config, sequence_length: int) -> int:
