@@ -47,7 +47,7 @@ def tiny_overrides(family="gpt", axes="data=1", **extra):
         "model.num_key_value_heads": heads[1], "model.intermediate_dim": 128,
         "model.max_sequence_length": 32, "data.sequence_length": 16,
         "train.global_batch_size": 16, "train.steps": 3, "optimizer.warmup_steps": 1,
-        "optimizer.learning_rate": 1e-2, "mesh.axes": axes,
+        "optimizer.learning_rate": 1e-2, "mesh.axes": axes, "data.source": "synthetic",
     }
     values.update(extra)
     return [f"{k}={v}" for k, v in values.items()]

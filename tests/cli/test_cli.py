@@ -35,7 +35,7 @@ def test_cli_surface_is_frozen():
 def test_train_tiny_on_a_mesh_writes_metrics_and_config(tmp_path):
     workdir = tmp_path / "run"
     r = _tfllm("train", "--config", "configs/tiny.yaml", "--workdir", str(workdir),
-               "--set", "train.steps=12", "--set", "train.log_every=5",
+               "--set", "train.steps=12", "--set", "train.log_every=5", "--set", "data.source=synthetic",
                "--set", "mesh.axes=data=2,fsdp=2,model=2")
     assert r.returncode == 0, r.stderr
     lines = [json.loads(l) for l in (workdir / "metrics.jsonl").read_text().splitlines()]

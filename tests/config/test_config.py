@@ -17,9 +17,15 @@ ALL_KEYS = {
     "optimizer": ["learning_rate", "warmup_steps", "decay_steps", "min_learning_rate_ratio",
                   "beta1", "beta2", "epsilon", "weight_decay", "weight_decay_exclude",
                   "clip_norm", "shard_optimizer_state"],
-    "data": ["source", "sequence_length", "seed"],
+    "data": ["source", "paths", "eval_paths", "text_key", "tfds_name", "tfds_split",
+             "tfds_eval_split", "tfds_data_dir", "data_dir", "validation_fraction",
+             "tokenizer", "tokenizer_path", "packing_mask", "shuffle_buffer",
+             "sequence_length", "seed"],
     "train": ["steps", "global_batch_size", "grad_accum_steps", "seed", "jit_compile",
-              "log_every"],
+              "log_every", "eval_every", "eval_steps", "deterministic", "progress",
+              "on_nonfinite", "loss_spike_factor", "loss_spike_window", "sample_prompt",
+              "sample_tokens"],
+    "checkpoint": ["every", "max_to_keep", "async_save", "on_corruption"],
 }
 
 

@@ -27,7 +27,7 @@ def _free_ports(n):
 def _train_cmd(workdir, axes):
     return [sys.executable, "-m", "tfllm.cli.main", "train", "--config", "configs/tiny.yaml",
             "--workdir", str(workdir), "--set", f"mesh.axes={axes}", "--set", "train.steps=4",
-            "--set", "train.log_every=1"]
+            "--set", "train.log_every=1", "--set", "data.source=synthetic"]
 
 
 def _losses(workdir):

@@ -176,6 +176,20 @@ def validate(cfg: schema.Config) -> None:
         raise ConfigError(f"data.sequence_length ({cfg.data.sequence_length}) exceeds "
                           f"model.max_sequence_length ({m.max_sequence_length}); lower it or "
                           "raise model.max_sequence_length.")
+    d = cfg.data
+    if d.source in ("text", "tfrecord") and not d.paths:
+        raise ConfigError(f"data.paths is empty but data.source is {d.source}; name the "
+                          "training files, e.g. --set data.paths=[\"corpus/*.txt\"].")
+    if d.source == "tfds" and not d.tfds_name:
+        raise ConfigError("data.tfds_name is empty but data.source is tfds; name a dataset, "
+                          "e.g. --set data.tfds_name=lm1b.")
+    if d.source != "synthetic" and d.tokenizer == "file" and not d.tokenizer_path:
+        raise ConfigError("data.tokenizer is file but data.tokenizer_path is empty; name a "
+                          "SentencePiece .model file or a keras-hub tokenizer preset directory.")
+    if d.source != "synthetic" and d.tokenizer == "byte" and m.vocab_size < 257:
+        raise ConfigError(f"model.vocab_size ({m.vocab_size}) is too small for data.tokenizer="
+                          "byte, which needs 257 ids (256 bytes + end of document); set "
+                          "model.vocab_size=257 or more.")
     t = cfg.train
     if t.global_batch_size % t.grad_accum_steps:
         raise ConfigError(f"train.global_batch_size ({t.global_batch_size}) must be divisible "

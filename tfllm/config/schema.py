@@ -108,10 +108,42 @@ class OptimizerConfig:
 
 @dataclass
 class DataConfig:
-    """Where token batches come from."""
+    """Where token batches come from and how they are tokenized and packed."""
 
-    source: str = _f("synthetic", "Token source: synthetic (deterministic, learnable "
-                     "sequences; no download).", choices=("synthetic",))
+    source: str = _f("corpus", "Token source: corpus (the embedded default: text from this "
+                     "Python's standard library, built offline), text (plain UTF-8 files "
+                     "from data.paths), tfrecord (tf.train.Example files from data.paths, "
+                     "string feature data.text_key), tfds (a TensorFlow Datasets name) or "
+                     "synthetic (deterministic learnable token sequences, no tokenizer).",
+                     choices=("corpus", "text", "tfrecord", "tfds", "synthetic"))
+    paths: List[str] = _f([], "text/tfrecord: file paths or glob patterns of the training "
+                          "data.")
+    eval_paths: List[str] = _f([], "text/tfrecord: files or globs of the validation data; "
+                               "empty means hold out data.validation_fraction of the "
+                               "documents of data.paths.")
+    text_key: str = _f("text", "tfrecord/tfds: the feature holding each document's text.")
+    tfds_name: str = _f("", "tfds: dataset name, e.g. 'wikipedia/20230601.en' or "
+                        "'lm1b'.")
+    tfds_split: str = _f("train", "tfds: split used for training.")
+    tfds_eval_split: str = _f("validation", "tfds: split used for validation.")
+    tfds_data_dir: str = _f("", "tfds: data_dir holding prepared datasets (empty: TFDS's "
+                            "default).")
+    data_dir: str = _f("~/.cache/tfllm", "Where the embedded corpus and trained "
+                       "tokenizers are cached.")
+    validation_fraction: float = _f(0.02, "Fraction of documents held out for validation "
+                                    "when no separate validation data is named (chosen by "
+                                    "a hash of each document, so the split never overlaps).",
+                                    min=0.0, max=0.5)
+    tokenizer: str = _f("sentencepiece", "sentencepiece (a unigram SentencePiece model "
+                        "trained offline on the training data at model.vocab_size and saved "
+                        "in the workdir), byte (UTF-8 bytes plus an end-of-document id; "
+                        "needs model.vocab_size >= 257) or file (data.tokenizer_path).",
+                        choices=("sentencepiece", "byte", "file"))
+    tokenizer_path: str = _f("", "tokenizer=file: a SentencePiece .model file or a "
+                             "keras-hub tokenizer preset directory.")
+    packing_mask: bool = _f(True, "Documents packed into one sequence do not attend to "
+                            "each other.")
+    shuffle_buffer: int = _f(10000, "Documents in the shuffle buffer.", min=1)
     sequence_length: int = _f(64, "Tokens per training sequence.", min=2)
     seed: int = _f(1234, "Seed of the data order.")
 
@@ -130,6 +162,38 @@ class TrainConfig:
                           "benchmarks/results/cpu_jit.md).",
                           choices=("auto", "true", "false"))
     log_every: int = _f(10, "Write metrics every N steps.", min=1)
+    eval_every: int = _f(0, "Evaluate on the validation data every N steps (0: only at "
+                         "the end).", min=0)
+    eval_steps: int = _f(8, "Validation batches per evaluation.", min=1)
+    deterministic: bool = _f(False, "Deterministic ops (tf.config.experimental."
+                             "enable_op_determinism) for bitwise-reproducible resumes.")
+    progress: str = _f("auto", "Progress display: bar (redrawn line), lines (one line per "
+                       "log step), none, or auto (bar on a terminal, else lines).",
+                       choices=("auto", "bar", "lines", "none"))
+    on_nonfinite: str = _f("abort", "A NaN/Inf loss or gradient norm: abort (exit non-zero; "
+                           "the last good checkpoint stays the latest) or skip (the update "
+                           "is skipped on every client and counted).",
+                           choices=("abort", "skip"))
+    loss_spike_factor: float = _f(0.0, "Skip a step whose loss exceeds this factor times the "
+                                  "mean of the last loss_spike_window losses (0: off).",
+                                  min=0.0)
+    loss_spike_window: int = _f(20, "Losses averaged by the loss-spike guard.", min=1)
+    sample_prompt: str = _f("def ", "Prompt of the sample printed at the end of training.")
+    sample_tokens: int = _f(48, "Tokens generated for the end-of-training sample (0: none).",
+                            min=0)
+
+
+@dataclass
+class CheckpointConfig:
+    """Sharded checkpoints of the whole run state."""
+
+    every: int = _f(100, "Save every N steps (0: only at the end).", min=0)
+    max_to_keep: int = _f(3, "Committed checkpoints kept; older ones are deleted.", min=1)
+    async_save: bool = _f(False, "Write shards in a background thread while training "
+                          "continues; errors surface at the next save or at exit.")
+    on_corruption: str = _f("error", "A checkpoint that fails its checksums: error, or "
+                            "fallback to the previous committed checkpoint with a warning.",
+                            choices=("error", "fallback"))
 
 
 @dataclass
@@ -142,6 +206,7 @@ class Config:
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
     data: DataConfig = field(default_factory=DataConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
 
 
 SECTIONS = tuple(f.name for f in dataclasses.fields(Config))
