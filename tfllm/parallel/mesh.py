@@ -78,6 +78,11 @@ def num_clients() -> int:
     return len([j for j in jobs.split(",") if j]) or 1
 
 
+def client_id() -> int:
+    """This process's index in a DTensor multi-client job (DTENSOR_CLIENT_ID, else 0)."""
+    return int(os.environ.get("DTENSOR_CLIENT_ID", "0") or 0)
+
+
 def _gpu_count() -> int:
     import tensorflow as tf
     return len(tf.config.list_physical_devices("GPU"))

@@ -79,10 +79,19 @@ def train(config, workdir: str, model_cls=None, out=sys.stdout) -> dict:
       The last logged metrics.
     """
     run = Run(config, model_cls)
-    save_config(config, workdir)
+    from tfllm.parallel.mesh import client_id
+    primary = client_id() == 0
+    if not primary:
+        # Only client 0 writes metrics, TensorBoard, the config and the progress display;
+        # the others log to their own file.
+        os.makedirs(os.path.join(workdir, "logs"), exist_ok=True)
+        out = open(os.path.join(workdir, "logs", f"client_{client_id()}.log"), "a")
+        metrics_path = os.devnull
+    else:
+        save_config(config, workdir)
+        metrics_path = os.path.join(workdir, "metrics.jsonl")
     t = config.train
     tokens_per_step = t.global_batch_size * config.data.sequence_length
-    metrics_path = os.path.join(workdir, "metrics.jsonl")
     mesh = ", ".join(f"{k}={v}" for k, v in run.parallel.shape.items())
     print(f"tfllm: {config.model.family} on mesh [{mesh}] ({run.parallel.device_type}), "
           f"jit_compile={run.jit_compile}, {describe(config.precision)}", file=out)
@@ -94,7 +103,7 @@ def train(config, workdir: str, model_cls=None, out=sys.stdout) -> dict:
     last = {}
     window_start, window_tokens = None, 0
     start = time.perf_counter()
-    tensorboard = TensorBoard(os.path.join(workdir, "tensorboard"))
+    tensorboard = TensorBoard(os.path.join(workdir, "tensorboard")) if primary else None
     with open(metrics_path, "a", encoding="utf-8") as metrics_file:
         for step in range(t.steps):
             values = run.step(run.batch(step))
@@ -117,6 +126,7 @@ def train(config, workdir: str, model_cls=None, out=sys.stdout) -> dict:
                 print(f"step {number}/{t.steps}  loss {values['loss']:.4f}  "
                       f"grad_norm {values['grad_norm']:.3f}  lr {values['learning_rate']:.2e}  "
                       f"{tps:,.0f} tok/s  eta {_eta(remaining)}{extra}", file=out, flush=True)
-                tensorboard.write(number, last, run.model)
+                if tensorboard is not None:
+                    tensorboard.write(number, last, run.model)
     last["first_step_s"] = first_step_s
     return last
