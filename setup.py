@@ -19,6 +19,7 @@ setup(
         "absl-py",
         "pyyaml",
         "numpy",
+        "matplotlib",
     ],
     extras_require={
         "and-cuda": ["tensorflow[and-cuda]>=2.16,<2.22"],

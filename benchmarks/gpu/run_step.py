@@ -51,6 +51,10 @@ def random_inputs(desc, seed=0):
         shape, dtype = p["shape"], np.dtype(p["dtype"])
         if p["role"] == "batch":
             out.append(rng.integers(1, vocab, shape).astype(dtype))  # no zeros
+        elif p["role"] == "loss_limit":  # the spike guard off
+            out.append(np.full(shape, np.inf, dtype))
+        elif p["role"] == "counter":
+            out.append(np.zeros(shape, dtype))
         elif p["role"] == "step":
             out.append(np.full(shape, 10, dtype))
         elif p["role"] == "optimizer_state" and p["name"].endswith("/v"):

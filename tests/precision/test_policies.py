@@ -139,7 +139,8 @@ def test_fp8_matmuls_lower_to_f8_dots_and_only_those():
     step = TrainStep(model, optimizer, None, jit_compile=True)
     data = SyntheticTokens(cfg.model.vocab_size, cfg.data.sequence_length + 1)
     batch = step.to_device(data.batch(0, cfg.train.global_batch_size))
-    hlo = step._step.experimental_get_compiler_ir(batch)(stage="hlo")
+    hlo = step._step.experimental_get_compiler_ir(
+        batch, step.loss_limit_input(float("inf")))(stage="hlo")
     table = _parse_hlo(hlo)
     dots = {n: v for n, v in table.items() if v[0] == "dot"}
     fp8_dots, plain_dots = [], []

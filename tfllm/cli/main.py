@@ -22,9 +22,85 @@ def _load(args):
 
 def cmd_train(args) -> int:
     from tfllm.train.loop import train
-    config = _load(args)
-    last = train(config, args.workdir)
-    print(json.dumps({k: last[k] for k in ("step", "loss", "tokens_per_s") if k in last}))
+    from tfllm.train.preemption import (NONFINITE_EXIT_CODE, PREEMPTED_EXIT_CODE,
+                                        NonFiniteError, Preempted)
+    config = _load_for_workdir(args)
+    try:
+        last = train(config, args.workdir)
+    except Preempted as e:
+        print(f"tfllm train: {e}", file=sys.stderr)
+        return PREEMPTED_EXIT_CODE
+    except NonFiniteError as e:
+        print(f"tfllm train: error: {e}", file=sys.stderr)
+        return NONFINITE_EXIT_CODE
+    print(json.dumps({k: last[k] for k in ("step", "loss", "eval_loss", "tokens_per_s")
+                      if k in last}))
+    return 0
+
+
+def _load_for_workdir(args):
+    """--config and --set; with neither, an existing run's own config.yaml (resume)."""
+    import os
+    from tfllm.config import load_config
+    saved = os.path.join(args.workdir, "config.yaml")
+    if args.config is None and os.path.exists(saved):
+        return load_config(saved, args.overrides)
+    return load_config(args.config, args.overrides)
+
+
+def _restored_run(args, with_train_data: bool = False):
+    """The run in --workdir with its latest checkpoint's weights (any mesh via --set)."""
+    import os
+    from tfllm.checkpoint import Checkpointer
+    from tfllm.config import load_config
+    from tfllm.train.run import Run
+    saved = os.path.join(args.workdir, "config.yaml")
+    if not os.path.exists(saved):
+        raise FileNotFoundError(f"{saved} does not exist; --workdir must name a directory "
+                                "written by tfllm train.")
+    config = load_config(saved, args.overrides)
+    run = Run(config, workdir=args.workdir, train_iterator=with_train_data)
+    checkpointer = Checkpointer(os.path.join(args.workdir, "checkpoints"), run.parallel,
+                                config.checkpoint)
+    from tfllm.checkpoint import run_state_variables
+    meta = checkpointer.restore_latest(run_state_variables(run.model), strict=False)
+    if meta is None:
+        raise FileNotFoundError(f"{args.workdir}/checkpoints holds no committed checkpoint; "
+                                "train first (tfllm train --workdir ...).")
+    return run, meta
+
+
+def cmd_generate(args) -> int:
+    from tfllm.train.run import sample_text
+    run, meta = _restored_run(args)
+    text = sample_text(run, args.prompt, args.max_new_tokens, temperature=args.temperature,
+                       top_k=args.top_k, top_p=args.top_p, seed=args.seed)
+    print(text)
+    return 0
+
+
+def cmd_eval(args) -> int:
+    run, meta = _restored_run(args)
+    if args.steps:
+        run.config.train.eval_steps = args.steps
+    result = run.evaluate()
+    print(json.dumps({"step": int(meta["step"]), **result}))
+    return 0
+
+
+def cmd_export(args) -> int:
+    import os
+    from tfllm.checkpoint import Checkpointer
+    from tfllm.config import load_config
+    from tfllm.train.export import export_model
+    saved = os.path.join(args.workdir, "config.yaml")
+    if not os.path.exists(saved):
+        raise FileNotFoundError(f"{saved} does not exist; --workdir must name a directory "
+                                "written by tfllm train.")
+    config = load_config(saved, args.overrides)
+    factory = lambda parallel: Checkpointer(  # noqa: E731
+        os.path.join(args.workdir, "checkpoints"), parallel, config.checkpoint)
+    print(json.dumps(export_model(config, args.workdir, args.out, factory)))
     return 0
 
 
@@ -65,6 +141,34 @@ def build_parser() -> argparse.ArgumentParser:
     _common(p)
     p.add_argument("--workdir", default="runs/default", help="Run directory.")
     p.set_defaults(fn=cmd_train)
+    p = sub.add_parser("generate", help="Generate text with a trained run's model.")
+    p.add_argument("--workdir", required=True, help="A run directory of tfllm train.")
+    p.add_argument("--set", dest="overrides", action="append", default=[],
+                   metavar="SECTION.KEY=VALUE", help="Override a setting, e.g. mesh.axes.")
+    p.add_argument("--prompt", required=True, help="The text to continue.")
+    p.add_argument("--max-new-tokens", type=int, default=64, help="Tokens to generate.")
+    p.add_argument("--temperature", type=float, default=0.0,
+                   help="Sampling temperature; 0 means greedy.")
+    p.add_argument("--top-k", type=int, default=0, help="Sample among the k most likely "
+                   "tokens (0: all).")
+    p.add_argument("--top-p", type=float, default=1.0, help="Nucleus sampling: the smallest "
+                   "set of tokens whose probability reaches p (1: all).")
+    p.add_argument("--seed", type=int, default=0, help="Seed of the sampling.")
+    p.set_defaults(fn=cmd_generate)
+    p = sub.add_parser("eval", help="Validation loss and perplexity of a trained run.")
+    p.add_argument("--workdir", required=True, help="A run directory of tfllm train.")
+    p.add_argument("--set", dest="overrides", action="append", default=[],
+                   metavar="SECTION.KEY=VALUE", help="Override a setting, e.g. mesh.axes.")
+    p.add_argument("--steps", type=int, default=0,
+                   help="Validation batches (0: train.eval_steps).")
+    p.set_defaults(fn=cmd_eval)
+    p = sub.add_parser("export", help="Write a single-device model (SavedModel + Keras "
+                       "weights) from a run's latest checkpoint.")
+    p.add_argument("--workdir", required=True, help="A run directory of tfllm train.")
+    p.add_argument("--set", dest="overrides", action="append", default=[],
+                   metavar="SECTION.KEY=VALUE", help="Override a setting.")
+    p.add_argument("--out", required=True, help="Output directory.")
+    p.set_defaults(fn=cmd_export)
     p = sub.add_parser("layouts", help="Print each variable's layout and bytes per device "
                        "without allocating the model.")
     _common(p)
@@ -87,14 +191,24 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def main(argv=None) -> int:
+def _input_errors() -> tuple:
+    """Errors caused by bad input (config, data, checkpoint, workdir): exit 2, no trace."""
+    from tfllm.checkpoint import CheckpointError
     from tfllm.config import ConfigError
+    from tfllm.data import DataError
+    from tfllm.parallel.coordination import ClientMismatchError
     from tfllm.parallel.mesh import MeshError
     from tfllm.parallel.rules import ShardingError
+    return (ConfigError, MeshError, ShardingError, DataError, CheckpointError,
+            ClientMismatchError, FileNotFoundError)
+
+
+def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
+    errors = _input_errors()
     try:
         return args.fn(args)
-    except (ConfigError, MeshError, ShardingError) as e:
+    except errors as e:
         print(f"tfllm {args.command}: error: {e}", file=sys.stderr)
         return 2
 

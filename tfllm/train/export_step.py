@@ -47,13 +47,15 @@ def export_step(config, out_dir: str, check: bool = False) -> dict:
     data = SyntheticTokens(config.model.vocab_size, config.data.sequence_length + 1,
                            config.data.seed)
     batch = step.to_device(data.batch(0, t.global_batch_size, t.grad_accum_steps))
-    ir = step._step.experimental_get_compiler_ir(batch)
+    limit = step.loss_limit_input(float("inf"))
+    ir = step._step.experimental_get_compiler_ir(batch, limit)
     hlo_bytes, hlo_text = ir(stage="hlo_serialized"), ir(stage="hlo")
-    concrete = step._step.get_concrete_function(batch)
+    concrete = step._step.get_concrete_function(batch, limit)
 
     named = [(v.value, "weight", v.path) for v in model.trainable_variables]
     named += [(v.value, "fp8_state", v.path) for v in model.fp8_state_variables()]
     named += [(optimizer.iterations, "step", "optimizer/iterations")]
+    named += [(step.skipped, "counter", "train/guard_skipped")]
     for var, (_, m, s) in zip(optimizer.variables, optimizer.states):
         named += [(m, "optimizer_state", f"optimizer/{var.path}/m"),
                   (s, "optimizer_state", f"optimizer/{var.path}/v")]
@@ -61,6 +63,8 @@ def export_step(config, out_dir: str, check: bool = False) -> dict:
 
     params = [{"role": "batch", "name": f"tokens/{i}", "shape": list(b.shape),
                "dtype": b.dtype.name} for i, b in enumerate(batch)]
+    params.append({"role": "loss_limit", "name": "loss_limit", "shape": [],
+                   "dtype": "float32"})
     written, captured = [], []
     for handle in concrete.captured_inputs:
         match = by_handle.get(handle.ref())
@@ -101,10 +105,11 @@ def export_step(config, out_dir: str, check: bool = False) -> dict:
     with open(os.path.join(out_dir, "step.json"), "w") as f:
         json.dump(description, f, indent=1)
     if check:  # one step's inputs and TensorFlow's results, for the runner to match
-        inputs = [b.numpy() for b in batch] + [var.numpy() for var in captured]
-        result = step._step(batch)
+        inputs = ([b.numpy() for b in batch] + [limit.numpy()]
+                  + [var.numpy() for var in captured])
+        result = step._step(batch, limit)
         arrays = {f"input/{i}": x for i, x in enumerate(inputs)}
         arrays.update({f"metric/{k}": np.asarray(v) for k, v in result.items()})
-        arrays.update({f"update/{i}": captured[i - len(batch)].numpy() for i in written})
+        arrays.update({f"update/{i}": captured[i - len(batch) - 1].numpy() for i in written})
         np.savez(os.path.join(out_dir, "check.npz"), **arrays)
     return description

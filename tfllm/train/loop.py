@@ -1,132 +1,203 @@
-"""The training loop: set up the mesh, model, optimizer and step; run; log metrics."""
+"""The training loop: resume, train, evaluate, checkpoint, stop cleanly, report.
+
+`train(config, workdir)` is what `tfllm train` runs. It resumes from the workdir's
+latest committed checkpoint when there is one, shows a progress bar (step, loss,
+tokens/s, MFU, ETA), appends to metrics.jsonl and TensorBoard, evaluates every
+`train.eval_every` steps and at the end, saves every `checkpoint.every` steps and at
+the end, draws loss.png, and prints a generated sample. SIGTERM/SIGINT save and exit
+75; a NaN/Inf loss exits 3 under `train.on_nonfinite=abort`.
+"""
 
 from __future__ import annotations
 
 import json
+import math
 import os
 import sys
 import time
+from collections import deque
 
 from tfllm.config import save_config
-from tfllm.data import SyntheticTokens
-from tfllm.models import build_model
-from tfllm.optim import AdamW
-from tfllm.parallel import make_parallel
-from tfllm.parallel.mesh import check_batch
+from tfllm.config.loader import to_dict
+from tfllm.parallel.coordination import any_client, check_same_config
+from tfllm.parallel.mesh import client_id
 from tfllm.precision import describe
-from tfllm.train.step import TrainStep, resolve_jit
+from tfllm.train.metrics import flops_per_token, measure_matmul_peak
+from tfllm.train.preemption import NonFiniteError, Preempted, SignalWatcher
+from tfllm.train.progress import Progress
+from tfllm.train.run import Run, sample_text
 from tfllm.train.tensorboard import TensorBoard
+from tfllm.train.workdir import check_workdir, clear_dead_run, truncate_metrics
+
+__all__ = ["Run", "train"]
 
 
-class Run:
-    """Everything a training run needs, set up from a config.
-
-    Args:
-      config: a validated `tfllm.config.Config`.
-      model_cls: a `CausalLM` subclass to train instead of the config's family.
-    """
-
-    def __init__(self, config, model_cls=None):
-        self.config = config
-        self.parallel = make_parallel(config)
-        t = config.train
-        self.batch_axis = self.parallel.spec(
-            "batch", (t.global_batch_size // t.grad_accum_steps, config.data.sequence_length + 1),
-            ("activation_batch", "activation_length"))[0]
-        check_batch(t.global_batch_size, t.grad_accum_steps, self.batch_axis,
-                    self.parallel.shape)
-        self.model = build_model(config, self.parallel, model_cls=model_cls)
-        self.optimizer = AdamW(config.optimizer, t.steps, self.parallel)
-        self.optimizer.build(self.model.trainable_variables)
-        self.jit_compile = resolve_jit(t.jit_compile)
-        self.loss_scale = None
-        if config.precision.policy == "float16":
-            from tfllm.precision.loss_scale import DynamicLossScale
-            self.loss_scale = DynamicLossScale(config.precision.loss_scale_initial,
-                                               config.precision.loss_scale_growth_interval,
-                                               self.parallel)
-        self.step = TrainStep(self.model, self.optimizer, self.parallel, self.jit_compile,
-                              self.loss_scale)
-        self.data = SyntheticTokens(config.model.vocab_size, config.data.sequence_length + 1,
-                                    config.data.seed)
-
-    def idle_batch_axes(self):
-        """Batch-capable mesh axes (size > 1) that the batch does not use."""
-        p = self.parallel
-        return sorted(a for a in p.batch_mesh_axes
-                      if p.shape.get(a, 1) > 1 and a != self.batch_axis)
-
-    def batch(self, step: int):
-        t = self.config.train
-        return self.step.to_device(self.data.batch(step, t.global_batch_size, t.grad_accum_steps))
+def _peak_flops(run) -> float:
+    """The mesh's matmul peak for MFU: measured on one device. Logical CPU devices share
+    the host's cores, so on CPU one device's peak is the whole host's."""
+    import tensorflow as tf
+    dtype = tf.bfloat16 if run.config.precision.policy != "float32" else tf.float32
+    with tf.device(run.parallel.mesh.local_devices()[0]):
+        peak = measure_matmul_peak(n=1024, repeats=5, dtype=dtype)
+    if run.parallel.device_type == "CPU":
+        return peak
+    return peak * math.prod(run.parallel.shape.values())  # every device of every client
 
 
-def _eta(seconds: float) -> str:
-    seconds = int(max(seconds, 0))
-    return f"{seconds // 3600}:{seconds % 3600 // 60:02d}:{seconds % 60:02d}"
+class _Outputs:
+    """What client 0 writes: metrics.jsonl, TensorBoard, the progress display."""
+
+    def __init__(self, workdir: str, primary: bool, progress: Progress):
+        self.primary, self.progress = primary, progress
+        self.metrics_path = os.path.join(workdir, "metrics.jsonl")
+        self.tensorboard = TensorBoard(os.path.join(workdir, "tensorboard")) if primary else None
+        self.file = open(self.metrics_path if primary else os.devnull, "a", encoding="utf-8")
+
+    def record(self, record: dict, model) -> None:
+        self.file.write(json.dumps(record) + "\n")
+        self.file.flush()
+        if self.tensorboard is not None:
+            self.tensorboard.write(record["step"], record, model)
+
+    def close(self):
+        self.file.close()
+        self.progress.close()
 
 
 def train(config, workdir: str, model_cls=None, out=sys.stdout) -> dict:
-    """Trains per `config`, writing WORKDIR/config.yaml and WORKDIR/metrics.jsonl.
+    """Trains per `config` in `workdir`, resuming from its latest checkpoint.
 
     Args:
       config: a validated `tfllm.config.Config`.
       workdir: the run directory (created if missing).
       model_cls: optional `CausalLM` subclass.
-      out: where progress lines go.
+      out: where the progress display goes (client 0 only).
 
     Returns:
-      The last logged metrics.
+      The last logged metrics (plus eval results and `first_step_s`).
+
+    Raises:
+      Preempted: after saving, when a signal asked the run to stop.
+      NonFiniteError: a NaN/Inf loss or gradient norm under on_nonfinite=abort.
     """
-    run = Run(config, model_cls)
-    from tfllm.parallel.mesh import client_id
+    from tfllm.checkpoint import Checkpointer, committed
+    t = config.train
     primary = client_id() == 0
-    if not primary:
-        # Only client 0 writes metrics, TensorBoard, the config and the progress display;
-        # the others log to their own file.
+    if not primary:  # other clients log to their own file
         os.makedirs(os.path.join(workdir, "logs"), exist_ok=True)
         out = open(os.path.join(workdir, "logs", f"client_{client_id()}.log"), "a")
-        metrics_path = os.devnull
-    else:
+    if t.deterministic:
+        import tensorflow as tf
+        tf.config.experimental.enable_op_determinism()
+    ckpt_dir = os.path.join(workdir, "checkpoints")
+    has_checkpoint = os.path.isdir(ckpt_dir) and bool(committed(ckpt_dir))
+    check_workdir(workdir, config, has_checkpoint)
+    run = Run(config, model_cls, workdir)  # bad data or tokenizer settings fail here
+    check_same_config(to_dict(config))
+    checkpointer = Checkpointer(ckpt_dir, run.parallel, config.checkpoint)
+    os.makedirs(workdir, exist_ok=True)
+    if primary:
+        if not has_checkpoint:
+            clear_dead_run(workdir)
         save_config(config, workdir)
-        metrics_path = os.path.join(workdir, "metrics.jsonl")
-    t = config.train
+
+    start_step, first_step_s = 0, None
+    meta = checkpointer.restore_latest(run.state_variables())
+    if meta is not None:
+        start_step = int(meta["step"])
+        run.restore_data_state(checkpointer.restored_files)
+        if primary:
+            truncate_metrics(os.path.join(workdir, "metrics.jsonl"), start_step)
+
     tokens_per_step = t.global_batch_size * config.data.sequence_length
+    fpt = flops_per_token(config.model, config.data.sequence_length)
+    progress = Progress(t.steps, t.progress if primary else "lines", out,
+                        _peak_flops(run), fpt)
+    outputs = _Outputs(workdir, primary, progress)
     mesh = ", ".join(f"{k}={v}" for k, v in run.parallel.shape.items())
-    print(f"tfllm: {config.model.family} on mesh [{mesh}] ({run.parallel.device_type}), "
-          f"jit_compile={run.jit_compile}, {describe(config.precision)}", file=out)
+    progress.message(f"tfllm: {config.model.family} on mesh [{mesh}] "
+                     f"({run.parallel.device_type}), jit_compile={run.jit_compile}, "
+                     f"{describe(config.precision)}"
+                     + (f"; resuming after step {start_step}" if start_step else ""))
     idle = run.idle_batch_axes()
     if idle:
-        print(f"tfllm: note: the batch is sharded over '{run.batch_axis}' only; the devices "
-              f"along {', '.join(repr(a) for a in idle)} repeat the same activations "
-              "(DTensor shards one tensor dimension over at most one mesh axis).", file=out)
-    last = {}
+        progress.message(f"tfllm: note: the batch is sharded over '{run.batch_axis}' only; "
+                         f"the devices along {', '.join(repr(a) for a in idle)} repeat the "
+                         "same activations (DTensor shards one tensor dimension over at most "
+                         "one mesh axis).")
+
+    last, recent = {}, deque(maxlen=t.loss_spike_window)
     window_start, window_tokens = None, 0
     start = time.perf_counter()
-    tensorboard = TensorBoard(os.path.join(workdir, "tensorboard")) if primary else None
-    with open(metrics_path, "a", encoding="utf-8") as metrics_file:
-        for step in range(t.steps):
-            values = run.step(run.batch(step))
-            now = time.perf_counter()
-            if window_start is None:  # step 0 includes compilation: not timed
-                window_start, window_tokens = now, 0
-                first_step_s = now - start
-            else:
-                window_tokens += tokens_per_step
-            number = step + 1
-            if number % t.log_every == 0 or number == t.steps or number == 1:
+    try:
+        with SignalWatcher() as signals:
+            for step in range(start_step, t.steps):
+                limit = float("inf")
+                if t.loss_spike_factor > 0 and len(recent) == recent.maxlen:
+                    limit = t.loss_spike_factor * sum(recent) / len(recent)
+                values = run.step(run.batch(step), loss_limit=limit)
+                number = step + 1
+                now = time.perf_counter()
+                if window_start is None:  # the first step includes compilation: not timed
+                    window_start, first_step_s = now, now - start
+                else:
+                    window_tokens += tokens_per_step
+                finite = math.isfinite(values["loss"]) and math.isfinite(values["grad_norm"])
+                if not finite and t.on_nonfinite == "abort":
+                    raise NonFiniteError(
+                        f"step {number}: loss {values['loss']} / grad_norm "
+                        f"{values['grad_norm']} is not finite; the update was not applied and "
+                        "the last good checkpoint stays the latest. Lower "
+                        "optimizer.learning_rate, or set train.on_nonfinite=skip.")
+                if values["step_ok"]:
+                    recent.append(values["loss"])
                 elapsed = now - window_start
                 tps = window_tokens / elapsed if window_tokens else 0.0
-                last = {"step": number, **values, "tokens_per_s": tps}
-                metrics_file.write(json.dumps(last) + "\n")
-                metrics_file.flush()
-                remaining = (t.steps - number) * tokens_per_step / tps if tps else 0.0
-                extra = (f"  loss_scale {values['loss_scale']:g} skipped "
-                         f"{int(values['skipped_steps'])}" if "loss_scale" in values else "")
-                print(f"step {number}/{t.steps}  loss {values['loss']:.4f}  "
-                      f"grad_norm {values['grad_norm']:.3f}  lr {values['learning_rate']:.2e}  "
-                      f"{tps:,.0f} tok/s  eta {_eta(remaining)}{extra}", file=out, flush=True)
-                if tensorboard is not None:
-                    tensorboard.write(number, last, run.model)
-    last["first_step_s"] = first_step_s
+                eta = (t.steps - number) * tokens_per_step / tps if tps else 0.0
+                logged = number % t.log_every == 0 or number == t.steps or number == 1
+                record = None
+                if logged:
+                    mfu = progress.mfu(tps)
+                    record = {"step": number, **{k: v for k, v in values.items()
+                                                 if k != "step_ok"},
+                              "tokens_per_s": tps, "mfu": mfu or 0.0}
+                if t.eval_every and number % t.eval_every == 0 and number != t.steps:
+                    record = record or {"step": number}
+                    record.update(run.evaluate())
+                if record is not None:
+                    outputs.record(record, run.model)
+                    last = record
+                progress.update(number, {**values, **(record or {})}, tps, eta, logged)
+                stop = any_client(signals.requested, number)
+                if stop or (config.checkpoint.every and number % config.checkpoint.every == 0
+                            and number != t.steps):
+                    checkpointer.save(number, run.state_variables(), _meta(config, number),
+                                      run.data_state_files)
+                if stop:
+                    checkpointer.wait()
+                    raise Preempted(number, signals.signame or "a signal on another client")
+            final = run.evaluate()
+            progress.message(f"validation loss {final['eval_loss']:.4f} "
+                             f"(perplexity {final['eval_perplexity']:.2f}) after step {t.steps}")
+            last = {**last, **final, "step": t.steps}
+            outputs.record({"step": t.steps, **final}, None)
+            if start_step < t.steps or checkpointer.latest_step() != t.steps:
+                checkpointer.save(t.steps, run.state_variables(), _meta(config, t.steps),
+                                  run.data_state_files)
+            checkpointer.wait()
+    finally:
+        outputs.close()
+    if primary:
+        from tfllm.train.plots import plot_loss
+        plot_loss(outputs.metrics_path, os.path.join(workdir, "loss.png"))
+    if t.sample_tokens and run.tokenizer is not None:
+        text = sample_text(run, t.sample_prompt, t.sample_tokens, temperature=0.8, top_k=40,
+                           seed=0)
+        progress.message("sample: " + text)
+        last["sample"] = text
+    last["first_step_s"] = first_step_s or 0.0
     return last
+
+
+def _meta(config, step: int) -> dict:
+    return {"step": step, "config": to_dict(config)}

@@ -14,7 +14,7 @@ import tensorflow as tf
 
 from tfllm.optim.adamw import global_norm
 from tfllm.parallel import context
-from tfllm.parallel.placement import Parallel, to_numpy
+from tfllm.parallel.placement import Parallel, new_variable, to_numpy
 
 BATCH_AXES = ("activation_batch", "activation_length")
 
@@ -43,10 +43,13 @@ class TrainStep:
     """
 
     def __init__(self, model, optimizer, parallel: Optional[Parallel], jit_compile: bool,
-                 loss_scale=None):
+                 loss_scale=None, packing_mask: bool = False):
         self.model, self.optimizer, self.parallel = model, optimizer, parallel
         self.jit_compile = jit_compile
         self.loss_scale = loss_scale
+        self.packing_mask = packing_mask
+        # Steps the guard skipped (non-finite loss or gradient norm, or a loss spike).
+        self.skipped = new_variable(parallel, (), (), ("zeros",), "int64", "guard_skipped")
         self.variables = list(model.trainable_variables)
         # FP8 amax histories: their "gradients" are their new values (overwrite).
         self.fp8_state = list(model.fp8_state_variables())
@@ -56,21 +59,58 @@ class TrainStep:
     def batch_spec(self, shape):
         return self.parallel.spec("batch", shape, BATCH_AXES) if self.parallel else None
 
-    def to_device(self, tokens: np.ndarray):
+    def to_device(self, tokens: np.ndarray, segment_ids: Optional[np.ndarray] = None):
         """A global (A, M, T+1) token array as this step's input: a tuple of A micro-batches
-        (M, T+1), each sharded over the batch axis when on a mesh.
+        (M, T+1), each sharded over the batch axis when on a mesh. With `segment_ids` (same
+        shape) each micro-batch is a (tokens, segment_ids) pair.
 
         Separate tensors, not one (A, M, T+1) DTensor: DTensor loses the layout of the
         micro-batch dimension when slicing out one micro-batch with a shrinking index.
         """
         if self.parallel is None:
-            return tuple(tf.constant(t) for t in tokens)
-        spec = self.batch_spec(tokens.shape[1:])
-        return tuple(self.parallel.shard_array(t, spec) for t in tokens)
+            put = tf.constant
+        else:
+            spec = self.batch_spec(tokens.shape[1:])
+            put = lambda a: self.parallel.shard_array(a, spec)  # noqa: E731
+        if segment_ids is None:
+            return tuple(put(t) for t in tokens)
+        return tuple((put(t), put(s)) for t, s in zip(tokens, segment_ids))
 
-    def _micro(self, tokens):
+    def from_local(self, local_tokens: np.ndarray, rows, micro_batch_rows: int,
+                   local_segments: Optional[np.ndarray] = None):
+        """Like `to_device`, from only this client's rows of each micro-batch.
+
+        Args:
+          local_tokens: (A, len(rows), T+1): the rows `rows` of every micro-batch.
+          rows: the global row indices (within a micro-batch) this client holds.
+          micro_batch_rows: M, the global micro-batch size.
+          local_segments: segment ids of the same shape, or None.
+        """
+        if self.parallel is None:
+            return self.to_device(local_tokens, local_segments)
+        shape = (micro_batch_rows,) + tuple(local_tokens.shape[2:])
+        spec = self.batch_spec(shape)
+        position = {r: i for i, r in enumerate(rows)}
+
+        def put(block_source):
+            def block(start, size):
+                picked = [position[r] for r in range(start[0], start[0] + size[0])]
+                return tf.constant(block_source[picked][:, start[1]:start[1] + size[1]])
+            return self.parallel.make_sharded(spec, shape, block)
+        if local_segments is None:
+            return tuple(put(t) for t in local_tokens)
+        return tuple((put(t), put(s)) for t, s in zip(local_tokens, local_segments))
+
+    def _micro(self, micro):
+        if isinstance(micro, (tuple, list)):
+            tokens, segment_ids = micro
+        else:
+            tokens, segment_ids = micro, None
         inputs, targets = tokens[:, :-1], tokens[:, 1:]  # (M, T) each
-        logits = self.model(inputs)  # (M, T, V) float32
+        if segment_ids is not None and self.packing_mask:
+            logits = self.model(inputs, segment_ids=segment_ids[:, :-1])  # (M, T, V) f32
+        else:
+            logits = self.model(inputs)  # (M, T, V) float32
         return self.model.compute_lm_loss(logits, targets)
 
     def _loss_and_grads(self, micro_batches):
@@ -99,33 +139,53 @@ class TrainStep:
             grads = [g / divisor for g in total_grads]
             return total_loss / accum, grads, fp8_new
 
-    def _train_step(self, micro_batches):
+    def _train_step(self, micro_batches, loss_limit):
+        """One guarded optimizer step.
+
+        The update is applied only when the loss and the gradient norm are finite and the
+        loss is at most `loss_limit` (inf unless the loss-spike guard is on). The decision
+        is made in the graph from globally reduced values, so every client skips together.
+        """
         loss, grads, fp8_new = self._loss_and_grads(micro_batches)
         with context.use(self.parallel):
-            finite = None
-            if self.loss_scale is not None:
-                from tfllm.precision.loss_scale import all_finite
-                finite = all_finite(grads)
-                # Non-finite values must not reach the norm and the update arithmetic
-                # (multiply_no_nan gives 0 for NaN * 0; DTensor crashes on a scalar where).
-                on = tf.cast(finite, tf.float32)
-                raw_norm = global_norm(grads)  # reported: inf or NaN on a skipped step
-                grads = [tf.math.multiply_no_nan(g, on) for g in grads]
-            grad_norm, lr = self.optimizer.apply(grads, apply_update=finite)
-            if finite is not None:
-                grad_norm = raw_norm
+            raw_norm = global_norm(grads)  # reported: inf or NaN on a non-finite step
+            grads_finite = tf.math.is_finite(raw_norm)
+            ok = tf.logical_and(tf.logical_and(grads_finite, tf.math.is_finite(loss)),
+                                loss <= loss_limit)
+            # Non-finite values must not reach the update arithmetic (multiply_no_nan
+            # gives 0 for NaN * 0; DTensor crashes on a scalar-condition where).
+            on = tf.cast(ok, tf.float32)
+            grads = [tf.math.multiply_no_nan(g, on) for g in grads]
+            _, lr = self.optimizer.apply(grads, apply_update=ok)
             for var, new in zip(self.fp8_state, fp8_new):
-                var.assign(new)
-            out = {"loss": loss, "grad_norm": grad_norm, "learning_rate": lr}
+                # A skipped step keeps the old histories (its amaxes may be inf/NaN).
+                var.assign(tf.math.multiply_no_nan(new, on) + var.value * (1.0 - on))
+            one = tf.ones_like(self.skipped)
+            skipped = self.skipped + one * tf.cast(tf.logical_not(ok), one.dtype)
+            self.skipped.assign(skipped)
+            out = {"loss": loss, "grad_norm": raw_norm, "learning_rate": lr,
+                   "skipped_steps": tf.cast(skipped, tf.float32),
+                   "step_ok": tf.cast(ok, tf.float32)}
             if self.loss_scale is not None:
-                new_scale, skipped = self.loss_scale.update(finite)
+                new_scale, _ = self.loss_scale.update(grads_finite)
                 out["loss_scale"] = new_scale
-                out["skipped_steps"] = tf.cast(skipped, tf.float32)
         return out
 
-    def __call__(self, tokens) -> dict:
-        """Runs one optimizer step on device tokens; returns numpy float metrics."""
-        out = self._step(tokens)
+    def loss_limit_input(self, value: float):
+        """The step's second argument: skip the update when the loss exceeds `value`."""
+        limit = np.float32(value)
+        if self.parallel is None:
+            return tf.constant(limit)
+        return self.parallel.shard_array(np.asarray(limit), ())
+
+    def __call__(self, tokens, loss_limit: float = float("inf")) -> dict:
+        """Runs one optimizer step on device tokens; returns numpy float metrics.
+
+        Args:
+          tokens: micro-batches from `to_device` / `from_local`.
+          loss_limit: skip the update when the loss exceeds this (the spike guard).
+        """
+        out = self._step(tokens, self.loss_limit_input(loss_limit))
         return {k: float(to_numpy(v)) for k, v in out.items()}
 
     def loss_and_grads(self, tokens):

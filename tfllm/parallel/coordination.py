@@ -1,0 +1,76 @@
+"""Agreement between the clients of a multi-client job, over TensorFlow's coordination
+service (the key-value store and barriers that DTensor's multi-client runtime starts).
+
+Single-client runs need no agreement: every function here is then a local no-op.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+
+from tfllm.parallel.mesh import client_id, num_clients
+
+_TIMEOUT_MS = 10 * 60 * 1000  # a client slower than this is treated as gone
+
+
+class ClientMismatchError(RuntimeError):
+    """The clients of one job were started with different settings."""
+
+
+def _context():
+    from tensorflow.python.eager import context
+    return context.context()
+
+
+def config_digest(config_dict: dict) -> str:
+    return hashlib.sha256(json.dumps(config_dict, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def check_same_config(config_dict: dict) -> None:
+    """Raises `ClientMismatchError` unless every client has client 0's config.
+
+    Args:
+      config_dict: this client's resolved config as a dict.
+    """
+    if num_clients() == 1:
+        return
+    ctx = _context()
+    mine = json.dumps(config_dict, sort_keys=True)
+    ctx.set_config_key_value(f"tfllm/config/{client_id()}", mine)
+    theirs = ctx.get_config_key_value("tfllm/config/0")
+    if theirs != mine:
+        other = json.loads(theirs)
+        diffs = [f"{section}.{key}: client 0 has {other[section][key]!r}, client "
+                 f"{client_id()} has {config_dict[section][key]!r}"
+                 for section in config_dict for key in config_dict[section]
+                 if other.get(section, {}).get(key) != config_dict[section][key]]
+        raise ClientMismatchError(
+            "clients were started with different configs (" + "; ".join(diffs[:5]) + "); "
+            "start every worker with the same --config and --set arguments.")
+
+
+def any_client(flag: bool, step: int) -> bool:
+    """Whether `flag` is set on any client at `step` (a blocking exchange).
+
+    Used for preemption: a signal may reach the clients at different steps, so they
+    agree at each step boundary whether anyone wants to stop, and all stop together.
+    """
+    n = num_clients()
+    if n == 1:
+        return flag
+    ctx = _context()
+    ctx.set_config_key_value(f"tfllm/stop/{step}/{client_id()}", "1" if flag else "0")
+    votes = [ctx.get_config_key_value(f"tfllm/stop/{step}/{i}") for i in range(n)]
+    if step > 2:  # keep the store small; every client has read step - 2 by now
+        try:
+            ctx.delete_config_key_value(f"tfllm/stop/{step - 2}/{client_id()}")
+        except Exception:  # noqa: BLE001  (a missing key is harmless)
+            pass
+    return "1" in votes
+
+
+def barrier(name: str) -> None:
+    """Waits until every client reaches the barrier `name`."""
+    if num_clients() > 1:
+        _context().wait_at_barrier(f"tfllm/{name}", _TIMEOUT_MS)

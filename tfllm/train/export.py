@@ -1,0 +1,70 @@
+"""`tfllm export`: a trained run as an unsharded, single-device model.
+
+The output directory holds:
+
+* `saved_model/`: a TensorFlow SavedModel with a `serve(token_ids) -> logits` signature
+  ((batch, length) int32 -> (batch, length, vocab) float32). Loading it needs only
+  TensorFlow: `tf.saved_model.load(path).serve(ids)`; no tfllm, no mesh.
+* `model.weights.h5`: the Keras weights, to load into `tfllm.models.build_model(config)`
+  (no mesh) with `model.load_weights(...)` for fine-tuning or inspection in Keras.
+* `config.yaml` and, when the run has one, `tokenizer/` (copied from the workdir).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+
+import tensorflow as tf
+
+from tfllm.config import save_config
+from tfllm.models import build_model
+
+
+def export_model(config, workdir: str, out_dir: str, checkpointer_factory) -> dict:
+    """Restores the latest checkpoint onto one device and writes `out_dir`.
+
+    Args:
+      config: the run's config.
+      workdir: the run directory (for the tokenizer).
+      out_dir: the output directory; written under a temporary name and renamed last so a
+        failed export never leaves a directory that looks complete.
+      checkpointer_factory: `parallel -> Checkpointer` of the run's checkpoints.
+
+    Returns:
+      A summary: out, step, params.
+    """
+    from tfllm.checkpoint import run_state_variables
+    model = build_model(config, None)  # plain tf.Variables on one device
+    checkpointer = checkpointer_factory(None)
+    meta = checkpointer.restore_latest(run_state_variables(model), strict=False)
+    if meta is None:
+        raise FileNotFoundError(f"{checkpointer.directory} holds no committed checkpoint; "
+                                "train first.")
+    tmp = out_dir.rstrip("/") + ".tmp-export"
+    shutil.rmtree(tmp, ignore_errors=True)
+    os.makedirs(tmp)
+    model.save_weights(os.path.join(tmp, "model.weights.h5"))
+
+    class Serving(tf.Module):
+        def __init__(self, keras_model):
+            super().__init__()
+            self.model = keras_model
+            self.weights = [v.value for v in keras_model.variables]  # tracked for saving
+
+        @tf.function(input_signature=[tf.TensorSpec([None, None], tf.int32, "token_ids")])
+        def serve(self, token_ids):
+            return {"logits": self.model(token_ids)}
+
+    serving = Serving(model)
+    tf.saved_model.save(serving, os.path.join(tmp, "saved_model"),
+                        signatures={"serving_default": serving.serve})
+    save_config(config, tmp)
+    tokenizer_dir = os.path.join(workdir, "tokenizer")
+    if os.path.isdir(tokenizer_dir):
+        shutil.copytree(tokenizer_dir, os.path.join(tmp, "tokenizer"))
+    if os.path.exists(out_dir):
+        shutil.rmtree(out_dir)
+    os.replace(tmp, out_dir)
+    params = sum(int(tf.size(v)) for v in model.trainable_variables)
+    return {"out": out_dir, "step": int(meta["step"]), "params": params}

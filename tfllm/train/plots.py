@@ -1,0 +1,54 @@
+"""The loss-curve PNG written into the workdir."""
+
+from __future__ import annotations
+
+import json
+import os
+
+
+def read_metrics(path: str) -> list:
+    """The records of a metrics.jsonl file (skipping a torn last line)."""
+    records = []
+    if not os.path.exists(path):
+        return records
+    with open(path, encoding="utf-8") as f:
+        for line in f:
+            try:
+                records.append(json.loads(line))
+            except json.JSONDecodeError:
+                continue  # a line cut short by a crash; the rest is still good
+    return records
+
+
+def plot_loss(metrics_path: str, png_path: str) -> str:
+    """Draws training (and validation) loss against step into `png_path`.
+
+    Args:
+      metrics_path: WORKDIR/metrics.jsonl.
+      png_path: the output file (written atomically).
+
+    Returns:
+      png_path.
+    """
+    import matplotlib
+    matplotlib.use("Agg")  # no display needed
+    import matplotlib.pyplot as plt
+
+    records = read_metrics(metrics_path)
+    train = [(r["step"], r["loss"]) for r in records if "loss" in r]
+    evals = [(r["step"], r["eval_loss"]) for r in records if "eval_loss" in r]
+    fig, ax = plt.subplots(figsize=(6, 4), dpi=100)
+    if train:
+        ax.plot(*zip(*train), label="train loss")
+    if evals:
+        ax.plot(*zip(*evals), "o-", label="validation loss")
+    ax.set_xlabel("step")
+    ax.set_ylabel("loss (nats/token)")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    tmp = png_path + ".tmp.png"
+    fig.savefig(tmp)
+    plt.close(fig)
+    os.replace(tmp, png_path)
+    return png_path

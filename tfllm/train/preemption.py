@@ -1,0 +1,64 @@
+"""Graceful stops: SIGTERM / SIGINT finish the current step, save, and exit 75.
+
+Clusters announce preemption with SIGTERM (SLURM, Kubernetes) and users press Ctrl-C.
+The first signal only sets a flag; the loop checks it at each step boundary (after the
+first compilation, after an evaluation), saves a checkpoint and exits with
+`PREEMPTED_EXIT_CODE`. A second signal stops at once without saving (exit 130).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+
+#: exit code of a run stopped by a signal after saving (EX_TEMPFAIL: "try again")
+PREEMPTED_EXIT_CODE = 75
+#: exit code of a run whose loss or gradient norm became NaN/Inf (on_nonfinite=abort)
+NONFINITE_EXIT_CODE = 3
+#: exit code of a second signal: stopped at once, nothing saved
+HARD_STOP_EXIT_CODE = 130
+
+
+class Preempted(Exception):
+    """The run saved its state after a signal and should exit `PREEMPTED_EXIT_CODE`."""
+
+    def __init__(self, step: int, signame: str):
+        super().__init__(f"stopped by {signame} after step {step}; the checkpoint of step "
+                         f"{step} is saved, run the same command to resume.")
+        self.step = step
+
+
+class NonFiniteError(RuntimeError):
+    """The loss or gradient norm was NaN/Inf under train.on_nonfinite=abort."""
+
+
+class SignalWatcher:
+    """Turns SIGTERM/SIGINT into a flag while active (a context manager)."""
+
+    SIGNALS = (signal.SIGTERM, signal.SIGINT)
+
+    def __init__(self):
+        self.signame = None
+        self._previous = {}
+
+    @property
+    def requested(self) -> bool:
+        return self.signame is not None
+
+    def _handle(self, signum, frame):
+        if self.signame is not None:  # the second signal: give up at once
+            os._exit(HARD_STOP_EXIT_CODE)
+        self.signame = signal.Signals(signum).name
+
+    def __enter__(self):
+        for sig in self.SIGNALS:
+            try:
+                self._previous[sig] = signal.signal(sig, self._handle)
+            except ValueError:  # not the main thread (e.g. a notebook worker)
+                pass
+        return self
+
+    def __exit__(self, *exc):
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+        return False

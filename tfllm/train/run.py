@@ -1,0 +1,172 @@
+"""`Run`: everything a training run needs, set up from a config.
+
+The mesh, the model in its layouts, AdamW, the loss scale, the compiled train and
+evaluation steps, the tokenizer and this client's data streams. The loop
+(`tfllm.train.loop`) drives it; `tfllm eval` and `tfllm generate` reuse it.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from typing import Optional
+
+import numpy as np
+
+from tfllm.models import build_model
+from tfllm.optim import AdamW
+from tfllm.parallel import make_parallel
+from tfllm.parallel.mesh import check_batch
+from tfllm.train.evaluate import Evaluator
+from tfllm.train.step import TrainStep, resolve_jit
+
+
+class Run:
+    """Sets up a run.
+
+    Args:
+      config: a validated `tfllm.config.Config`.
+      model_cls: a `CausalLM` subclass to train instead of the config's family.
+      workdir: the run directory (the trained tokenizer is saved there), or None.
+      with_data: build the tokenizer and data streams (False for export or layouts).
+      train_iterator: open the training data stream (eval and generate do not need it).
+    """
+
+    def __init__(self, config, model_cls=None, workdir: Optional[str] = None,
+                 with_data: bool = True, train_iterator: bool = True):
+        self.config = config
+        self.workdir = workdir
+        t, d = config.train, config.data
+        self.tokenizer = None
+        if with_data and d.source != "synthetic":
+            # Before any device work: bad data or tokenizer settings fail fast.
+            from tfllm.data import build_tokenizer
+            self.tokenizer = build_tokenizer(config, workdir)
+        self.parallel = make_parallel(config)
+        self.micro_batch_rows = t.global_batch_size // t.grad_accum_steps
+        self.batch_axis = self.parallel.spec(
+            "batch", (self.micro_batch_rows, d.sequence_length + 1),
+            ("activation_batch", "activation_length"))[0]
+        check_batch(t.global_batch_size, t.grad_accum_steps, self.batch_axis,
+                    self.parallel.shape)
+        self.model = build_model(config, self.parallel, model_cls=model_cls)
+        self.optimizer = AdamW(config.optimizer, t.steps, self.parallel)
+        self.optimizer.build(self.model.trainable_variables)
+        self.jit_compile = resolve_jit(t.jit_compile)
+        self.loss_scale = None
+        if config.precision.policy == "float16":
+            from tfllm.precision.loss_scale import DynamicLossScale
+            self.loss_scale = DynamicLossScale(config.precision.loss_scale_initial,
+                                               config.precision.loss_scale_growth_interval,
+                                               self.parallel)
+        packing = d.packing_mask and d.source != "synthetic"
+        self.step = TrainStep(self.model, self.optimizer, self.parallel, self.jit_compile,
+                              self.loss_scale, packing_mask=packing)
+        self.evaluator = Evaluator(self.model, self.parallel, self.jit_compile, packing)
+        self.rows = self.local_rows()
+        self._synthetic = None
+        self.train_data = None
+        if with_data:
+            if d.source == "synthetic":
+                from tfllm.data import SyntheticTokens
+                self._synthetic = SyntheticTokens(config.model.vocab_size,
+                                                  d.sequence_length + 1, d.seed)
+            elif train_iterator:
+                self.train_data = self.make_batches("train", t.grad_accum_steps)
+
+    def idle_batch_axes(self):
+        """Batch-capable mesh axes (size > 1) that the batch does not use."""
+        p = self.parallel
+        return sorted(a for a in p.batch_mesh_axes
+                      if p.shape.get(a, 1) > 1 and a != self.batch_axis)
+
+    # ---- data ---------------------------------------------------------------------------
+    def local_rows(self) -> list:
+        """The rows of each micro-batch that this client's devices hold."""
+        shape = (self.micro_batch_rows, self.config.data.sequence_length + 1)
+        spec = self.step.batch_spec(shape)
+        rows = set()
+        for _, start, size in self.parallel.local_blocks(shape, spec):
+            rows.update(range(start[0], start[0] + size[0]))
+        return sorted(rows)
+
+    def make_batches(self, split: str, micro_batches: int):
+        from tfllm.data import Batches
+        return Batches(self.config, self.tokenizer, split=split, rows=self.rows,
+                       micro_batches=micro_batches, micro_batch_rows=self.micro_batch_rows)
+
+    def _to_device(self, batch: dict):
+        return self.step.from_local(batch["tokens"], self.rows, self.micro_batch_rows,
+                                    batch.get("segment_ids"))
+
+    def batch(self, step: int):
+        """The device micro-batches of training step `step` (0-based).
+
+        Synthetic batches are indexed by step; text sources are read in order.
+        """
+        if self._synthetic is not None:
+            t = self.config.train
+            return self.step.to_device(self._synthetic.batch(step, t.global_batch_size,
+                                                             t.grad_accum_steps))
+        return self._to_device(next(self.train_data))
+
+    def eval_batches(self):
+        """Device batches of the validation data, from its start (one micro-batch each)."""
+        if self._synthetic is not None:
+            # Steps far beyond any training run: held-out synthetic sequences.
+            for i in range(10**9, 10**9 + 10**6):
+                yield self.step.to_device(self._synthetic.batch(i, self.micro_batch_rows, 1))
+            return
+        for batch in self.make_batches("validation", 1):
+            yield self._to_device(batch)
+
+    def evaluate(self) -> dict:
+        return self.evaluator(self.eval_batches(), self.config.train.eval_steps)
+
+    # ---- state --------------------------------------------------------------------------
+    def state_variables(self) -> dict:
+        """Every variable a checkpoint must hold, by a stable name."""
+        from tfllm.checkpoint import run_state_variables
+        state = run_state_variables(self.model, self.optimizer, self.loss_scale)
+        state["train/guard_skipped"] = self.step.skipped
+        return state
+
+    def data_state_files(self) -> dict:
+        """This client's data-iterator state as {file name: bytes} (for a checkpoint)."""
+        if self.train_data is None:
+            return {}
+        with tempfile.TemporaryDirectory() as tmp:
+            self.train_data.save_state(os.path.join(tmp, "iterator"))
+            return {name: open(os.path.join(tmp, name), "rb").read()
+                    for name in sorted(os.listdir(tmp))}
+
+    def restore_data_state(self, files: dict) -> None:
+        """Restores the iterator from `data_state_files` output."""
+        if self.train_data is None:
+            return
+        if not files:
+            raise ValueError("the checkpoint holds no data-iterator state for this client; "
+                             "was it saved with data.source=synthetic?")
+        with tempfile.TemporaryDirectory() as tmp:
+            for name, data in files.items():
+                with open(os.path.join(tmp, name), "wb") as f:
+                    f.write(data)
+            self.train_data.restore_state(os.path.join(tmp, "iterator"))
+
+
+def sample_text(run: Run, prompt: str, max_new_tokens: int, **sampling) -> str:
+    """Generates a continuation of `prompt` with the run's model and tokenizer."""
+    from tfllm.generate import Generator
+    if run.tokenizer is None:
+        raise ValueError("this run has no tokenizer (data.source=synthetic); there is no "
+                         "text to generate.")
+    ids = run.tokenizer.encode(prompt)
+    limit = run.config.model.max_sequence_length
+    if len(ids) >= limit:
+        raise ValueError(f"the prompt is {len(ids)} tokens; model.max_sequence_length is "
+                         f"{limit}: shorten the prompt.")
+    max_new_tokens = min(max_new_tokens, limit - len(ids))
+    generator = Generator(run.model, run.parallel)
+    out = generator.generate(ids, max_new_tokens, eos_id=run.tokenizer.eod_id, **sampling)
+    new = out[0] if out and isinstance(out[0], (list, tuple, np.ndarray)) else out
+    return prompt + run.tokenizer.decode([int(i) for i in new])

@@ -1,0 +1,98 @@
+"""The run directory: what a run writes there and when it may reuse one.
+
+A workdir "holds a run" once it has a committed checkpoint. Starting in such a workdir
+resumes that run, which is only allowed when the settings that define the run (model,
+data, optimizer, precision, batch and seed) are unchanged; the mesh, the number of
+steps, logging, evaluation and checkpoint cadence may change between resumes. A workdir
+whose earlier run died before its first checkpoint holds nothing to resume: its own
+files (metrics, TensorBoard, plot) are cleared and the run starts afresh.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+
+import yaml
+
+from tfllm.config.loader import ConfigError, to_dict
+
+#: (section, key or None for the whole section) that define a run and must not change.
+RUN_DEFINING = (("model", None), ("data", None), ("optimizer", None),
+                ("precision", None), ("train", "global_batch_size"),
+                ("train", "grad_accum_steps"), ("train", "seed"))
+
+#: files and folders a run writes; cleared when a dead run without checkpoints is reused
+RUN_OUTPUTS = ("metrics.jsonl", "tensorboard", "loss.png", "config.yaml")
+
+
+class WorkdirError(ConfigError):
+    """The workdir cannot be used for this run."""
+
+
+def _differences(saved: dict, current: dict) -> list:
+    diffs = []
+    for section, key in RUN_DEFINING:
+        keys = [key] if key else sorted(set(saved.get(section, {})) | set(current[section]))
+        for k in keys:
+            a, b = saved.get(section, {}).get(k), current[section].get(k)
+            if a != b:
+                diffs.append(f"{section}.{k}: {a!r} there, {b!r} now")
+    return diffs
+
+
+def check_workdir(workdir: str, config, has_checkpoint: bool) -> None:
+    """Raises `WorkdirError` when `workdir` holds a different run.
+
+    Args:
+      workdir: the run directory.
+      config: this run's validated config.
+      has_checkpoint: whether the workdir has a committed checkpoint.
+    """
+    if os.path.exists(workdir) and not os.path.isdir(workdir):
+        raise WorkdirError(f"--workdir {workdir} is a file, not a directory; choose another "
+                           "path.")
+    path = os.path.join(workdir, "config.yaml")
+    if not has_checkpoint or not os.path.exists(path):
+        return
+    try:
+        with open(path, encoding="utf-8") as f:
+            saved = yaml.safe_load(f) or {}
+    except (OSError, yaml.YAMLError) as e:
+        raise WorkdirError(f"{path} cannot be read ({e}); restore it or use a new "
+                           "--workdir.") from None
+    diffs = _differences(saved, to_dict(config))
+    if diffs:
+        raise WorkdirError(
+            f"{workdir} holds a different run ({'; '.join(diffs[:4])}"
+            f"{'; ...' if len(diffs) > 4 else ''}). Use a new --workdir, or start that run's "
+            f"settings again (tfllm train --config {path} --workdir {workdir}) to resume it.")
+
+
+def clear_dead_run(workdir: str) -> None:
+    """Removes the outputs of an earlier run that never committed a checkpoint."""
+    for name in RUN_OUTPUTS:
+        path = os.path.join(workdir, name)
+        if os.path.isdir(path):
+            shutil.rmtree(path)
+        elif os.path.exists(path):
+            os.remove(path)
+
+
+def truncate_metrics(path: str, last_step: int) -> None:
+    """Drops metrics.jsonl records after `last_step` (they are recomputed on resume)."""
+    if not os.path.exists(path):
+        return
+    import json
+    keep = []
+    with open(path, encoding="utf-8") as f:
+        for line in f:
+            try:
+                if json.loads(line).get("step", 0) <= last_step:
+                    keep.append(line if line.endswith("\n") else line + "\n")
+            except json.JSONDecodeError:
+                continue
+    tmp = path + ".tmp"
+    with open(tmp, "w", encoding="utf-8") as f:
+        f.writelines(keep)
+    os.replace(tmp, path)
