@@ -128,7 +128,7 @@ class Checkpointer:
         for name, var in variables.items():
             v = tf_variable(var, name)
             snapshot[name] = {"shape": [int(n) for n in v.shape], "dtype": v.dtype.name,
-                              "blocks": owned_blocks(v, self.client_id, copy=asynchronous)}
+                              "blocks": owned_blocks(v, self.client_id, asynchronous, name)}
         files = _read_client_files(client_files)
         nonce = agree_nonce(self.parallel.mesh if self.parallel else None, self.num_clients)
         self.timings = {"snapshot_s": time.perf_counter() - start}

@@ -2,15 +2,16 @@
 
 A saved variable is a set of blocks `(start, size)` of its global array. On save each
 client takes only its local devices' shards, and of the replicas of one shard (devices
-that differ only along mesh axes the layout does not use) only the one whose
-coordinates along those unused axes are all 0 writes it: every distinct shard is written
-exactly once in the whole job, with no communication. On restore each local device of
-the *target* layout gets its block assembled from the saved blocks that overlap it, so
-the target mesh need not match the one that saved.
+that differ only along mesh axes the layout does not use) exactly one writes it, chosen
+by a rule every client evaluates alike (`is_writer`): every distinct shard is written
+once in the whole job, with no communication, and the bytes spread over the clients.
+On restore each local device of the *target* layout gets its block assembled from the
+saved blocks that overlap it, so the target mesh need not match the one that saved.
 """
 
 from __future__ import annotations
 
+import zlib
 from typing import Callable, Dict, List, Sequence, Tuple
 
 import keras
@@ -61,11 +62,33 @@ def _global_shape(var) -> Tuple[int, ...]:
     return tuple(int(n) for n in var.shape)
 
 
-def owned_blocks(var, client_id: int, copy: bool) -> List[Tuple[Block, np.ndarray]]:
+def is_writer(mesh, spec, loc: Dict[str, int], salt: int) -> bool:
+    """Whether the device at mesh location `loc` writes its shard of a tensor laid out by
+    `spec`: exactly one of the replicas of each distinct shard does.
+
+    The replicas of a shard differ only along the mesh axes `spec` does not use. Rather
+    than always the first replica (which in data parallelism across hosts would make
+    client 0 write the whole model), the writer rotates with the shard's index and a
+    per-variable salt, spreading the bytes evenly over the replicas' clients.
+    """
+    used = [a for a in mesh.dim_names if a in spec]
+    unused = [a for a in mesh.dim_names if a not in spec]
+    shard, replica, replicas = 0, 0, 1
+    for a in used:
+        shard = shard * mesh.dim_size(a) + loc[a]
+    for a in unused:
+        replica = replica * mesh.dim_size(a) + loc[a]
+        replicas *= mesh.dim_size(a)
+    return replica == (shard + salt) % replicas
+
+
+def owned_blocks(var, client_id: int, copy: bool,
+                 name: str = "") -> List[Tuple[Block, np.ndarray]]:
     """The shards of `var` this client must write: ((start, size), host array) pairs.
 
     Args:
       var: a tf.Variable or DVariable.
+      name: the checkpoint name (salts which replica writes, see `is_writer`).
       client_id: this client (a plain variable is written by client 0 only).
       copy: copy out of TF's buffers (needed when the write happens later, in a thread,
         while training goes on and may reuse the buffers).
@@ -78,12 +101,12 @@ def owned_blocks(var, client_id: int, copy: bool) -> List[Tuple[Block, np.ndarra
             return []
         host = value.numpy()
         return [((tuple([0] * len(shape)), shape), np.array(host, copy=True) if copy else host)]
-    used = {m for m in spec if m}
     blocks = local_blocks(mesh, shape, list(spec))
+    salt = zlib.crc32(name.encode())
     out = []
     for part, (_, start, size), loc in zip(dtensor.unpack(value), blocks,
                                            mesh.local_device_locations()):
-        if any(loc[axis] != 0 for axis in mesh.dim_names if axis not in used):
+        if not is_writer(mesh, spec, loc, salt):
             continue  # a replica of a shard that another device writes
         host = part.numpy()
         out.append(((tuple(start), tuple(size)), np.array(host, copy=True) if copy else host))
