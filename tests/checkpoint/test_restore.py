@@ -89,3 +89,17 @@ def test_every_dtype_round_trips_bit_exactly(tmp_path, dtype):
     target = {"x": tf.Variable(tf.cast(tf.zeros((4, 6)), tf_dtype))}
     Checkpointer(str(tmp_path)).restore_latest(target)
     np.testing.assert_array_equal(target["x"].numpy(), values.numpy())
+
+
+def test_fp8_state_and_bf16_weights_restore_onto_another_mesh(tmp_path):
+    _, parallel, variables = build_run("data=2,model=4", **{"precision.policy": "fp8"})
+    histories = [n for n in variables if "amax" in n or "history" in n]
+    assert histories, "run_state_variables must carry the FP8 amax histories"
+    for i, name in enumerate(histories):  # non-default state
+        var = variables[name]
+        var.assign(tf.ones_like(var.value) * (i + 1))
+    values = gathered(variables)
+    Checkpointer(str(tmp_path), parallel).save(1, variables)
+    _, target_parallel, fresh = build_run("model=8", **{"precision.policy": "fp8"})
+    Checkpointer(str(tmp_path), target_parallel).restore_latest(fresh)
+    assert_same(gathered(fresh), values)
