@@ -162,9 +162,10 @@ def commit(directory: str, tmp: str, step: int, nonce: str, num_clients: int,
     files = {}
     for token in tokens:
         with open(token, "rb") as f:
-            files.update(json.load(f)["files"])
-        files[os.path.basename(token)] = {"sha256": hashlib.sha256(
-            open(token, "rb").read()).hexdigest(), "bytes": os.path.getsize(token)}
+            data = f.read()
+        files.update(json.loads(data)["files"])
+        files[os.path.basename(token)] = {"sha256": hashlib.sha256(data).hexdigest(),
+                                          "bytes": len(data)}
     files["metadata.json"] = write_file(
         os.path.join(tmp, "metadata.json"),
         json.dumps(metadata, indent=1, sort_keys=True).encode())
