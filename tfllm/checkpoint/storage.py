@@ -1,0 +1,264 @@
+"""Writing a checkpoint directory: per-client shard files, the file barrier and the commit.
+
+Assumes one filesystem shared by every client (NFS, Lustre, GCS-fuse with close-to-open
+consistency, or a local disk for a single host): clients write disjoint files into one
+temporary directory and client 0 commits it. Layout of a committed checkpoint:
+
+    DIR/step_00000010/
+      COMMIT                 written last: {"step", "nonce", "manifest_sha256"}
+      manifest.json          every file below with its sha256 and size, num_clients
+      metadata.json          the caller's JSON metadata (+ "step")
+      done.00000 ...         each client's list of its files (the barrier tokens)
+      client_00000/
+        shards.bin           raw bytes of this client's shards, concatenated
+        index.json           variable -> global shape, dtype, blocks (start, size,
+                             offset, nbytes, sha256 of the block's bytes)
+        files/...            the caller's per-client files (e.g. the data-iterator state)
+      client_00001/ ...
+
+Save protocol: every client writes into `DIR/step_00000010.tmp-<nonce>/` (the nonce is
+agreed by one tiny all-reduce, so a stale directory of a crashed attempt at the same step
+is never mixed in), fsyncs its files, then publishes `done.<client>` by an atomic rename.
+Client 0 waits for all `done.*` (with a timeout), writes metadata.json and manifest.json,
+renames the directory to `DIR/step_00000010/` and writes COMMIT last. Only directories
+holding a COMMIT are ever restored; anything else is garbage that `cleanup` removes.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import shutil
+import time
+from typing import Dict, List, Optional, Tuple
+
+import numpy as np
+
+from tfllm.checkpoint.shards import CheckpointError
+
+FORMAT = 1
+_COMMITTED = re.compile(r"^step_(\d{8})$")
+_POLL_S = 0.05
+
+
+def step_name(step: int) -> str:
+    return f"step_{step:08d}"
+
+
+def client_dir(client_id: int) -> str:
+    return f"client_{client_id:05d}"
+
+
+def _fsync_dir(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def write_file(path: str, data: bytes) -> dict:
+    """Writes `data` durably (write, flush, fsync) and returns its {sha256, bytes}."""
+    with open(path, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    return {"sha256": hashlib.sha256(data).hexdigest(), "bytes": len(data)}
+
+
+def write_json_atomic(path: str, obj) -> dict:
+    """A JSON file that readers see whole or not at all (write to .part, then rename)."""
+    info = write_file(path + ".part", json.dumps(obj, indent=1, sort_keys=True).encode())
+    os.replace(path + ".part", path)
+    _fsync_dir(os.path.dirname(path))
+    return info
+
+
+def _raw(array: np.ndarray) -> np.ndarray:
+    """The bytes of an array in C order, as uint8 (works for bfloat16 and float8 too)."""
+    return np.ascontiguousarray(array).reshape(-1).view(np.uint8)
+
+
+def write_client(tmp: str, client_id: int, variables: Dict[str, dict],
+                 files: Dict[str, bytes]) -> None:
+    """Writes this client's shards, index and files, then its `done.<client>` token.
+
+    Args:
+      tmp: the shared temporary checkpoint directory.
+      client_id: this client.
+      variables: name -> {"shape", "dtype", "blocks": [((start, size), array)]}.
+      files: relative name -> bytes, stored under client_XXXXX/files/.
+    """
+    rel = client_dir(client_id)
+    os.makedirs(os.path.join(tmp, rel, "files"), exist_ok=True)
+    listing, index = {}, {}
+    data_hash, offset = hashlib.sha256(), 0
+    with open(os.path.join(tmp, rel, "shards.bin"), "wb") as f:
+        for name in sorted(variables):
+            entry = variables[name]
+            blocks = []
+            for (start, size), array in entry["blocks"]:
+                raw = _raw(array)
+                f.write(raw)
+                data_hash.update(raw)
+                blocks.append({"start": list(start), "size": list(size), "offset": offset,
+                               "nbytes": int(raw.size),
+                               "sha256": hashlib.sha256(raw).hexdigest()})
+                offset += int(raw.size)
+            index[name] = {"shape": list(entry["shape"]), "dtype": entry["dtype"],
+                           "blocks": blocks}
+        f.flush()
+        os.fsync(f.fileno())
+    listing[f"{rel}/shards.bin"] = {"sha256": data_hash.hexdigest(), "bytes": offset}
+    listing[f"{rel}/index.json"] = write_file(
+        os.path.join(tmp, rel, "index.json"),
+        json.dumps({"format": FORMAT, "client": client_id, "variables": index},
+                   sort_keys=True).encode())
+    for name, data in sorted(files.items()):
+        path = os.path.join(tmp, rel, "files", name)
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        listing[f"{rel}/files/{name}"] = write_file(path, data)
+    _fsync_dir(os.path.join(tmp, rel))
+    write_json_atomic(os.path.join(tmp, f"done.{client_id:05d}"),
+                      {"client": client_id, "files": listing})
+
+
+def check_file_name(name: str) -> str:
+    """A per-client file name must stay inside its client directory."""
+    norm = os.path.normpath(name)
+    if os.path.isabs(name) or norm.startswith("..") or norm in (".", ""):
+        raise CheckpointError(f"client_files: '{name}' is not a relative path inside the "
+                              "checkpoint; use names such as 'data/iterator.json'.")
+    return norm.replace(os.sep, "/")
+
+
+def wait_for(predicate, timeout_s: float, what: str):
+    """Polls `predicate` until it returns a true value, or raises after `timeout_s`."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        value = predicate()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise CheckpointError(f"timed out after {timeout_s:.0f} s waiting for {what}; a "
+                                  "client died or the filesystem is not shared by all "
+                                  "clients (Checkpointer(barrier_timeout_s=...) sets the "
+                                  "limit).")
+        time.sleep(_POLL_S)
+
+
+def commit(directory: str, tmp: str, step: int, nonce: str, num_clients: int,
+           metadata: dict, timeout_s: float) -> str:
+    """Client 0: waits for every client's done token, writes the manifest, commits.
+
+    Returns:
+      The committed checkpoint's path.
+    """
+    tokens = [os.path.join(tmp, f"done.{c:05d}") for c in range(num_clients)]
+    wait_for(lambda: all(os.path.exists(t) for t in tokens), timeout_s,
+             f"the done.* tokens of {num_clients} clients in {tmp}")
+    files = {}
+    for token in tokens:
+        with open(token, "rb") as f:
+            data = f.read()
+        files.update(json.loads(data)["files"])
+        files[os.path.basename(token)] = {"sha256": hashlib.sha256(data).hexdigest(),
+                                          "bytes": len(data)}
+    files["metadata.json"] = write_file(
+        os.path.join(tmp, "metadata.json"),
+        json.dumps(metadata, indent=1, sort_keys=True).encode())
+    manifest = {"format": FORMAT, "step": step, "num_clients": num_clients, "files": files}
+    manifest_info = write_file(os.path.join(tmp, "manifest.json"),
+                               json.dumps(manifest, indent=1, sort_keys=True).encode())
+    _fsync_dir(tmp)
+    final = os.path.join(directory, step_name(step))
+    old = None
+    if os.path.exists(final):
+        # Saving a step that already exists (e.g. a rerun after restoring it): move the old
+        # one aside first; until COMMIT lands the previous step is the latest, never a mix.
+        old = final + f".replaced-{nonce}"
+        os.replace(final, old)
+    os.replace(tmp, final)
+    _fsync_dir(directory)
+    write_json_atomic(os.path.join(final, "COMMIT"),
+                      {"step": step, "nonce": nonce,
+                       "manifest_sha256": manifest_info["sha256"]})
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
+    return final
+
+
+def wait_committed(directory: str, tmp: str, step: int, nonce: str, timeout_s: float) -> None:
+    """Clients other than 0: return once client 0 committed this very save (same nonce)."""
+    marker = os.path.join(directory, step_name(step), "COMMIT")
+    failed = os.path.join(tmp, "FAILED")
+
+    def done():
+        if os.path.exists(failed):
+            raise CheckpointError(f"{failed}: client 0 failed to commit step {step}: "
+                                  f"{open(failed).read()}")
+        try:
+            with open(marker) as f:
+                return json.load(f).get("nonce") == nonce
+        except (OSError, ValueError):
+            return False
+    wait_for(done, timeout_s, f"client 0 to commit {marker}")
+
+
+def committed(directory: str) -> List[Tuple[int, str]]:
+    """(step, path) of every committed checkpoint in `directory`, oldest first."""
+    if not os.path.isdir(directory):
+        return []
+    out = []
+    for name in os.listdir(directory):
+        m = _COMMITTED.match(name)
+        path = os.path.join(directory, name)
+        if m and os.path.isfile(os.path.join(path, "COMMIT")):
+            out.append((int(m.group(1)), path))
+    return sorted(out)
+
+
+def latest(directory: str) -> Optional[str]:
+    """The newest committed checkpoint's path, or None. Partial ones are never chosen."""
+    steps = committed(directory)
+    return steps[-1][1] if steps else None
+
+
+def delete(path: str) -> None:
+    """Removes a checkpoint: COMMIT first, so a half-deleted one is never restored."""
+    try:
+        os.remove(os.path.join(path, "COMMIT"))
+    except FileNotFoundError:
+        pass
+    shutil.rmtree(path, ignore_errors=True)
+
+
+def cleanup(directory: str) -> List[str]:
+    """Removes uncommitted checkpoint directories (crashed or partial saves).
+
+    Call on client 0 only, at start, before any save of this run (the other clients do not
+    write before client 0 reaches its first save: the save begins with a collective).
+
+    Returns:
+      The removed paths.
+    """
+    if not os.path.isdir(directory):
+        return []
+    keep = {path for _, path in committed(directory)}
+    removed = []
+    for name in sorted(os.listdir(directory)):
+        path = os.path.join(directory, name)
+        if name.startswith("step_") and os.path.isdir(path) and path not in keep:
+            delete(path)
+            removed.append(path)
+    return removed
+
+
+def prune(directory: str, max_to_keep: int) -> List[str]:
+    """Deletes the oldest committed checkpoints beyond `max_to_keep` (client 0 only)."""
+    old = committed(directory)[:-max_to_keep] if max_to_keep > 0 else []
+    for _, path in old:
+        delete(path)
+    return [p for _, p in old]
