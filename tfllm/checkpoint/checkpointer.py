@@ -189,7 +189,8 @@ class Checkpointer:
         steps = storage.committed(self.directory)
         return steps[-1][0] if steps else None
 
-    def restore(self, variables: Dict[str, object], step: Optional[int] = None) -> dict:
+    def restore(self, variables: Dict[str, object], step: Optional[int] = None,
+                strict: bool = True) -> dict:
         """Restores `variables` from a committed step (default: the newest); returns its
         metadata. This client's saved files are left in `self.restored_files`."""
         self.wait()
@@ -202,12 +203,13 @@ class Checkpointer:
         reader = Reader(path)
         metadata = reader.metadata()
         files = reader.client_files(self.client_id)
-        reader.restore(variables)
+        reader.restore(variables, strict)
         self.restored_files = files
         self.timings["restore_s"] = time.perf_counter() - start
         return metadata
 
-    def restore_latest(self, variables: Dict[str, object]) -> Optional[dict]:
+    def restore_latest(self, variables: Dict[str, object],
+                       strict: bool = True) -> Optional[dict]:
         """Restores the newest committed checkpoint; None when there is none.
 
         With on_corruption="fallback", a checkpoint that fails verification is skipped
@@ -220,7 +222,7 @@ class Checkpointer:
         failures = []
         for step in reversed(steps):
             try:
-                return self.restore(variables, step)
+                return self.restore(variables, step, strict)
             except CheckpointError as e:
                 if self.config.on_corruption != "fallback":
                     raise

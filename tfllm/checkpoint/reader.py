@@ -123,10 +123,11 @@ class Reader:
                 f"({block['nbytes']} bytes) fails its sha256 check; the file is corrupt.")
         return np.frombuffer(data, dtype=_numpy_dtype(entry["dtype"])).reshape(block["size"])
 
-    def check_names(self, variables: Dict[str, object]) -> None:
-        """Every variable is in the checkpoint with the same shape and dtype, and vice versa."""
+    def check_names(self, variables: Dict[str, object], strict: bool = True) -> None:
+        """Every variable is in the checkpoint with the same shape and dtype, and (when
+        `strict`) vice versa; strict=False restores a subset, e.g. only the model."""
         missing = sorted(set(variables) - set(self.variables))
-        extra = sorted(set(self.variables) - set(variables))
+        extra = sorted(set(self.variables) - set(variables)) if strict else []
         if missing or extra:
             raise CheckpointError(
                 f"{self.path}: the variables do not match the checkpoint: missing from the "
@@ -143,13 +144,13 @@ class Reader:
                     f"{saved['dtype']}, the variable has shape {shape} dtype {dtype}; the "
                     "model config differs from the one that saved it.")
 
-    def restore(self, variables: Dict[str, object]) -> None:
+    def restore(self, variables: Dict[str, object], strict: bool = True) -> None:
         """Assigns every variable its saved global value, in the variable's own layout.
 
         All blocks are read and verified before anything is assigned, so a corrupt
         checkpoint leaves the variables untouched.
         """
-        self.check_names(variables)
+        self.check_names(variables, strict)
         pending = []
         for name in sorted(variables):
             var = tf_variable(variables[name], name)

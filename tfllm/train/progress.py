@@ -52,11 +52,21 @@ class Progress:
             return None
         return tokens_per_s * self.flops_per_token / self.peak_flops
 
-    def line(self, step: int, metrics: dict, tokens_per_s: float, eta_s: float) -> str:
+    def line(self, step: int, metrics: dict, tokens_per_s: float, eta_s: float,
+             detail: bool = False) -> str:
         mfu = self.mfu(tokens_per_s)
         parts = [f"step {step}/{self.total}", f"loss {metrics['loss']:.4f}"]
         if "eval_loss" in metrics:
             parts.append(f"val {metrics['eval_loss']:.4f}")
+        if detail:
+            if "grad_norm" in metrics:
+                parts.append(f"grad_norm {metrics['grad_norm']:.3f}")
+            if "learning_rate" in metrics:
+                parts.append(f"lr {metrics['learning_rate']:.2e}")
+            if "loss_scale" in metrics:
+                parts.append(f"loss_scale {metrics['loss_scale']:g}")
+            if metrics.get("skipped_steps"):
+                parts.append(f"skipped {int(metrics['skipped_steps'])}")
         parts.append(f"{format_count(tokens_per_s)} tok/s")
         parts.append(f"MFU {100 * mfu:.1f}%" if mfu is not None else "MFU -")
         parts.append(f"ETA {format_eta(eta_s)}")
@@ -69,16 +79,8 @@ class Progress:
             return
         if self.mode == "lines":
             if logged:
-                extra = ""
-                if "grad_norm" in metrics:
-                    extra += f"  grad_norm {metrics['grad_norm']:.3f}"
-                if "learning_rate" in metrics:
-                    extra += f"  lr {metrics['learning_rate']:.2e}"
-                if "loss_scale" in metrics:
-                    extra += (f"  loss_scale {metrics['loss_scale']:g} skipped "
-                              f"{int(metrics['skipped_steps'])}")
-                print(self.line(step, metrics, tokens_per_s, eta_s) + extra, file=self.out,
-                      flush=True)
+                print(self.line(step, metrics, tokens_per_s, eta_s, detail=True),
+                      file=self.out, flush=True)
             return
         now = time.monotonic()  # a bar redraw at most 10 times a second
         if not logged and step != self.total and now - self._last_draw < 0.1:
