@@ -407,17 +407,16 @@ assign_ports() {
   fi
 }
 
-# The log dir: --log-dir, else the command's --workdir/logs (tfllm's own files live there).
+# The command's --workdir: tfllm's clients other than 0 log there, and it is the default
+# home of our logs (--log-dir, else WORKDIR/logs).
+workdir=""
+for ((i = 0; i < ${#cmd[@]}; i++)); do
+  if [[ ${cmd[i]} == --workdir && $((i + 1)) -lt ${#cmd[@]} ]]; then workdir=${cmd[i + 1]}; fi
+  if [[ ${cmd[i]} == --workdir=* ]]; then workdir=${cmd[i]#--workdir=}; fi
+done
 if [[ -z $log_dir ]]; then
   log_dir=multiworker-logs
-  workdir=""
-  for ((i = 0; i < ${#cmd[@]}; i++)); do
-    if [[ ${cmd[i]} == --workdir && $((i + 1)) -lt ${#cmd[@]} ]]; then workdir=${cmd[i + 1]}; fi
-    if [[ ${cmd[i]} == --workdir=* ]]; then workdir=${cmd[i]#--workdir=}; fi
-  done
   if [[ -n $workdir ]]; then log_dir=$workdir/logs; fi
-else
-  workdir=""
 fi
 
 # ---------------------------------------------------------------- per-worker environment
