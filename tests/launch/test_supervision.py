@@ -2,6 +2,7 @@
 
 import os
 import signal
+import socket
 import time
 
 import pytest
@@ -16,6 +17,12 @@ pytestmark = pytest.mark.multiprocess
 READY_THEN_WAIT = ("import signal, sys, time; "
                    "signal.signal(signal.SIGTERM, lambda *a: sys.exit(75)); "
                    "print('tfllm: gpt on mesh [data=8]', flush=True); time.sleep(600)")
+
+
+def _free_port():
+    with socket.socket() as s:
+        s.bind(("", 0))
+        return s.getsockname()[1]
 
 
 def _wait_for(path, timeout_s=30.0):
@@ -144,4 +151,25 @@ def test_launcher_signal_exit_code_without_preemption_support(tmp_path):
     finally:
         kill_group(proc)
         kill_workers(log_dir)
+    assert_no_leftovers(tmp_path)
+
+
+def test_ready_from_tfllm_client_log(tmp_path):
+    """Today tfllm's clients other than 0 print their mesh line to WORKDIR/logs/client_N.log,
+    not stdout; a launcher that runs only such a client (slurm, env) reads it there."""
+    workdir = tmp_path / "run"
+    (workdir / "logs").mkdir(parents=True)
+    (workdir / "logs" / "client_1.log").write_text("on mesh [stale, from an earlier run]\n")
+    client = ("import sys, time; time.sleep(2); "
+              "open(sys.argv[2] + '/logs/client_1.log', 'a').write('tfllm: gpt on mesh [x]\\n'); "
+              "time.sleep(4)")
+    try:
+        code, _, err = run(["--mode", "env", "--rank", "1", "--world-size", "2", "--hosts",
+                            "localhost", "--port", str(_free_port()), "--startup-timeout", "4", "--", PY,
+                            "-c", client, "--workdir", str(workdir)], timeout=60)
+        assert code == 0, err
+        ready_after = int(err.split("workers ready after ")[1].split()[0])
+        assert ready_after >= 2  # the stale line from before the start did not count
+    finally:
+        kill_workers(workdir / "logs")
     assert_no_leftovers(tmp_path)
