@@ -1,0 +1,77 @@
+"""Running launch/multiworker.sh from tests: hard timeouts, process-group cleanup."""
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+LAUNCHER = os.path.join(ROOT, "launch", "multiworker.sh")
+PY = sys.executable
+
+
+def launcher_env(**extra):
+    """The test environment minus cluster variables that would change the launcher's mode."""
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith(("SLURM_", "OMPI_", "DTENSOR_", "MULTIWORKER_"))
+           and k not in ("JOB_COMPLETION_INDEX", "CUDA_VISIBLE_DEVICES")}
+    env.update(TF_CPP_MIN_LOG_LEVEL="3", SCONTROL="/nonexistent/scontrol")
+    env.update(extra)
+    return env
+
+
+def start(args, env=None, cwd=ROOT):
+    """Starts the launcher in its own process group (so a test can kill all it started)."""
+    return subprocess.Popen(["bash", LAUNCHER, *args], cwd=cwd, env=env or launcher_env(),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+
+
+def finish(proc, timeout):
+    """Waits for `proc`; SIGKILLs its process group if it is still there (timeout or not)."""
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    finally:
+        kill_group(proc)
+    return proc.returncode, out, err
+
+
+def run(args, timeout=60, env=None, cwd=ROOT):
+    """Runs the launcher to completion: (exit code, stdout, stderr)."""
+    return finish(start(args, env, cwd), timeout)
+
+
+def kill_group(proc):
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    if proc.poll() is None:
+        proc.wait()
+
+
+def leftovers(marker):
+    """Processes whose command line contains `marker` (a test's unique tmp path)."""
+    out = subprocess.run(["pgrep", "-af", str(marker)], capture_output=True, text=True).stdout
+    return [line for line in out.splitlines() if "pgrep" not in line]
+
+
+def assert_no_leftovers(marker, wait_s=5.0):
+    """Workers are reaped asynchronously by init once orphaned: allow a moment."""
+    deadline = time.monotonic() + wait_s
+    while leftovers(marker) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not leftovers(marker), leftovers(marker)
+
+
+def kill_workers(log_dir):
+    """Last-resort cleanup for a failed test: SIGKILL the worker groups the launcher recorded."""
+    path = os.path.join(str(log_dir), "pids")
+    if not os.path.exists(path):
+        return
+    for line in open(path).read().splitlines():
+        try:
+            os.killpg(int(line.split()[1]), signal.SIGKILL)
+        except (ProcessLookupError, PermissionError, ValueError, IndexError):
+            pass

@@ -1,0 +1,99 @@
+"""multiworker.sh argument and environment errors: exit 2 before anything starts (no TF)."""
+
+import re
+import shutil
+import socket
+import subprocess
+
+import pytest
+
+from tests.launch.helpers import LAUNCHER, launcher_env, run
+
+CMD = ["--", "true"]
+
+
+def _hostfile(tmp_path, text):
+    path = tmp_path / "hosts"
+    path.write_text(text)
+    return str(path)
+
+
+@pytest.mark.parametrize("args, env, expected", [
+    ([*CMD], {}, "--mode is required"),
+    (["--mode", "mpi", *CMD], {}, "--mode 'mpi' is unknown"),
+    (["--mode", "local", "--num-workers", "0", *CMD], {}, "--num-workers must be at least 1"),
+    (["--mode", "local", "--num-workers", "two", *CMD], {}, "--num-workers must be at least 1"),
+    (["--mode", "local", *CMD], {}, "--num-workers is required"),
+    (["--mode", "local", "--num-workers", "2"], {}, "no command after '--'"),
+    (["--mode", "local", "--num-workers", "2", "--"], {}, "no command after '--'"),
+    (["--mode", "local", "--num-workers", "2", "--bogus", *CMD], {}, "unknown argument '--bogus'"),
+    (["--mode", "local", "--num-workers", "2", "--kill-timeout", "-1", *CMD], {},
+     "--kill-timeout must be a whole number"),
+    (["--mode", "local", "--num-workers", "2", "--port", "70000", *CMD], {},
+     "--port must be a TCP port number"),
+    (["--mode", "local", "--num-workers", "2", "--ready-pattern", "a[", *CMD], {},
+     "--ready-pattern 'a[' is not a valid extended regex"),
+    (["--mode", "local", "--num-workers", "2", "--port"], {}, "--port needs a value"),
+    (["--mode", "hostfile", *CMD], {}, "--mode hostfile needs --hostfile"),
+    (["--mode", "hostfile", "--hostfile", "/nonexistent/hosts", *CMD], {},
+     "--hostfile '/nonexistent/hosts' does not exist"),
+    (["--mode", "slurm", *CMD], {}, "SLURM_PROCID is not set"),
+    (["--mode", "slurm", *CMD], {"SLURM_PROCID": "0", "SLURM_NTASKS": "2"},
+     "neither SLURM_STEP_NODELIST nor SLURM_JOB_NODELIST"),
+    (["--mode", "slurm", *CMD], {"SLURM_PROCID": "0", "SLURM_NTASKS": "3",
+                                 "SLURM_JOB_NODELIST": "n[1-2]", "SLURM_TASKS_PER_NODE": "1(x2)"},
+     "add up to 2, not SLURM_NTASKS=3"),
+    (["--mode", "env", "--world-size", "2", "--hosts", "a,b", *CMD], {}, "--mode env: no rank"),
+    (["--mode", "env", "--hosts", "a,b", *CMD], {"JOB_COMPLETION_INDEX": "1"},
+     "--mode env: no world size"),
+    (["--mode", "env", "--rank", "2", "--world-size", "2", "--hosts", "a,b", *CMD], {},
+     "--rank must be in 0..1"),
+    (["--mode", "env", "--rank", "0", "--world-size", "2", *CMD], {}, "--mode env needs the hosts"),
+    (["--mode", "env", "--rank", "0", "--world-size", "4", "--hosts", "a,b,c", *CMD], {},
+     "--hosts has 3 entries"),
+])
+def test_bad_arguments_exit_2_naming_the_option(tmp_path, args, env, expected):
+    log_dir = tmp_path / "logs"
+    code, out, err = run(["--log-dir", str(log_dir), *args], timeout=30,
+                         env=launcher_env(**env))
+    assert code == 2, (out, err)
+    assert expected in err, err
+    assert "--help" in err  # says where to read more
+    assert not log_dir.exists()  # failed before anything started
+
+
+def test_empty_hostfile(tmp_path):
+    hosts = _hostfile(tmp_path, "# only a comment\n\n")
+    code, _, err = run(["--mode", "hostfile", "--hostfile", hosts, *CMD], timeout=30)
+    assert code == 2 and "lists no hosts" in err, err
+
+
+def test_port_in_use(tmp_path):
+    with socket.socket() as busy:
+        busy.bind(("", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        code, _, err = run(["--mode", "local", "--num-workers", "1", "--port", str(port),
+                            "--log-dir", str(tmp_path / "logs"), *CMD], timeout=30)
+    assert code == 2, err
+    assert f"port {port} is in use" in err and "--port" in err, err
+    assert not (tmp_path / "logs").exists()
+
+
+def test_help_documents_every_option():
+    code, out, _ = run(["--help"], timeout=30)
+    assert code == 0
+    source = open(LAUNCHER).read()
+    parsed = set(re.findall(r"(--[a-z][a-z-]+)\)", source))  # the case labels of the parser
+    parsed |= set(re.findall(r"\| (--[a-z][a-z-]+)", source))
+    assert len(parsed) > 15
+    for option in sorted(parsed):
+        assert re.search(rf"^\s+(-h, )?{option}\b", out, re.M), f"{option} is not in --help"
+    for code_doc in ("0 ", "2 ", "124", "75", "128+N"):
+        assert code_doc in out
+
+
+@pytest.mark.skipif(shutil.which("shellcheck") is None, reason="shellcheck is not installed")
+def test_shellcheck_clean():
+    result = subprocess.run(["shellcheck", LAUNCHER], capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stdout

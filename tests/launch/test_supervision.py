@@ -1,0 +1,175 @@
+"""Supervision with stand-in workers (no TF): failures, kills, start-up hangs, restarts, signals."""
+
+import os
+import signal
+import socket
+import time
+
+import pytest
+
+from tests.launch.helpers import (PY, assert_no_leftovers, finish, kill_group, kill_workers, run,
+                                  start)
+
+pytestmark = pytest.mark.multiprocess
+
+# A worker that says it joined the mesh, then waits; `marker` in its argv lets the test find
+# leftovers. On SIGTERM it exits 75, like a preempted tfllm that saved a checkpoint.
+READY_THEN_WAIT = ("import signal, sys, time; "
+                   "signal.signal(signal.SIGTERM, lambda *a: sys.exit(75)); "
+                   "print('tfllm: gpt on mesh [data=8]', flush=True); time.sleep(600)")
+
+
+def _free_port():
+    with socket.socket() as s:
+        s.bind(("", 0))
+        return s.getsockname()[1]
+
+
+def _wait_for(path, timeout_s=30.0):
+    deadline = time.monotonic() + timeout_s
+    while not path.exists():
+        assert time.monotonic() < deadline, f"{path} did not appear"
+        time.sleep(0.1)
+
+
+def _pids(log_dir, count, timeout_s=30.0):
+    deadline = time.monotonic() + timeout_s
+    while True:
+        path = log_dir / "pids"
+        lines = path.read_text().split("\n") if path.exists() else []
+        pids = dict(tuple(map(int, l.split())) for l in lines if l.strip())
+        if len(pids) == count:
+            return pids
+        assert time.monotonic() < deadline, "the launcher did not record its workers"
+        time.sleep(0.1)
+
+
+def test_killed_worker_stops_everyone(tmp_path):
+    log_dir = tmp_path / "logs"
+    proc = start(["--mode", "local", "--num-workers", "2", "--log-dir", str(log_dir),
+                  "--kill-timeout", "5", "--", PY, "-c", READY_THEN_WAIT, str(tmp_path)])
+    try:
+        _wait_for(log_dir / "ready.0")
+        os.kill(_pids(log_dir, 2)[1], signal.SIGKILL)
+        began = time.monotonic()
+        code, out, err = finish(proc, timeout=60)
+        assert time.monotonic() - began < 60
+        assert code == 128 + signal.SIGKILL, err  # the failing worker's code
+        assert "rank 1 exited with code 137" in err
+    finally:
+        kill_group(proc)
+        kill_workers(log_dir)
+    assert_no_leftovers(tmp_path)
+
+
+def test_worker_ignoring_sigterm_gets_sigkill(tmp_path):
+    log_dir = tmp_path / "logs"
+    # Rank 0 ignores SIGTERM and waits; rank 1 fails after a second.
+    stubborn = ("import signal, sys, time, os; signal.signal(signal.SIGTERM, signal.SIG_IGN); "
+                "print('on mesh [x]', flush=True); "
+                "rank = os.environ['DTENSOR_CLIENT_ID']; time.sleep(1 if rank == '1' else 600); "
+                "sys.exit(3)")
+    try:
+        code, _, err = run(["--mode", "local", "--num-workers", "2", "--log-dir", str(log_dir),
+                            "--kill-timeout", "2", "--", PY, "-c", stubborn, str(tmp_path)],
+                           timeout=60)
+        assert code == 3, err
+        assert "rank 0 did not stop within --kill-timeout 2 s; sending SIGKILL" in err
+    finally:
+        kill_workers(log_dir)
+    assert_no_leftovers(tmp_path)
+
+
+def test_startup_timeout(tmp_path):
+    log_dir = tmp_path / "logs"
+    try:
+        began = time.monotonic()
+        code, _, err = run(["--mode", "local", "--num-workers", "2", "--log-dir", str(log_dir),
+                            "--startup-timeout", "3", "--kill-timeout", "5", "--", PY, "-c",
+                            "import time; time.sleep(600)", str(tmp_path)], timeout=60)
+        assert code == 124, err
+        assert "within --startup-timeout 3 s" in err
+        assert time.monotonic() - began < 30
+    finally:
+        kill_workers(log_dir)
+    assert_no_leftovers(tmp_path)
+
+
+# Fails on a rank's first attempt, succeeds on the second (a marker file per rank).
+FAIL_ONCE = ("import os, sys; m = sys.argv[1] + '/tried.' + os.environ['DTENSOR_CLIENT_ID']; "
+             "first = not os.path.exists(m); open(m, 'w').close(); "
+             "print('attempt', os.environ['MULTIWORKER_ATTEMPT'], flush=True); "
+             "sys.exit(3 if first else 0)")
+
+
+@pytest.mark.parametrize("max_restarts, expected", [(1, 0), (0, 3)])
+def test_max_restarts(tmp_path, max_restarts, expected):
+    log_dir = tmp_path / "logs"
+    try:
+        code, out, err = run(["--mode", "local", "--num-workers", "2", "--log-dir", str(log_dir),
+                              "--max-restarts", str(max_restarts), "--", PY, "-c", FAIL_ONCE,
+                              str(tmp_path)], timeout=60)
+        assert code == expected, err
+        assert ("restarting all workers (restart 1 of --max-restarts 1)" in err) == bool(max_restarts)
+        if max_restarts:
+            assert "[rank 0] attempt 1" in out
+            assert "rank 0 attempt 1 started" in (log_dir / "rank_0.log").read_text()
+    finally:
+        kill_workers(log_dir)
+    assert_no_leftovers(tmp_path)
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+def test_launcher_signal_reaches_workers(tmp_path, sig):
+    """A preemption (SIGTERM to the launcher) reaches the workers as SIGTERM; they exit 75."""
+    log_dir = tmp_path / "logs"
+    proc = start(["--mode", "local", "--num-workers", "2", "--log-dir", str(log_dir),
+                  "--max-restarts", "3", "--", PY, "-c", READY_THEN_WAIT, str(tmp_path)])
+    try:
+        _wait_for(log_dir / "ready.0")
+        _wait_for(log_dir / "ready.1")
+        os.kill(proc.pid, sig)
+        code, _, err = finish(proc, timeout=60)
+        assert code == 75, err  # preempted: not restarted, the scheduler requeues the job
+        assert "restarting" not in err
+    finally:
+        kill_group(proc)
+        kill_workers(log_dir)
+    assert_no_leftovers(tmp_path)
+
+
+def test_launcher_signal_exit_code_without_preemption_support(tmp_path):
+    log_dir = tmp_path / "logs"
+    proc = start(["--mode", "local", "--num-workers", "1", "--log-dir", str(log_dir), "--",
+                  PY, "-c", "import time; print('on mesh [x]', flush=True); time.sleep(600)",
+                  str(tmp_path)])
+    try:
+        _wait_for(log_dir / "ready.0")
+        os.kill(proc.pid, signal.SIGTERM)
+        code, _, err = finish(proc, timeout=60)
+        assert code == 128 + signal.SIGTERM, err
+    finally:
+        kill_group(proc)
+        kill_workers(log_dir)
+    assert_no_leftovers(tmp_path)
+
+
+def test_ready_from_tfllm_client_log(tmp_path):
+    """Today tfllm's clients other than 0 print their mesh line to WORKDIR/logs/client_N.log,
+    not stdout; a launcher that runs only such a client (slurm, env) reads it there."""
+    workdir = tmp_path / "run"
+    (workdir / "logs").mkdir(parents=True)
+    (workdir / "logs" / "client_1.log").write_text("on mesh [stale, from an earlier run]\n")
+    client = ("import sys, time; time.sleep(2); "
+              "open(sys.argv[2] + '/logs/client_1.log', 'a').write('tfllm: gpt on mesh [x]\\n'); "
+              "time.sleep(4)")
+    try:
+        code, _, err = run(["--mode", "env", "--rank", "1", "--world-size", "2", "--hosts",
+                            "localhost", "--port", str(_free_port()), "--startup-timeout", "4", "--", PY,
+                            "-c", client, "--workdir", str(workdir)], timeout=60)
+        assert code == 0, err
+        ready_after = int(err.split("workers ready after ")[1].split()[0])
+        assert ready_after >= 2  # the stale line from before the start did not count
+    finally:
+        kill_workers(workdir / "logs")
+    assert_no_leftovers(tmp_path)
