@@ -43,6 +43,7 @@ class Run:
             from tfllm.data import build_tokenizer
             self.tokenizer = build_tokenizer(config, workdir)
         self.parallel = make_parallel(config)
+        self._announce_ready()
         self.micro_batch_rows = t.global_batch_size // t.grad_accum_steps
         self.batch_axis = self.parallel.spec(
             "batch", (self.micro_batch_rows, d.sequence_length + 1),
@@ -73,6 +74,14 @@ class Run:
                                                   d.sequence_length + 1, d.seed)
             elif train_iterator:
                 self.train_data = self.make_batches("train", t.grad_accum_steps)
+
+    def _announce_ready(self) -> None:
+        """Every client says it joined the mesh (launch/multiworker.sh waits for this)."""
+        from tfllm.parallel.mesh import client_id, num_clients
+        if num_clients() > 1:
+            mesh = ", ".join(f"{k}={v}" for k, v in self.parallel.shape.items())
+            print(f"tfllm: client {client_id()}/{num_clients()} ready on mesh [{mesh}]",
+                  flush=True)
 
     def idle_batch_axes(self):
         """Batch-capable mesh axes (size > 1) that the batch does not use."""
