@@ -19,7 +19,7 @@ from collections import deque
 
 from tfllm.config import save_config
 from tfllm.config.loader import to_dict
-from tfllm.parallel.coordination import any_client, check_same_config
+from tfllm.parallel.coordination import any_client
 from tfllm.parallel.mesh import client_id
 from tfllm.precision import describe
 from tfllm.train.metrics import flops_per_token, measure_matmul_peak
@@ -93,7 +93,6 @@ def train(config, workdir: str, model_cls=None, out=sys.stdout) -> dict:
     has_checkpoint = os.path.isdir(ckpt_dir) and bool(committed(ckpt_dir))
     check_workdir(workdir, config, has_checkpoint)
     run = Run(config, model_cls, workdir)  # bad data or tokenizer settings fail here
-    check_same_config(to_dict(config))
     checkpointer = Checkpointer(ckpt_dir, run.parallel, config.checkpoint)
     os.makedirs(workdir, exist_ok=True)
     if primary:

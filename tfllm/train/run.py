@@ -44,6 +44,9 @@ class Run:
             self.tokenizer = build_tokenizer(config, workdir)
         self.parallel = make_parallel(config)
         self._announce_ready()
+        from tfllm.config.loader import to_dict
+        from tfllm.parallel.coordination import check_same_config
+        check_same_config(to_dict(config))  # before any collective can hang on a mismatch
         self.micro_batch_rows = t.global_batch_size // t.grad_accum_steps
         self.batch_axis = self.parallel.spec(
             "batch", (self.micro_batch_rows, d.sequence_length + 1),

@@ -1,0 +1,82 @@
+"""Inside tfllm under the launcher: restart-and-resume, and mismatched client configs."""
+
+import json
+import os
+import signal
+import subprocess
+import time
+
+import pytest
+
+from tests.launch.helpers import (PY, ROOT, assert_no_leftovers, kill_group, kill_workers,
+                                  launcher_env, start)
+
+TIMEOUT_S = 400
+
+
+def _train_cmd(workdir, *extra):
+    return [PY, "-m", "tfllm.cli.main", "train", "--config", "configs/tiny.yaml",
+            "--workdir", str(workdir), "--set", "mesh.axes=data=2,model=4",
+            "--set", "mesh.num_cpu_devices=4", "--set", "train.steps=40",
+            "--set", "train.log_every=1", "--set", "data.source=synthetic",
+            "--set", "checkpoint.every=5", "--set", "train.eval_steps=1", *extra]
+
+
+def _steps(workdir):
+    path = workdir / "metrics.jsonl"
+    if not path.exists():
+        return []
+    return [json.loads(l)["step"] for l in path.read_text().splitlines() if '"loss"' in l]
+
+
+@pytest.mark.multiprocess
+@pytest.mark.slow
+def test_a_killed_worker_is_restarted_and_the_run_resumes(tmp_path):
+    workdir = tmp_path / "run"
+    proc = start(["--mode", "local", "--num-workers", "2", "--kill-timeout", "5",
+                  "--max-restarts", "1", "--startup-timeout", str(TIMEOUT_S), "--",
+                  *_train_cmd(workdir)])
+    try:
+        deadline = time.monotonic() + TIMEOUT_S
+        while time.monotonic() < deadline and max(_steps(workdir), default=0) < 12:
+            assert proc.poll() is None, proc.communicate()
+            time.sleep(0.1)
+        pids = dict(line.split() for line in (workdir / "logs" / "pids").read_text().splitlines())
+        os.kill(int(pids["1"]), signal.SIGKILL)  # rank 1 dies
+        out, err = proc.communicate(timeout=TIMEOUT_S)
+    finally:
+        kill_group(proc)
+        kill_workers(workdir / "logs")
+    assert_no_leftovers(tmp_path)
+    assert proc.returncode == 0, (out[-3000:], err[-3000:])
+    assert "resuming after step" in out  # the restarted run continued from a checkpoint
+    steps = _steps(workdir)
+    assert steps[-1] == 40
+    assert steps == sorted(set(steps))  # metrics.jsonl was cut back to the checkpoint
+
+
+@pytest.mark.multiprocess
+@pytest.mark.slow
+def test_clients_with_different_configs_are_reported(tmp_path):
+    import socket
+    socks = [socket.socket() for _ in range(2)]
+    for s in socks:
+        s.bind(("localhost", 0))
+    jobs = ",".join(f"localhost:{s.getsockname()[1]}" for s in socks)
+    for s in socks:
+        s.close()
+    procs = []
+    try:
+        for i in range(2):
+            env = launcher_env(DTENSOR_JOBS=jobs, DTENSOR_JOB_NAME="worker",
+                               DTENSOR_CLIENT_ID=str(i))
+            cmd = _train_cmd(tmp_path / "run", "--set", f"train.steps={10 + i}")
+            procs.append(subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE,
+                                          stderr=subprocess.STDOUT, text=True,
+                                          start_new_session=True))
+        out1 = procs[1].communicate(timeout=TIMEOUT_S)[0]
+    finally:
+        for p in procs:
+            kill_group(p)
+    assert procs[1].returncode == 2, out1[-3000:]
+    assert "train.steps: client 0 has 10, client 1 has 11" in out1
