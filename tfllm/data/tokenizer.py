@@ -20,7 +20,7 @@ import tensorflow as tf
 from tfllm.data.errors import DataError
 
 BYTE_VOCAB_SIZE = 257  # 256 byte values + the end-of-document id
-MAX_SENTENCES = 100_000  # lines fed to the SentencePiece trainer; bounds training time
+MAX_SENTENCES = 50_000  # lines fed to the SentencePiece trainer; bounds training time
 NEWLINE_SYMBOLS = ["\n", "\t"]  # SentencePiece trains on lines; keep code layout exact
 
 
