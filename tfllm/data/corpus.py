@@ -32,6 +32,19 @@ SUFFIXES = (".py", ".txt", ".rst")
 SKIP_DIRS = ("site-packages", "dist-packages", "__pycache__")
 MANIFEST = "manifest.json"
 FORMAT_VERSION = 1
+# Manifests verified in this process: every row stream of a batch asks for the corpus,
+# and verifying reads all of it.
+_BUILT: Dict[str, Tuple] = {}
+
+
+def _signature(directory: str) -> Optional[Tuple]:
+    """Sizes and modification times of the cache files: a cheap "unchanged" check."""
+    try:
+        return tuple((os.path.getsize(p), os.stat(p).st_mtime_ns) for p in (
+            os.path.join(directory, n) for n in (MANIFEST, "train.tfrecord",
+                                                 "validation.tfrecord")))
+    except OSError:
+        return None
 
 
 def stdlib_root() -> str:
@@ -128,9 +141,12 @@ def build_corpus(data_dir: str = "~/.cache/tfllm", validation_fraction: float = 
     directory = _cache_dir(data_dir, validation_fraction)
     if root != stdlib_root():  # a custom root (tests) gets its own cache entry
         directory += "-" + hashlib.sha256(os.path.abspath(root).encode()).hexdigest()[:12]
-    manifest = _valid(directory)
+    memo = _BUILT.get(directory)
+    manifest = (dict(memo[1]) if memo and memo[0] == _signature(directory)
+                else _valid(directory))
     if manifest is None:
         manifest = _write(directory, root, validation_fraction)
+    _BUILT[directory] = (_signature(directory), dict(manifest))
     for split in ("train", "validation"):
         manifest[split] = os.path.join(directory, manifest["splits"][split]["file"])
     manifest["dir"] = directory

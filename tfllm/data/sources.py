@@ -31,6 +31,18 @@ from tfllm.data.errors import DataError
 
 SEPARATOR = "<|endoftext|>"
 HASH_BUCKETS = 1 << 20
+# Files already checked in this process, by (path, size, mtime): every row stream asks
+# for the same files, and the check reads each file in full.
+_CHECKED = set()
+
+
+def _unchecked(files: List[str], what: str):
+    """Yields the files not yet checked; a file counts as checked once its check passed."""
+    for path in files:
+        key = (what, path, os.path.getsize(path), os.stat(path).st_mtime_ns)
+        if key not in _CHECKED:
+            yield path
+            _CHECKED.add(key)  # reached only when the caller's check did not raise
 
 
 def resolve_files(patterns: List[str], key: str) -> List[str]:
@@ -56,7 +68,7 @@ def resolve_files(patterns: List[str], key: str) -> List[str]:
 
 def check_text_files(files: List[str], key: str) -> None:
     """Every file is non-empty, valid UTF-8; else an error naming the file and byte offset."""
-    for path in files:
+    for path in _unchecked(files, "text"):
         if os.path.getsize(path) == 0:
             raise DataError(f"{key}: {path} is empty; remove it from {key} or add text.")
         decoder = codecs.getincrementaldecoder("utf-8")("strict")
@@ -88,7 +100,7 @@ def _parse_fn(text_key: str):
 
 def check_tfrecord_files(files: List[str], text_key: str, key: str) -> None:
     """The first record of each file has the bytes feature `text_key`."""
-    for path in files:
+    for path in _unchecked(files, "tfrecord:" + text_key):
         for record in tf.data.TFRecordDataset(path).take(1):
             example = tf.train.Example.FromString(record.numpy())
             features = example.features.feature
