@@ -1,0 +1,149 @@
+"""Packing, shuffling, per-client sharding and iterator save/restore of Batches."""
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from tests.data.conftest import make_docs, text_config
+from tfllm.config import schema
+from tfllm.data.pipeline import Batches
+from tfllm.data.tokenizer import ByteTokenizer
+
+BYTES = ByteTokenizer()
+
+
+def _take(batches, n):
+    return [next(batches) for _ in range(n)]
+
+
+def _reference_rows(docs, tokenizer, length):
+    """Rows of `length` packed the slow, obvious way; the last one padded with segment 0."""
+    tokens = [t for doc in docs for t in tokenizer.encode(doc) + [tokenizer.eod_id]]
+    # Segment ids: number documents within each row, restarting at 1 per row.
+    doc_index = [i for i, doc in enumerate(docs)
+                 for _ in range(len(tokenizer.encode(doc)) + 1)]
+    out = []
+    for start in range(0, len(tokens), length):
+        row_docs = doc_index[start:start + length]
+        first = row_docs[0]
+        seg = [d - first + 1 for d in row_docs]
+        pad = length - len(row_docs)
+        out.append((tokens[start:start + length] + [0] * pad, seg + [0] * pad))
+    return out
+
+
+def test_packing_matches_concatenated_documents(text_cfg):
+    """Validation (unshuffled, one stream) = all eval docs + EOD, cut into rows."""
+    batches = Batches(text_cfg, BYTES, split="validation", micro_batches=1,
+                      micro_batch_rows=1)
+    got = [(b["tokens"][0, 0].tolist(), b["segment_ids"][0, 0].tolist()) for b in batches]
+    docs = make_docs(6, 1)
+    assert got == _reference_rows(docs, BYTES, text_cfg.data.sequence_length + 1)
+    flat = [t for row, _ in got for t in row]
+    assert flat[:len(docs[0]) + 1] == list(docs[0].encode()) + [BYTES.eod_id]
+
+
+def test_training_rows_are_whole_documents_in_order_of_a_shuffle(text_cfg):
+    """Train rows: every token is a doc's token, each doc is followed by EOD, no padding."""
+    text_cfg.data.sequence_length = 255
+    batch = next(Batches(text_cfg, BYTES, micro_batches=1, micro_batch_rows=1))
+    tokens, seg = batch["tokens"][0, 0], batch["segment_ids"][0, 0]
+    assert tokens.shape == (256,) and tokens.dtype == np.int32 and seg.min() >= 1
+    eod = np.flatnonzero(tokens == BYTES.eod_id)
+    assert len(eod) >= 2
+    # The segment id goes up by one right after each EOD and nowhere else.
+    np.testing.assert_array_equal(np.diff(seg), np.isin(np.arange(255), eod).astype(int))
+    for start, end in zip(eod[:-1] + 1, eod[1:]):
+        assert bytes(tokens[start:end].tolist()).decode() in make_docs(24)
+
+
+def test_same_seed_same_batches_other_seed_other_batches(tmp_path):
+    cfg = text_config(tmp_path)
+    kw = dict(micro_batches=1, micro_batch_rows=2)
+    a = _take(Batches(cfg, BYTES, **kw), 12)
+    b = _take(Batches(cfg, BYTES, **kw), 12)
+    cfg.data.seed += 1
+    c = _take(Batches(cfg, BYTES, **kw), 12)
+    stack = lambda bs: np.stack([x["tokens"] for x in bs])  # noqa: E731
+    np.testing.assert_array_equal(stack(a), stack(b))
+    assert not np.array_equal(stack(a), stack(c))
+
+
+@pytest.mark.parametrize("split", ["train", "validation"])
+def test_clients_together_get_what_one_client_gets(text_cfg, split):
+    """2 and 4 clients holding disjoint rows reproduce the single-client batches."""
+    kw = dict(split=split, micro_batches=2, micro_batch_rows=4, max_batches=4)
+    whole = _take(Batches(text_cfg, BYTES, **kw), 4)
+    for parts in ([[0, 1], [2, 3]], [[0, 1, 2], [3]]):
+        clients = [_take(Batches(text_cfg, BYTES, rows=rows, **kw), 4) for rows in parts]
+        for step in range(4):
+            for key in ("tokens", "segment_ids"):
+                joined = np.concatenate([c[step][key] for c in clients], axis=1)
+                np.testing.assert_array_equal(joined, whole[step][key])
+    assert whole[0]["tokens"].shape == (2, 4, 16)
+
+
+def test_save_restore_is_exact_across_epochs(text_cfg, tmp_path):
+    """After restore, batches equal the uninterrupted run's, past an epoch boundary."""
+    kw = dict(micro_batches=1, micro_batch_rows=2)
+    reference = _take(Batches(text_cfg, BYTES, **kw), 30)
+    first = Batches(text_cfg, BYTES, **kw)
+    _take(first, 11)
+    first.save_state(str(tmp_path / "state" / "client0"))
+    resumed = Batches(text_cfg, BYTES, **kw)
+    resumed.restore_state(str(tmp_path / "state" / "client0"))
+    for want, got in zip(reference[11:], _take(resumed, 19)):
+        np.testing.assert_array_equal(want["tokens"], got["tokens"])
+        np.testing.assert_array_equal(want["segment_ids"], got["segment_ids"])
+
+
+def test_validation_max_batches_pads_and_stops(text_cfg):
+    batches = list(Batches(text_cfg, BYTES, split="validation", micro_batches=1,
+                           micro_batch_rows=2, max_batches=40))
+    assert len(batches) == 40 and batches[-1]["segment_ids"].max() == 0
+    unbounded = list(Batches(text_cfg, BYTES, split="validation", micro_batches=1,
+                             micro_batch_rows=2))
+    assert 0 < len(unbounded) < 40 and unbounded[-1]["segment_ids"].max() > 0
+
+
+def test_holdout_without_eval_paths_never_overlaps(text_cfg):
+    text_cfg.data.eval_paths = []
+    text_cfg.data.validation_fraction = 0.3
+    from tfllm.data.sources import iterate_documents
+    train, val = list(iterate_documents(text_cfg, "train")), list(
+        iterate_documents(text_cfg, "validation"))
+    assert val and train and not set(train) & set(val)
+    assert sorted(train + val) == sorted(make_docs(24))
+
+
+def test_separator_splits_a_file_into_documents(tmp_path):
+    cfg = text_config(tmp_path)
+    (tmp_path / "one.txt").write_text("first doc\n<|endoftext|>\nsecond doc\n")
+    cfg.data.paths = [str(tmp_path / "one.txt")]
+    from tfllm.data.sources import iterate_documents
+    assert list(iterate_documents(cfg, "train")) == ["first doc\n", "\nsecond doc\n"]
+
+
+def test_tfrecord_source(tmp_path):
+    cfg = text_config(tmp_path)
+    path = str(tmp_path / "docs.tfrecord")
+    with tf.io.TFRecordWriter(path) as w:
+        for doc in make_docs(8):
+            feat = tf.train.Feature(bytes_list=tf.train.BytesList(value=[doc.encode()]))
+            w.write(tf.train.Example(features=tf.train.Features(
+                feature={"body": feat})).SerializeToString())
+    cfg.data.source, cfg.data.paths, cfg.data.text_key = "tfrecord", [path], "body"
+    cfg.data.eval_paths = [path]
+    batches = list(Batches(cfg, BYTES, split="validation", micro_batches=1,
+                           micro_batch_rows=1))
+    assert [(b["tokens"][0, 0].tolist(), b["segment_ids"][0, 0].tolist())
+            for b in batches] == _reference_rows(make_docs(8), BYTES, 16)
+
+
+def test_synthetic_source_through_batches():
+    cfg = schema.Config()
+    cfg.data.source, cfg.model.vocab_size, cfg.data.sequence_length = "synthetic", 50, 9
+    whole = next(Batches(cfg, micro_batches=2, micro_batch_rows=4))
+    half = next(Batches(cfg, rows=[2, 3], micro_batches=2, micro_batch_rows=4))
+    assert whole["tokens"].shape == (2, 4, 10) and (whole["segment_ids"] == 1).all()
+    np.testing.assert_array_equal(half["tokens"], whole["tokens"][:, 2:])

@@ -1,0 +1,83 @@
+"""Tokenizers: byte, SentencePiece (trained, cached, reloaded), user files; stats."""
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from tests.data.conftest import make_docs, text_config
+from tfllm.data import tokenizer as tok
+from tfllm.data.errors import DataError
+from tfllm.data.pipeline import Batches
+from tfllm.data.stats import unigram_cross_entropy, unigram_loss
+
+CODE = "def f(x):\n    return x  # é\n\n\tpass\n"
+
+
+def test_byte_tokenizer_round_trip_and_tf():
+    t = tok.ByteTokenizer()
+    assert (t.vocab_size, t.eod_id) == (257, 256)
+    ids = t.encode(CODE)
+    assert t.decode(ids + [256]) == CODE
+    assert t.tf_encode(tf.constant(CODE)).numpy().tolist() == ids
+
+
+@pytest.fixture(scope="module")
+def tiny_proto():
+    texts = make_docs(40) + [CODE] * 3
+    return texts, tok.train_sentencepiece(texts, 96)
+
+
+def test_sentencepiece_is_deterministic_and_keeps_layout(tiny_proto):
+    texts, proto = tiny_proto
+    assert tok.train_sentencepiece(texts, 96) == proto
+    t = tok.SentencePieceTokenizer(proto)
+    assert t.vocab_size <= 96 and t.eod_id == 1
+    text = make_docs(3)[2]
+    ids = t.encode(text)
+    assert t.decode(ids) == text  # newlines and indentation survive
+    assert t.tf_encode(tf.constant(text)).numpy().tolist() == ids
+
+
+def test_load_tokenizer_trains_once_then_reuses(tmp_path, monkeypatch):
+    cfg = text_config(tmp_path)
+    cfg.data.tokenizer, cfg.model.vocab_size = "sentencepiece", 96
+    first = tok.load_tokenizer(cfg, str(tmp_path / "run1"))
+    assert (tmp_path / "run1" / "tokenizer" / "tokenizer.model").exists()
+
+    def no_training(*args, **kwargs):
+        raise AssertionError("retrained although cached")
+    monkeypatch.setattr(tok, "train_sentencepiece", no_training)
+    again = tok.load_tokenizer(cfg, str(tmp_path / "run2"))  # from the data_dir cache
+    resumed = tok.load_tokenizer(cfg, str(tmp_path / "run1"))  # from the workdir
+    assert again.encode(CODE) == first.encode(CODE) == resumed.encode(CODE)
+    # The pipeline runs on it, and a trained model beats the unigram baseline's ceiling.
+    batch = next(Batches(cfg, first, micro_batches=1, micro_batch_rows=2))
+    assert batch["tokens"].max() < 96
+    loss = unigram_loss(cfg, first)
+    assert 0 < loss < np.log(96)
+
+
+def test_tokenizer_file_and_its_errors(tmp_path, tiny_proto):
+    cfg = text_config(tmp_path)
+    path = tmp_path / "user.model"
+    path.write_bytes(tiny_proto[1])
+    cfg.data.tokenizer, cfg.data.tokenizer_path = "file", str(path)
+    assert tok.load_tokenizer(cfg).vocab_size <= 96
+    cfg.model.vocab_size = 50
+    with pytest.raises(DataError, match=r"data.tokenizer_path=.*model.vocab_size is 50.*set "
+                                        r"model.vocab_size >= "):
+        tok.load_tokenizer(cfg)
+    cfg.data.tokenizer_path = str(tmp_path / "missing.model")
+    with pytest.raises(DataError, match="missing.model: no such file"):
+        tok.load_tokenizer(cfg)
+    cfg.data.tokenizer, cfg.model.vocab_size = "byte", 128
+    with pytest.raises(DataError, match="data.tokenizer=byte has 257 tokens"):
+        tok.load_tokenizer(cfg)
+
+
+def test_unigram_cross_entropy_of_uniform_data():
+    uniform = [list(range(8)) * 10]
+    assert unigram_cross_entropy(uniform, uniform, 8) == pytest.approx(np.log(8))
+    skewed = [[0] * 90 + [1] * 10]
+    assert unigram_cross_entropy(skewed, skewed, 2, smoothing=0) == pytest.approx(
+        -(0.9 * np.log(0.9) + 0.1 * np.log(0.1)))

@@ -1,0 +1,203 @@
+"""Token batches for training and evaluation: tokenize, pack, shard per row, checkpoint.
+
+Every row r of the global batch (A micro-batches of M rows: r = a * M + m) is its own
+deterministic stream: it reads only document shard r of A * M, shuffles it with seed
+(data.seed, r), tokenizes, appends the end-of-document id and packs the tokens into
+rows of sequence_length + 1. A client that holds rows R of each micro-batch builds
+only the streams {a * M + m : m in R} and zips them, so the rows a client gets do not
+depend on how many clients there are: same seed, same global batches.
+
+Each batch is a dict of int32 numpy arrays of shape (A, len(R), sequence_length + 1):
+  tokens:      token ids; a document's tokens are followed by the end-of-document id.
+  segment_ids: 1, 2, 3, ... numbering the documents within a row (a document cut at a
+               row boundary continues as segment 1 of the stream's next row); 0 marks
+               padding (only in validation). They are returned whatever
+               data.packing_mask says; the model decides whether to mask by them.
+
+Training streams repeat forever and reshuffle each epoch (deterministically: the order
+depends only on the seed and the epoch). Validation streams are unshuffled and read
+once; a stream that runs out yields padding rows (segment 0) until every stream of this
+client is done, or, with `max_batches`, until exactly that many batches (use it with
+several clients, so that all of them take the same number of steps).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Dict, Iterable, Optional
+
+import numpy as np
+import tensorflow as tf
+
+from tfllm.data.errors import DataError
+from tfllm.data.sources import documents
+from tfllm.data.synthetic import SyntheticTokens
+
+
+def stream_seed(seed: int, row: int) -> int:
+    """The shuffle seed of row stream `row`: a pure function of (data.seed, row)."""
+    return int(np.random.SeedSequence([seed % 2 ** 32, row]).generate_state(1)[0])
+
+
+def pack(token_docs: tf.data.Dataset, length: int, pad: bool) -> tf.data.Dataset:
+    """Packs 1-D token tensors (one per document, EOD included) into rows of `length`.
+
+    Args:
+      token_docs: dataset of 1-D int32 tensors.
+      length: tokens per row (sequence_length + 1).
+      pad: pad the last, partial row with token 0 / segment 0 instead of dropping it.
+
+    Returns:
+      dataset of (tokens, segment_ids), each int32 of shape (length,).
+    """
+    # A flag marks each document's first token; a row's segment ids are the running
+    # count of flags, plus 1 when the row starts in the middle of a document.
+    flagged = token_docs.map(lambda ids: (ids, tf.one_hot(0, tf.shape(ids)[0],
+                                                         dtype=tf.int32)))
+    rows = flagged.rebatch(length, drop_remainder=not pad)
+
+    def segments(ids, flags):
+        seg = tf.cumsum(flags) + (1 - flags[0])
+        if pad:
+            n = length - tf.shape(ids)[0]
+            ids, seg = tf.pad(ids, [[0, n]]), tf.pad(seg, [[0, n]])
+            ids.set_shape([length]), seg.set_shape([length])
+        return ids, seg
+    return rows.map(segments)
+
+
+class Batches:
+    """Iterator over token batches of this client's rows, with exact save/restore.
+
+    Args:
+      config: the full tfllm Config (data, train.grad_accum_steps, train.global_batch_size).
+      tokenizer: a tfllm.data.tokenizer.Tokenizer (unused for data.source=synthetic).
+      split: "train" (shuffled, repeated) or "validation" (in order, read once).
+      rows: this client's row indices within a micro-batch, the same for every
+        micro-batch; None means all rows.
+      micro_batches: A; default train.grad_accum_steps.
+      micro_batch_rows: M; default train.global_batch_size // A.
+      max_batches: stop after this many batches (validation: pad up to it).
+    """
+
+    def __init__(self, config, tokenizer=None, split: str = "train",
+                 rows: Optional[Iterable[int]] = None, micro_batches: Optional[int] = None,
+                 micro_batch_rows: Optional[int] = None, max_batches: Optional[int] = None):
+        self.config, self.tokenizer, self.split = config, tokenizer, split
+        self.micro_batches = micro_batches or config.train.grad_accum_steps
+        self.micro_batch_rows = (micro_batch_rows
+                                 or config.train.global_batch_size // self.micro_batches)
+        self.rows = list(range(self.micro_batch_rows)) if rows is None else list(rows)
+        if not self.rows or any(not 0 <= r < self.micro_batch_rows for r in self.rows):
+            raise DataError(f"rows {self.rows} must be a non-empty subset of "
+                            f"range({self.micro_batch_rows}) (the rows of a micro-batch).")
+        self.length = config.data.sequence_length + 1
+        self.max_batches = max_batches
+        self._count = 0
+        if config.data.source == "synthetic":
+            seed = config.data.seed + (0 if split == "train" else 1)
+            self._synthetic = SyntheticTokens(config.model.vocab_size, self.length, seed)
+            return
+        if tokenizer is None:
+            raise DataError(f"data.source={config.data.source} needs a tokenizer; see "
+                            "tfllm.data.tokenizer.load_tokenizer.")
+        self._synthetic = None
+        self.dataset = self._build()
+        self._iterator = iter(self.dataset)
+
+    @property
+    def num_streams(self) -> int:
+        """Rows of the global batch: every one is an independent stream."""
+        return self.micro_batches * self.micro_batch_rows
+
+    def _stream(self, row: int) -> tf.data.Dataset:
+        data, train = self.config.data, self.split == "train"
+        docs = documents(self.config, self.split, self.num_streams, row)
+        if train:
+            # shuffle_buffer counts documents over the whole global batch, so memory
+            # (and the iterator checkpoint) does not grow with the number of rows.
+            buffer = max(1, data.shuffle_buffer // self.num_streams)
+            docs = docs.shuffle(buffer, seed=stream_seed(data.seed, row),
+                                reshuffle_each_iteration=True).repeat()
+        eod = tf.constant([self.tokenizer.eod_id], tf.int32)
+        encode = self.tokenizer.tf_encode
+        token_docs = docs.map(lambda d: tf.concat([encode(d), eod], 0),
+                              num_parallel_calls=tf.data.AUTOTUNE, deterministic=True)
+        packed = pack(token_docs, self.length, pad=not train)
+        if not train:
+            padding = tf.zeros([self.length], tf.int32)
+            packed = packed.concatenate(
+                tf.data.Dataset.from_tensors((padding, padding)).repeat())
+        return packed
+
+    def _build(self) -> tf.data.Dataset:
+        streams = tuple(self._stream(a * self.micro_batch_rows + m)
+                        for a in range(self.micro_batches) for m in self.rows)
+        shape = [self.micro_batches, len(self.rows), self.length]
+
+        def stack(*pairs):
+            tokens = tf.reshape(tf.stack([p[0] for p in pairs]), shape)  # (A, R, T+1)
+            segments = tf.reshape(tf.stack([p[1] for p in pairs]), shape)
+            return {"tokens": tokens, "segment_ids": segments}
+        ds = tf.data.Dataset.zip(streams).map(stack)
+        if self.split != "train":
+            if self.max_batches is None:  # stop when every stream is padding
+                ds = ds.take_while(lambda b: tf.reduce_any(b["segment_ids"] > 0))
+        if self.max_batches is not None:
+            ds = ds.take(self.max_batches)
+        options = tf.data.Options()
+        options.deterministic = True
+        # Tokenizer ops hold their model in a resource; it is rebuilt, not saved.
+        options.experimental_external_state_policy = (
+            tf.data.experimental.ExternalStatePolicy.IGNORE)
+        return ds.prefetch(2).with_options(options)
+
+    def __iter__(self):
+        return self
+
+    def __next__(self) -> Dict[str, np.ndarray]:
+        if self.max_batches is not None and self._count >= self.max_batches:
+            raise StopIteration
+        if self._synthetic is not None:
+            tokens = self._synthetic.batch(self._count, self.num_streams,
+                                           self.micro_batches)[:, self.rows]
+            batch = {"tokens": tokens, "segment_ids": np.ones_like(tokens)}
+        else:
+            try:
+                batch = {k: v.numpy() for k, v in next(self._iterator).items()}
+            except StopIteration:
+                if self.split == "train":
+                    raise DataError(
+                        f"data.source={self.config.data.source}: a row stream has no "
+                        f"documents; every one of the {self.num_streams} rows of a global "
+                        "batch reads its own shard, so the training data needs at least "
+                        "that many documents. Add data or lower train.global_batch_size."
+                    ) from None
+                raise
+        self._count += 1
+        return batch
+
+    def save_state(self, path_prefix: str) -> str:
+        """Writes this client's iterator position; returns the checkpoint path."""
+        os.makedirs(os.path.dirname(os.path.abspath(path_prefix)), exist_ok=True)
+        with open(path_prefix + ".json", "w") as f:
+            json.dump({"count": self._count, "rows": self.rows}, f)
+        if self._synthetic is not None:
+            return path_prefix + ".json"
+        return tf.train.Checkpoint(iterator=self._iterator).write(path_prefix)
+
+    def restore_state(self, path_prefix: str) -> None:
+        """Restores a position written by save_state (same config, split and rows)."""
+        try:
+            with open(path_prefix + ".json") as f:
+                state = json.load(f)
+        except OSError as e:
+            raise DataError(f"no data-iterator state at {path_prefix}.json ({e}); resume "
+                            "from a checkpoint that has one or start a new run.") from None
+        if state["rows"] != self.rows:
+            raise DataError(f"{path_prefix}: saved for rows {state['rows']}, not "
+                            f"{self.rows}; restore with the same number of clients.")
+        self._count = state["count"]
+        if self._synthetic is None:
+            tf.train.Checkpoint(iterator=self._iterator).read(path_prefix).assert_consumed()

@@ -1,0 +1,221 @@
+"""Documents of each source as tf.data datasets of scalar tf.string, one per document.
+
+What a document is, per source:
+  corpus:   one standard-library file (see tfllm.data.corpus).
+  text:     one file of data.paths; a file may hold several documents separated by
+            the GPT-2 convention `<|endoftext|>`. Files must be non-empty UTF-8: this is
+            checked up front in Python, so a bad byte is an error naming the file and
+            its offset rather than a tf error mid-training.
+  tfrecord: one tf.train.Example; its bytes feature data.text_key is the text.
+  tfds:     one example of the dataset; its feature data.text_key is the text.
+
+Without separate validation data (data.eval_paths, or for tfds an empty
+data.tfds_eval_split), a document is held out when a hash of its text falls below
+data.validation_fraction: the split never overlaps and does not depend on order.
+
+`documents(config, split, num_shards, index)` returns shard `index` of `num_shards`:
+the pipeline gives every row of the global batch its own shard.
+"""
+
+from __future__ import annotations
+
+import codecs
+import difflib
+import glob
+import os
+from typing import Iterator, List
+
+import tensorflow as tf
+
+from tfllm.data.errors import DataError
+
+SEPARATOR = "<|endoftext|>"
+HASH_BUCKETS = 1 << 20
+# Files already checked in this process, by (path, size, mtime): every row stream asks
+# for the same files, and the check reads each file in full.
+_CHECKED = set()
+
+
+def _unchecked(files: List[str], what: str):
+    """Yields the files not yet checked; a file counts as checked once its check passed."""
+    for path in files:
+        key = (what, path, os.path.getsize(path), os.stat(path).st_mtime_ns)
+        if key not in _CHECKED:
+            yield path
+            _CHECKED.add(key)  # reached only when the caller's check did not raise
+
+
+def resolve_files(patterns: List[str], key: str) -> List[str]:
+    """Files matching the globs, sorted per pattern; a pattern matching nothing is an error.
+
+    Args:
+      patterns: paths or glob patterns (`~` is expanded).
+      key: the config key they came from, for error messages.
+    """
+    if not patterns:
+        raise DataError(f"{key} is empty; list the data files or glob patterns, e.g. "
+                        f"--set {key}=data/*.txt.")
+    files = []
+    for pattern in patterns:
+        matches = sorted(p for p in glob.glob(os.path.expanduser(pattern), recursive=True)
+                         if os.path.isfile(p))
+        if not matches:
+            raise DataError(f"{key}: '{pattern}' matches no files; fix the path or glob "
+                            f"(relative paths are from {os.getcwd()}).")
+        files.extend(matches)
+    return files
+
+
+def check_text_files(files: List[str], key: str) -> None:
+    """Every file is non-empty, valid UTF-8; else an error naming the file and byte offset."""
+    for path in _unchecked(files, "text"):
+        if os.path.getsize(path) == 0:
+            raise DataError(f"{key}: {path} is empty; remove it from {key} or add text.")
+        decoder = codecs.getincrementaldecoder("utf-8")("strict")
+        offset = 0
+        with open(path, "rb") as f:
+            for block in iter(lambda: f.read(1 << 20), b""):
+                try:
+                    decoder.decode(block)
+                except UnicodeDecodeError as e:
+                    # e.start counts from the decoder's pending bytes plus this block.
+                    pending = len(e.object) - len(block)
+                    raise DataError(
+                        f"{key}: {path} is not UTF-8 at byte offset "
+                        f"{offset + e.start - pending} ({e.reason}); re-encode it as UTF-8, "
+                        f"e.g. iconv -f latin1 -t utf-8 {path}.") from None
+                offset += len(block)
+            try:
+                decoder.decode(b"", final=True)
+            except UnicodeDecodeError as e:
+                raise DataError(f"{key}: {path} ends inside a UTF-8 character (byte offset "
+                                f"{offset - len(e.object) + e.start}); re-encode it as "
+                                "UTF-8.") from None
+
+
+def _parse_fn(text_key: str):
+    spec = {text_key: tf.io.FixedLenFeature([], tf.string)}
+    return lambda record: tf.io.parse_single_example(record, spec)[text_key]
+
+
+def check_tfrecord_files(files: List[str], text_key: str, key: str) -> None:
+    """The first record of each file has the bytes feature `text_key`."""
+    for path in _unchecked(files, "tfrecord:" + text_key):
+        for record in tf.data.TFRecordDataset(path).take(1):
+            example = tf.train.Example.FromString(record.numpy())
+            features = example.features.feature
+            if text_key not in features or not features[text_key].bytes_list.value:
+                have = sorted(features)
+                raise DataError(f"{key}: {path} has no bytes feature '{text_key}' (it has "
+                                f"{have}); set data.text_key to the feature holding the "
+                                "text.")
+
+
+def _holdout(docs: tf.data.Dataset, fraction: float, keep_validation: bool):
+    threshold = int(fraction * HASH_BUCKETS)
+
+    def keep(doc):
+        held = tf.strings.to_hash_bucket_fast(doc, HASH_BUCKETS) < threshold
+        return held if keep_validation else tf.logical_not(held)
+    return docs.filter(keep)
+
+
+def _file_documents(config, split: str) -> tf.data.Dataset:
+    data = config.data
+    if split == "validation" and data.eval_paths:
+        patterns, key, holdout = data.eval_paths, "data.eval_paths", None
+    else:
+        patterns, key = data.paths, "data.paths"
+        holdout = split == "validation"  # True: keep held-out docs; False: drop them
+        if holdout and data.validation_fraction == 0:
+            raise DataError("no validation data: set data.eval_paths or "
+                            "data.validation_fraction > 0.")
+    files = resolve_files(patterns, key)
+    if data.source == "text":
+        check_text_files(files, key)
+        docs = tf.data.Dataset.from_tensor_slices(files).map(tf.io.read_file)
+        docs = docs.flat_map(lambda text: tf.data.Dataset.from_tensor_slices(
+            tf.strings.split(text, SEPARATOR)))
+        docs = docs.filter(lambda d: tf.strings.length(tf.strings.strip(d)) > 0)
+    else:
+        check_tfrecord_files(files, data.text_key, key)
+        docs = tf.data.TFRecordDataset(files).map(_parse_fn(data.text_key))
+    if holdout is not None and data.validation_fraction > 0:
+        docs = _holdout(docs, data.validation_fraction, keep_validation=holdout)
+    return docs
+
+
+def check_tfds_name(name: str) -> None:
+    """An unknown TFDS dataset name is an error suggesting the closest known names."""
+    import tensorflow_datasets as tfds
+
+    if not name:
+        raise DataError("data.source=tfds needs data.tfds_name, e.g. --set "
+                        "data.tfds_name=lm1b.")
+    base = name.split(":")[0].split("/")[0]
+    builders = tfds.list_builders()
+    if base not in builders:
+        close = difflib.get_close_matches(base, builders, n=3, cutoff=0.6)
+        hint = f" Did you mean {', '.join(repr(c) for c in close)}?" if close else ""
+        raise DataError(f"data.tfds_name={name}: unknown TensorFlow Datasets name.{hint} "
+                        "See tfds.list_builders() for the names.")
+
+
+def _tfds_split(config, split: str) -> str:
+    data = config.data
+    if split == "train" and data.tfds_eval_split:
+        return data.tfds_split
+    if split == "validation" and data.tfds_eval_split:
+        return data.tfds_eval_split
+    # No eval split: hold out the first validation_fraction percent of the train split.
+    percent = max(1, round(100 * data.validation_fraction))
+    return (f"{data.tfds_split}[{percent}%:]" if split == "train"
+            else f"{data.tfds_split}[:{percent}%]")
+
+
+def _tfds_documents(config, split: str, num_shards: int, index: int) -> tf.data.Dataset:
+    import tensorflow_datasets as tfds
+
+    data = config.data
+    check_tfds_name(data.tfds_name)
+    # even_splits reads only this shard's examples, unlike Dataset.shard.
+    sub = tfds.even_splits(_tfds_split(config, split), n=num_shards)[index]
+    ds = tfds.load(data.tfds_name, split=sub, data_dir=data.tfds_data_dir or None,
+                   shuffle_files=False)
+    if data.text_key not in ds.element_spec:
+        raise DataError(f"data.text_key={data.text_key}: {data.tfds_name} has no such "
+                        f"feature (it has {sorted(ds.element_spec)}); set data.text_key.")
+    return ds.map(lambda ex: ex[data.text_key])
+
+
+def documents(config, split: str, num_shards: int = 1, index: int = 0) -> tf.data.Dataset:
+    """Shard `index` of `num_shards` of a split's documents, in a fixed order.
+
+    Args:
+      config: the full tfllm Config (uses config.data).
+      split: "train" or "validation".
+      num_shards: number of disjoint shards (one per row of the global batch).
+      index: which shard, in [0, num_shards).
+    """
+    if split not in ("train", "validation"):
+        raise DataError(f"split must be 'train' or 'validation', got {split!r}.")
+    source = config.data.source
+    if source == "tfds":
+        return _tfds_documents(config, split, num_shards, index)
+    if source == "corpus":
+        from tfllm.data.corpus import build_corpus
+
+        manifest = build_corpus(config.data.data_dir, config.data.validation_fraction)
+        docs = tf.data.TFRecordDataset(manifest[split]).map(_parse_fn("text"))
+    elif source in ("text", "tfrecord"):
+        docs = _file_documents(config, split)
+    else:
+        raise DataError(f"data.source={source} has no documents; use corpus, text, "
+                        "tfrecord or tfds.")
+    return docs.shard(num_shards, index) if num_shards > 1 else docs
+
+
+def iterate_documents(config, split: str) -> Iterator[str]:
+    """A split's documents as Python strings (for tokenizer training and statistics)."""
+    for doc in documents(config, split).as_numpy_iterator():
+        yield doc.decode("utf-8", errors="replace")

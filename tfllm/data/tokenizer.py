@@ -1,0 +1,242 @@
+"""Tokenizers: SentencePiece trained offline, UTF-8 bytes, or a user's file/preset.
+
+All share one small interface (`Tokenizer`): `vocab_size`, `eod_id` (the end-of-document
+id appended after every document), `encode`, `decode` and `tf_encode`, which tokenizes
+a scalar tf.string inside tf.data. The tf side uses keras-hub tokenizers.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import os
+import tempfile
+import time
+from typing import Callable, Iterable, List, Optional
+
+import numpy as np
+import tensorflow as tf
+
+from tfllm.data.errors import DataError
+
+BYTE_VOCAB_SIZE = 257  # 256 byte values + the end-of-document id
+MAX_SENTENCES = 50_000  # lines fed to the SentencePiece trainer; bounds training time
+NEWLINE_SYMBOLS = ["\n", "\t"]  # SentencePiece trains on lines; keep code layout exact
+
+
+class Tokenizer:
+    """Common tokenizer interface.
+
+    Args:
+      vocab_size: number of ids the tokenizer can produce.
+      eod_id: the end-of-document id.
+      name: short description for logs.
+    """
+
+    def __init__(self, vocab_size: int, eod_id: int, name: str):
+        self.vocab_size, self.eod_id, self.name = vocab_size, eod_id, name
+
+    def encode(self, text: str) -> List[int]:
+        """Token ids of `text` (no end-of-document id)."""
+        return [int(i) for i in self.tf_encode(tf.constant(text)).numpy()]
+
+    def decode(self, ids: Iterable[int]) -> str:
+        raise NotImplementedError
+
+    def tf_encode(self, text: tf.Tensor) -> tf.Tensor:
+        """Tokenizes a scalar tf.string into a 1-D int32 tensor (usable in tf.data)."""
+        raise NotImplementedError
+
+
+class ByteTokenizer(Tokenizer):
+    """UTF-8 bytes as ids 0..255; id 256 ends a document."""
+
+    def __init__(self):
+        super().__init__(BYTE_VOCAB_SIZE, 256, "byte")
+
+    def encode(self, text: str) -> List[int]:
+        return list(text.encode("utf-8"))
+
+    def decode(self, ids: Iterable[int]) -> str:
+        return bytes(i for i in ids if 0 <= i < 256).decode("utf-8", errors="replace")
+
+    def tf_encode(self, text: tf.Tensor) -> tf.Tensor:
+        return tf.cast(tf.io.decode_raw(text, tf.uint8), tf.int32)
+
+
+class SentencePieceTokenizer(Tokenizer):
+    """A SentencePiece model; its `</s>` (eos) id ends a document.
+
+    Args:
+      proto: the serialized model (the bytes of a .model file).
+      name: description for logs.
+    """
+
+    def __init__(self, proto: bytes, name: str = "sentencepiece"):
+        import keras_hub
+        import sentencepiece as spm
+
+        self.proto = proto
+        self._sp = spm.SentencePieceProcessor(model_proto=proto)
+        eod = self._sp.eos_id()
+        if eod < 0:
+            raise DataError(f"{name}: the SentencePiece model has no eos id (</s>) to end "
+                            "documents; train it with eos_id >= 0.")
+        self._hub = keras_hub.tokenizers.SentencePieceTokenizer(proto=proto)
+        super().__init__(self._sp.get_piece_size(), eod, name)
+
+    def encode(self, text: str) -> List[int]:
+        return self._sp.encode(text)
+
+    def decode(self, ids: Iterable[int]) -> str:
+        return self._sp.decode([int(i) for i in ids if 0 <= int(i) < self.vocab_size])
+
+    def tf_encode(self, text: tf.Tensor) -> tf.Tensor:
+        return tf.cast(self._hub.tokenize(text), tf.int32)
+
+
+class KerasHubTokenizer(Tokenizer):
+    """A keras-hub tokenizer preset directory (`Tokenizer.from_preset`).
+
+    Args:
+      path: the preset directory.
+    """
+
+    def __init__(self, path: str):
+        import keras_hub
+
+        self._hub = keras_hub.tokenizers.Tokenizer.from_preset(path)
+        eod = getattr(self._hub, "end_token_id", None)
+        if eod is None:
+            raise DataError(f"data.tokenizer_path={path}: the keras-hub tokenizer defines no "
+                            "end_token_id to end documents; use a preset with an end token "
+                            "or a SentencePiece .model file.")
+        super().__init__(int(self._hub.vocabulary_size()), int(eod), f"keras-hub:{path}")
+
+    def decode(self, ids: Iterable[int]) -> str:
+        out = self._hub.detokenize(tf.constant(list(ids), tf.int32))
+        out = out.numpy() if hasattr(out, "numpy") else out
+        return out.decode("utf-8", errors="replace") if isinstance(out, bytes) else str(out)
+
+    def tf_encode(self, text: tf.Tensor) -> tf.Tensor:
+        return tf.cast(self._hub.tokenize(text), tf.int32)
+
+
+def train_sentencepiece(texts: Iterable[str], vocab_size: int,
+                        max_sentences: int = MAX_SENTENCES) -> bytes:
+    """Trains a unigram SentencePiece model on `texts`; returns the serialized model.
+
+    Deterministic: the input lines are an evenly strided sample (no random sampling),
+    the trainer runs single-threaded, and nothing is normalized, so code keeps its
+    whitespace. Byte fallback (exact round trip of any text) is on when the vocabulary
+    has room for the 256 byte pieces (vocab_size >= 1024).
+
+    Args:
+      texts: training documents.
+      vocab_size: pieces in the model (an upper bound: tiny texts may yield fewer).
+      max_sentences: cap on the lines given to the trainer.
+    """
+    import sentencepiece as spm
+
+    lines = [line for text in texts for line in text.splitlines() if line.strip()]
+    if not lines:
+        raise DataError("data.tokenizer=sentencepiece: the training data has no text to "
+                        "train a tokenizer on; add documents or use data.tokenizer=byte.")
+    step = -(-len(lines) // max_sentences)
+    lines = lines[::step]
+    model = io.BytesIO()
+    spm.SentencePieceTrainer.train(
+        sentence_iterator=iter(lines), model_writer=model, vocab_size=vocab_size,
+        model_type="unigram", normalization_rule_name="identity",
+        remove_extra_whitespaces=False, user_defined_symbols=NEWLINE_SYMBOLS,
+        allow_whitespace_only_pieces=True, split_digits=True,
+        byte_fallback=vocab_size >= 1024, hard_vocab_limit=False,
+        input_sentence_size=0, shuffle_input_sentence=False, num_threads=1,
+        unk_id=0, eos_id=1, bos_id=-1, pad_id=-1, minloglevel=2)
+    return model.getvalue()
+
+
+def _write_atomic(path: str, data: bytes) -> None:
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path), prefix=".tmp.")
+    with os.fdopen(fd, "wb") as f:
+        f.write(data)
+    os.replace(tmp, path)
+
+
+def _check_vocab(tokenizer: Tokenizer, model_vocab: int, what: str) -> Tokenizer:
+    if tokenizer.vocab_size > model_vocab:
+        raise DataError(f"{what} has {tokenizer.vocab_size} tokens but model.vocab_size is "
+                        f"{model_vocab}; set model.vocab_size >= {tokenizer.vocab_size} "
+                        "(a larger model vocabulary is fine: the extra ids are unused).")
+    return tokenizer
+
+
+def from_file(path: str) -> Tokenizer:
+    """A SentencePiece .model file or a keras-hub tokenizer preset directory."""
+    path = os.path.expanduser(path)
+    if not path:
+        raise DataError("data.tokenizer=file needs data.tokenizer_path: a SentencePiece "
+                        ".model file or a keras-hub tokenizer preset directory.")
+    if not os.path.exists(path):
+        raise DataError(f"data.tokenizer_path={path}: no such file or directory; give an "
+                        "existing SentencePiece .model file or keras-hub preset directory.")
+    if os.path.isdir(path):
+        return KerasHubTokenizer(path)
+    with open(path, "rb") as f:
+        proto = f.read()
+    try:
+        return SentencePieceTokenizer(proto, name=path)
+    except (RuntimeError, OSError) as e:
+        raise DataError(f"data.tokenizer_path={path}: not a SentencePiece model ({e}); "
+                        "give a .model file or a keras-hub preset directory.") from None
+
+
+def load_tokenizer(config, workdir: Optional[str] = None,
+                   training_texts: Optional[Callable[[], Iterable[str]]] = None,
+                   log: Callable[[str], None] = lambda msg: None) -> Tokenizer:
+    """The tokenizer the config asks for, checked against model.vocab_size.
+
+    sentencepiece: reloaded from WORKDIR/tokenizer/tokenizer.model when present, else
+    from the data_dir cache keyed by (training-text hash, vocab size), else trained
+    on the training documents and written to both.
+
+    Args:
+      config: the full tfllm Config.
+      workdir: the run directory (None: do not save into a run).
+      training_texts: returns the training documents; default: the configured source's
+        training split (tfllm.data.sources.iterate_documents).
+      log: receives one-line progress messages (e.g. training time).
+    """
+    data, vocab = config.data, config.model.vocab_size
+    if data.tokenizer == "byte":
+        return _check_vocab(ByteTokenizer(), vocab, "data.tokenizer=byte")
+    if data.tokenizer == "file":
+        return _check_vocab(from_file(data.tokenizer_path), vocab,
+                            f"data.tokenizer_path={data.tokenizer_path}")
+    run_path = os.path.join(workdir, "tokenizer", "tokenizer.model") if workdir else None
+    if run_path and os.path.exists(run_path):
+        with open(run_path, "rb") as f:
+            return _check_vocab(SentencePieceTokenizer(f.read(), run_path), vocab, run_path)
+    if training_texts is None:
+        from tfllm.data.sources import iterate_documents
+        training_texts = lambda: iterate_documents(config, "train")  # noqa: E731
+    texts = list(training_texts())
+    digest = hashlib.sha256()
+    for text in texts:
+        digest.update(hashlib.sha256(text.encode("utf-8")).digest())
+    key = f"unigram-v{vocab}-{digest.hexdigest()[:16]}"
+    cache_path = os.path.join(os.path.expanduser(data.data_dir), "tokenizers", key + ".model")
+    if os.path.exists(cache_path):
+        with open(cache_path, "rb") as f:
+            proto = f.read()
+    else:
+        start = time.perf_counter()
+        proto = train_sentencepiece(texts, vocab)
+        log(f"trained a {vocab}-piece SentencePiece tokenizer in "
+            f"{time.perf_counter() - start:.1f}s")
+        _write_atomic(cache_path, proto)
+    if run_path:
+        _write_atomic(run_path, proto)
+    return _check_vocab(SentencePieceTokenizer(proto, run_path or cache_path), vocab,
+                        "the trained SentencePiece model")
