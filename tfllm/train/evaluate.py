@@ -35,9 +35,13 @@ class Evaluator:
                     logits = self.model(inputs, segment_ids=segment_ids[:, :-1])
                 else:
                     logits = self.model(inputs)  # (M, T, V) float32
-                mean = self.model.compute_lm_loss(logits, targets)
-                n = tf.cast(tf.size(targets), tf.float32)
-                total, count = total + mean * n, count + n
+                if segment_ids is None:
+                    mask = tf.ones_like(targets, tf.float32)
+                else:  # validation rows end in padding (segment 0): not counted
+                    mask = tf.cast(segment_ids[:, 1:] > 0, tf.float32)
+                n = tf.reduce_sum(mask)
+                mean = self.model.compute_lm_loss(logits, targets, mask)
+                total, count = total + mean * tf.maximum(n, 1.0), count + n
             return total, count
 
     def __call__(self, batches, steps: int) -> dict:

@@ -40,8 +40,8 @@ class Run:
         self.tokenizer = None
         if with_data and d.source != "synthetic":
             # Before any device work: bad data or tokenizer settings fail fast.
-            from tfllm.data import build_tokenizer
-            self.tokenizer = build_tokenizer(config, workdir)
+            from tfllm.data.tokenizer import load_tokenizer
+            self.tokenizer = load_tokenizer(config, workdir)
         self.parallel = make_parallel(config)
         self._announce_ready()
         from tfllm.config.loader import to_dict
@@ -70,6 +70,7 @@ class Run:
         self.rows = self.local_rows()
         self._synthetic = None
         self.train_data = None
+        self._peeked = None
         if with_data:
             if d.source == "synthetic":
                 from tfllm.data import SyntheticTokens
@@ -77,6 +78,9 @@ class Run:
                                                   d.sequence_length + 1, d.seed)
             elif train_iterator:
                 self.train_data = self.make_batches("train", t.grad_accum_steps)
+                # Read one batch now: empty or too little data fails before the run
+                # writes anything into its workdir.
+                self._peeked = next(self.train_data)
 
     def _announce_ready(self) -> None:
         """Every client says it joined the mesh (launch/multiworker.sh waits for this)."""
@@ -102,10 +106,11 @@ class Run:
             rows.update(range(start[0], start[0] + size[0]))
         return sorted(rows)
 
-    def make_batches(self, split: str, micro_batches: int):
-        from tfllm.data import Batches
+    def make_batches(self, split: str, micro_batches: int, max_batches=None):
+        from tfllm.data.pipeline import Batches
         return Batches(self.config, self.tokenizer, split=split, rows=self.rows,
-                       micro_batches=micro_batches, micro_batch_rows=self.micro_batch_rows)
+                       micro_batches=micro_batches, micro_batch_rows=self.micro_batch_rows,
+                       max_batches=max_batches)
 
     def _to_device(self, batch: dict):
         return self.step.from_local(batch["tokens"], self.rows, self.micro_batch_rows,
@@ -120,6 +125,9 @@ class Run:
             t = self.config.train
             return self.step.to_device(self._synthetic.batch(step, t.global_batch_size,
                                                              t.grad_accum_steps))
+        if self._peeked is not None:
+            batch, self._peeked = self._peeked, None
+            return self._to_device(batch)
         return self._to_device(next(self.train_data))
 
     def eval_batches(self):
@@ -129,7 +137,8 @@ class Run:
             for i in range(10**9, 10**9 + 10**6):
                 yield self.step.to_device(self._synthetic.batch(i, self.micro_batch_rows, 1))
             return
-        for batch in self.make_batches("validation", 1):
+        steps = self.config.train.eval_steps
+        for batch in self.make_batches("validation", 1, max_batches=steps):
             yield self._to_device(batch)
 
     def evaluate(self) -> dict:
@@ -164,6 +173,7 @@ class Run:
                 with open(os.path.join(tmp, name), "wb") as f:
                     f.write(data)
             self.train_data.restore_state(os.path.join(tmp, "iterator"))
+        self._peeked = None  # the restored position replaces the peeked first batch
 
 
 def sample_text(run: Run, prompt: str, max_new_tokens: int, **sampling) -> str:
