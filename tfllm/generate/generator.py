@@ -127,8 +127,8 @@ class Generator:
         del cache_length  # part of the trace key only: it shapes the cache
         with context.use(self.parallel):
             batch = first.shape[0]
-            column = tf.range(max_new_tokens)[None, :]  # (1, N)
-            out = tf.where(column == 0, first[:, None], tf.zeros((batch, max_new_tokens),
+            column = tf.expand_dims(tf.range(max_new_tokens), 0)  # (1, N)
+            out = tf.where(column == 0, tf.expand_dims(first, 1), tf.zeros((batch, max_new_tokens),
                                                                   tf.int32))  # (B, N)
             out = context.constrain(out, _TOKENS, "generated")
             done = context.constrain(tf.equal(first, scalars["eos_id"]), _BATCH, "done")
@@ -140,11 +140,11 @@ class Generator:
             def one_token(step, token, cache, out, done):
                 # Token `step - 1` goes into slot P + step - 1; its logits give `step`.
                 logits, cache = self.model.call_with_cache(
-                    token[:, None], cache, prompt_length + step - 1, start)  # (B, 1, V)
+                    tf.expand_dims(token, 1), cache, prompt_length + step - 1, start)  # (B, 1, V)
                 token = self._sample(logits[:, 0], step, scalars, greedy, use_top_k,
                                      use_top_p)
                 token = tf.where(done, scalars["eos_id"], token)  # finished rows repeat eos
-                out = tf.where(column == step, token[:, None], out)
+                out = tf.where(column == step, tf.expand_dims(token, 1), out)
                 done = tf.logical_or(done, tf.equal(token, scalars["eos_id"]))
                 return (step + 1, context.constrain(token, _BATCH, "token"), cache,
                         context.constrain(out, _TOKENS, "generated"),

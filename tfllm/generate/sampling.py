@@ -23,7 +23,7 @@ def filter_logits(logits, top_k=None, top_p=None):
     """
     vocab = logits.shape[-1]
     ranked = tf.sort(logits, axis=-1, direction="DESCENDING")  # (B, V)
-    rank = tf.range(vocab)[None, :]  # (1, V)
+    rank = tf.expand_dims(tf.range(vocab), 0)  # (1, V)
     neg_inf = tf.constant(-float("inf"), logits.dtype)
     keep = tf.ones_like(ranked, tf.bool)  # (B, V) over ranks
     if top_k is not None:
@@ -34,8 +34,8 @@ def filter_logits(logits, top_k=None, top_p=None):
         # Rank 0 has mass_before 0, so it is kept for any top_p > 0.
         keep = tf.logical_and(keep, (mass_before < top_p) | (rank == 0))
     # The smallest kept logit is the cut: a min over ranks, no per-row gather.
-    threshold = tf.reduce_min(tf.where(keep, ranked, ranked[:, :1]), axis=-1,
-                              keepdims=True)  # (B, 1)
+    best = tf.reduce_max(ranked, axis=-1, keepdims=True)  # (B, 1)
+    threshold = tf.reduce_min(tf.where(keep, ranked, best), axis=-1, keepdims=True)  # (B, 1)
     return tf.where(logits >= threshold, logits, neg_inf)
 
 

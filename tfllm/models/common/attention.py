@@ -31,8 +31,9 @@ def rotary(x, theta: float, positions=None):
         angles = tf.cast(tf.range(length), tf.float32)[:, None] * inv_freq[None, :]  # (T, D/2)
         angles = tf.concat([angles, angles], axis=-1)[None, :, None, :]  # (1, T, 1, D)
     else:
-        angles = tf.cast(positions, tf.float32)[..., None] * inv_freq  # (B, T, D/2)
-        angles = tf.concat([angles, angles], axis=-1)[:, :, None, :]  # (B, T, 1, D)
+        # expand_dims, not [..., None]: see tfllm.models.common.masks (DTensor loops).
+        angles = tf.expand_dims(tf.cast(positions, tf.float32), -1) * inv_freq  # (B, T, D/2)
+        angles = tf.expand_dims(tf.concat([angles, angles], axis=-1), 2)  # (B, T, 1, D)
     x32 = tf.cast(x, tf.float32)
     x1, x2 = tf.split(x32, 2, axis=-1)
     rotated = tf.concat([-x2, x1], axis=-1)  # (B, T, H, D)
@@ -104,7 +105,7 @@ class Attention(keras.layers.Layer):
             length = tf.shape(scores)[-1]
             allowed = tf.linalg.band_part(tf.ones((length, length), tf.bool), -1, 0)  # (T, S)
         else:
-            allowed = attention_mask[:, None, :, :]  # (B, 1, T, S)
+            allowed = tf.expand_dims(attention_mask, 1)  # (B, 1, T, S)
         # -1e30, not -inf: a query that sees no key (a left-pad slot) stays finite.
         scores = tf.where(allowed, scores, tf.constant(-1e30, tf.float32))
         probs = tf.cast(tf.nn.softmax(scores, axis=-1), v.dtype)  # (B, H, T, S)
@@ -148,5 +149,5 @@ def write_cache(cache, new, index):
     offset = tf.range(slots) - index  # (S,) which new token lands in each slot
     written = (offset >= 0) & (offset < length)  # (S,)
     spread = tf.gather(new, tf.clip_by_value(offset, 0, length - 1), axis=1)  # (B, S, K, D)
-    out = tf.where(written[None, :, None, None], spread, cache)
+    out = tf.where(tf.reshape(written, (1, slots, 1, 1)), spread, cache)
     return constrain(out, _KV_HEADS, "kv_cache")

@@ -13,6 +13,9 @@ from tfllm.parallel.context import constrain
 # The key dimension of a mask is never sharded: every query needs all of its keys.
 _MASK = ("activation_batch", "activation_length", None)
 
+# New axes come from tf.expand_dims, never from `x[None]` indexing: inside a
+# tf.while_loop DTensor fails to lay out (or crashes on) a StridedSlice with new axes.
+
 
 def segment_mask_and_positions(segment_ids):
     """Causal mask restricted to each token's own segment, and positions within it.
@@ -30,8 +33,8 @@ def segment_mask_and_positions(segment_ids):
     segment_ids = tf.convert_to_tensor(segment_ids)
     length = tf.shape(segment_ids)[1]
     causal = tf.linalg.band_part(tf.ones((length, length), tf.bool), -1, 0)  # (T, S)
-    same = tf.equal(segment_ids[:, :, None], segment_ids[:, None, :])  # (B, T, S)
-    mask = constrain(tf.logical_and(same, causal[None]), _MASK, "segment_mask")
+    same = tf.equal(tf.expand_dims(segment_ids, 2), tf.expand_dims(segment_ids, 1))  # (B, T, S)
+    mask = constrain(tf.logical_and(same, tf.expand_dims(causal, 0)), _MASK, "segment_mask")
     positions = tf.reduce_sum(tf.cast(mask, tf.int32), axis=-1) - 1  # (B, T)
     return mask, positions
 
@@ -53,8 +56,10 @@ def cache_mask_and_positions(batch_start, cache_index, length: int, cache_length
     """
     query_slot = cache_index + tf.range(length)  # (T,)
     key_slot = tf.range(cache_length)  # (S,)
-    causal = key_slot[None, :] <= query_slot[:, None]  # (T, S)
-    real = key_slot[None, :] >= batch_start[:, None]  # (B, S)
-    mask = constrain(tf.logical_and(causal[None], real[:, None, :]), _MASK, "cache_mask")
-    positions = tf.maximum(query_slot[None, :] - batch_start[:, None], 0)  # (B, T)
+    causal = tf.expand_dims(key_slot, 0) <= tf.expand_dims(query_slot, 1)  # (T, S)
+    real = tf.expand_dims(key_slot, 0) >= tf.expand_dims(batch_start, 1)  # (B, S)
+    mask = tf.logical_and(tf.expand_dims(causal, 0), tf.expand_dims(real, 1))  # (B, T, S)
+    mask = constrain(mask, _MASK, "cache_mask")
+    positions = tf.expand_dims(query_slot, 0) - tf.expand_dims(batch_start, 1)  # (B, T)
+    positions = tf.maximum(positions, 0)
     return mask, positions
