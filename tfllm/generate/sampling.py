@@ -1,8 +1,8 @@
 """Choosing the next token from logits: greedy, temperature, top-k and top-p (nucleus).
 
 Pure functions of tensors, run inside the compiled decode loop. Sampling is the
-Gumbel-max trick with stateless noise keyed by (seed, step), so the same seed gives the
-same tokens on every run, with or without a KV cache, on any mesh.
+Gumbel-max trick with counter-based noise keyed by (seed, step, row, token), so the
+same seed gives the same tokens on every run, with or without a KV cache, on any mesh.
 """
 
 from __future__ import annotations
@@ -58,8 +58,41 @@ def next_token(logits, seed, step, temperature=None, top_k=None, top_p=None):
     if top_k is not None or top_p is not None:
         scaled = filter_logits(scaled, top_k, top_p)
     # Gumbel-max: argmax(logits + Gumbel noise) is a sample of softmax(logits).
-    uniform = tf.random.stateless_uniform(
-        tf.shape(scaled), seed=tf.stack([tf.cast(seed, tf.int32), tf.cast(step, tf.int32)]),
-        minval=1e-20, maxval=1.0, dtype=tf.float32)  # (B, V)
+    uniform = counter_uniform(scaled.shape[0], scaled.shape[1], seed, step)  # (B, V)
     gumbel = -tf.math.log(-tf.math.log(uniform))
     return tf.argmax(scaled + gumbel, axis=-1, output_type=tf.int32)
+
+
+def _mix(h):
+    """murmur3's 32-bit finalizer: every input bit flips each output bit with p ~ 1/2."""
+    h = tf.bitwise.bitwise_xor(h, tf.bitwise.right_shift(h, tf.constant(16, tf.uint32)))
+    h = h * tf.constant(0x85EBCA6B, tf.uint32)
+    h = tf.bitwise.bitwise_xor(h, tf.bitwise.right_shift(h, tf.constant(13, tf.uint32)))
+    h = h * tf.constant(0xC2B2AE35, tf.uint32)
+    return tf.bitwise.bitwise_xor(h, tf.bitwise.right_shift(h, tf.constant(16, tf.uint32)))
+
+
+def counter_uniform(rows: int, columns: int, seed, step):
+    """Uniform noise in (0, 1) of shape (rows, columns), a pure function of its arguments.
+
+    A stateless counter-based generator (hash of seed, step, row, column), not
+    `tf.random.stateless_uniform`: DTensor runs a random op on each shard of a sharded
+    output with a per-device seed, so its values would depend on the mesh. Elementwise
+    integer ops on global indices give the same numbers on every mesh, and row b's
+    noise does not depend on how many rows follow it (batches padded for a mesh).
+
+    Args:
+      rows, columns: the static shape (batch, vocabulary).
+      seed: int32 scalar, the request's seed.
+      step: int32 scalar, the index of the token being chosen.
+    """
+    key = _mix(tf.bitwise.bitwise_xor(
+        _mix(tf.cast(seed, tf.uint32) + tf.constant(0x9E3779B9, tf.uint32)),
+        tf.cast(step, tf.uint32)))
+    row = tf.expand_dims(tf.cast(tf.range(rows), tf.uint32), 1)  # (B, 1)
+    column = tf.expand_dims(tf.cast(tf.range(columns), tf.uint32), 0)  # (1, V)
+    counter = row * tf.constant(columns, tf.uint32) + column  # (B, V)
+    bits = _mix(_mix(tf.bitwise.bitwise_xor(counter, key)) + key)
+    # The top 24 bits, centred in their bucket: strictly inside (0, 1).
+    top = tf.cast(tf.bitwise.right_shift(bits, tf.constant(8, tf.uint32)), tf.float32)
+    return (top + 0.5) / float(1 << 24)
