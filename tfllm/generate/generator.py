@@ -13,6 +13,7 @@ copies of its last prompt, and the copies' outputs are dropped.
 
 from __future__ import annotations
 
+import itertools
 import math
 import time
 from typing import List, Optional, Sequence, Union
@@ -24,6 +25,7 @@ from tfllm.generate.sampling import next_token
 from tfllm.parallel import context
 
 _BATCH = ("activation_batch",)
+_LOOP_IDS = itertools.count()
 _TOKENS = ("activation_batch", None)
 
 Prompts = Union[Sequence[int], Sequence[Sequence[int]]]
@@ -152,7 +154,11 @@ class Generator:
 
             state = (tf.constant(1), context.constrain(first, _BATCH, "token"), cache, out,
                      done)
-            return tf.while_loop(more, one_token, state)[3]
+            # A name unique to this trace: DTensor keeps one function library per mesh and
+            # refuses a second, different loop function named like an earlier one
+            # ("Cannot add function 'while_cond'") when several generators coexist.
+            name = f"decode{next(_LOOP_IDS)}"
+            return tf.while_loop(more, one_token, state, name=name)[3]
 
     def _reference_step_fn(self, buffer, segment_ids, position, step, scalars, greedy,
                            use_top_k, use_top_p, cache_length):
