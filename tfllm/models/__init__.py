@@ -7,9 +7,9 @@ from typing import Optional
 from tfllm.models.causal_lm import Block, CausalLM
 from tfllm.models.gpt import GPT
 from tfllm.models.llama import Llama
+from tfllm.models.loss import loss_sum_and_count, packed_target_mask, token_nll
 
 FAMILIES = {"gpt": GPT, "llama": Llama}
-
 
 
 def model_class(family: str):

@@ -9,6 +9,10 @@ The model is written for one device; it names logical axes only (see
 * `head(hidden)`: hidden (B, T, E) -> logits (B, T, V) in float32;
 * `compute_lm_loss(logits, targets, mask)`: the training loss.
 
+`call(token_ids, segment_ids=None)` is the training forward (segment ids: packed
+documents); `init_cache` and `call_with_cache` are the decoding path that
+`tfllm.generate.Generator` drives.
+
 Example, replacing the MLP of every block:
 
     class MyLM(tfllm.models.Llama):
@@ -28,9 +32,13 @@ import tensorflow as tf
 
 from tfllm.config.schema import ModelConfig
 from tfllm.models.common.layers import Projection, TokenEmbedding
+from tfllm.models.common.masks import cache_mask_and_positions, segment_mask_and_positions
+from tfllm.models.loss import token_nll
 from tfllm.parallel.context import constrain
 
 _EMBED = ("activation_batch", "activation_length", "activation_embed")
+_KV_CACHE = ("activation_batch", "activation_length", "activation_kv_heads",
+             "activation_head_dim")
 
 
 class Block(keras.layers.Layer):
@@ -49,11 +57,22 @@ class Block(keras.layers.Layer):
         for layer in (self.attention_norm, self.attention, self.mlp_norm, self.mlp):
             layer.build(None)
 
-    def call(self, x):
-        x = x + self.attention(self.attention_norm(x))
-        x = constrain(x, _EMBED)
+    def call(self, x, attention_mask=None, positions=None, cache=None, cache_index=None):
+        """x (B, T, E) -> (B, T, E); with a cache, ((B, T, E), the attention's new cache).
+
+        The optional arguments go to the attention (see `Attention.call`) only when given,
+        so an attention layer of a subclass needs them only for packing or decoding.
+        """
+        extra = {k: v for k, v in (("attention_mask", attention_mask),
+                                   ("positions", positions), ("cache", cache),
+                                   ("cache_index", cache_index)) if v is not None}
+        h = self.attention(self.attention_norm(x), **extra)
+        if cache is not None:
+            h, cache = h
+        x = constrain(x + h, _EMBED)
         x = x + self.mlp(self.mlp_norm(x))
-        return constrain(x, _EMBED)
+        x = constrain(x, _EMBED)
+        return x if cache is None else (x, cache)
 
 
 class CausalLM(keras.Model):
@@ -112,8 +131,14 @@ class CausalLM(keras.Model):
                      self.make_norm("attention_norm"), self.make_norm("mlp_norm"),
                      name=f"block_{index}", dtype=self.dtype_policy)
 
-    def embed(self, token_ids):
-        """Token ids (B, T) -> hidden states (B, T, E)."""
+    def embed(self, token_ids, positions=None):
+        """Token ids (B, T) -> hidden states (B, T, E).
+
+        Args:
+          token_ids: (B, T) int.
+          positions: (B, T) int position of each token (packed documents, cached
+            decoding), or None for 0 .. T-1; families with learned positions use it.
+        """
         return self.token_embedding(token_ids)
 
     def head(self, hidden):
@@ -132,11 +157,7 @@ class CausalLM(keras.Model):
           targets: (B, T) int token ids.
           mask: (B, T) 1 where the position counts, or None for all.
         """
-        logits = tf.cast(logits, tf.float32)
-        lse = tf.reduce_logsumexp(logits, axis=-1)  # (B, T)
-        target_logit = tf.reduce_sum(
-            logits * tf.one_hot(targets, tf.shape(logits)[-1], dtype=tf.float32), -1)  # (B, T)
-        nll = lse - target_logit
+        nll = token_nll(logits, targets)  # (B, T)
         if mask is None:
             return tf.reduce_mean(nll)
         mask = tf.cast(mask, tf.float32)
@@ -156,8 +177,66 @@ class CausalLM(keras.Model):
             self.lm_head.build(None)
         self.built = True
 
-    def call(self, token_ids):
-        x = self.embed(token_ids)
+    def call(self, token_ids, segment_ids=None):
+        """Token ids (B, T) -> float32 logits (B, T, V).
+
+        Args:
+          token_ids: (B, T) int.
+          segment_ids: (B, T) int document ids of packed rows, or None. When given,
+            attention stays within each document and positions restart at 0 at each
+            document's start; None is plain causal attention over the whole row.
+        """
+        if segment_ids is None:
+            x = self.embed(token_ids)
+            for block in self.blocks:
+                x = block(x)
+            return self.head(self.final_norm(x))
+        mask, positions = segment_mask_and_positions(segment_ids)
+        x = self.embed(token_ids, positions=positions)
         for block in self.blocks:
-            x = block(x)
+            x = block(x, attention_mask=mask, positions=positions)
         return self.head(self.final_norm(x))
+
+    # ---- cached decoding ----------------------------------------------------------------
+    def init_cache(self, batch_size: int, cache_length: int):
+        """Zero key/value caches: one (keys, values) pair per block, each (B, S, K, D).
+
+        Args:
+          batch_size: B.
+          cache_length: S, the number of token slots (prompt plus generated tokens).
+        """
+        shape = (batch_size, cache_length, self.num_key_value_heads, self.head_dim)
+        zeros = lambda: constrain(tf.zeros(shape, self.compute_dtype), _KV_CACHE, "kv_cache")
+        return [(zeros(), zeros()) for _ in self.blocks]
+
+    def call_with_cache(self, token_ids, cache, cache_index, batch_start=None,
+                        last_only: bool = False):
+        """Runs `token_ids` written at cache slots index .. index+T-1 against the cache.
+
+        Args:
+          token_ids: (B, T) int new tokens (the whole prompt to prefill, or one token).
+          cache: from `init_cache` or a previous call.
+          cache_index: int32 scalar, the slot of the first new token.
+          batch_start: (B,) int32 first real slot of each left-padded row (its position
+            0), or None when no row is padded.
+          last_only: compute logits for the last new token only (prefill needs no more).
+
+        Returns:
+          (float32 logits (B, T, V), or (B, 1, V) with last_only; the updated cache).
+        """
+        batch, length = token_ids.shape[0], token_ids.shape[1]
+        cache_length = cache[0][0].shape[1]
+        if batch_start is None:
+            batch_start = tf.zeros((batch,), tf.int32)
+        cache_index = tf.cast(cache_index, tf.int32)
+        mask, positions = cache_mask_and_positions(batch_start, cache_index, length,
+                                                   cache_length)
+        x = self.embed(token_ids, positions=positions)
+        new_cache = []
+        for block, layer_cache in zip(self.blocks, cache):
+            x, layer_cache = block(x, attention_mask=mask, positions=positions,
+                                   cache=layer_cache, cache_index=cache_index)
+            new_cache.append(layer_cache)
+        if last_only:
+            x = x[:, -1:]  # (B, 1, E)
+        return self.head(self.final_norm(x)), new_cache

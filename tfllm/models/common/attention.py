@@ -16,12 +16,24 @@ _KV_HEADS = ("activation_batch", "activation_length", "activation_kv_heads",
              "activation_head_dim")
 
 
-def rotary(x, theta: float):
-    """Applies rotary position embeddings to x of shape (B, T, H, D) (rotate-half form)."""
+def rotary(x, theta: float, positions=None):
+    """Applies rotary position embeddings to x of shape (B, T, H, D) (rotate-half form).
+
+    Args:
+      x: queries or keys (B, T, H, D).
+      theta: the RoPE base.
+      positions: (B, T) int position of each token, or None for 0 .. T-1 in every row
+        (packed documents and cached decoding pass their own).
+    """
     length, dim = tf.shape(x)[1], x.shape[-1]
     inv_freq = 1.0 / (theta ** (tf.range(0, dim, 2, dtype=tf.float32) / dim))  # (D/2,)
-    angles = tf.cast(tf.range(length), tf.float32)[:, None] * inv_freq[None, :]  # (T, D/2)
-    angles = tf.concat([angles, angles], axis=-1)[None, :, None, :]  # (1, T, 1, D)
+    if positions is None:
+        angles = tf.cast(tf.range(length), tf.float32)[:, None] * inv_freq[None, :]  # (T, D/2)
+        angles = tf.concat([angles, angles], axis=-1)[None, :, None, :]  # (1, T, 1, D)
+    else:
+        # expand_dims, not [..., None]: see tfllm.models.common.masks (DTensor loops).
+        angles = tf.expand_dims(tf.cast(positions, tf.float32), -1) * inv_freq  # (B, T, D/2)
+        angles = tf.expand_dims(tf.concat([angles, angles], axis=-1), 2)  # (B, T, 1, D)
     x32 = tf.cast(x, tf.float32)
     x1, x2 = tf.split(x32, 2, axis=-1)
     rotated = tf.concat([-x2, x1], axis=-1)  # (B, T, H, D)
@@ -73,10 +85,15 @@ class Attention(keras.layers.Layer):
         for layer in (self.query, self.key, self.value, self.output_proj):
             layer.build(None)
 
-    def attend(self, q, k, v):
-        """Causal scaled dot-product attention; q (B,T,H,D), k/v (B,T,K,D) -> (B,T,H,D).
+    def attend(self, q, k, v, attention_mask=None):
+        """Scaled dot-product attention; q (B,T,H,D), k/v (B,S,K,D) -> (B,T,H,D).
 
         Scores and softmax are float32 whatever the compute dtype.
+
+        Args:
+          q, k, v: queries, keys and values.
+          attention_mask: (B, T, S) bool, True where query t may see key s; None means
+            causal with S == T (the training path).
         """
         groups = self.num_query_heads // self.num_key_value_heads
         if groups > 1:  # each K head serves `groups` consecutive query heads
@@ -84,15 +101,53 @@ class Attention(keras.layers.Layer):
             v = constrain(tf.repeat(v, groups, axis=2), _HEADS)  # (B, T, H, D)
         scores = tf.einsum("bthd,bshd->bhts", q, k)  # (B, H, T, S)
         scores = tf.cast(scores, tf.float32) / math.sqrt(self.head_dim)
-        length = tf.shape(scores)[-1]
-        causal = tf.linalg.band_part(tf.ones((length, length), tf.bool), -1, 0)  # (T, S)
-        scores = tf.where(causal, scores, tf.constant(-1e30, tf.float32))
+        if attention_mask is None:
+            length = tf.shape(scores)[-1]
+            allowed = tf.linalg.band_part(tf.ones((length, length), tf.bool), -1, 0)  # (T, S)
+        else:
+            allowed = tf.expand_dims(attention_mask, 1)  # (B, 1, T, S)
+        # -1e30, not -inf: a query that sees no key (a left-pad slot) stays finite.
+        scores = tf.where(allowed, scores, tf.constant(-1e30, tf.float32))
         probs = tf.cast(tf.nn.softmax(scores, axis=-1), v.dtype)  # (B, H, T, S)
         out = tf.einsum("bhts,bshd->bthd", probs, v)  # (B, T, H, D)
         return constrain(out, _HEADS)
 
-    def call(self, x):
+    def call(self, x, attention_mask=None, positions=None, cache=None, cache_index=None):
+        """Self-attention of x (B, T, E) -> (B, T, E), or ((B, T, E), new cache) with a cache.
+
+        Args:
+          x: the normalized residual stream.
+          attention_mask: (B, T, S) bool (see `attend`); required with a cache, where
+            S is the cache length.
+          positions: (B, T) int RoPE positions, or None for 0 .. T-1.
+          cache: (keys, values), each (B, S, K, D), or None for the training path.
+          cache_index: int32 scalar, the cache slot of x's first token.
+        """
         q, k, v = self.query(x), self.key(x), self.value(x)  # (B,T,H,D), (B,T,K,D) x2
         if self.rope_theta is not None:
-            q, k = rotary(q, self.rope_theta), rotary(k, self.rope_theta)
-        return self.output_proj(self.attend(q, k, v))  # (B, T, E)
+            q = rotary(q, self.rope_theta, positions)
+            k = rotary(k, self.rope_theta, positions)
+        if cache is None:
+            return self.output_proj(self.attend(q, k, v, attention_mask))  # (B, T, E)
+        if attention_mask is None:
+            raise ValueError(f"{self.name}: a cache needs an attention_mask (B, T, S); call "
+                             "the model through CausalLM.call_with_cache.")
+        keys = write_cache(cache[0], k, cache_index)  # (B, S, K, D)
+        values = write_cache(cache[1], v, cache_index)  # (B, S, K, D)
+        out = self.output_proj(self.attend(q, keys, values, attention_mask))  # (B, T, E)
+        return out, (keys, values)
+
+
+def write_cache(cache, new, index):
+    """`cache` (B, S, K, D) with slots index .. index+T-1 replaced by `new` (B, T, K, D).
+
+    A gather and a select rather than a one-hot matmul, so that the written values are
+    bit-exact whatever the matmul precision (TF32 on GPUs), and rather than
+    dynamic_update_slice, which DTensor does not lay out.
+    """
+    slots, length = cache.shape[1], new.shape[1]
+    offset = tf.range(slots) - index  # (S,) which new token lands in each slot
+    written = (offset >= 0) & (offset < length)  # (S,)
+    spread = tf.gather(new, tf.clip_by_value(offset, 0, length - 1), axis=1)  # (B, S, K, D)
+    out = tf.where(tf.reshape(written, (1, slots, 1, 1)), spread, cache)
+    return constrain(out, _KV_HEADS, "kv_cache")

@@ -140,7 +140,7 @@ class TokenEmbedding(keras.layers.Layer):
 
 
 class PositionEmbedding(keras.layers.Layer):
-    """Learned absolute positions (L, E), added for the first T positions."""
+    """Learned absolute positions (L, E), added for the first T positions (or given ones)."""
 
     def __init__(self, max_length: int, hidden_dim: int, init_std: float = 0.02, **kwargs):
         super().__init__(**kwargs)
@@ -150,10 +150,14 @@ class PositionEmbedding(keras.layers.Layer):
         self.embeddings = add_param(self, "embeddings", (self.max_length, self.hidden_dim),
                                     ("position", "embed"), ("normal", self.init_std), "embedding")
 
-    def call(self, x):
-        length = tf.shape(x)[1]
+    def call(self, x, positions=None):
+        """x (B, T, E) plus the embedding of positions (B, T), or of 0 .. T-1 when None."""
         table = gather_weight(self.embeddings, ("position", "embed"), self.name)  # (L, E)
-        return x + table[:length]  # (T, E) broadcast over the batch
+        if positions is None:
+            return x + table[:tf.shape(x)[1]]  # (T, E) broadcast over the batch
+        added = tf.gather(table, positions)  # (B, T, E)
+        return x + constrain(added, ("activation_batch", "activation_length",
+                                     "activation_embed"), self.name)
 
 
 class LayerNorm(keras.layers.Layer):

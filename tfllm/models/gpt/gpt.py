@@ -42,5 +42,8 @@ class GPT(CausalLM):
         self.position_embedding.build(None)
         super().build(input_shape)
 
-    def embed(self, token_ids):
-        return self.position_embedding(self.token_embedding(token_ids))  # (B, T, E)
+    def embed(self, token_ids, positions=None):
+        x = self.token_embedding(token_ids)  # (B, T, E)
+        if positions is None:
+            return self.position_embedding(x)
+        return self.position_embedding(x, positions=positions)

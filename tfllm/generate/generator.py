@@ -1,0 +1,273 @@
+"""`Generator`: text generation with a KV cache and an XLA-compiled decode loop.
+
+A request's prompts are left-padded to one length P, so that every row writes its
+next token into the same cache slot; each row's first real slot is its position 0 and
+the slots before it are masked out. One compiled call prefills the whole prompt and
+picks the first token; a second compiled call runs the rest in a `tf.while_loop` over
+a fixed-size cache of P + max_new_tokens slots.
+
+On a mesh the batch dimension is sharded over the batch mesh axis (data, else fsdp),
+which must divide it: a request with fewer rows (one prompt on data=2) is padded with
+copies of its last prompt, and the copies' outputs are dropped.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+import time
+from typing import List, Optional, Sequence, Union
+
+import numpy as np
+import tensorflow as tf
+
+from tfllm.generate.sampling import next_token
+from tfllm.parallel import context
+
+_BATCH = ("activation_batch",)
+_LOOP_IDS = itertools.count()
+_TOKENS = ("activation_batch", None)
+
+Prompts = Union[Sequence[int], Sequence[Sequence[int]]]
+
+
+class Generator:
+    """Generates tokens from a `tfllm.models.CausalLM`, on one device or a mesh.
+
+    Args:
+      model: a built `CausalLM` whose variables are placed (`build_model`).
+      parallel: the `tfllm.parallel.Parallel` the model's variables live on, or None.
+      jit_compile: XLA-compile prefill and decode (and the no-cache reference).
+    """
+
+    def __init__(self, model, parallel=None, jit_compile: bool = True):
+        self.model, self.parallel = model, parallel
+        self._prefill = tf.function(self._prefill_fn, jit_compile=jit_compile)
+        self._decode = tf.function(self._decode_fn, jit_compile=jit_compile)
+        self._reference_step = tf.function(self._reference_step_fn, jit_compile=jit_compile)
+        #: seconds and token counts of the last `generate` call (prefill, decode)
+        self.last_timing = {}
+
+    # ---- public API --------------------------------------------------------------------
+    def generate(self, prompt_ids: Prompts, max_new_tokens: int, temperature: float = 0.0,
+                 top_k: int = 0, top_p: float = 1.0, seed: int = 0,
+                 eos_id: Optional[int] = None):
+        """Generates up to `max_new_tokens` tokens after each prompt, with a KV cache.
+
+        Args:
+          prompt_ids: one prompt (a list of token ids) or a list of prompts.
+          max_new_tokens: tokens to generate per prompt; prompt length plus this may not
+            exceed model.max_sequence_length.
+          temperature: 0 for greedy decoding, else the softmax temperature of sampling.
+          top_k: sample among the k most likely tokens (0: no limit).
+          top_p: sample from the smallest set of tokens whose probability reaches top_p
+            (1.0: no limit).
+          seed: the sampling seed; the same seed gives the same tokens.
+          eos_id: stop a row after this token (which is not returned), or None.
+
+        Returns:
+          The new token ids: a list for one prompt, a list of lists for several.
+        """
+        request = self._request(prompt_ids, max_new_tokens, temperature, top_k, top_p,
+                                seed, eos_id)
+        tokens, start, options, rows, single = request
+        started = time.perf_counter()
+        first, cache = self._prefill(tokens, start, options["scalars"], **options["static"])
+        first_np = self._to_numpy(first)  # waits for the prefill, for the timing
+        prefilled = time.perf_counter()
+        out = self._decode(first, cache, start, options["scalars"],
+                           prompt_length=int(tokens.shape[1]), max_new_tokens=max_new_tokens,
+                           **options["static"])
+        out = self._to_numpy(out)
+        done = time.perf_counter()
+        assert (out[:, 0] == first_np).all()
+        self.last_timing = {"prefill_s": prefilled - started, "decode_s": done - prefilled,
+                            "rows": rows, "decode_tokens": rows * (max_new_tokens - 1)}
+        return _finish(out[:rows], eos_id, single)
+
+    def generate_no_cache(self, prompt_ids: Prompts, max_new_tokens: int,
+                          temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
+                          seed: int = 0, eos_id: Optional[int] = None):
+        """`generate` without a cache: a full forward over all tokens for every new token.
+
+        The reference the cached path is tested against (same arguments, same result);
+        quadratic in the length, so not for real use. Left padding is masked with
+        segment ids (pads are segment 0, the prompt and its continuation segment 1).
+        """
+        tokens, start, options, rows, single = self._request(
+            prompt_ids, max_new_tokens, temperature, top_k, top_p, seed, eos_id)
+        prompt = self._to_numpy(tokens)
+        batch, length = prompt.shape
+        buffer = np.zeros((batch, length + max_new_tokens), np.int32)  # (B, P + N)
+        buffer[:, :length] = prompt
+        start_np = self._to_numpy(start)
+        segment_ids = None
+        if start_np.any():
+            segment_ids = (np.arange(buffer.shape[1])[None, :] >= start_np[:, None])
+            segment_ids = self._put(segment_ids.astype(np.int32), _TOKENS)
+        for step in range(max_new_tokens):
+            token = self._reference_step(self._put(buffer, _TOKENS), segment_ids,
+                                         self._put(np.int32(length - 1 + step), ()),
+                                         self._put(np.int32(step), ()), options["scalars"],
+                                         **options["static"])
+            buffer[:, length + step] = self._to_numpy(token)
+        return _finish(buffer[:rows, length:], eos_id, single)
+
+    # ---- compiled parts ------------------------------------------------------------------
+    def _prefill_fn(self, tokens, start, scalars, greedy, use_top_k, use_top_p,
+                    cache_length):
+        with context.use(self.parallel):
+            cache = self.model.init_cache(tokens.shape[0], cache_length)
+            logits, cache = self.model.call_with_cache(tokens, cache, 0, start,
+                                                       last_only=True)  # (B, 1, V)
+            first = self._sample(logits[:, 0], tf.constant(0, tf.int32), scalars, greedy,
+                                 use_top_k, use_top_p)
+            return first, cache
+
+    def _decode_fn(self, first, cache, start, scalars, greedy, use_top_k, use_top_p,
+                   cache_length, prompt_length, max_new_tokens):
+        del cache_length  # part of the trace key only: it shapes the cache
+        with context.use(self.parallel):
+            batch = first.shape[0]
+            column = tf.expand_dims(tf.range(max_new_tokens), 0)  # (1, N)
+            out = tf.where(column == 0, tf.expand_dims(first, 1), tf.zeros((batch, max_new_tokens),
+                                                                  tf.int32))  # (B, N)
+            out = context.constrain(out, _TOKENS, "generated")
+            done = context.constrain(tf.equal(first, scalars["eos_id"]), _BATCH, "done")
+
+            def more(step, token, cache, out, done):
+                return tf.logical_and(step < max_new_tokens,
+                                      tf.logical_not(tf.reduce_all(done)))
+
+            def one_token(step, token, cache, out, done):
+                # Token `step - 1` goes into slot P + step - 1; its logits give `step`.
+                logits, cache = self.model.call_with_cache(
+                    tf.expand_dims(token, 1), cache, prompt_length + step - 1, start)  # (B, 1, V)
+                token = self._sample(logits[:, 0], step, scalars, greedy, use_top_k,
+                                     use_top_p)
+                token = tf.where(done, scalars["eos_id"], token)  # finished rows repeat eos
+                out = tf.where(column == step, tf.expand_dims(token, 1), out)
+                done = tf.logical_or(done, tf.equal(token, scalars["eos_id"]))
+                return (step + 1, context.constrain(token, _BATCH, "token"), cache,
+                        context.constrain(out, _TOKENS, "generated"),
+                        context.constrain(done, _BATCH, "done"))
+
+            state = (tf.constant(1), context.constrain(first, _BATCH, "token"), cache, out,
+                     done)
+            # A name unique to this trace: DTensor keeps one function library per mesh and
+            # refuses a second, different loop function named like an earlier one
+            # ("Cannot add function 'while_cond'") when several generators coexist.
+            name = f"decode{next(_LOOP_IDS)}"
+            return tf.while_loop(more, one_token, state, name=name)[3]
+
+    def _reference_step_fn(self, buffer, segment_ids, position, step, scalars, greedy,
+                           use_top_k, use_top_p, cache_length):
+        del cache_length
+        with context.use(self.parallel):
+            logits = self.model(buffer, segment_ids=segment_ids)  # (B, P + N, V)
+            last = tf.gather(logits, position, axis=1)  # (B, V)
+            return self._sample(last, step, scalars, greedy, use_top_k, use_top_p)
+
+    def _sample(self, logits, step, scalars, greedy, use_top_k, use_top_p):
+        # Every row needs its whole vocabulary to pick a token.
+        logits = context.constrain(logits, _TOKENS, "next_token_logits")  # (B, V)
+        token = next_token(logits, scalars["seed"], step,
+                           None if greedy else scalars["temperature"],
+                           scalars["top_k"] if use_top_k else None,
+                           scalars["top_p"] if use_top_p else None)
+        return context.constrain(token, _BATCH, "token")
+
+    # ---- requests ------------------------------------------------------------------------
+    def _request(self, prompt_ids, max_new_tokens, temperature, top_k, top_p, seed, eos_id):
+        """Checks a request and lays out its padded prompts and options."""
+        prompts, single = _as_prompts(prompt_ids)
+        config = self.model.config
+        limit = config.max_sequence_length
+        longest = max(len(p) for p in prompts)
+        if not isinstance(max_new_tokens, (int, np.integer)) or max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens: {max_new_tokens!r}; ask for at least 1 token.")
+        if longest + max_new_tokens > limit:
+            raise ValueError(
+                f"prompt length {longest} + max_new_tokens {max_new_tokens} = "
+                f"{longest + max_new_tokens} exceeds model.max_sequence_length ({limit}); "
+                "shorten the prompt, ask for fewer tokens, or use a model trained with a "
+                "larger model.max_sequence_length.")
+        for p in prompts:
+            bad = [t for t in p if not 0 <= t < config.vocab_size]
+            if bad:
+                raise ValueError(f"prompt token ids {bad[:5]} are outside the vocabulary "
+                                 f"[0, model.vocab_size={config.vocab_size}); use the "
+                                 "model's tokenizer.")
+        if temperature < 0 or top_k < 0 or not 0.0 < top_p <= 1.0:
+            raise ValueError(f"temperature={temperature}, top_k={top_k}, top_p={top_p}: use "
+                             "temperature >= 0 (0: greedy), top_k >= 0 (0: off) and "
+                             "0 < top_p <= 1 (1: off).")
+        rows = len(prompts)
+        multiple = batch_multiple(self.parallel)
+        padded_rows = -(-rows // multiple) * multiple
+        prompts = prompts + [prompts[-1]] * (padded_rows - rows)  # copies, dropped later
+        tokens = np.zeros((padded_rows, longest), np.int32)  # (B, P) left-padded
+        start = np.zeros((padded_rows,), np.int32)
+        for row, p in enumerate(prompts):
+            start[row] = longest - len(p)
+            tokens[row, start[row]:] = p
+        greedy = temperature == 0
+        options = {
+            "static": {"greedy": greedy, "use_top_k": not greedy and top_k > 0,
+                       "use_top_p": not greedy and top_p < 1.0,
+                       "cache_length": longest + max_new_tokens},
+            "scalars": {"seed": self._put(np.int32(seed), ()),
+                        "temperature": self._put(np.float32(temperature or 1.0), ()),
+                        "top_k": self._put(np.int32(top_k), ()),
+                        "top_p": self._put(np.float32(top_p), ()),
+                        "eos_id": self._put(np.int32(-1 if eos_id is None else eos_id), ())},
+        }
+        return (self._put(tokens, _TOKENS), self._put(start, _BATCH), options, rows, single)
+
+    def _put(self, array, logical_axes):
+        """A numpy array as a tensor, laid out by its logical axes on the mesh."""
+        array = np.asarray(array)
+        if self.parallel is None:
+            return tf.constant(array)
+        spec = self.parallel.spec("generate input", array.shape, logical_axes)
+        return self.parallel.shard_array(array, spec)
+
+    def _to_numpy(self, x) -> np.ndarray:
+        from tfllm.parallel.placement import to_numpy
+        return to_numpy(x)
+
+
+def batch_multiple(parallel) -> int:
+    """The number of rows a batch must be a multiple of on this mesh (1 without one).
+
+    The rules table shards "activation_batch" over one mesh axis (data if it has size
+    > 1, else fsdp, by default); resolving the spec of a dimension every axis divides
+    tells which one.
+    """
+    if parallel is None:
+        return 1
+    size = math.prod(parallel.shape.values())
+    (axis,) = parallel.spec("generate batch", (size,), _BATCH)
+    return parallel.shape[axis] if axis else 1
+
+
+def _as_prompts(prompt_ids):
+    """(list of prompts, whether one prompt was given)."""
+    if len(prompt_ids) == 0:
+        raise ValueError("prompt_ids: empty; give a list of token ids or a list of them.")
+    single = all(isinstance(t, (int, np.integer)) for t in prompt_ids)
+    prompts = [list(prompt_ids)] if single else [list(p) for p in prompt_ids]
+    if any(len(p) == 0 for p in prompts):
+        raise ValueError("prompt_ids: a prompt is empty; start it with at least one token "
+                         "(e.g. the tokenizer's BOS token).")
+    return [[int(t) for t in p] for p in prompts], single
+
+
+def _finish(out: np.ndarray, eos_id, single: bool):
+    """Rows of generated ids cut before the first eos_id."""
+    rows = []
+    for row in out.tolist():
+        if eos_id is not None and eos_id in row:
+            row = row[:row.index(eos_id)]
+        rows.append(row)
+    return rows[0] if single else rows
