@@ -46,19 +46,10 @@ def export_model(config, workdir: str, out_dir: str, checkpointer_factory) -> di
     os.makedirs(tmp)
     model.save_weights(os.path.join(tmp, "model.weights.h5"))
 
-    class Serving(tf.Module):
-        def __init__(self, keras_model):
-            super().__init__()
-            self.model = keras_model
-            self.weights = [v.value for v in keras_model.variables]  # tracked for saving
-
-        @tf.function(input_signature=[tf.TensorSpec([None, None], tf.int32, "token_ids")])
-        def serve(self, token_ids):
-            return {"logits": self.model(token_ids)}
-
-    serving = Serving(model)
-    tf.saved_model.save(serving, os.path.join(tmp, "saved_model"),
-                        signatures={"serving_default": serving.serve})
+    # Keras' own exporter: a SavedModel whose `serve` endpoint runs the model.
+    model.export(os.path.join(tmp, "saved_model"), format="tf_saved_model",
+                 input_signature=[tf.TensorSpec([None, None], tf.int32, name="token_ids")],
+                 verbose=False)
     save_config(config, tmp)
     tokenizer_dir = os.path.join(workdir, "tokenizer")
     if os.path.isdir(tokenizer_dir):
