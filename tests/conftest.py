@@ -51,3 +51,27 @@ def tiny_overrides(family="gpt", axes="data=1", **extra):
     }
     values.update(extra)
     return [f"{k}={v}" for k, v in values.items()]
+
+
+def write_text_corpus(directory, files=4, docs_per_file=12, seed=0):
+    """Small multi-line text files whose documents are separated by <|endoftext|>."""
+    import random
+    rng = random.Random(seed)
+    words = "the cat sat on a mat and the dog ran to the park with a red ball".split()
+    directory.mkdir(parents=True, exist_ok=True)
+    for f in range(files):
+        docs = ["\n".join(" ".join(rng.choice(words) for _ in range(12)) for _ in range(8))
+                for _ in range(docs_per_file)]
+        (directory / f"f{f}.txt").write_text("<|endoftext|>".join(docs))
+    return str(directory / "*.txt")
+
+
+def text_overrides(tmp_path, axes="data=2,model=4", **extra):
+    """tiny_overrides for a byte-tokenized run on write_text_corpus files."""
+    pattern = write_text_corpus(tmp_path / "corpus")
+    values = {"data.source": "text", "data.paths": f'["{pattern}"]', "data.tokenizer": "byte",
+              "model.vocab_size": 260, "data.validation_fraction": 0.2,
+              "data.data_dir": str(tmp_path / "cache"), "train.eval_steps": 2,
+              "train.sample_tokens": 0}
+    values.update(extra)
+    return tiny_overrides("gpt", axes, **values)

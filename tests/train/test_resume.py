@@ -13,6 +13,8 @@ import time
 
 import pytest
 
+from tests.conftest import write_text_corpus
+
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 TIMEOUT_S = 300
 PREEMPTED, NONFINITE = 75, 3
@@ -78,12 +80,8 @@ def _interrupt(cmd, workdir, after_step, sig):
 def test_signal_saves_exits_75_and_resume_is_exact(tmp_path, sig, source):
     extra = ["train.steps=30", f"data.source={source}"]
     if source == "text":  # the data-iterator position must be restored too
-        corpus = tmp_path / "corpus"
-        corpus.mkdir()
-        for i in range(6):
-            (corpus / f"doc{i}.txt").write_text(
-                " ".join(f"word{(i * 7 + j) % 23} and more text" for j in range(200)))
-        extra += [f"data.paths=[\"{corpus}/*.txt\"]", "data.tokenizer=byte",
+        pattern = write_text_corpus(tmp_path / "corpus")
+        extra += [f"data.paths=[\"{pattern}\"]", "data.tokenizer=byte",
                   "model.vocab_size=260", "data.validation_fraction=0.2",
                   f"data.data_dir={tmp_path / 'cache'}"]
     rc, out = _run(_args(tmp_path / "full", *extra))

@@ -37,16 +37,17 @@ class Run:
         self.config = config
         self.workdir = workdir
         t, d = config.train, config.data
-        self.tokenizer = None
-        if with_data and d.source != "synthetic":
-            # Before any device work: bad data or tokenizer settings fail fast.
-            from tfllm.data.tokenizer import load_tokenizer
-            self.tokenizer = load_tokenizer(config, workdir)
+        # The mesh first: splitting the CPU into logical devices must happen before
+        # anything (tf.data, tokenizer ops) initializes TensorFlow.
         self.parallel = make_parallel(config)
         self._announce_ready()
         from tfllm.config.loader import to_dict
         from tfllm.parallel.coordination import check_same_config
         check_same_config(to_dict(config))  # before any collective can hang on a mismatch
+        self.tokenizer = None
+        if with_data and d.source != "synthetic":
+            from tfllm.data.tokenizer import load_tokenizer
+            self.tokenizer = load_tokenizer(config, workdir)
         self.micro_batch_rows = t.global_batch_size // t.grad_accum_steps
         self.batch_axis = self.parallel.spec(
             "batch", (self.micro_batch_rows, d.sequence_length + 1),

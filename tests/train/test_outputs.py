@@ -1,0 +1,138 @@
+"""What `tfllm train` leaves in its workdir, and what eval/generate/export do with it.
+
+One tiny byte-tokenized text run on data=2,model=4 (module-scoped: trained once).
+"""
+
+import glob
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from tests.conftest import text_overrides
+from tfllm.config import load_config
+from tfllm.train.loop import train
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+@pytest.fixture(scope="module")
+def run_dir(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("outputs")
+    cfg = load_config(None, text_overrides(tmp, **{
+        "train.steps": 8, "train.log_every": 2, "train.eval_every": 4,
+        "checkpoint.every": 4, "train.sample_tokens": 8, "train.sample_prompt": "the"}))
+    last = train(cfg, str(tmp / "run"))
+    return tmp / "run", cfg, last
+
+
+def _tfllm(*args, timeout=300):
+    return subprocess.run([sys.executable, "-m", "tfllm.cli.main", *args], cwd=ROOT,
+                          capture_output=True, text=True, timeout=timeout,
+                          env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3"))
+
+
+def test_workdir_holds_metrics_tensorboard_plot_checkpoints_config(run_dir):
+    workdir, cfg, last = run_dir
+    records = [json.loads(l) for l in (workdir / "metrics.jsonl").read_text().splitlines()]
+    train_steps = [r["step"] for r in records if "loss" in r]
+    assert train_steps == [1, 2, 4, 6, 8]
+    for r in records:
+        if "loss" in r:
+            assert {"grad_norm", "learning_rate", "tokens_per_s", "mfu"} <= set(r)
+    assert [r["step"] for r in records if "eval_loss" in r] == [4, 8]
+    assert last["eval_loss"] == records[-1]["eval_loss"] and last["sample"].startswith("the")
+    assert (workdir / "loss.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert (workdir / "config.yaml").exists()
+    assert sorted(os.listdir(workdir / "checkpoints")) == ["step_00000004", "step_00000008"]
+    tags = set()
+    for path in glob.glob(str(workdir / "tensorboard" / "events.*")):
+        for event in tf.compat.v1.train.summary_iterator(path):
+            tags.update(v.tag for v in event.summary.value)
+    assert {"loss", "learning_rate", "grad_norm", "tokens_per_s", "eval_loss"} <= tags
+
+
+@pytest.mark.slow
+def test_eval_on_another_mesh_matches_training_eval(run_dir):
+    workdir, _, last = run_dir
+    r = _tfllm("eval", "--workdir", str(workdir), "--set", "mesh.axes=fsdp=8")
+    assert r.returncode == 0, r.stderr[-3000:]
+    result = json.loads(r.stdout.strip().splitlines()[-1])
+    # The same weights and batches on another mesh: only float32 summation order differs.
+    assert result["step"] == 8
+    assert result["eval_loss"] == pytest.approx(last["eval_loss"], rel=1e-5)
+    assert result["eval_perplexity"] == pytest.approx(np.exp(result["eval_loss"]), rel=1e-6)
+
+
+@pytest.mark.slow
+def test_generate_cli_is_seeded(run_dir):
+    workdir, _, _ = run_dir
+    args = ["generate", "--workdir", str(workdir), "--prompt", "the cat", "--max-new-tokens",
+            "6", "--temperature", "1.0", "--top-k", "20", "--top-p", "0.9", "--seed", "3"]
+    first, second = _tfllm(*args), _tfllm(*args)
+    assert first.returncode == 0, first.stderr[-3000:]
+    assert first.stdout == second.stdout and first.stdout.startswith("the cat")
+
+
+def test_export_serves_the_sharded_models_logits(run_dir, tmp_path):
+    from tfllm.checkpoint import Checkpointer, run_state_variables
+    from tfllm.models import build_model
+    from tfllm.parallel import context, make_parallel
+    from tfllm.parallel.placement import to_numpy
+    from tfllm.train.export import export_model
+    workdir, cfg, _ = run_dir
+    out = tmp_path / "exported"
+    factory = lambda parallel: Checkpointer(str(workdir / "checkpoints"), parallel,  # noqa
+                                            cfg.checkpoint)
+    summary = export_model(cfg, str(workdir), str(out), factory)
+    assert summary["step"] == 8
+    ids = np.array([[5, 17, 99, 3, 44, 101, 7, 8]], np.int32)
+    served = tf.saved_model.load(str(out / "saved_model")).serve(tf.constant(ids)).numpy()
+
+    parallel = make_parallel(cfg)  # data=2,model=4: the mesh it was trained on
+    model = build_model(cfg, parallel)
+    Checkpointer(str(workdir / "checkpoints"), parallel, cfg.checkpoint).restore_latest(
+        run_state_variables(model), strict=False)
+    batch = parallel.shard_array(np.repeat(ids, 2, axis=0))  # 2 rows: one per data shard
+
+    @tf.function
+    def logits(x):
+        with context.use(parallel):
+            return model(x)
+    sharded = to_numpy(logits(batch))[:1]
+    # One device vs an 8-device mesh: the same weights, float32 sums in another order.
+    np.testing.assert_allclose(served, sharded, rtol=1e-4, atol=1e-5)
+    # The Keras weights load into a mesh-free model.
+    plain = build_model(cfg, None)
+    plain.load_weights(str(out / "model.weights.h5"))
+    np.testing.assert_allclose(plain(tf.constant(ids)).numpy(), served, rtol=1e-5, atol=1e-6)
+
+
+def test_a_workdir_with_a_different_run_is_refused(run_dir):
+    workdir, _, _ = run_dir
+    r = _tfllm("train", "--workdir", str(workdir), "--config", "configs/tiny.yaml",
+               "--set", "model.hidden_dim=32")
+    assert r.returncode == 2
+    assert f"{workdir} holds a different run" in r.stderr and "model.hidden_dim" in r.stderr
+
+
+def test_a_corrupt_checkpoint_is_named_or_skipped(run_dir, tmp_path):
+    import shutil
+    workdir, _, _ = run_dir
+    copy = tmp_path / "copy"
+    shutil.copytree(workdir, copy)
+    shards = copy / "checkpoints" / "step_00000008" / "client_00000" / "shards.bin"
+    data = bytearray(shards.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    shards.write_bytes(bytes(data))
+    r = _tfllm("eval", "--workdir", str(copy), "--steps", "1")
+    assert r.returncode == 2 and "shards.bin" in r.stderr and "corrupt" in r.stderr
+    r = _tfllm("eval", "--workdir", str(copy), "--steps", "1",
+               "--set", "checkpoint.on_corruption=fallback")
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert json.loads(r.stdout.strip().splitlines()[-1])["step"] == 4
+    assert "falling back" in r.stderr
