@@ -51,8 +51,15 @@ def test_load_tokenizer_trains_once_then_reuses(tmp_path, monkeypatch):
     resumed = tok.load_tokenizer(cfg, str(tmp_path / "run1"))  # from the workdir
     assert again.encode(CODE) == first.encode(CODE) == resumed.encode(CODE)
     # The pipeline runs on it, and a trained model beats the unigram baseline's ceiling.
-    batch = next(Batches(cfg, first, micro_batches=1, micro_batch_rows=2))
-    assert batch["tokens"].max() < 96
+    batches = Batches(cfg, first, micro_batches=1, micro_batch_rows=2)
+    assert next(batches)["tokens"].max() < 96
+    # Iterator state with a tokenizer op inside tf.data restores exactly too.
+    batches.save_state(str(tmp_path / "state"))
+    want = [next(batches)["tokens"] for _ in range(3)]
+    resumed = Batches(cfg, again, micro_batches=1, micro_batch_rows=2)
+    resumed.restore_state(str(tmp_path / "state"))
+    np.testing.assert_array_equal(np.stack(want), np.stack([next(resumed)["tokens"]
+                                                            for _ in range(3)]))
     loss = unigram_loss(cfg, first)
     assert 0 < loss < np.log(96)
 
