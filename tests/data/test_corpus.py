@@ -69,3 +69,17 @@ def test_real_stdlib_corpus_builds(tmp_path):
     train, val = m["splits"]["train"], m["splits"]["validation"]
     assert train["text_bytes"] > 10e6 and val["docs"] > 0
     assert train["docs"] + val["docs"] == len(corpus.list_documents(corpus.stdlib_root()))
+
+
+def test_corpus_source_through_batches(tmp_path):
+    from tfllm.config import schema
+    from tfllm.data.pipeline import Batches
+    from tfllm.data.tokenizer import ByteTokenizer
+
+    cfg = schema.Config()
+    cfg.data.data_dir, cfg.data.shuffle_buffer = str(tmp_path), 8
+    batch = next(Batches(cfg, ByteTokenizer(), micro_batches=1, micro_batch_rows=2))
+    assert batch["tokens"].shape == (1, 2, 65) and batch["segment_ids"].min() >= 1
+    val = next(Batches(cfg, ByteTokenizer(), "validation", micro_batches=1,
+                       micro_batch_rows=2))
+    assert val["segment_ids"][0, :, 0].tolist() == [1, 1]

@@ -147,3 +147,10 @@ def test_synthetic_source_through_batches():
     half = next(Batches(cfg, rows=[2, 3], micro_batches=2, micro_batch_rows=4))
     assert whole["tokens"].shape == (2, 4, 10) and (whole["segment_ids"] == 1).all()
     np.testing.assert_array_equal(half["tokens"], whole["tokens"][:, 2:])
+
+
+def test_eval_paths_mean_no_holdout_from_paths(text_cfg):
+    from tfllm.data.sources import iterate_documents
+    text_cfg.data.validation_fraction = 0.5
+    assert sorted(iterate_documents(text_cfg, "train")) == sorted(make_docs(24))
+    assert sorted(iterate_documents(text_cfg, "validation")) == sorted(make_docs(6, 1))

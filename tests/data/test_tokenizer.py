@@ -51,8 +51,15 @@ def test_load_tokenizer_trains_once_then_reuses(tmp_path, monkeypatch):
     resumed = tok.load_tokenizer(cfg, str(tmp_path / "run1"))  # from the workdir
     assert again.encode(CODE) == first.encode(CODE) == resumed.encode(CODE)
     # The pipeline runs on it, and a trained model beats the unigram baseline's ceiling.
-    batch = next(Batches(cfg, first, micro_batches=1, micro_batch_rows=2))
-    assert batch["tokens"].max() < 96
+    batches = Batches(cfg, first, micro_batches=1, micro_batch_rows=2)
+    assert next(batches)["tokens"].max() < 96
+    # Iterator state with a tokenizer op inside tf.data restores exactly too.
+    batches.save_state(str(tmp_path / "state"))
+    want = [next(batches)["tokens"] for _ in range(3)]
+    resumed = Batches(cfg, again, micro_batches=1, micro_batch_rows=2)
+    resumed.restore_state(str(tmp_path / "state"))
+    np.testing.assert_array_equal(np.stack(want), np.stack([next(resumed)["tokens"]
+                                                            for _ in range(3)]))
     loss = unigram_loss(cfg, first)
     assert 0 < loss < np.log(96)
 
@@ -81,3 +88,28 @@ def test_unigram_cross_entropy_of_uniform_data():
     skewed = [[0] * 90 + [1] * 10]
     assert unigram_cross_entropy(skewed, skewed, 2, smoothing=0) == pytest.approx(
         -(0.9 * np.log(0.9) + 0.1 * np.log(0.1)))
+
+
+def test_keras_hub_preset_directory(tmp_path):
+    """tokenizer=file also takes a keras-hub preset (here a 1-layer Gemma with its tokenizer)."""
+    import io
+
+    import keras_hub
+    import sentencepiece as spm
+
+    model = io.BytesIO()
+    lines = [line for doc in make_docs(40) for line in doc.splitlines()]
+    spm.SentencePieceTrainer.train(
+        sentence_iterator=iter(lines), model_writer=model, vocab_size=96,
+        hard_vocab_limit=False, pad_id=0, eos_id=1, bos_id=2, unk_id=3, pad_piece="<pad>",
+        eos_piece="<eos>", bos_piece="<bos>", minloglevel=2)
+    hub = keras_hub.models.GemmaTokenizer(proto=model.getvalue())
+    keras_hub.models.GemmaBackbone(
+        vocabulary_size=hub.vocabulary_size(), num_layers=1, num_query_heads=1,
+        num_key_value_heads=1, hidden_dim=8, intermediate_dim=16, head_dim=8,
+    ).save_to_preset(str(tmp_path / "preset"))
+    hub.save_to_preset(str(tmp_path / "preset"))
+    t = tok.from_file(str(tmp_path / "preset"))
+    assert (t.vocab_size, t.eod_id) == (hub.vocabulary_size(), hub.end_token_id)
+    ids = t.tf_encode(tf.constant("def f0(x):")).numpy().tolist()
+    assert t.decode(ids) == "def f0(x):"

@@ -120,14 +120,21 @@ def _holdout(docs: tf.data.Dataset, fraction: float, keep_validation: bool):
     return docs.filter(keep)
 
 
-def _file_documents(config, split: str) -> tf.data.Dataset:
+def _shard(ds: tf.data.Dataset, num_shards: int, index: int) -> tf.data.Dataset:
+    return ds.shard(num_shards, index) if num_shards > 1 else ds
+
+
+def _file_documents(config, split: str, num_shards: int, index: int) -> tf.data.Dataset:
     data = config.data
-    if split == "validation" and data.eval_paths:
-        patterns, key, holdout = data.eval_paths, "data.eval_paths", None
+    if data.eval_paths:  # separate validation files: nothing is held out of data.paths
+        holdout = None
+        patterns, key = ((data.eval_paths, "data.eval_paths") if split == "validation"
+                         else (data.paths, "data.paths"))
     else:
         patterns, key = data.paths, "data.paths"
-        holdout = split == "validation"  # True: keep held-out docs; False: drop them
-        if holdout and data.validation_fraction == 0:
+        # True: keep only the held-out docs; False: drop them; None: keep everything.
+        holdout = (split == "validation") if data.validation_fraction > 0 else None
+        if split == "validation" and holdout is None:
             raise DataError("no validation data: set data.eval_paths or "
                             "data.validation_fraction > 0.")
     files = resolve_files(patterns, key)
@@ -139,10 +146,13 @@ def _file_documents(config, split: str) -> tf.data.Dataset:
         docs = docs.filter(lambda d: tf.strings.length(tf.strings.strip(d)) > 0)
     else:
         check_tfrecord_files(files, data.text_key, key)
-        docs = tf.data.TFRecordDataset(files).map(_parse_fn(data.text_key))
-    if holdout is not None and data.validation_fraction > 0:
+        records = tf.data.TFRecordDataset(files)
+        if holdout is None:  # shard the raw records: each stream parses only its own
+            return _shard(records, num_shards, index).map(_parse_fn(data.text_key))
+        docs = records.map(_parse_fn(data.text_key))
+    if holdout is not None:
         docs = _holdout(docs, data.validation_fraction, keep_validation=holdout)
-    return docs
+    return _shard(docs, num_shards, index)
 
 
 def check_tfds_name(name: str) -> None:
@@ -206,13 +216,12 @@ def documents(config, split: str, num_shards: int = 1, index: int = 0) -> tf.dat
         from tfllm.data.corpus import build_corpus
 
         manifest = build_corpus(config.data.data_dir, config.data.validation_fraction)
-        docs = tf.data.TFRecordDataset(manifest[split]).map(_parse_fn("text"))
-    elif source in ("text", "tfrecord"):
-        docs = _file_documents(config, split)
-    else:
-        raise DataError(f"data.source={source} has no documents; use corpus, text, "
-                        "tfrecord or tfds.")
-    return docs.shard(num_shards, index) if num_shards > 1 else docs
+        records = tf.data.TFRecordDataset(manifest[split])
+        return _shard(records, num_shards, index).map(_parse_fn("text"))
+    if source in ("text", "tfrecord"):
+        return _file_documents(config, split, num_shards, index)
+    raise DataError(f"data.source={source} has no documents; use corpus, text, "
+                    "tfrecord or tfds.")
 
 
 def iterate_documents(config, split: str) -> Iterator[str]:

@@ -14,7 +14,6 @@ import tempfile
 import time
 from typing import Callable, Iterable, List, Optional
 
-import numpy as np
 import tensorflow as tf
 
 from tfllm.data.errors import DataError
