@@ -154,3 +154,32 @@ def test_eval_paths_mean_no_holdout_from_paths(text_cfg):
     text_cfg.data.validation_fraction = 0.5
     assert sorted(iterate_documents(text_cfg, "train")) == sorted(make_docs(24))
     assert sorted(iterate_documents(text_cfg, "validation")) == sorted(make_docs(6, 1))
+
+
+def test_one_large_text_file_spreads_over_every_row(tmp_path):
+    # One file, no separators: cut into 64-line pieces so all 16 row streams get text;
+    # only the document's last piece is followed by the end-of-document token.
+    from tfllm.config import load_config
+    from tfllm.data.pipeline import Batches
+    from tfllm.data.sources import iterate_documents
+    from tfllm.data.tokenizer import ByteTokenizer
+    text = "".join(f"line {i} of the only document\n" for i in range(64 * 40))
+    (tmp_path / "big.txt").write_text(text)
+    cfg = load_config(None, [f'data.paths=["{tmp_path}/big.txt"]', "data.source=text",
+                             "data.tokenizer=byte", "model.vocab_size=257",
+                             "data.validation_fraction=0.1", "data.sequence_length=16",
+                             "train.global_batch_size=16"])
+    pieces = list(iterate_documents(cfg, "train")) + list(iterate_documents(cfg, "validation"))
+    assert len(pieces) == 40 and sorted(pieces) == sorted(
+        "".join(f"line {i} of the only document\n" for i in range(64 * k, 64 * k + 64))
+        for k in range(40))
+    batch = next(Batches(cfg, ByteTokenizer(), "train"))
+    assert batch["tokens"].shape == (1, 16, 17)
+    eod = ByteTokenizer().eod_id
+    # EOD only at the very end of the document (the piece holding line 2559).
+    for _ in range(3):
+        tokens = batch["tokens"]
+        for row in tokens[0]:
+            for i in np.flatnonzero(row == eod):
+                assert bytes(row[max(0, i - 9):i].tolist()).endswith(b"document\n")
+        batch = next(Batches(cfg, ByteTokenizer(), "train"))

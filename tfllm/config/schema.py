@@ -27,15 +27,15 @@ class ModelConfig:
     family: str = _f("gpt", "Model family: gpt (learned positions, LayerNorm, GELU, tied "
                      "embeddings) or llama (RoPE, RMSNorm, SwiGLU, GQA).",
                      choices=("gpt", "llama"))
-    vocab_size: int = _f(128, "Vocabulary size.", min=2)
-    hidden_dim: int = _f(64, "Width of the residual stream.", min=1)
-    num_layers: int = _f(2, "Number of transformer blocks.", min=1)
+    vocab_size: int = _f(2048, "Vocabulary size.", min=2)
+    hidden_dim: int = _f(128, "Width of the residual stream.", min=1)
+    num_layers: int = _f(4, "Number of transformer blocks.", min=1)
     num_query_heads: int = _f(4, "Attention query heads.", min=1)
     num_key_value_heads: int = _f(0, "Key/value heads for grouped-query attention; 0 means "
                                   "equal to num_query_heads.", min=0)
     head_dim: int = _f(0, "Per-head width; 0 means hidden_dim // num_query_heads.", min=0)
-    intermediate_dim: int = _f(256, "Width of the MLP hidden layer.", min=1)
-    max_sequence_length: int = _f(128, "Longest sequence the model accepts.", min=1)
+    intermediate_dim: int = _f(512, "Width of the MLP hidden layer.", min=1)
+    max_sequence_length: int = _f(256, "Longest sequence the model accepts.", min=1)
     tie_embeddings: Optional[bool] = _f(None, "Share the token embedding with the LM head; "
                                         "null means the family's default (gpt: true, llama: "
                                         "false).")
@@ -89,7 +89,7 @@ class OptimizerConfig:
     """AdamW, its schedule and gradient clipping."""
 
     learning_rate: float = _f(3e-3, "Peak learning rate.", min=0.0)
-    warmup_steps: int = _f(10, "Linear warmup steps from 0 to the peak.", min=0)
+    warmup_steps: int = _f(50, "Linear warmup steps from 0 to the peak.", min=0)
     decay_steps: int = _f(0, "Steps of cosine decay after warmup; 0 means until "
                           "train.steps.", min=0)
     min_learning_rate_ratio: float = _f(0.1, "Final learning rate as a fraction of the peak.",
@@ -143,8 +143,10 @@ class DataConfig:
                              "keras-hub tokenizer preset directory.")
     packing_mask: bool = _f(True, "Documents packed into one sequence do not attend to "
                             "each other.")
-    shuffle_buffer: int = _f(10000, "Documents in the shuffle buffer.", min=1)
-    sequence_length: int = _f(64, "Tokens per training sequence.", min=2)
+    shuffle_buffer: int = _f(256, "Documents in the shuffle buffers of all rows together "
+                             "(each row stream gets an equal share; the buffers are part of "
+                             "every checkpoint).", min=1)
+    sequence_length: int = _f(128, "Tokens per training sequence.", min=2)
     seed: int = _f(1234, "Seed of the data order.")
 
 
@@ -152,7 +154,7 @@ class DataConfig:
 class TrainConfig:
     """The training loop."""
 
-    steps: int = _f(100, "Optimizer steps to run.", min=1)
+    steps: int = _f(1200, "Optimizer steps to run.", min=1)
     global_batch_size: int = _f(16, "Sequences per optimizer step, over all devices and "
                                 "micro-batches.", min=1)
     grad_accum_steps: int = _f(1, "Micro-batches accumulated per optimizer step.", min=1)
@@ -161,10 +163,10 @@ class TrainConfig:
                           "GPU and CPU; on CPU both measured equal, see "
                           "benchmarks/results/cpu_jit.md).",
                           choices=("auto", "true", "false"))
-    log_every: int = _f(10, "Write metrics every N steps.", min=1)
-    eval_every: int = _f(0, "Evaluate on the validation data every N steps (0: only at "
+    log_every: int = _f(50, "Write metrics every N steps.", min=1)
+    eval_every: int = _f(300, "Evaluate on the validation data every N steps (0: only at "
                          "the end).", min=0)
-    eval_steps: int = _f(8, "Validation batches per evaluation.", min=1)
+    eval_steps: int = _f(16, "Validation batches per evaluation.", min=1)
     deterministic: bool = _f(False, "Deterministic ops (tf.config.experimental."
                              "enable_op_determinism) for bitwise-reproducible resumes.")
     progress: str = _f("auto", "Progress display: bar (redrawn line), lines (one line per "
@@ -187,7 +189,7 @@ class TrainConfig:
 class CheckpointConfig:
     """Sharded checkpoints of the whole run state."""
 
-    every: int = _f(100, "Save every N steps (0: only at the end).", min=0)
+    every: int = _f(300, "Save every N steps (0: only at the end).", min=0)
     max_to_keep: int = _f(3, "Committed checkpoints kept; older ones are deleted.", min=1)
     async_save: bool = _f(False, "Write shards in a background thread while training "
                           "continues; errors surface at the next save or at exit.")

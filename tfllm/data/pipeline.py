@@ -31,7 +31,7 @@ import numpy as np
 import tensorflow as tf
 
 from tfllm.data.errors import DataError
-from tfllm.data.sources import documents
+from tfllm.data.sources import documents, strip_continued
 from tfllm.data.synthetic import SyntheticTokens
 
 
@@ -122,8 +122,12 @@ class Batches:
                                 reshuffle_each_iteration=True).repeat()
         eod = tf.constant([self.tokenizer.eod_id], tf.int32)
         encode = self.tokenizer.tf_encode
-        token_docs = docs.map(lambda d: tf.concat([encode(d), eod], 0),
-                              num_parallel_calls=tf.data.AUTOTUNE, deterministic=True)
+        def tokenize(doc):
+            text, continued = strip_continued(doc)
+            # A piece of a longer text document continues in the next piece: no EOD.
+            return tf.concat([encode(text), eod[:1 - tf.cast(continued, tf.int32)]], 0)
+        token_docs = docs.map(tokenize, num_parallel_calls=tf.data.AUTOTUNE,
+                              deterministic=True)
         packed = pack(token_docs, self.length, pad=not train)
         if not train:
             padding = tf.zeros([self.length], tf.int32)

@@ -30,6 +30,12 @@ import tensorflow as tf
 from tfllm.data.errors import DataError
 
 SEPARATOR = "<|endoftext|>"
+#: text documents longer than this many lines are cut into pieces of this many lines, so
+#: that even one large file spreads over every row stream of the batch
+PIECE_LINES = 64
+#: ends every piece but a document's last: the pipeline adds no end-of-document after it
+CONTINUED = "\ue000"
+_EMPTY = "\ue001"
 HASH_BUCKETS = 1 << 20
 # Files already checked in this process, by (path, size, mtime): every row stream asks
 # for the same files, and the check reads each file in full.
@@ -144,6 +150,7 @@ def _file_documents(config, split: str, num_shards: int, index: int) -> tf.data.
         docs = docs.flat_map(lambda text: tf.data.Dataset.from_tensor_slices(
             tf.strings.split(text, SEPARATOR)))
         docs = docs.filter(lambda d: tf.strings.length(tf.strings.strip(d)) > 0)
+        docs = docs.flat_map(lambda d: tf.data.Dataset.from_tensor_slices(_pieces(d)))
     else:
         check_tfrecord_files(files, data.text_key, key)
         records = tf.data.TFRecordDataset(files)
@@ -153,6 +160,30 @@ def _file_documents(config, split: str, num_shards: int, index: int) -> tf.data.
     if holdout is not None:
         docs = _holdout(docs, data.validation_fraction, keep_validation=holdout)
     return _shard(docs, num_shards, index)
+
+
+def _pieces(doc):
+    """A document cut into pieces of PIECE_LINES lines; all but the last end in
+    "\n" + CONTINUED, so joining them without the markers gives back the document."""
+    ends_in_newline = tf.strings.substr(doc, -1, 1) == "\n"
+    lines = tf.strings.split(tf.strings.regex_replace(doc, "\n$", ""), "\n")  # (n,)
+    n = tf.size(lines)
+    num = (n + PIECE_LINES - 1) // PIECE_LINES
+    lengths = tf.concat([tf.fill([num - 1], PIECE_LINES), [n - (num - 1) * PIECE_LINES]], 0)
+    # reduce_join over ragged rows drops empty strings: hold empty lines' places.
+    lines = tf.where(lines == "", _EMPTY, lines)
+    pieces = tf.strings.reduce_join(tf.RaggedTensor.from_row_lengths(lines, lengths),
+                                    axis=1, separator="\n")  # (num,)
+    pieces = tf.strings.regex_replace(pieces, _EMPTY, "")
+    last = tf.where(ends_in_newline, "\n", "")
+    marks = tf.concat([tf.fill([num - 1], "\n" + CONTINUED), [last]], 0)
+    return pieces + marks
+
+
+def strip_continued(text):
+    """(text without a trailing CONTINUED marker, whether it had one) of a tf.string."""
+    continued = tf.strings.substr(text, -1, 1, unit="UTF8_CHAR") == CONTINUED
+    return tf.strings.regex_replace(text, CONTINUED + "$", ""), continued
 
 
 def check_tfds_name(name: str) -> None:
@@ -227,4 +258,4 @@ def documents(config, split: str, num_shards: int = 1, index: int = 0) -> tf.dat
 def iterate_documents(config, split: str) -> Iterator[str]:
     """A split's documents as Python strings (for tokenizer training and statistics)."""
     for doc in documents(config, split).as_numpy_iterator():
-        yield doc.decode("utf-8", errors="replace")
+        yield doc.decode("utf-8", errors="replace").removesuffix(CONTINUED)

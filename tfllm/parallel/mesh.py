@@ -133,7 +133,9 @@ def build_mesh(axes_text: str, requested_device_type: str = "auto", num_cpu_devi
     fixed_sizes = all(s != -1 for _, s in axes)
     need = math.prod(s for _, s in axes) if fixed_sizes else None
     if kind == "CPU":
-        wanted = num_cpu_devices or max((need or 8) // clients, 1)
+        # A -1 axis on CPU: one logical device per core (at most 8). More logical
+        # devices than cores only add overhead (benchmarks/results/cpu_devices.md).
+        wanted = num_cpu_devices or max((need or min(os.cpu_count() or 1, 8)) // clients, 1)
     if clients > 1:
         # Multi-client: DTensor's own initialization (coordination service over gRPC,
         # NCCL on GPU when DTENSOR_GPU_USE_NCCL_COMMUNICATION=1) must come before

@@ -17,7 +17,10 @@ def benchmark(config, steps: int = 20, warmup: int = 3, repeats: int = 1) -> dic
       tokens_per_s and step_ms from the median step time over all timed steps, params,
       flops_per_token, peak_flops (an n=2048 matmul measured in this run) and mfu.
     """
-    from tfllm.train.loop import Run
+    import copy
+    from tfllm.train.run import Run
+    config = copy.deepcopy(config)
+    config.data.source = "synthetic"  # the step is timed, not the input pipeline
     run = Run(config)
     t = config.train
     tokens_per_step = t.global_batch_size * config.data.sequence_length
