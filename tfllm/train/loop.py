@@ -38,7 +38,7 @@ def _peak_flops(run) -> float:
     import tensorflow as tf
     dtype = tf.bfloat16 if run.config.precision.policy != "float32" else tf.float32
     with tf.device(run.parallel.mesh.local_devices()[0]):
-        peak = measure_matmul_peak(n=1024, repeats=5, dtype=dtype)
+        peak = measure_matmul_peak(n=2048, repeats=10, dtype=dtype)
     if run.parallel.device_type == "CPU":
         return peak
     return peak * math.prod(run.parallel.shape.values())  # every device of every client
