@@ -75,3 +75,15 @@ def text_overrides(tmp_path, axes="data=2,model=4", **extra):
               "train.sample_tokens": 0}
     values.update(extra)
     return tiny_overrides("gpt", axes, **values)
+
+
+def free_ports(n):
+    """n free localhost TCP ports (for DTENSOR_JOBS in multi-client tests)."""
+    import socket
+    socks = [socket.socket() for _ in range(n)]
+    for s in socks:
+        s.bind(("localhost", 0))
+    ports = [s.getsockname()[1] for s in socks]
+    for s in socks:
+        s.close()
+    return ports

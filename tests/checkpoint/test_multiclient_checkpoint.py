@@ -12,7 +12,7 @@ from tfllm.checkpoint import Checkpointer, Reader
 from tests.checkpoint.helpers import gathered
 from tests.checkpoint.multiclient_save import ROOT, build_state, reference_value
 from tests.conftest import tiny_overrides
-from tests.parallel.test_multiclient import _free_ports
+from tests.conftest import free_ports as _free_ports
 
 TIMEOUT_S = 240
 SCRIPT = os.path.join(ROOT, "tests", "checkpoint", "multiclient_save.py")
