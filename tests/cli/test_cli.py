@@ -29,6 +29,10 @@ def test_cli_surface_is_frozen():
         "layouts": ["--config", "--help", "--num-devices", "--set", "-h"],
         "bench": ["--config", "--help", "--repeats", "--set", "--steps", "--warmup", "-h"],
         "export-step": ["--check", "--config", "--help", "--out", "--set", "-h"],
+        "generate": ["--help", "--max-new-tokens", "--prompt", "--seed", "--set",
+                     "--temperature", "--top-k", "--top-p", "--workdir", "-h"],
+        "eval": ["--help", "--set", "--steps", "--workdir", "-h"],
+        "export": ["--help", "--out", "--set", "--workdir", "-h"],
     }
 
 
@@ -38,10 +42,13 @@ def test_train_tiny_on_a_mesh_writes_metrics_and_config(tmp_path):
                "--set", "train.steps=12", "--set", "train.log_every=5", "--set", "data.source=synthetic",
                "--set", "mesh.axes=data=2,fsdp=2,model=2")
     assert r.returncode == 0, r.stderr
-    lines = [json.loads(l) for l in (workdir / "metrics.jsonl").read_text().splitlines()]
+    records = [json.loads(l) for l in (workdir / "metrics.jsonl").read_text().splitlines()]
+    lines = [r for r in records if "loss" in r]
     assert [l["step"] for l in lines] == [1, 5, 10, 12]
     for line in lines:
-        assert set(line) == {"step", "loss", "grad_norm", "learning_rate", "tokens_per_s"}
+        assert set(line) == {"step", "loss", "grad_norm", "learning_rate", "tokens_per_s",
+                             "mfu", "skipped_steps"}
+    assert "eval_loss" in records[-1] and records[-1]["step"] == 12
     assert lines[-1]["loss"] < lines[0]["loss"]
     assert lines[-1]["tokens_per_s"] > 0
     assert "mesh.axes" not in (workdir / "config.yaml").read_text()
