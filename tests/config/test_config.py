@@ -71,7 +71,7 @@ def test_yaml_and_overrides_apply_in_order(tmp_path):
     ("train.steps", "expected section.key=value"),
     ("mesh.axes=data=3,foo=2", "unknown axis 'foo'"),
     ("mesh.axes=data=-1,model=-1", "only one axis may be -1"),
-    ("model.num_query_heads=3", "model.hidden_dim (64) must be divisible by model.num_query_heads"),
+    ("model.num_query_heads=3", "model.hidden_dim (128) must be divisible by model.num_query_heads"),
     ("data.sequence_length=4096", "data.sequence_length (4096) exceeds model.max_sequence_length"),
     ("train.grad_accum_steps=3", "train.global_batch_size (16) must be divisible by "
                                  "train.grad_accum_steps (3)"),
