@@ -114,18 +114,16 @@ class Generator:
         return _finish(buffer[:rows, length:], eos_id, single)
 
     # ---- compiled parts ------------------------------------------------------------------
-    def _prefill_fn(self, tokens, start, scalars, greedy, use_top_k, use_top_p,
-                    cache_length):
+    def _prefill_fn(self, tokens, start, scalars, cache_length):
         with context.use(self.parallel):
             cache = self.model.init_cache(tokens.shape[0], cache_length)
             logits, cache = self.model.call_with_cache(tokens, cache, 0, start,
                                                        last_only=True)  # (B, 1, V)
-            first = self._sample(logits[:, 0], tf.constant(0, tf.int32), scalars, greedy,
-                                 use_top_k, use_top_p)
+            first = self._sample(logits[:, 0], tf.constant(0, tf.int32), scalars)
             return first, cache
 
-    def _decode_fn(self, first, cache, start, scalars, greedy, use_top_k, use_top_p,
-                   cache_length, prompt_length, max_new_tokens):
+    def _decode_fn(self, first, cache, start, scalars, cache_length, prompt_length,
+                   max_new_tokens):
         del cache_length  # part of the trace key only: it shapes the cache
         with context.use(self.parallel):
             batch = first.shape[0]
@@ -143,8 +141,7 @@ class Generator:
                 # Token `step - 1` goes into slot P + step - 1; its logits give `step`.
                 logits, cache = self.model.call_with_cache(
                     tf.expand_dims(token, 1), cache, prompt_length + step - 1, start)  # (B, 1, V)
-                token = self._sample(logits[:, 0], step, scalars, greedy, use_top_k,
-                                     use_top_p)
+                token = self._sample(logits[:, 0], step, scalars)
                 token = tf.where(done, scalars["eos_id"], token)  # finished rows repeat eos
                 out = tf.where(column == step, tf.expand_dims(token, 1), out)
                 done = tf.logical_or(done, tf.equal(token, scalars["eos_id"]))
@@ -157,24 +154,26 @@ class Generator:
             # A name unique to this trace: DTensor keeps one function library per mesh and
             # refuses a second, different loop function named like an earlier one
             # ("Cannot add function 'while_cond'") when several generators coexist.
-            name = f"decode{next(_LOOP_IDS)}"
+            name = "decode_" + _letters(next(_LOOP_IDS))
             return tf.while_loop(more, one_token, state, name=name)[3]
 
-    def _reference_step_fn(self, buffer, segment_ids, position, step, scalars, greedy,
-                           use_top_k, use_top_p, cache_length):
+    def _reference_step_fn(self, buffer, segment_ids, position, step, scalars,
+                           cache_length):
         del cache_length
         with context.use(self.parallel):
             logits = self.model(buffer, segment_ids=segment_ids)  # (B, P + N, V)
             last = tf.gather(logits, position, axis=1)  # (B, V)
-            return self._sample(last, step, scalars, greedy, use_top_k, use_top_p)
+            return self._sample(last, step, scalars)
 
-    def _sample(self, logits, step, scalars, greedy, use_top_k, use_top_p):
+    def _sample(self, logits, step, scalars):
         # Every row needs its whole vocabulary to pick a token.
         logits = context.constrain(logits, _TOKENS, "next_token_logits")  # (B, V)
-        token = next_token(logits, scalars["seed"], step,
-                           None if greedy else scalars["temperature"],
-                           scalars["top_k"] if use_top_k else None,
-                           scalars["top_p"] if use_top_p else None)
+        # Sampling settings are tensors, never trace-time constants: one program per
+        # shape serves greedy and every sampling setting. (It also avoids a DTensor bug:
+        # a mesh running a third, structurally different while-loop program failed with
+        # "Cannot add function 'decode_a_body' because a different function ... exists".)
+        token = next_token(logits, scalars["seed"], step, scalars["temperature"],
+                           scalars["top_k"], scalars["top_p"])
         return context.constrain(token, _BATCH, "token")
 
     # ---- requests ------------------------------------------------------------------------
@@ -211,13 +210,10 @@ class Generator:
         for row, p in enumerate(prompts):
             start[row] = longest - len(p)
             tokens[row, start[row]:] = p
-        greedy = temperature == 0
         options = {
-            "static": {"greedy": greedy, "use_top_k": not greedy and top_k > 0,
-                       "use_top_p": not greedy and top_p < 1.0,
-                       "cache_length": longest + max_new_tokens},
+            "static": {"cache_length": longest + max_new_tokens},
             "scalars": {"seed": self._put(np.int32(seed), ()),
-                        "temperature": self._put(np.float32(temperature or 1.0), ()),
+                        "temperature": self._put(np.float32(temperature), ()),
                         "top_k": self._put(np.int32(top_k), ()),
                         "top_p": self._put(np.float32(top_p), ()),
                         "eos_id": self._put(np.int32(-1 if eos_id is None else eos_id), ())},
@@ -249,6 +245,17 @@ def batch_multiple(parallel) -> int:
     size = math.prod(parallel.shape.values())
     (axis,) = parallel.spec("generate batch", (size,), _BATCH)
     return parallel.shape[axis] if axis else 1
+
+
+def _letters(number: int) -> str:
+    """`number` written with letters only: DTensor strips and re-adds numeric suffixes of
+    function names, so a digit-free loop name cannot collide with another loop's."""
+    out = ""
+    while True:
+        number, digit = divmod(number, 26)
+        out = "abcdefghijklmnopqrstuvwxyz"[digit] + out
+        if not number:
+            return out
 
 
 def _as_prompts(prompt_ids):

@@ -15,11 +15,11 @@ def filter_logits(logits, top_k=None, top_p=None):
 
     Args:
       logits: (B, V) float32, already divided by the temperature.
-      top_k: int32 scalar, keep the k most likely tokens (ties at the k-th are kept),
-        or None for no top-k filter.
+      top_k: int32 scalar, keep the k most likely tokens (ties at the k-th are kept;
+        0 keeps all), or None for no top-k filter.
       top_p: float32 scalar, keep the smallest set of most likely tokens whose
-        probability (after top-k) reaches top_p; the most likely token always stays.
-        None for no top-p filter.
+        probability (after top-k) reaches top_p; the most likely token always stays
+        (1.0 keeps all). None for no top-p filter.
     """
     vocab = logits.shape[-1]
     ranked = tf.sort(logits, axis=-1, direction="DESCENDING")  # (B, V)
@@ -27,12 +27,17 @@ def filter_logits(logits, top_k=None, top_p=None):
     neg_inf = tf.constant(-float("inf"), logits.dtype)
     keep = tf.ones_like(ranked, tf.bool)  # (B, V) over ranks
     if top_k is not None:
-        keep = rank < tf.clip_by_value(tf.cast(top_k, tf.int32), 1, vocab)
+        top_k = tf.cast(top_k, tf.int32)
+        # Arithmetic, not tf.where, on scalar settings: DTensor crashes on a scalar where.
+        off = tf.cast(top_k <= 0, tf.int32)
+        keep = rank < tf.minimum(top_k * (1 - off) + vocab * off, vocab)
     if top_p is not None:
         probs = tf.nn.softmax(tf.where(keep, ranked, neg_inf), axis=-1)  # (B, V)
         mass_before = tf.cumsum(probs, axis=-1, exclusive=True)  # (B, V)
-        # Rank 0 has mass_before 0, so it is kept for any top_p > 0.
-        keep = tf.logical_and(keep, (mass_before < top_p) | (rank == 0))
+        # Rank 0 has mass_before 0, so it is kept for any top_p > 0; top_p >= 1 keeps all
+        # (summed mass may round to just above 1 before the last token).
+        limit = top_p + 2.0 * tf.cast(top_p >= 1.0, tf.float32)  # above any mass: off
+        keep = tf.logical_and(keep, (mass_before < limit) | (rank == 0))
     # The smallest kept logit is the cut: a min over ranks, no per-row gather.
     best = tf.reduce_max(ranked, axis=-1, keepdims=True)  # (B, 1)
     threshold = tf.reduce_min(tf.where(keep, ranked, best), axis=-1, keepdims=True)  # (B, 1)
@@ -46,21 +51,26 @@ def next_token(logits, seed, step, temperature=None, top_k=None, top_p=None):
       logits: (B, V) float32.
       seed: int32 scalar, the request's seed.
       step: int32 scalar, which generated token this is (0 for the first).
-      temperature: float32 scalar > 0, or None for greedy decoding.
-      top_k, top_p: see `filter_logits`; None turns the filter off.
+      temperature: float32 scalar, 0 for greedy decoding (a tensor, so that one
+        compiled program serves every setting), or None for greedy without sampling ops.
+      top_k, top_p: see `filter_logits`; None leaves the filter out of the program.
 
     Returns:
       (B,) int32 token ids.
     """
+    greedy = tf.argmax(logits, axis=-1, output_type=tf.int32)
     if temperature is None:
-        return tf.argmax(logits, axis=-1, output_type=tf.int32)
-    scaled = logits / temperature
+        return greedy
+    temperature = tf.cast(temperature, tf.float32)
+    on = temperature > 0
+    scaled = logits / (temperature + tf.cast(tf.logical_not(on), tf.float32))  # 0 -> 1
     if top_k is not None or top_p is not None:
         scaled = filter_logits(scaled, top_k, top_p)
     # Gumbel-max: argmax(logits + Gumbel noise) is a sample of softmax(logits).
     uniform = counter_uniform(scaled.shape[0], scaled.shape[1], seed, step)  # (B, V)
     gumbel = -tf.math.log(-tf.math.log(uniform))
-    return tf.argmax(scaled + gumbel, axis=-1, output_type=tf.int32)
+    sampled = tf.argmax(scaled + gumbel, axis=-1, output_type=tf.int32)
+    return greedy + tf.cast(on, tf.int32) * (sampled - greedy)  # no scalar tf.where
 
 
 def _mix(h):
