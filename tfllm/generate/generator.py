@@ -151,9 +151,10 @@ class Generator:
 
             state = (tf.constant(1), context.constrain(first, _BATCH, "token"), cache, out,
                      done)
-            # A name unique to this trace: DTensor keeps one function library per mesh and
-            # refuses a second, different loop function named like an earlier one
-            # ("Cannot add function 'while_cond'") when several generators coexist.
+            # A name unique to this trace. DTensor failed with "Cannot add function
+            # 'while_cond' because a different function with the same name already
+            # exists" when several loop programs ran on one mesh; unique names were not
+            # the whole fix (see `_sample`), but they keep loop functions apart.
             name = "decode_" + _letters(next(_LOOP_IDS))
             return tf.while_loop(more, one_token, state, name=name)[3]
 
@@ -248,8 +249,8 @@ def batch_multiple(parallel) -> int:
 
 
 def _letters(number: int) -> str:
-    """`number` written with letters only: DTensor strips and re-adds numeric suffixes of
-    function names, so a digit-free loop name cannot collide with another loop's."""
+    """`number` written with letters only (TF appends its own numeric uid to loop
+    function names; letters keep "decode1" + uid from reading like "decode12")."""
     out = ""
     while True:
         number, digit = divmod(number, 26)
