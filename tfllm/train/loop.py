@@ -141,7 +141,10 @@ def train(config, workdir: str, model_cls=None, out=sys.stdout) -> dict:
                     window_start, first_step_s = now, now - start
                 else:
                     window_tokens += tokens_per_step
-                finite = math.isfinite(values["loss"]) and math.isfinite(values["grad_norm"])
+                # Under fp16 an overflowing gradient is the loss scale's business: the
+                # step is skipped and the scale halved; only a non-finite loss aborts.
+                finite = math.isfinite(values["loss"]) and (
+                    math.isfinite(values["grad_norm"]) or run.loss_scale is not None)
                 if not finite and t.on_nonfinite == "abort":
                     raise NonFiniteError(
                         f"step {number}: loss {values['loss']} / grad_norm "
