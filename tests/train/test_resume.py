@@ -131,3 +131,27 @@ def test_nonfinite_skip_counts_every_skipped_step(tmp_path):
     records = [json.loads(l) for l in (tmp_path / "w" / "metrics.jsonl").read_text().splitlines()]
     last = [r for r in records if "skipped_steps" in r][-1]
     assert last["step"] == 5 and last["skipped_steps"] == 4
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+def test_a_signal_during_the_first_compilation_saves_after_step_one(tmp_path):
+    # SIGTERM as soon as the mesh line is printed: the first step (and its compilation)
+    # is still to come; the run finishes it, saves step 1 and exits 75.
+    cmd = _args(tmp_path / "w", "train.steps=30", "data.source=synthetic")
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=_env(), stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    try:
+        seen = []
+        for line in proc.stdout:
+            seen.append(line)
+            if "on mesh [" in line:
+                proc.send_signal(signal.SIGTERM)
+                break
+        out = "".join(seen) + proc.communicate(timeout=TIMEOUT_S)[0]
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    assert proc.returncode == PREEMPTED, out[-3000:]
+    assert os.listdir(tmp_path / "w" / "checkpoints") == ["step_00000001"]

@@ -80,6 +80,11 @@ def train(config, workdir: str, model_cls=None, out=sys.stdout) -> dict:
       Preempted: after saving, when a signal asked the run to stop.
       NonFiniteError: a NaN/Inf loss or gradient norm under on_nonfinite=abort.
     """
+    with SignalWatcher() as signals:  # from the start: setup and first compile included
+        return _train(config, workdir, model_cls, out, signals)
+
+
+def _train(config, workdir, model_cls, out, signals) -> dict:
     from tfllm.checkpoint import Checkpointer, committed
     t = config.train
     primary = client_id() == 0
@@ -129,64 +134,63 @@ def train(config, workdir: str, model_cls=None, out=sys.stdout) -> dict:
     window_start, window_tokens = None, 0
     start = time.perf_counter()
     try:
-        with SignalWatcher() as signals:
-            for step in range(start_step, t.steps):
-                limit = float("inf")
-                if t.loss_spike_factor > 0 and len(recent) == recent.maxlen:
-                    limit = t.loss_spike_factor * sum(recent) / len(recent)
-                values = run.step(run.batch(step), loss_limit=limit)
-                number = step + 1
-                now = time.perf_counter()
-                if window_start is None:  # the first step includes compilation: not timed
-                    window_start, first_step_s = now, now - start
-                else:
-                    window_tokens += tokens_per_step
-                # Under fp16 an overflowing gradient is the loss scale's business: the
-                # step is skipped and the scale halved; only a non-finite loss aborts.
-                finite = math.isfinite(values["loss"]) and (
-                    math.isfinite(values["grad_norm"]) or run.loss_scale is not None)
-                if not finite and t.on_nonfinite == "abort":
-                    raise NonFiniteError(
-                        f"step {number}: loss {values['loss']} / grad_norm "
-                        f"{values['grad_norm']} is not finite; the update was not applied and "
-                        "the last good checkpoint stays the latest. Lower "
-                        "optimizer.learning_rate, or set train.on_nonfinite=skip.")
-                if values["step_ok"]:
-                    recent.append(values["loss"])
-                elapsed = now - window_start
-                tps = window_tokens / elapsed if window_tokens else 0.0
-                eta = (t.steps - number) * tokens_per_step / tps if tps else 0.0
-                logged = number % t.log_every == 0 or number == t.steps or number == 1
-                record = None
-                if logged:
-                    mfu = progress.mfu(tps)
-                    record = {"step": number, **{k: v for k, v in values.items()
-                                                 if k != "step_ok"},
-                              "tokens_per_s": tps, "mfu": mfu or 0.0}
-                if t.eval_every and number % t.eval_every == 0 and number != t.steps:
-                    record = record or {"step": number}
-                    record.update(run.evaluate())
-                if record is not None:
-                    outputs.record(record, run.model)
-                    last = record
-                progress.update(number, {**values, **(record or {})}, tps, eta, logged)
-                stop = any_client(signals.requested, number)
-                if stop or (config.checkpoint.every and number % config.checkpoint.every == 0
-                            and number != t.steps):
-                    checkpointer.save(number, run.state_variables(), _meta(config, number),
-                                      run.data_state_files)
-                if stop:
-                    checkpointer.wait()
-                    raise Preempted(number, signals.signame or "a signal on another client")
-            final = run.evaluate()
-            progress.message(f"validation loss {final['eval_loss']:.4f} "
-                             f"(perplexity {final['eval_perplexity']:.2f}) after step {t.steps}")
-            last = {**last, **final, "step": t.steps}
-            outputs.record({"step": t.steps, **final}, None)
-            if start_step < t.steps or checkpointer.latest_step() != t.steps:
-                checkpointer.save(t.steps, run.state_variables(), _meta(config, t.steps),
+        for step in range(start_step, t.steps):
+            limit = float("inf")
+            if t.loss_spike_factor > 0 and len(recent) == recent.maxlen:
+                limit = t.loss_spike_factor * sum(recent) / len(recent)
+            values = run.step(run.batch(step), loss_limit=limit)
+            number = step + 1
+            now = time.perf_counter()
+            if window_start is None:  # the first step includes compilation: not timed
+                window_start, first_step_s = now, now - start
+            else:
+                window_tokens += tokens_per_step
+            # Under fp16 an overflowing gradient is the loss scale's business: the
+            # step is skipped and the scale halved; only a non-finite loss aborts.
+            finite = math.isfinite(values["loss"]) and (
+                math.isfinite(values["grad_norm"]) or run.loss_scale is not None)
+            if not finite and t.on_nonfinite == "abort":
+                raise NonFiniteError(
+                    f"step {number}: loss {values['loss']} / grad_norm "
+                    f"{values['grad_norm']} is not finite; the update was not applied and "
+                    "the last good checkpoint stays the latest. Lower "
+                    "optimizer.learning_rate, or set train.on_nonfinite=skip.")
+            if values["step_ok"]:
+                recent.append(values["loss"])
+            elapsed = now - window_start
+            tps = window_tokens / elapsed if window_tokens else 0.0
+            eta = (t.steps - number) * tokens_per_step / tps if tps else 0.0
+            logged = number % t.log_every == 0 or number == t.steps or number == 1
+            record = None
+            if logged:
+                mfu = progress.mfu(tps)
+                record = {"step": number, **{k: v for k, v in values.items()
+                                             if k != "step_ok"},
+                          "tokens_per_s": tps, "mfu": mfu or 0.0}
+            if t.eval_every and number % t.eval_every == 0 and number != t.steps:
+                record = record or {"step": number}
+                record.update(run.evaluate())
+            if record is not None:
+                outputs.record(record, run.model)
+                last = record
+            progress.update(number, {**values, **(record or {})}, tps, eta, logged)
+            stop = any_client(signals.requested, number)
+            if stop or (config.checkpoint.every and number % config.checkpoint.every == 0
+                        and number != t.steps):
+                checkpointer.save(number, run.state_variables(), _meta(config, number),
                                   run.data_state_files)
-            checkpointer.wait()
+            if stop:
+                checkpointer.wait()
+                raise Preempted(number, signals.signame or "a signal on another client")
+        final = run.evaluate()
+        progress.message(f"validation loss {final['eval_loss']:.4f} "
+                         f"(perplexity {final['eval_perplexity']:.2f}) after step {t.steps}")
+        last = {**last, **final, "step": t.steps}
+        outputs.record({"step": t.steps, **final}, None)
+        if start_step < t.steps or checkpointer.latest_step() != t.steps:
+            checkpointer.save(t.steps, run.state_variables(), _meta(config, t.steps),
+                              run.data_state_files)
+        checkpointer.wait()
     finally:
         outputs.close()
     if primary:
