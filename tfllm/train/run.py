@@ -167,8 +167,11 @@ class Run:
         if self.train_data is None:
             return
         if not files:
-            raise ValueError("the checkpoint holds no data-iterator state for this client; "
-                             "was it saved with data.source=synthetic?")
+            from tfllm.data import DataError
+            raise DataError(
+                "the checkpoint holds no data-iterator state for this client: it was saved "
+                "with another number of clients (each client saves the position of its own "
+                "rows). Resume with the same number of clients, or start a new --workdir.")
         with tempfile.TemporaryDirectory() as tmp:
             for name, data in files.items():
                 with open(os.path.join(tmp, name), "wb") as f:
