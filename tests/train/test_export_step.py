@@ -28,9 +28,11 @@ def test_export_describes_every_parameter_and_output(tmp_path, policy):
     assert roles.count("step") == 1
     assert (roles.count("fp8_state") > 0) == (policy == "fp8")
     assert {o["name"] for o in desc["outputs"] if o["role"] == "metric"} == {
-        "loss", "grad_norm", "learning_rate"}
+        "loss", "grad_norm", "learning_rate", "skipped_steps", "step_ok"}
+    assert roles.count("loss_limit") == 1 and roles.count("counter") == 1  # the step guard
     updated = {o["param"] for o in desc["outputs"] if o["role"] == "update"}
-    assert updated == {i for i, r in enumerate(roles) if r != "batch"}  # all state moves
+    # all state moves
+    assert updated == {i for i, r in enumerate(roles) if r not in ("batch", "loss_limit")}
     assert desc["num_params"] == sum(
         int(np.prod(p["shape"])) for p in desc["params"] if p["role"] == "weight")
     hlo = (tmp_path / "step.hlo.txt").read_text()
