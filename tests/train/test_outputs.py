@@ -86,9 +86,7 @@ def test_export_serves_the_sharded_models_logits(run_dir, tmp_path):
     from tfllm.train.export import export_model
     workdir, cfg, _ = run_dir
     out = tmp_path / "exported"
-    factory = lambda parallel: Checkpointer(str(workdir / "checkpoints"), parallel,  # noqa
-                                            cfg.checkpoint)
-    summary = export_model(cfg, str(workdir), str(out), factory)
+    summary = export_model(cfg, str(workdir), str(out))
     assert summary["step"] == 8
     ids = np.array([[5, 17, 99, 3, 44, 101, 7, 8]], np.int32)
     loaded = tf.saved_model.load(str(out / "saved_model"))  # keep it: it owns the weights

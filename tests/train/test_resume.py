@@ -14,6 +14,7 @@ import time
 import pytest
 
 from tests.conftest import write_text_corpus
+from tests.launch.helpers import kill_group
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 TIMEOUT_S = 300
@@ -32,19 +33,28 @@ def _args(workdir, *extra):
     return [sys.executable, "-m", "tfllm.cli.main", "train"] + base
 
 
+# lr 1e30 without clipping blows the weights up after the first update: from step 2 on
+# the loss and gradient norm are not finite.
+_EXPLODE = ("data.source=synthetic", "optimizer.learning_rate=1e30", "optimizer.clip_norm=0",
+            "optimizer.warmup_steps=0")
+
+
 def _env():
     return dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3", PYTHONUNBUFFERED="1")
 
 
-def _run(cmd, timeout=TIMEOUT_S):
-    proc = subprocess.Popen(cmd, cwd=ROOT, env=_env(), stdout=subprocess.PIPE,
+def _start(cmd):
+    """cmd in its own process group (kill_group reaps it and anything it started)."""
+    return subprocess.Popen(cmd, cwd=ROOT, env=_env(), stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True, start_new_session=True)
+
+
+def _run(cmd, timeout=TIMEOUT_S):
+    proc = _start(cmd)
     try:
         out = proc.communicate(timeout=timeout)[0]
     finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
+        kill_group(proc)
     return proc.returncode, out
 
 
@@ -55,8 +65,7 @@ def _losses(workdir):
 
 def _interrupt(cmd, workdir, after_step, sig):
     """Starts cmd, sends `sig` once metrics.jsonl reaches `after_step`; returns rc, out."""
-    proc = subprocess.Popen(cmd, cwd=ROOT, env=_env(), stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    proc = _start(cmd)
     try:
         deadline = time.monotonic() + TIMEOUT_S
         metrics = workdir / "metrics.jsonl"
@@ -67,9 +76,7 @@ def _interrupt(cmd, workdir, after_step, sig):
             time.sleep(0.05)
         out = proc.communicate(timeout=TIMEOUT_S)[0]
     finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
+        kill_group(proc)
     return proc.returncode, out
 
 
@@ -109,10 +116,7 @@ def test_signal_saves_exits_75_and_resume_is_exact(tmp_path, sig, source):
 @pytest.mark.slow
 @pytest.mark.multiprocess
 def test_nonfinite_abort_keeps_the_last_good_checkpoint(tmp_path):
-    # lr 1e30 without clipping blows the weights up after the first update.
-    cmd = _args(tmp_path / "w", "train.steps=6", "data.source=synthetic",
-                "optimizer.learning_rate=1e30", "optimizer.clip_norm=0",
-                "optimizer.warmup_steps=0", "checkpoint.every=1")
+    cmd = _args(tmp_path / "w", "train.steps=6", *_EXPLODE, "checkpoint.every=1")
     rc, out = _run(cmd)
     assert rc == NONFINITE, out[-3000:]
     assert "is not finite" in out and "step 2" in out
@@ -123,9 +127,7 @@ def test_nonfinite_abort_keeps_the_last_good_checkpoint(tmp_path):
 @pytest.mark.slow
 @pytest.mark.multiprocess
 def test_nonfinite_skip_counts_every_skipped_step(tmp_path):
-    cmd = _args(tmp_path / "w", "train.steps=5", "data.source=synthetic",
-                "optimizer.learning_rate=1e30", "optimizer.clip_norm=0",
-                "optimizer.warmup_steps=0", "train.on_nonfinite=skip")
+    cmd = _args(tmp_path / "w", "train.steps=5", *_EXPLODE, "train.on_nonfinite=skip")
     rc, out = _run(cmd)
     assert rc == 0, out[-3000:]
     records = [json.loads(l) for l in (tmp_path / "w" / "metrics.jsonl").read_text().splitlines()]
@@ -138,9 +140,7 @@ def test_nonfinite_skip_counts_every_skipped_step(tmp_path):
 def test_a_signal_during_the_first_compilation_saves_after_step_one(tmp_path):
     # SIGTERM as soon as the mesh line is printed: the first step (and its compilation)
     # is still to come; the run finishes it, saves step 1 and exits 75.
-    cmd = _args(tmp_path / "w", "train.steps=30", "data.source=synthetic")
-    proc = subprocess.Popen(cmd, cwd=ROOT, env=_env(), stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    proc = _start(_args(tmp_path / "w", "train.steps=30", "data.source=synthetic"))
     try:
         seen = []
         for line in proc.stdout:
@@ -150,8 +150,6 @@ def test_a_signal_during_the_first_compilation_saves_after_step_one(tmp_path):
                 break
         out = "".join(seen) + proc.communicate(timeout=TIMEOUT_S)[0]
     finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
+        kill_group(proc)
     assert proc.returncode == PREEMPTED, out[-3000:]
     assert os.listdir(tmp_path / "w" / "checkpoints") == ["step_00000001"]

@@ -48,21 +48,26 @@ def _load_for_workdir(args):
     return load_config(args.config, args.overrides)
 
 
-def _restored_run(args, with_train_data: bool = False):
-    """The run in --workdir with its latest checkpoint's weights (any mesh via --set)."""
+def _saved_config(args):
+    """The config.yaml of --workdir, with --set overrides."""
     import os
-    from tfllm.checkpoint import Checkpointer
     from tfllm.config import load_config
-    from tfllm.train.run import Run
     saved = os.path.join(args.workdir, "config.yaml")
     if not os.path.exists(saved):
         raise FileNotFoundError(f"{saved} does not exist; --workdir must name a directory "
                                 "written by tfllm train.")
-    config = load_config(saved, args.overrides)
-    run = Run(config, workdir=args.workdir, train_iterator=with_train_data)
+    return load_config(saved, args.overrides)
+
+
+def _restored_run(args):
+    """The run in --workdir with its latest checkpoint's weights (any mesh via --set)."""
+    import os
+    from tfllm.checkpoint import Checkpointer, run_state_variables
+    from tfllm.train.run import Run
+    config = _saved_config(args)
+    run = Run(config, workdir=args.workdir, train_iterator=False)
     checkpointer = Checkpointer(os.path.join(args.workdir, "checkpoints"), run.parallel,
                                 config.checkpoint)
-    from tfllm.checkpoint import run_state_variables
     meta = checkpointer.restore_latest(run_state_variables(run.model), strict=False)
     if meta is None:
         raise FileNotFoundError(f"{args.workdir}/checkpoints holds no committed checkpoint; "
@@ -89,18 +94,8 @@ def cmd_eval(args) -> int:
 
 
 def cmd_export(args) -> int:
-    import os
-    from tfllm.checkpoint import Checkpointer
-    from tfllm.config import load_config
     from tfllm.train.export import export_model
-    saved = os.path.join(args.workdir, "config.yaml")
-    if not os.path.exists(saved):
-        raise FileNotFoundError(f"{saved} does not exist; --workdir must name a directory "
-                                "written by tfllm train.")
-    config = load_config(saved, args.overrides)
-    factory = lambda parallel: Checkpointer(  # noqa: E731
-        os.path.join(args.workdir, "checkpoints"), parallel, config.checkpoint)
-    print(json.dumps(export_model(config, args.workdir, args.out, factory)))
+    print(json.dumps(export_model(_saved_config(args), args.workdir, args.out)))
     return 0
 
 

@@ -6,8 +6,10 @@ import math
 
 import tensorflow as tf
 
+from tfllm.models.loss import loss_sum_and_count
 from tfllm.parallel import context
 from tfllm.parallel.placement import to_numpy
+from tfllm.train.step import lm_forward
 
 
 class Evaluator:
@@ -28,20 +30,12 @@ class Evaluator:
         with context.use(self.parallel):
             total, count = 0.0, 0.0
             for micro in micro_batches:
-                tokens, segment_ids = micro if isinstance(micro, (tuple, list)) else (
-                    micro, None)
-                inputs, targets = tokens[:, :-1], tokens[:, 1:]  # (M, T) each
-                if segment_ids is not None and self.packing_mask:
-                    logits = self.model(inputs, segment_ids=segment_ids[:, :-1])
-                else:
-                    logits = self.model(inputs)  # (M, T, V) float32
-                if segment_ids is None:
-                    mask = tf.ones_like(targets, tf.float32)
-                else:  # validation rows end in padding (segment 0): not counted
-                    mask = tf.cast(segment_ids[:, 1:] > 0, tf.float32)
-                n = tf.reduce_sum(mask)
-                mean = self.model.compute_lm_loss(logits, targets, mask)
-                total, count = total + mean * tf.maximum(n, 1.0), count + n
+                logits, targets, segment_ids = lm_forward(self.model, micro,
+                                                          self.packing_mask)
+                # Validation rows end in padding (segment 0): not counted.
+                mask = None if segment_ids is None else segment_ids[:, 1:] > 0
+                s, n = loss_sum_and_count(logits, targets, mask)
+                total, count = total + s, count + n
             return total, count
 
     def __call__(self, batches, steps: int) -> dict:

@@ -21,7 +21,7 @@ from tfllm.config import save_config
 from tfllm.models import build_model
 
 
-def export_model(config, workdir: str, out_dir: str, checkpointer_factory) -> dict:
+def export_model(config, workdir: str, out_dir: str) -> dict:
     """Restores the latest checkpoint onto one device and writes `out_dir`.
 
     Args:
@@ -29,14 +29,13 @@ def export_model(config, workdir: str, out_dir: str, checkpointer_factory) -> di
       workdir: the run directory (for the tokenizer).
       out_dir: the output directory; written under a temporary name and renamed last so a
         failed export never leaves a directory that looks complete.
-      checkpointer_factory: `parallel -> Checkpointer` of the run's checkpoints.
 
     Returns:
       A summary: out, step, params.
     """
-    from tfllm.checkpoint import run_state_variables
+    from tfllm.checkpoint import Checkpointer, run_state_variables
     model = build_model(config, None)  # plain tf.Variables on one device
-    checkpointer = checkpointer_factory(None)
+    checkpointer = Checkpointer(os.path.join(workdir, "checkpoints"), None, config.checkpoint)
     meta = checkpointer.restore_latest(run_state_variables(model), strict=False)
     if meta is None:
         raise FileNotFoundError(f"{checkpointer.directory} holds no committed checkpoint; "

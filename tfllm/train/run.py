@@ -11,8 +11,6 @@ import os
 import tempfile
 from typing import Optional
 
-import numpy as np
-
 from tfllm.models import build_model
 from tfllm.optim import AdamW
 from tfllm.parallel import make_parallel
@@ -193,6 +191,5 @@ def sample_text(run: Run, prompt: str, max_new_tokens: int, **sampling) -> str:
                          f"{limit}: shorten the prompt.")
     max_new_tokens = min(max_new_tokens, limit - len(ids))
     generator = Generator(run.model, run.parallel)
-    out = generator.generate(ids, max_new_tokens, eos_id=run.tokenizer.eod_id, **sampling)
-    new = out[0] if out and isinstance(out[0], (list, tuple, np.ndarray)) else out
-    return prompt + run.tokenizer.decode([int(i) for i in new])
+    new = generator.generate(ids, max_new_tokens, eos_id=run.tokenizer.eod_id, **sampling)
+    return prompt + run.tokenizer.decode([int(i) for i in new])  # one prompt: a flat list

@@ -31,6 +31,17 @@ def resolve_jit(setting: str) -> bool:
     return True
 
 
+def lm_forward(model, micro, packing_mask: bool):
+    """Logits and targets of one micro-batch: (tokens) or (tokens, segment_ids) rows of
+    T+1 tokens. Returns (logits (M, T, V) float32, targets (M, T), segment ids or None).
+    """
+    tokens, segment_ids = micro if isinstance(micro, (tuple, list)) else (micro, None)
+    inputs, targets = tokens[:, :-1], tokens[:, 1:]  # (M, T) each
+    if segment_ids is not None and packing_mask:
+        return model(inputs, segment_ids=segment_ids[:, :-1]), targets, segment_ids
+    return model(inputs), targets, segment_ids
+
+
 class TrainStep:
     """Compiles and runs the training step of `model` with `optimizer`.
 
@@ -102,15 +113,7 @@ class TrainStep:
         return tuple((put(t), put(s)) for t, s in zip(local_tokens, local_segments))
 
     def _micro(self, micro):
-        if isinstance(micro, (tuple, list)):
-            tokens, segment_ids = micro
-        else:
-            tokens, segment_ids = micro, None
-        inputs, targets = tokens[:, :-1], tokens[:, 1:]  # (M, T) each
-        if segment_ids is not None and self.packing_mask:
-            logits = self.model(inputs, segment_ids=segment_ids[:, :-1])  # (M, T, V) f32
-        else:
-            logits = self.model(inputs)  # (M, T, V) float32
+        logits, targets, _ = lm_forward(self.model, micro, self.packing_mask)
         return self.model.compute_lm_loss(logits, targets)
 
     def _loss_and_grads(self, micro_batches):

@@ -10,6 +10,7 @@ files (metrics, TensorBoard, plot) are cleared and the run starts afresh.
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 
@@ -83,16 +84,9 @@ def truncate_metrics(path: str, last_step: int) -> None:
     """Drops metrics.jsonl records after `last_step` (they are recomputed on resume)."""
     if not os.path.exists(path):
         return
-    import json
-    keep = []
-    with open(path, encoding="utf-8") as f:
-        for line in f:
-            try:
-                if json.loads(line).get("step", 0) <= last_step:
-                    keep.append(line if line.endswith("\n") else line + "\n")
-            except json.JSONDecodeError:
-                continue
+    from tfllm.train.plots import read_metrics
+    keep = [r for r in read_metrics(path) if r.get("step", 0) <= last_step]
     tmp = path + ".tmp"
     with open(tmp, "w", encoding="utf-8") as f:
-        f.writelines(keep)
+        f.writelines(json.dumps(r) + "\n" for r in keep)
     os.replace(tmp, path)
