@@ -23,6 +23,7 @@ import tensorflow as tf
 
 from tfllm.generate.sampling import next_token
 from tfllm.parallel import context
+from tfllm.train import xla
 
 _BATCH = ("activation_batch",)
 _LOOP_IDS = itertools.count()
@@ -42,9 +43,9 @@ class Generator:
 
     def __init__(self, model, parallel=None, jit_compile: bool = True):
         self.model, self.parallel = model, parallel
-        self._prefill = tf.function(self._prefill_fn, jit_compile=jit_compile)
-        self._decode = tf.function(self._decode_fn, jit_compile=jit_compile)
-        self._reference_step = tf.function(self._reference_step_fn, jit_compile=jit_compile)
+        self._prefill = xla.compile_fn(self._prefill_fn, parallel, jit_compile)
+        self._decode = xla.compile_fn(self._decode_fn, parallel, jit_compile)
+        self._reference_step = xla.compile_fn(self._reference_step_fn, parallel, jit_compile)
         #: seconds and token counts of the last `generate` call (prefill, decode)
         self.last_timing = {}
 

@@ -9,6 +9,7 @@ import tensorflow as tf
 from tfllm.models.loss import loss_sum_and_count
 from tfllm.parallel import context
 from tfllm.parallel.placement import to_numpy
+from tfllm.train import xla
 from tfllm.train.step import lm_forward
 
 
@@ -24,7 +25,7 @@ class Evaluator:
 
     def __init__(self, model, parallel, jit_compile: bool, packing_mask: bool = False):
         self.model, self.parallel, self.packing_mask = model, parallel, packing_mask
-        self._sums = tf.function(self._nll_sum, jit_compile=jit_compile)
+        self._sums = xla.compile_fn(self._nll_sum, parallel, jit_compile)
 
     def _nll_sum(self, micro_batches):
         with context.use(self.parallel):

@@ -15,6 +15,7 @@ import tensorflow as tf
 from tfllm.optim.adamw import global_norm
 from tfllm.parallel import context
 from tfllm.parallel.placement import Parallel, new_variable, to_numpy
+from tfllm.train import xla
 
 BATCH_AXES = ("activation_batch", "activation_length")
 
@@ -49,7 +50,8 @@ class TrainStep:
       model: a built `tfllm.models.CausalLM` whose variables are placed.
       optimizer: a built `tfllm.optim.AdamW` over the model's trainable variables.
       parallel: the sharding setup, or None for one device.
-      jit_compile: XLA-compile the step.
+      jit_compile: XLA-compile the step (on a mesh: XLA clusters of each device's
+        program, see `tfllm.train.xla`).
       loss_scale: a `tfllm.precision.loss_scale.DynamicLossScale` (float16), or None.
     """
 
@@ -64,8 +66,11 @@ class TrainStep:
         self.variables = list(model.trainable_variables)
         # FP8 amax histories: their "gradients" are their new values (overwrite).
         self.fp8_state = list(model.fp8_state_variables())
-        self._step = tf.function(self._train_step, jit_compile=jit_compile)
-        self._grads = tf.function(self._loss_and_grads, jit_compile=jit_compile)
+        self._step = xla.compile_fn(self._train_step, parallel, jit_compile)
+        self._grads = xla.compile_fn(self._loss_and_grads, parallel, jit_compile)
+        #: what XLA compiled of the step (`tfllm.train.xla.XlaReport`), after the first call
+        self.xla_report = None
+        self._called = False
 
     def batch_spec(self, shape):
         return self.parallel.spec("batch", shape, BATCH_AXES) if self.parallel else None
@@ -188,7 +193,14 @@ class TrainStep:
           tokens: micro-batches from `to_device` / `from_local`.
           loss_limit: skip the update when the loss exceeds this (the spike guard).
         """
-        out = self._step(tokens, self.loss_limit_input(loss_limit))
+        args = (tokens, self.loss_limit_input(loss_limit))
+        if self._called:
+            out = self._step(*args)
+        else:
+            out, self.xla_report = xla.run_and_report(self._step, args, self.parallel,
+                                                      self.jit_compile)
+            self._called = True
+            xla.check_compiled(self.xla_report)
         return {k: float(to_numpy(v)) for k, v in out.items()}
 
     def loss_and_grads(self, tokens):

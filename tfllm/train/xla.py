@@ -1,0 +1,242 @@
+"""XLA on DTensor meshes: compile the per-device programs, and report what XLA compiled.
+
+`tf.function(jit_compile=True)` has no effect on a DTensor mesh: DTensor inlines the
+function into its own SPMD program and marks the per-device function it builds with
+`_XlaMustCompile=false` (README, "XLA on a DTensor mesh"). What DTensor keeps is the
+`_XlaCompile` attribute of each op. `tf.xla.experimental.jit_scope` sets it on every op
+the step creates, and TensorFlow's clustering pass (`MarkForCompilationPass`), which runs
+whenever a per-device program is instantiated, then groups those ops into XLA clusters
+on every device: one device, several devices in one process, one device per process.
+The ops DTensor inserts itself (collectives and the reshapes and slices around them)
+carry no attribute and stay TensorFlow ops between the clusters.
+
+Two more choices make the setting truthful:
+* Strict compilation (`--tf_xla_enable_lazy_compilation=false`): a cluster that fails
+  to compile is an error, not a silent fallback to TensorFlow kernels, and every cluster
+  compiles on its first run instead of after a few TensorFlow runs.
+* A report read from the programs TensorFlow really executes (`XlaReport`): the number
+  of clusters per device and the step's ops that stayed outside them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import re
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Callable, Dict, List, Optional
+
+import tensorflow as tf
+
+from tfllm.train import tf_internal
+
+# Ops of the executed graph that are plumbing, not computation.
+_PLUMBING = {"_Arg", "_Retval", "_DeviceArg", "_DeviceRetval", "Const", "NoOp", "Identity",
+             "IdentityN", "_XlaCompile", "_XlaRun", "_XlaMerge", "Switch", "Merge",
+             "StatefulPartitionedCall", "PartitionedCall", "_Send", "_Recv", "_HostSend",
+             "_HostRecv", "Placeholder", "VarHandleOp"}
+# Communication that XLA's TensorFlow bridge cannot compile inside a cluster.
+_COLLECTIVES = {"CollectiveReduceV2", "CollectiveGatherV2", "CollectiveAllToAllV2",
+                "CollectiveReduceScatterV2", "CollectiveBcastSendV2", "CollectiveBcastRecvV2",
+                "CollectiveReduce", "CollectiveGather", "NcclAllReduce", "NcclReduce"}
+# Names of the ops DTensor's SPMD expansion inserts: the reshapes and slices around its
+# collectives and relayouts, and ops it rewrites (an AssignAdd into read, add and assign;
+# one_hot into slices). TF 2.21 suffixes every op it creates with "_968192538".
+_DTENSOR_NAME = re.compile(r"DTensor|CombinedReduce|[Rr]elayout|_968192538(_|$)")
+# Kinds of work the tests and `train.jit_compile=true` require to be inside XLA.
+CORE_OPS = {
+    "matmul": {"MatMul", "BatchMatMul", "BatchMatMulV2", "BatchMatMulV3", "Einsum"},
+    "norm": {"Rsqrt", "Mean", "SquaredDifference"},
+    "softmax": {"Softmax", "LogSoftmax", "SparseSoftmaxCrossEntropyWithLogits", "Exp"},
+    "optimizer": {"Sqrt", "RealDiv", "AssignVariableOp", "AssignSubVariableOp"},
+}
+
+
+def use_strict_compilation() -> None:
+    """Clusters compile on first use, and a failed compilation raises (no silent fallback)."""
+    tf_internal.set_xla_lazy_compilation(False)
+
+
+@contextlib.contextmanager
+def scope(enabled: bool):
+    """Marks every op created inside for XLA clustering (a no-op when not `enabled`)."""
+    if not enabled:
+        yield
+        return
+    with tf.xla.experimental.jit_scope(compile_ops=True, separate_compiled_gradients=False):
+        yield
+
+
+def compile_fn(fn: Callable, parallel, jit_compile: bool):
+    """`fn` as a `tf.function` that XLA compiles when `jit_compile`.
+
+    Without a mesh this is `tf.function(jit_compile=True)`: one XLA program. On a mesh
+    the ops of `fn` are marked for clustering (`scope`), which DTensor preserves.
+    """
+    if parallel is None or not jit_compile:
+        return tf.function(fn, jit_compile=jit_compile)
+    use_strict_compilation()
+
+    def marked(*args, **kwargs):
+        with scope(True):
+            return fn(*args, **kwargs)
+    marked.__name__ = getattr(fn, "__name__", "compiled")
+    return tf.function(marked)
+
+
+@dataclass
+class XlaReport:
+    """What XLA compiled of one function, read from the graphs TensorFlow executed.
+
+    Attributes:
+      devices: the devices whose programs were read.
+      clusters: XLA clusters per device (the largest count over devices).
+      outside: op type -> count per device of the function's own ops left outside XLA.
+      communication: ops DTensor inserted (collectives, the reshapes and slices around
+        them, ops its expansion rewrote), per device; they carry no XLA mark.
+      marked_ops: ops of the traced function marked for XLA (the whole step).
+      whole_program: compiled as one XLA program (`tf.function(jit_compile=True)`).
+      examples: op type -> a few names of the ops left outside (for error messages).
+    """
+
+    devices: List[str] = field(default_factory=list)
+    clusters: int = 0
+    outside: Dict[str, int] = field(default_factory=dict)
+    communication: int = 0
+    marked_ops: int = 0
+    whole_program: bool = False
+    examples: Dict[str, List[str]] = field(default_factory=dict)
+
+    @property
+    def outside_count(self) -> int:
+        return sum(self.outside.values())
+
+    @property
+    def fraction(self) -> float:
+        """Share of the function's own ops inside XLA clusters (1.0 for a whole program)."""
+        if self.whole_program:
+            return 1.0
+        if not self.marked_ops or not self.clusters:
+            return 0.0
+        return max(0.0, 1.0 - self.outside_count / self.marked_ops)
+
+    def core_outside(self) -> Dict[str, List[str]]:
+        """{kind: op types} of the matmul/norm/softmax/optimizer ops left outside XLA."""
+        found = {}
+        for kind, ops in CORE_OPS.items():
+            hit = sorted(op for op in self.outside if op in ops)
+            if hit:
+                found[kind] = hit
+        return found
+
+    def line(self) -> str:
+        """One line for the progress output."""
+        if self.whole_program:
+            return "XLA: one compiled program (no mesh)"
+        if not self.clusters:
+            return "XLA: nothing compiled"
+        top = ", ".join(f"{n} {op}" for op, n in Counter(self.outside).most_common(4))
+        return (f"XLA: {self.clusters} clusters per device on {len(self.devices)} "
+                f"device(s), {100 * self.fraction:.0f}% of the step's {self.marked_ops} ops"
+                + (f"; outside XLA: {top}" if top else "")
+                + (f"; {self.communication} ops inserted by DTensor (collectives) between"
+                   " clusters"
+                   if self.communication else ""))
+
+    def as_dict(self) -> dict:
+        return {"clusters": self.clusters, "devices": len(self.devices),
+                "fraction": round(self.fraction, 4), "marked_ops": self.marked_ops,
+                "outside": dict(self.outside), "communication": self.communication}
+
+
+def _short_device(name: str) -> str:
+    return name.split("/")[-1].replace("device:", "") if name else ""
+
+
+def report_from_graphs(graph_defs, marked_ops: int) -> XlaReport:
+    """Builds an `XlaReport` from executed (post-optimization) GraphDefs.
+
+    Args:
+      graph_defs: the post-optimization graphs of the function's instantiations.
+      marked_ops: how many ops of the traced function were marked for XLA.
+    """
+    clusters: Counter = Counter()
+    outside: Dict[str, Counter] = {}
+    communication: Counter = Counter()
+    examples: Dict[str, Dict[str, List[str]]] = {}
+    for graph in graph_defs:
+        for node in graph.node:
+            device = node.device
+            if node.op == "_XlaCompile":
+                clusters[device] += 1
+                continue
+            if node.op in _PLUMBING:
+                continue
+            if node.op in _COLLECTIVES or _DTENSOR_NAME.search(node.name):
+                communication[device] += 1
+                continue
+            outside.setdefault(device, Counter())[node.op] += 1
+            names = examples.setdefault(device, {}).setdefault(node.op, [])
+            if len(names) < 3:
+                names.append(node.name)
+    devices = sorted(set(clusters) | set(outside) | set(communication))
+    if not devices:
+        return XlaReport(marked_ops=marked_ops)
+    # Report the device with the most ops left outside (every device runs the same program).
+    worst = max(devices, key=lambda d: (sum(outside.get(d, Counter()).values()), d))
+    return XlaReport(devices=[_short_device(d) for d in devices],
+                     clusters=max(clusters.values()) if clusters else 0,
+                     outside=dict(outside.get(worst, Counter())),
+                     communication=max(communication.values()) if communication else 0,
+                     marked_ops=marked_ops, examples=examples.get(worst, {}))
+
+
+def count_marked_ops(concrete_function) -> int:
+    """Ops of a traced function that carry the XLA clustering mark (computation only)."""
+    count = 0
+    for op in concrete_function.graph.get_operations():
+        if op.type in _PLUMBING or op.type in ("ReadVariableOp",):
+            continue
+        try:
+            if op.get_attr("_XlaCompile"):
+                count += 1
+        except ValueError:
+            pass
+    return count
+
+
+def run_and_report(tf_fn, args, parallel, jit_compile: bool):
+    """Calls `tf_fn(*args)` for the first time and reports what XLA compiled of it.
+
+    Returns:
+      (the function's outputs, `XlaReport` or None when `jit_compile` is off).
+    """
+    if not jit_compile:
+        return tf_fn(*args), None
+    if parallel is None:
+        return tf_fn(*args), XlaReport(whole_program=True)
+    with tf_internal.collect_executed_graphs() as graphs:
+        out = tf_fn(*args)
+    concrete = tf_fn.get_concrete_function(*args)
+    return out, report_from_graphs(graphs(), count_marked_ops(concrete))
+
+
+class XlaNotCompiledError(RuntimeError):
+    """`train.jit_compile=true` but the step is not (or not wholly) compiled by XLA."""
+
+
+def check_compiled(report: Optional[XlaReport], what: str = "the train step") -> None:
+    """Raises when XLA compiled nothing, or left matmuls/norms/softmax/updates outside."""
+    if report is None or report.whole_program:
+        return
+    if not report.clusters:
+        raise XlaNotCompiledError(
+            f"train.jit_compile=true but XLA compiled no part of {what}; set "
+            "train.jit_compile=false (or auto) to run TensorFlow graphs instead.")
+    core = report.core_outside()
+    if core:
+        listed = "; ".join(f"{k}: " + ", ".join(f"{op} (e.g. {report.examples.get(op, ['?'])[0]})"
+                                                for op in v) for k, v in core.items())
+        raise XlaNotCompiledError(
+            f"train.jit_compile=true but XLA left these ops of {what} outside its clusters "
+            f"({listed}). Set train.jit_compile=false, or report this with the model.")
