@@ -159,8 +159,9 @@ class TrainConfig:
                                 "micro-batches.", min=1)
     grad_accum_steps: int = _f(1, "Micro-batches accumulated per optimizer step.", min=1)
     seed: int = _f(0, "Seed of the weight initialization.")
-    jit_compile: str = _f("auto", "XLA-compile the train step: true, false or auto (XLA on "
-                          "GPU and CPU; on CPU both measured equal, see "
+    jit_compile: str = _f("auto", "XLA-compile the train step, evaluation and generation: "
+                          "true (stops with an error if XLA compiles nothing), false, or "
+                          "auto (XLA on GPU, graphs on CPU where XLA measured slower; see "
                           "benchmarks/results/cpu_jit.md).",
                           choices=("auto", "true", "false"))
     log_every: int = _f(50, "Write metrics every N steps.", min=1)

@@ -25,7 +25,10 @@ def benchmark(config, steps: int = 20, warmup: int = 3, repeats: int = 1) -> dic
     t = config.train
     tokens_per_step = t.global_batch_size * config.data.sequence_length
     batches = [run.batch(i) for i in range(4)]  # input preparation is not timed
-    for i in range(warmup):
+    started = time.perf_counter()
+    run.step(batches[0])  # the first call traces and compiles
+    first_step_s = time.perf_counter() - started
+    for i in range(1, warmup):
         run.step(batches[i % len(batches)])
     times = []
     for _ in range(repeats):
@@ -48,6 +51,9 @@ def benchmark(config, steps: int = 20, warmup: int = 3, repeats: int = 1) -> dic
         "peak_flops": round(peak * devices, 1),
         "mfu": round(achieved / (peak * devices), 4),
         "jit_compile": run.jit_compile,
+        "first_step_s": round(first_step_s, 2),
+        "xla": run.step.xla_report.as_dict() if run.step.xla_report else None,
+        "precision": config.precision.policy,
         "mesh": config.mesh.axes,
         "steps": steps * repeats,
     }

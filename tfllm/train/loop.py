@@ -143,6 +143,8 @@ def _train(config, workdir, model_cls, out, signals) -> dict:
             now = time.perf_counter()
             if window_start is None:  # the first step includes compilation: not timed
                 window_start, first_step_s = now, now - start
+                if run.step.xla_report is not None:
+                    progress.message("tfllm: " + run.step.xla_report.line())
             else:
                 window_tokens += tokens_per_step
             # Under fp16 an overflowing gradient is the loss scale's business: the

@@ -55,7 +55,8 @@ class Run:
         self.model = build_model(config, self.parallel, model_cls=model_cls)
         self.optimizer = AdamW(config.optimizer, t.steps, self.parallel)
         self.optimizer.build(self.model.trainable_variables)
-        self.jit_compile = resolve_jit(t.jit_compile)
+        self.jit_compile = resolve_jit(t.jit_compile, self.parallel.device_type,
+                                       config.precision.policy)
         self.loss_scale = None
         if config.precision.policy == "float16":
             from tfllm.precision.loss_scale import DynamicLossScale
@@ -190,6 +191,6 @@ def sample_text(run: Run, prompt: str, max_new_tokens: int, **sampling) -> str:
         raise ValueError(f"the prompt is {len(ids)} tokens; model.max_sequence_length is "
                          f"{limit}: shorten the prompt.")
     max_new_tokens = min(max_new_tokens, limit - len(ids))
-    generator = Generator(run.model, run.parallel)
+    generator = Generator(run.model, run.parallel, jit_compile=run.jit_compile)
     new = generator.generate(ids, max_new_tokens, eos_id=run.tokenizer.eod_id, **sampling)
     return prompt + run.tokenizer.decode([int(i) for i in new])  # one prompt: a flat list

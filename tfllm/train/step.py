@@ -20,16 +20,25 @@ from tfllm.train import xla
 BATCH_AXES = ("activation_batch", "activation_length")
 
 
-def resolve_jit(setting: str) -> bool:
-    """train.jit_compile: 'auto' means XLA on every device type.
+# train.jit_compile=auto, by device type: measured in benchmarks/results/cpu_jit.md.
+# On the 2-core CPU, XLA clusters of DTensor's per-device programs ran slower than plain
+# graphs in fp32 and bf16 (and the first step compiles for minutes on 8-device meshes),
+# so CPU runs use graphs. On GPU XLA is the point: fusion and FP8 GEMMs.
+AUTO_JIT = {"GPU": True, "CPU": False}
 
-    On GPU XLA is the point. On a 2-core CPU XLA and plain graphs measured equal within
-    noise (benchmarks/results/cpu_jit.md: 0.98x-1.01x over three configs, first step
-    4.5-5 s either way), so CPU runs use the same compiled program as GPU runs.
+
+def resolve_jit(setting: str, device_type: str = "GPU", precision: str = "float32") -> bool:
+    """train.jit_compile as a bool: 'true'/'false' as given; 'auto' by device type.
+
+    Args:
+      setting: 'auto', 'true' or 'false'.
+      device_type: the mesh's device type (CPU or GPU).
+      precision: the precision policy; every policy measured alike so far (see AUTO_JIT).
     """
+    del precision  # same choice for every policy on both device types (cpu_jit.md)
     if setting in ("true", "false"):
         return setting == "true"
-    return True
+    return AUTO_JIT.get(device_type, True)
 
 
 def lm_forward(model, micro, packing_mask: bool):

@@ -1,0 +1,189 @@
+"""The train step really runs through XLA, on every execution shape tfllm supports.
+
+What is checked is what TensorFlow executes, never the flag that was passed:
+* the report (`tfllm.train.xla`) read from the executed per-device graphs: clusters on
+  every device, and no matmul, norm, softmax or optimizer op left outside them;
+* in a subprocess, the HLO modules XLA dumps (`--xla_dump_to`): the dots, rsqrt,
+  exponentials and the optimizer's sqrt are in compiled modules (and FP8 converts);
+* with one device per process (2 real clients), each client's report line.
+The parity tests (test_parity.py, "xla" cases) add the same report checks on the
+usual 8-device meshes.
+"""
+
+import glob
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+import tensorflow as tf
+from tensorflow.core.framework import graph_pb2
+
+from tfllm.config import load_config
+from tfllm.data import SyntheticTokens
+from tfllm.models import build_model
+from tfllm.optim import AdamW
+from tfllm.parallel import make_parallel
+from tfllm.train import xla
+from tfllm.train.step import TrainStep, resolve_jit
+from tests.conftest import tiny_overrides
+from tests.launch.helpers import (PY, ROOT, assert_no_leftovers, finish, kill_workers,
+                                  launcher_env, start)
+
+TIMEOUT_S = 600
+
+
+# ---- the report, as a pure function of executed graphs ---------------------------------
+def _graph(nodes):
+    g = graph_pb2.GraphDef()
+    for name, op, device in nodes:
+        g.node.add(name=name, op=op, device=f"/job:localhost/replica:0/task:0/device:{device}")
+    return g
+
+
+def test_report_counts_clusters_and_sorts_what_is_outside():
+    nodes = [("c0/xla_compile", "_XlaCompile", "CPU:0"), ("c0/xla_run", "_XlaRun", "CPU:0"),
+             ("c1/xla_compile", "_XlaCompile", "CPU:0"),
+             ("c0/xla_compile", "_XlaCompile", "CPU:1"),
+             ("x/grad/DTensorAllReduceOp/CombinedReduceUpdateSlice", "TensorStridedSliceUpdate",
+              "CPU:0"),
+             ("x/CollectiveReduceV2", "CollectiveReduceV2", "CPU:0"),
+             ("x/AssignAddVariableOp_968192538_2", "AssignVariableOp", "CPU:0"),
+             ("x/attention/Repeat/Tile", "Tile", "CPU:1"),
+             ("x/head/MatMul", "MatMul", "CPU:1"), ("a", "_Arg", "CPU:0"),
+             ("k", "Const", "CPU:1")]
+    report = xla.report_from_graphs([_graph(nodes)], marked_ops=100)
+    assert report.clusters == 2 and report.devices == ["CPU:0", "CPU:1"]
+    # The device with the most of the function's own ops outside is reported.
+    assert report.outside == {"Tile": 1, "MatMul": 1}
+    assert report.communication == 3  # collective, its slice update, DTensor's rewrite
+    assert report.fraction == pytest.approx(0.98)
+    assert report.core_outside() == {"matmul": ["MatMul"]}
+    with pytest.raises(xla.XlaNotCompiledError, match=r"matmul: MatMul \(e.g. x/head/MatMul"):
+        xla.check_compiled(report)
+    assert "2 clusters per device on 2 device(s), 98% of the step's 100 ops" in report.line()
+
+
+def test_a_step_without_clusters_is_an_error():
+    report = xla.report_from_graphs([_graph([("m", "MatMul", "CPU:0")])], marked_ops=10)
+    assert report.clusters == 0 and report.fraction == 0.0
+    with pytest.raises(xla.XlaNotCompiledError, match="compiled no part"):
+        xla.check_compiled(report)
+    xla.check_compiled(None)  # jit_compile off: nothing to check
+
+
+def test_auto_is_decided_per_device_type():
+    assert resolve_jit("auto", "GPU", "fp8") is True
+    assert resolve_jit("auto", "CPU", "bfloat16") is False
+    assert resolve_jit("true", "CPU") is True and resolve_jit("false", "GPU") is False
+
+
+# ---- one device, and several in one process ---------------------------------------------
+def _step(axes, jit, family="llama", **extra):
+    cfg = load_config(None, tiny_overrides(family, axes, **extra))
+    parallel = make_parallel(cfg)
+    model = build_model(cfg, parallel)
+    optimizer = AdamW(cfg.optimizer, cfg.train.steps, parallel)
+    optimizer.build(model.trainable_variables)
+    step = TrainStep(model, optimizer, parallel, jit)
+    data = SyntheticTokens(cfg.model.vocab_size, cfg.data.sequence_length + 1, seed=3)
+    batch = step.to_device(data.batch(0, cfg.train.global_batch_size, 1))
+    return step, step(batch)
+
+
+def assert_step_is_xla(report, devices):
+    assert report is not None and not report.whole_program
+    assert len(report.devices) == devices
+    assert report.clusters >= 1
+    assert report.core_outside() == {}, report.examples
+    # A few ops stay outside (DTensor-rewritten slices, Tile of grouped-query heads):
+    # the bulk of the step is compiled.
+    assert report.fraction > 0.9, report.line()
+
+
+def test_one_device_mesh_step_is_compiled_by_xla():
+    step, metrics = _step("data=1", True)
+    assert_step_is_xla(step.xla_report, devices=1)
+    graph_step, graph_metrics = _step("data=1", False)
+    assert graph_step.xla_report is None
+    # fp32, same init and batch: XLA's fused kernels sum in another order (~1e-7).
+    assert metrics["loss"] == pytest.approx(graph_metrics["loss"], rel=1e-5)
+
+
+def test_tensor_parallel_step_in_one_process_is_compiled_by_xla():
+    step, _ = _step("model=2", True, family="gpt")
+    assert_step_is_xla(step.xla_report, devices=2)
+    assert step.xla_report.communication > 0  # the all-reduces stay between clusters
+
+
+# ---- what XLA itself compiled (HLO dumps), through `tfllm train` ------------------------
+def _train(tmp_path, axes, extra=(), dump=True):
+    dump_dir = tmp_path / "xla_dump"
+    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3", PYTHONPATH=ROOT)
+    if dump:
+        env["XLA_FLAGS"] = f"--xla_dump_to={dump_dir}"
+    cmd = [PY, "-m", "tfllm.cli.main", "train", "--config", "configs/tiny.yaml",
+           "--workdir", str(tmp_path / "run"), "--set", f"mesh.axes={axes}",
+           "--set", "train.jit_compile=true", "--set", "train.steps=2",
+           "--set", "train.log_every=1", "--set", "train.eval_steps=1",
+           "--set", "train.progress=lines", *extra]
+    out = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True,
+                         timeout=TIMEOUT_S)
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
+    modules = {os.path.basename(p): open(p).read()
+               for p in glob.glob(str(dump_dir / "*before_optimizations.txt"))}
+    return out.stdout, modules
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("axes", ["data=1", "fsdp=2"])
+def test_train_compiles_matmuls_norms_softmax_and_update_in_xla(tmp_path, axes):
+    stdout, modules = _train(tmp_path, axes, ["--set", "model.family=llama",
+                                              "--set", "model.num_key_value_heads=2"])
+    line = re.search(r"XLA: (\d+) clusters per device on (\d+) device", stdout)
+    assert line, stdout[-2000:]
+    assert int(line.group(2)) == (1 if axes == "data=1" else 2)
+    clusters = {name for name in modules if "cluster_" in name}
+    assert clusters, sorted(modules)
+    text = "\n".join(modules[name] for name in clusters)
+    # Forward and backward matmuls (3 dots per projection), RMSNorm, softmax, AdamW.
+    assert len(re.findall(r" dot\(", text)) >= 3 * 7 * 2
+    assert " rsqrt(" in text and " exponential(" in text and " sqrt(" in text
+    # The whole update is compiled: every weight's new value is written inside a module.
+    assert text.count("f32[") > 0
+
+
+@pytest.mark.slow
+def test_fp8_step_executes_its_casts_in_xla(tmp_path):
+    stdout, modules = _train(tmp_path, "data=1", ["--set", "precision.policy=fp8",
+                                                  "--set", "model.num_layers=1"])
+    assert "XLA: " in stdout
+    text = "\n".join(m for n, m in modules.items() if "cluster_" in n)
+    # The executed program quantizes activations to E4M3 and gradients to E5M2.
+    assert "f8e4m3fn" in text and "f8e5m2" in text
+
+
+# ---- one device per process: the cluster shape -------------------------------------------
+@pytest.mark.slow
+@pytest.mark.multiprocess
+def test_each_client_of_a_two_process_run_compiles_its_step(tmp_path):
+    log_dir = tmp_path / "logs"
+    cmd = [PY, "-m", "tfllm.cli.main", "train", "--config", "configs/tiny.yaml",
+           "--workdir", str(tmp_path / "run"), "--set", "mesh.axes=data=2",
+           "--set", "mesh.num_cpu_devices=1", "--set", "train.jit_compile=true",
+           "--set", "train.steps=2", "--set", "train.log_every=1",
+           "--set", "train.eval_steps=1", "--set", "train.progress=lines"]
+    proc = start(["--mode", "local", "--num-workers", "2", "--log-dir", str(log_dir),
+                  "--startup-timeout", str(TIMEOUT_S), "--", *cmd],
+                 env=launcher_env(PYTHONPATH=ROOT))
+    try:
+        code, out, err = finish(proc, TIMEOUT_S)
+    finally:
+        kill_workers(log_dir)
+    assert code == 0, out[-2000:] + err[-2000:]
+    logs = [open(p).read() for p in sorted(glob.glob(str(log_dir / "*.log")))]
+    assert len(logs) == 2, sorted(os.listdir(log_dir))
+    for log in logs:
+        assert re.search(r"XLA: \d+ clusters per device on 1 device", log), log[-2000:]
+    assert_no_leftovers(tmp_path)
