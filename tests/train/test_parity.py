@@ -1,6 +1,7 @@
 """The core test: sharded training equals a single-device float32 reference.
 
-For each mesh shape, model family and jit setting, on 8 logical CPU devices: the loss
+For each mesh shape, model family and jit setting (graphs, or XLA clusters of each
+device's program, checked from the executed graphs), on 8 logical CPU devices: the loss
 and the gathered gradients of one batch, then the losses, gradient norms and all
 weights after 3 AdamW steps, against the same model on one device without DTensor.
 Initial weights are bit-identical by construction (tfllm.parallel.init), so every
@@ -60,6 +61,11 @@ def _run(family, axes, jit, extra=()):
     batch = lambda i: step.to_device(data.batch(i, t.global_batch_size, t.grad_accum_steps))
     loss, grads = step.loss_and_grads(batch(0))
     history = [step(batch(i)) for i in range(STEPS)]
+    if jit and not single:
+        # XLA really compiled the step on every device (not only the flag was passed).
+        report = step.xla_report
+        assert report.clusters >= 1 and len(report.devices) == parallel.mesh.num_local_devices()
+        assert report.core_outside() == {}, report.examples
     weights = {v.path: to_numpy(v) for v in model.trainable_variables}
     return {"loss": loss, "grads": grads, "history": history, "weights": weights,
             "paths": [v.path for v in model.trainable_variables], "model": model,
