@@ -205,19 +205,19 @@ def count_marked_ops(concrete_function) -> int:
     return count
 
 
-def run_and_report(tf_fn, args, parallel, jit_compile: bool):
-    """Calls `tf_fn(*args)` for the first time and reports what XLA compiled of it.
+def run_and_report(tf_fn, args, parallel, jit_compile: bool, **kwargs):
+    """Calls `tf_fn(*args, **kwargs)` for the first time; reports what XLA compiled of it.
 
     Returns:
       (the function's outputs, `XlaReport` or None when `jit_compile` is off).
     """
     if not jit_compile:
-        return tf_fn(*args), None
+        return tf_fn(*args, **kwargs), None
     if parallel is None:
-        return tf_fn(*args), XlaReport(whole_program=True)
+        return tf_fn(*args, **kwargs), XlaReport(whole_program=True)
     with tf_internal.collect_executed_graphs() as graphs:
-        out = tf_fn(*args)
-    concrete = tf_fn.get_concrete_function(*args)
+        out = tf_fn(*args, **kwargs)
+    concrete = tf_fn.get_concrete_function(*args, **kwargs)
     return out, report_from_graphs(graphs(), count_marked_ops(concrete))
 
 
