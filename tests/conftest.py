@@ -87,3 +87,28 @@ def free_ports(n):
     for s in socks:
         s.close()
     return ports
+
+
+# XLA on CPU maps executable code per compiled cluster and per device, and TensorFlow
+# never frees compiled clusters: a process that compiles the 8-device parity meshes
+# exhausts the kernel's vm.max_map_count (65,530 mappings; measured ~6,500 per llama
+# parity case) and segfaults. Such tests run in a child pytest process of their own.
+IN_CHILD = "TFLLM_TEST_IN_CHILD"
+
+
+def run_in_child(request, timeout=900):
+    """Runs the calling test alone in a fresh pytest process; True if this is that child.
+
+    Usage: `if not run_in_child(request): return` at the top of a test.
+    """
+    import subprocess
+    import sys
+    if os.environ.get(IN_CHILD):
+        return True
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = dict(os.environ, **{IN_CHILD: "1"})
+    out = subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider",
+                          request.node.nodeid], cwd=root, env=env, capture_output=True,
+                         text=True, timeout=timeout)
+    assert out.returncode == 0, (out.stdout[-6000:] + out.stderr[-3000:])
+    return False
