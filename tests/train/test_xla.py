@@ -74,8 +74,8 @@ def test_a_step_without_clusters_is_an_error():
 
 
 def test_auto_is_decided_per_device_type():
-    assert resolve_jit("auto", "GPU", "fp8") is True
-    assert resolve_jit("auto", "CPU", "bfloat16") is False
+    assert resolve_jit("auto", "GPU") is True
+    assert resolve_jit("auto", "CPU") is False
     assert resolve_jit("true", "CPU") is True and resolve_jit("false", "GPU") is False
 
 

@@ -55,8 +55,7 @@ class Run:
         self.model = build_model(config, self.parallel, model_cls=model_cls)
         self.optimizer = AdamW(config.optimizer, t.steps, self.parallel)
         self.optimizer.build(self.model.trainable_variables)
-        self.jit_compile = resolve_jit(t.jit_compile, self.parallel.device_type,
-                                       config.precision.policy)
+        self.jit_compile = resolve_jit(t.jit_compile, self.parallel.device_type)
         self.loss_scale = None
         if config.precision.policy == "float16":
             from tfllm.precision.loss_scale import DynamicLossScale

@@ -21,21 +21,20 @@ BATCH_AXES = ("activation_batch", "activation_length")
 
 
 # train.jit_compile=auto, by device type: measured in benchmarks/results/cpu_jit.md.
-# On the 2-core CPU, XLA clusters of DTensor's per-device programs ran slower than plain
-# graphs in fp32 and bf16 (and the first step compiles for minutes on 8-device meshes),
-# so CPU runs use graphs. On GPU XLA is the point: fusion and FP8 GEMMs.
+# On the 2-core CPU, XLA clusters of DTensor's per-device programs were no faster than
+# plain graphs in fp32 (0.95-1.21x, within noise), slower in bf16 (0.65x), and compiled
+# 2-5x longer, so CPU runs use graphs for every precision. On GPU XLA is the point:
+# fusion and FP8 GEMMs.
 AUTO_JIT = {"GPU": True, "CPU": False}
 
 
-def resolve_jit(setting: str, device_type: str = "GPU", precision: str = "float32") -> bool:
+def resolve_jit(setting: str, device_type: str = "GPU") -> bool:
     """train.jit_compile as a bool: 'true'/'false' as given; 'auto' by device type.
 
     Args:
       setting: 'auto', 'true' or 'false'.
       device_type: the mesh's device type (CPU or GPU).
-      precision: the precision policy; every policy measured alike so far (see AUTO_JIT).
     """
-    del precision  # same choice for every policy on both device types (cpu_jit.md)
     if setting in ("true", "false"):
         return setting == "true"
     return AUTO_JIT.get(device_type, True)
