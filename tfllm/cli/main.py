@@ -119,6 +119,18 @@ def cmd_bench(args) -> int:
     return 0
 
 
+def cmd_plan(args) -> int:
+    from tfllm.plan.planner import PlanError, format_plan, plan
+    config = _load(args)
+    try:
+        result = plan(config, args.target, args.layers, args.devices)
+    except PlanError as e:
+        print(f"tfllm plan: error: {e}", file=sys.stderr)
+        return 2
+    print(json.dumps(result) if args.json else format_plan(result))
+    return 0
+
+
 def cmd_export_step(args) -> int:
     from tfllm.train.export_step import export_step
     config = _load(args)
@@ -176,6 +188,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--warmup", type=int, default=3, help="Untimed steps first.")
     p.add_argument("--repeats", type=int, default=1, help="Repeat the timed steps.")
     p.set_defaults(fn=cmd_bench)
+    p = sub.add_parser("plan", help="Compile the train step for a GPU target (no GPU "
+                       "needed); print memory, kernels and a step-time estimate.")
+    _common(p)
+    p.add_argument("--target", default="h100", choices=("h100", "h200", "b200", "a100"),
+                   help="The GPU to compile for (default h100).")
+    p.add_argument("--devices", type=int, default=1,
+                   help="Device count, for a mesh axis of -1 (default 1).")
+    p.add_argument("--layers", default="auto", choices=("auto", "full", "extrapolate"),
+                   help="Compile every layer, or 1 and 2 layers and extrapolate "
+                        "(auto: when the model would not fit this host's memory).")
+    p.add_argument("--json", action="store_true", help="Print one JSON object.")
+    p.set_defaults(fn=cmd_plan)
     p = sub.add_parser("export-step", help="Write the one-device XLA train step (HLO) and "
                        "its parameter description, for benchmarks/gpu/run_step.py.")
     _common(p)

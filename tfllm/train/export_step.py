@@ -94,6 +94,9 @@ def export_step(config, out_dir: str, check: bool = False) -> dict:
                    "vocab_size": config.model.vocab_size},
         "params": params, "outputs": outputs,
         "num_params": count_params(model),
+        # projections the fp8 policy quantizes (fp8_exclude leaves bf16): each keeps
+        # exactly three amax histories (input, kernel, output gradient)
+        "fp8_projections": len(model.fp8_state_variables()) // 3,
         "flops_per_token": flops_per_token(config.model, config.data.sequence_length),
         "tokens_per_step": tokens_per_step,
         "tensorflow": tf.__version__,

@@ -1,0 +1,127 @@
+"""Compile an exported XLA program for a GPU target with jaxlib's compile-only client.
+
+Runs with jax alone (no TensorFlow), here on a machine without a GPU and in
+`benchmarks/gpu/run_step.py` on a real one:
+
+    python -m tfllm.plan.gpu_compile STEP.hlo.pb --target h100 --out RESULT.json
+
+writes the compiled program's memory figures, the optimized HLO (`RESULT.hlo.txt`) and
+the compile time.
+
+Why the copies are removed: the HLO that TensorFlow's tf2xla bridge builds returns each
+updated variable through an HLO `copy` (metadata `op_name="XLA_Retvals"`; 146 of them in
+tiny's fp8 step, one per returned variable). HLO -> MLIR turns them into `mhlo.copy`, which has no StableHLO form, and
+PJRT plugins (the CUDA one included, deviceless or not) take their program as portable
+StableHLO, so the compile fails with "failed to legalize operation 'mhlo.copy'". A copy is
+the identity on values; XLA inserts the copies its buffer assignment needs by itself.
+So `remove_copies` forwards each copy's operand to its users and erases it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+
+# The CUDA plugin checks the driver and CUDA libraries on load; compile-only use needs
+# neither. Must be set before jax loads its plugins.
+os.environ.setdefault("JAX_SKIP_CUDA_CONSTRAINTS_CHECK", "1")
+
+# Compile flags for deviceless planning:
+# * no autotuning (it would run kernels on a device);
+# * cuBLAS / cuBLASLt for GEMMs instead of Triton fusions, whose tiles are chosen by
+#   autotuning and otherwise default to small ones; this is also how FP8 dots become
+#   `__cublas$lt$matmul$f8` calls.
+PLAN_XLA_FLAGS = ("--xla_gpu_autotune_level=0", "--xla_gpu_enable_triton_gemm=false")
+
+
+def remove_copies(module) -> int:
+    """Erases every `mhlo.copy` of an MLIR module (forwarding its operand); returns how many."""
+    copies = []
+
+    def walk(op):
+        for region in op.regions:
+            for block in region.blocks:
+                for inner in block.operations:
+                    if inner.operation.name == "mhlo.copy":
+                        copies.append(inner)
+                    walk(inner.operation)
+
+    walk(module.operation)
+    for op in copies:
+        op.result.replace_all_uses_with(op.operands[0])
+        op.operation.erase()
+    return len(copies)
+
+
+def hlo_to_mlir(hlo_proto: bytes):
+    """A serialized HloModuleProto as an MLIR module that PJRT plugins accept.
+
+    Must be called inside `jax._src.interpreters.mlir.make_ir_context()`.
+    """
+    from jax._src.lib import _jax
+    from jax._src.lib.mlir import ir
+    module = ir.Module.parse(_jax.mlir.hlo_to_stablehlo(hlo_proto))
+    remove_copies(module)
+    return module
+
+
+def compile_for_target(hlo_proto: bytes, target_config: str) -> dict:
+    """Compiles for one GPU described by `target_config` (a GpuTargetConfigProto text).
+
+    Returns:
+      {"memory": {arguments, outputs, alias, temp, generated_code} in bytes,
+       "optimized_hlo": text, "compile_s": seconds, "jax": version}
+    """
+    import jax
+    from jax._src.interpreters import mlir as jax_mlir
+    from jax._src.lib import _jax, xla_client
+    from jax.experimental import topologies
+
+    topology = topologies.get_topology_desc(platform="cuda", target_config=target_config,
+                                            topology="1x1x1")
+    client = topology.devices[0].client
+    start = time.perf_counter()
+    with jax_mlir.make_ir_context():
+        module = hlo_to_mlir(hlo_proto)
+        exe = client.compile(module, _jax.DeviceList(tuple(topology.devices[:1])),
+                             xla_client.CompileOptions())
+    compile_s = time.perf_counter() - start
+    stats = exe.get_compiled_memory_stats()
+    return {
+        "memory": {"arguments": stats.argument_size_in_bytes,
+                   "outputs": stats.output_size_in_bytes,
+                   "alias": stats.alias_size_in_bytes,
+                   "temp": stats.temp_size_in_bytes,
+                   "generated_code": stats.generated_code_size_in_bytes},
+        "optimized_hlo": "\n".join(m.to_string() for m in exe.hlo_modules()),
+        "compile_s": compile_s,
+        "jax": jax.__version__,
+    }
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("hlo", help="A serialized HloModuleProto (step.hlo.pb).")
+    parser.add_argument("--target-config", required=True,
+                        help="A GpuTargetConfigProto text file.")
+    parser.add_argument("--out", required=True, help="Where to write the JSON result.")
+    args = parser.parse_args(argv)
+    with open(args.hlo, "rb") as f:
+        hlo = f.read()
+    with open(args.target_config) as f:
+        config = f.read()
+    result = compile_for_target(hlo, config)
+    with open(os.path.splitext(args.out)[0] + ".hlo.txt", "w") as f:
+        f.write(result.pop("optimized_hlo"))
+    with open(args.out, "w") as f:
+        json.dump(result, f)
+    return 0
+
+
+if __name__ == "__main__":
+    # XLA reads its flags once, when the backend starts: set them before jax does.
+    os.environ["XLA_FLAGS"] = " ".join(
+        (os.environ.get("XLA_FLAGS", ""),) + PLAN_XLA_FLAGS).strip()
+    raise SystemExit(main())

@@ -1,0 +1,244 @@
+"""`tfllm plan`: compile a config's train step for a GPU target on a machine without one.
+
+1. The one-device train step that `tfllm train` runs (its precision policy, batch,
+   sequence length and grad accumulation; `jit_compile=True`) is lowered to HLO by
+   `tfllm.train.export_step`, in this process (TensorFlow).
+2. A child process (jax only: two XLA builds never share a process) compiles it with
+   jaxlib's compile-only CUDA client for the target (`tfllm.plan.gpu_compile`).
+3. Memory comes from XLA's buffer assignment of the compiled program; kernels, FLOPs,
+   bytes and the roofline time from its optimized HLO (`tfllm.plan.hlo_stats`).
+
+Models too large to hold on this host (their variables must exist to be lowered) are
+planned from two compiles of the same model with 1 and 2 layers: every figure is then
+a + b * num_layers, exact for parameters and kernel counts, close for temporaries
+(checked against full compiles in benchmarks/results/h100_plan.md). The result says so.
+
+Sharded meshes are planned per device from the per-device shapes (`tfllm.plan.sharded`).
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from typing import Optional
+
+from tfllm.plan import hlo_stats
+from tfllm.plan.targets import Target, get_target
+
+
+class PlanError(RuntimeError):
+    """The step could not be compiled for the target (the message says why)."""
+
+
+def _mem_available() -> int:
+    """Bytes of host memory available now (Linux), or 8 GiB where unknown."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 8 << 30
+
+
+# Host bytes per parameter while the step is lowered: float32 weights and AdamW's two
+# float32 moments exist as variables (12 bytes); tracing allocates nothing more.
+HOST_BYTES_PER_PARAM = 12
+
+
+def compile_in_child(hlo_path: str, target: Target, timeout: float = 1800) -> dict:
+    """Runs `tfllm.plan.gpu_compile` in a child process; returns its result + HLO text."""
+    work = os.path.dirname(hlo_path)
+    config_path = os.path.join(work, f"{target.name}.txtpb")
+    with open(config_path, "w") as f:
+        f.write(target.target_config())
+    out = os.path.join(work, f"compiled_{target.name}.json")
+    env = dict(os.environ)
+    env.pop("XLA_FLAGS", None)  # TensorFlow's flags (e.g. dumps) are not the planner's
+    r = subprocess.run([sys.executable, "-m", "tfllm.plan.gpu_compile", hlo_path,
+                        "--target-config", config_path, "--out", out],
+                       capture_output=True, text=True, timeout=timeout, env=env)
+    if r.returncode != 0:
+        tail = "\n".join(l for l in r.stderr.splitlines()
+                         if not l.startswith(("I0000", "W0000", "E0000")))[-3000:]
+        if "No module named 'jax" in tail or "jax_plugins" in tail and "cuda" not in tail:
+            raise PlanError("tfllm plan needs jax with its CUDA plugin: "
+                            "pip install -e '.[plan]'")
+        raise PlanError(f"compiling the step for {target.name} failed:\n{tail}")
+    with open(out) as f:
+        result = json.load(f)
+    with open(os.path.splitext(out)[0] + ".hlo.txt") as f:
+        result["optimized_hlo"] = f.read()
+    return result
+
+
+def _param_bytes(params) -> int:
+    sizes = {"float32": 4, "int32": 4, "int64": 8, "bfloat16": 2, "float16": 2}
+    total = 0
+    for p in params:
+        n = 1
+        for d in p["shape"]:
+            n *= d
+        total += n * sizes[p["dtype"]]
+    return total
+
+
+def plan_program(config, target: Target, keep_dir: Optional[str] = None) -> dict:
+    """Compiles the config's one-device step for `target`; returns the raw figures."""
+    from tfllm.train.export_step import export_step
+    with tempfile.TemporaryDirectory(prefix="tfllm-plan-") as tmp:
+        work = keep_dir or tmp
+        desc = export_step(config, work)
+        compiled = compile_in_child(os.path.join(work, "step.hlo.pb"), target)
+    stats = hlo_stats.summarize(compiled["optimized_hlo"], target)
+    m = compiled["memory"]
+    return {
+        "memory": {"arguments": m["arguments"], "outputs": m["outputs"],
+                   "alias": m["alias"], "temp": m["temp"],
+                   # outputs that alias their arguments (updated variables) need no
+                   # second buffer
+                   "total": m["arguments"] + m["outputs"] - m["alias"] + m["temp"]
+                   + m["generated_code"]},
+        "step_parameter_bytes": _param_bytes(desc["params"]),
+        "num_params": desc["num_params"],
+        "fp8_projections": desc["fp8_projections"],
+        "model_flops": desc["flops_per_token"] * desc["tokens_per_step"],
+        "tokens_per_step": desc["tokens_per_step"],
+        "compile_s": compiled["compile_s"],
+        "jax": compiled["jax"],
+        **stats,
+    }
+
+
+_LINEAR = ("gemm_calls", "fp8_gemm_calls", "fusions", "kernels", "kernel_launches", "flops",
+           "fp8_flops", "bytes", "roofline_s", "roofline_gemm_s", "step_parameter_bytes",
+           "num_params", "fp8_projections", "model_flops", "compile_s")
+
+
+def _extrapolate(one: dict, two: dict, layers: int) -> dict:
+    """Each figure as a + b * layers through the 1- and 2-layer plans."""
+    out = copy.deepcopy(two)
+    line = lambda a, b: a + (b - a) * (layers - 1)
+    for key in _LINEAR:
+        out[key] = line(one[key], two[key])
+    for key in ("arguments", "outputs", "alias", "temp", "total"):
+        out["memory"][key] = int(line(one["memory"][key], two["memory"][key]))
+    out["gemm_targets"] = {k: int(line(one["gemm_targets"].get(k, 0), v))
+                           for k, v in two["gemm_targets"].items()}
+    out["roofline_by_kind_s"] = {k: line(one["roofline_by_kind_s"].get(k, 0.0), v)
+                                 for k, v in two["roofline_by_kind_s"].items()}
+    return out
+
+
+def _with_layers(config, layers: int):
+    c = copy.deepcopy(config)
+    c.model.num_layers = layers
+    return c
+
+
+def plan(config, target_name: str = "h100", layers: str = "auto", devices: int = 1) -> dict:
+    """The plan of one device of the config's mesh for the target (see module docstring).
+
+    Args:
+      config: a loaded tfllm config.
+      target_name: one of `tfllm.plan.targets.TARGETS`.
+      layers: "full" compiles the whole model; "extrapolate" compiles 1 and 2 layers;
+        "auto" extrapolates when the model's variables would not fit this host.
+      devices: the device count, for a mesh axis of -1 (default 1).
+    """
+    from tfllm.plan import sharded
+    target = get_target(target_name)
+    local, mesh_note = sharded.per_device_config(config, devices)
+    n_layers = local.model.num_layers
+    host_need = HOST_BYTES_PER_PARAM * sharded.param_count(local)
+    if layers not in ("auto", "full", "extrapolate"):
+        raise ValueError(f"--layers must be auto, full or extrapolate, not {layers!r}")
+    extrapolate = (layers == "extrapolate" or layers == "auto"
+                   and host_need > 0.5 * _mem_available()) and n_layers > 2
+    if extrapolate:
+        one = plan_program(_with_layers(local, 1), target)
+        two = plan_program(_with_layers(local, 2), target)
+        result = _extrapolate(one, two, n_layers)
+        method = f"extrapolated from 1- and 2-layer compiles to {n_layers} layers"
+    else:
+        result = plan_program(local, target)
+        method = "compiled in full"
+    result = sharded.apply_mesh(config, local, result, target, mesh_note, devices)
+    return finish(result, config, target, method)
+
+
+def finish(result: dict, config, target: Target, method: str) -> dict:
+    """Adds the device's fit, the roofline estimate and identification."""
+    mem = result["memory"]
+    mem["device"] = target.device_memory_bytes
+    mem["margin"] = target.device_memory_bytes - mem["total"]
+    mem["fits"] = mem["margin"] >= 0
+    step_s = result["roofline_s"] + result.get("collective_s", 0.0)
+    devices = result.get("devices", 1)
+    # MFU as tfllm reports it: model FLOPs (6N + attention) against the dense bf16 peak
+    result["estimated_step_s"] = step_s
+    result["estimated_tokens_per_s"] = result["tokens_per_step"] * devices / step_s
+    result["estimated_mfu"] = result["model_flops"] / (step_s * target.bf16_flops)
+    result.update({
+        "target": target.name, "device": target.description,
+        "peaks": {"bf16_flops": target.bf16_flops, "fp8_flops": target.fp8_flops,
+                  "tf32_flops": target.tf32_flops,
+                  "memory_bandwidth": target.memory_bandwidth,
+                  "source": f"XLA spec {target.spec_file}"},
+        "model": {"family": config.model.family, "num_layers": config.model.num_layers,
+                  "hidden_dim": config.model.hidden_dim},
+        "policy": config.precision.policy,
+        "global_batch_size": config.train.global_batch_size,
+        "grad_accum_steps": config.train.grad_accum_steps,
+        "sequence_length": config.data.sequence_length,
+        "method": method,
+        "cost_source": "counted from the optimized HLO (the compile-only client has no "
+                       "cost analysis)",
+    })
+    return result
+
+
+def _gib(n: float) -> str:
+    return f"{n / 2**30:.2f} GiB" if abs(n) >= 2**30 else f"{n / 2**20:.1f} MiB"
+
+
+def format_plan(p: dict) -> str:
+    """The short human table of a plan."""
+    m = p["memory"]
+    fits = (f"fits, {_gib(m['margin'])} to spare" if m["fits"]
+            else f"DOES NOT FIT: {_gib(-m['margin'])} over")
+    rows = [
+        ("target", f"{p['device']} ({p['target']})"),
+        ("program", f"{p['model']['family']} {p['model']['num_layers']} layers, "
+                    f"{p['policy']}, batch {p['global_batch_size']} x "
+                    f"{p['sequence_length']}, grad accum {p['grad_accum_steps']}"),
+        ("mesh", p.get("mesh", "one device")),
+        ("method", p["method"]),
+        ("memory / device", f"{_gib(m['total'])} of {_gib(m['device'])}: {fits}"),
+        ("  arguments", _gib(m["arguments"])),
+        ("  outputs", f"{_gib(m['outputs'])} ({_gib(m['alias'])} aliased to arguments)"),
+        ("  temporaries", _gib(m["temp"])),
+        ("GEMMs", f"{p['gemm_calls']:.0f} cuBLAS calls, {p['fp8_gemm_calls']:.0f} FP8 "
+                  f"({p['fp8_projections']:.0f} FP8 projections)"),
+        ("kernels", f"{p['kernels']:.0f} ({p['fusions']:.0f} fusions)"),
+        ("FLOPs / step", f"{p['flops'] / 1e9:,.1f} GFLOP in GEMMs "
+                         f"(model: {p['model_flops'] / 1e9:,.1f})"),
+        ("bytes / step", f"{p['bytes'] / 1e9:.1f} GB"),
+        ("est. step", f"{p['estimated_step_s'] * 1e3:.3g} ms (roofline lower bound"
+                      f"{', + collectives' if p.get('collective_s') else ''}), "
+                      f"{p['estimated_tokens_per_s']:,.0f} tokens/s"),
+        ("est. MFU", f"{100 * p['estimated_mfu']:.0f}% of dense bf16 peak"),
+        ("compile", f"{p['compile_s']:.1f} s"),
+    ]
+    if p.get("collectives"):
+        c = p["collectives"]
+        rows.insert(8, ("collectives", f"{c['bytes_per_device'] / 1e9:.2f} GB/device/step "
+                                       f"({c['detail']}), {c['seconds'] * 1e3:.1f} ms at "
+                                       f"{c['link_bandwidth'] / 1e9:.0f} GB/s"))
+    width = max(len(r[0]) for r in rows)
+    return "\n".join(f"{k.ljust(width)}  {v}" for k, v in rows)

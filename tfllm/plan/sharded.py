@@ -1,0 +1,146 @@
+"""Planning one device of a sharded mesh, from the per-device shapes (an estimate).
+
+What DTensor hands to XLA on a sharded mesh (measured in issue 16, see the README's "XLA
+on a DTensor mesh"): not one per-device program but many XLA clusters per device (72 for
+a tiny llama on 8 devices), split at every collective; the collectives themselves are
+TensorFlow ops that run between the clusters, outside XLA. No single XLA program of a
+sharded step exists to compile for a GPU, so a sharded mesh is planned as:
+
+* **compute and temporaries**: the one-device step compiled with the shapes one device
+  computes with: the batch divided over the mesh axes that carry it, and under tensor
+  parallelism the heads, key-value heads, MLP width and vocabulary divided over `model`;
+* **state**: the exact per-device bytes of every weight, optimizer moment and FP8 history
+  in its layout (`tfllm.parallel.layouts`), replacing the one-device program's copies;
+* **collectives**: the bytes each device sends per step for the layout with ring
+  algorithms (all-reduce 2(n-1)/n of the buffer, all-gather and reduce-scatter (n-1)/n of
+  the gathered size), timed at the target's NVLink bandwidth with no overlap:
+  data: all-reduce of the gradients; fsdp: all-gather of the weights in the compute dtype
+  forward and again backward, reduce-scatter of the float32 gradients; model: 4
+  all-reduces of the (B, T, E) activations per layer (attention and MLP outputs forward,
+  their input gradients backward). These are the layout's theoretical minimum; DTensor's
+  real programs may move more (relayouts it inserts are not modelled).
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+from typing import Dict, Tuple
+
+from tfllm.parallel import rules as rules_lib
+from tfllm.parallel.layouts import layout_rows, mesh_shape_from_config
+
+# NVLink 4 on H100/H200 SXM: 18 links x 25 GB/s per direction = 450 GB/s (XLA's specs list
+# `active_links: 18`); NVLink 5 on B200: 900 GB/s; NVLink 3 on A100 SXM: 300 GB/s
+# (NVIDIA's datasheets, per direction).
+LINK_BANDWIDTH = {"h100": 450e9, "h200": 450e9, "b200": 900e9, "a100": 300e9}
+
+_ACT_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "fp8": 2}
+
+
+
+
+def _axis_for(rules, logical: str, mesh_shape) -> str:
+    """The mesh axis the first applicable rule maps `logical` to (size > 1), or ''."""
+    for l, m in rules:
+        if l == logical and m is not None and mesh_shape.get(m, 1) > 1:
+            return m
+    return ""
+
+
+def per_device_config(config, devices: int = 1) -> Tuple[object, str]:
+    """(the config of what one device computes, a description of the mesh).
+
+    Args:
+      devices: the device count, used where a mesh axis is -1.
+    """
+    shape = mesh_shape_from_config(config, devices)
+    devices = math.prod(shape.values())
+    local = copy.deepcopy(config)
+    local.mesh.axes = "data=1"
+    if devices == 1:
+        return local, "one device"
+    rules = rules_lib.rules_from_config(config.mesh.rules)
+    m, t = config.model, config.train
+    batch_shape = (t.global_batch_size // t.grad_accum_steps, config.data.sequence_length + 1)
+    spec = rules_lib.resolve_spec("batch", batch_shape, ("activation_batch",
+                                                        "activation_length"), rules, shape)
+    local.train.global_batch_size = (t.global_batch_size
+                                     // (shape[spec[0]] if spec[0] else 1))
+    tp_axis = _axis_for(rules, "heads", shape)
+    if tp_axis:
+        tp = shape[tp_axis]
+        lm = local.model
+        lm.head_dim = m.head_dim or m.hidden_dim // m.num_query_heads
+        lm.num_query_heads = m.num_query_heads // tp
+        lm.num_key_value_heads = (m.num_key_value_heads or m.num_query_heads) // tp
+        lm.intermediate_dim = m.intermediate_dim // tp
+        lm.vocab_size = m.vocab_size // tp
+    desc = ", ".join(f"{k}={v}" for k, v in shape.items())
+    return local, f"{desc} ({devices} devices), per device"
+
+
+def _state_bytes(config, mesh_shape):
+    """(bytes of all state per device, the layout rows)."""
+    from tfllm.models import build_model
+    rows = layout_rows(build_model(config, allocate=False),
+                       rules_lib.rules_from_config(config.mesh.rules), mesh_shape,
+                       config.optimizer.shard_optimizer_state)
+    return sum(r.bytes_per_device + r.optimizer_bytes_per_device for r in rows), rows
+
+
+def param_count(config) -> int:
+    """Trainable parameters of the config's model, from shapes only."""
+    from tfllm.models import build_model
+    model = build_model(config, allocate=False)
+    return sum(math.prod(int(d) for d in v.shape) for v in model.trainable_variables)
+
+
+def apply_mesh(config, local, result: dict, target, mesh_note: str, devices: int = 1) -> dict:
+    """Turns the plan of `local`'s one-device program into the plan of one mesh device."""
+    shape = mesh_shape_from_config(config, devices)
+    devices = math.prod(shape.values())
+    result["devices"] = devices
+    result["mesh"] = mesh_note
+    if devices == 1:
+        return result
+    one = {"data": 1}
+    local_state, _ = _state_bytes(local, one)
+    mesh_state, rows = _state_bytes(config, shape)
+    mem = result["memory"]
+    diff = mesh_state - local_state
+    for key in ("arguments", "outputs", "alias"):
+        mem[key] += diff
+    mem["total"] = mem["arguments"] + mem["outputs"] - mem["alias"] + mem["temp"]
+    # the model's FLOPs are the whole step's; one device does 1/devices of them
+    result["model_flops"] = result["model_flops"] * local.train.global_batch_size \
+        / config.train.global_batch_size
+    act = _ACT_BYTES.get(config.precision.policy, 4)
+    weights_per_device = sum(r.bytes_per_device for r in rows)  # float32 variables
+    detail, sent = [], 0.0
+    data, fsdp, tp = shape.get("data", 1), shape.get("fsdp", 1), shape.get("model", 1)
+    if data > 1:
+        b = 2 * (data - 1) / data * weights_per_device
+        sent += b
+        detail.append(f"data: all-reduce grads {b / 1e9:.2f} GB")
+    if fsdp > 1:
+        gathered = weights_per_device * fsdp * act / 4  # compute dtype, full over fsdp
+        b_ag = 2 * (fsdp - 1) / fsdp * gathered
+        b_rs = (fsdp - 1) / fsdp * weights_per_device * fsdp
+        sent += b_ag + b_rs
+        detail.append(f"fsdp: all-gather weights {b_ag / 1e9:.2f} GB, "
+                      f"reduce-scatter grads {b_rs / 1e9:.2f} GB")
+    if tp > 1:
+        c = config
+        tokens = local.train.global_batch_size * c.data.sequence_length
+        b = 4 * c.model.num_layers * 2 * (tp - 1) / tp * tokens * c.model.hidden_dim * act
+        sent += b
+        detail.append(f"model: all-reduce activations {b / 1e9:.2f} GB")
+    bandwidth = LINK_BANDWIDTH[target.name]
+    result["collectives"] = {"bytes_per_device": sent, "detail": "; ".join(detail),
+                             "link_bandwidth": bandwidth, "seconds": sent / bandwidth,
+                             "basis": "theoretical minimum of the layout (ring algorithms)"}
+    result["collective_s"] = sent / bandwidth
+    result["method_note"] = ("estimate from per-device shapes: DTensor gives XLA many "
+                             "clusters per device, not one program")
+    return result
