@@ -24,6 +24,10 @@ setup(
     extras_require={
         "and-cuda": ["tensorflow[and-cuda]>=2.16,<2.22"],
         "test": ["pytest>=7", "pytest-timeout"],
+        # `tfllm plan`: jaxlib's compile-only CUDA client (no NVIDIA wheels, no driver).
+        # Pinned: tfllm.plan.gpu_compile uses jax internals checked for this release.
+        "plan": ["jax==0.10.2", "jaxlib==0.10.2", "jax-cuda12-plugin==0.10.2",
+                 "jax-cuda12-pjrt==0.10.2"],
     },
     entry_points={"console_scripts": ["tfllm=tfllm.cli.main:main"]},
 )

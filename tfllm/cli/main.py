@@ -193,7 +193,7 @@ def build_parser() -> argparse.ArgumentParser:
     _common(p)
     p.add_argument("--target", default="h100", choices=("h100", "h200", "b200", "a100"),
                    help="The GPU to compile for (default h100).")
-    p.add_argument("--devices", type=int, default=1,
+    p.add_argument("--devices", type=int, default=None,
                    help="Device count, for a mesh axis of -1 (default 1).")
     p.add_argument("--layers", default="auto", choices=("auto", "full", "extrapolate"),
                    help="Compile every layer, or 1 and 2 layers and extrapolate "

@@ -24,16 +24,29 @@ import json
 import os
 import time
 
-# The CUDA plugin checks the driver and CUDA libraries on load; compile-only use needs
-# neither. Must be set before jax loads its plugins.
-os.environ.setdefault("JAX_SKIP_CUDA_CONSTRAINTS_CHECK", "1")
-
 # Compile flags for deviceless planning:
 # * no autotuning (it would run kernels on a device);
 # * cuBLAS / cuBLASLt for GEMMs instead of Triton fusions, whose tiles are chosen by
 #   autotuning and otherwise default to small ones; this is also how FP8 dots become
 #   `__cublas$lt$matmul$f8` calls.
 PLAN_XLA_FLAGS = ("--xla_gpu_autotune_level=0", "--xla_gpu_enable_triton_gemm=false")
+
+# jax internals used below (jax._src.lib, jax._src.interpreters.mlir, the compile-only
+# client's compile signature) were checked against these releases (setup.py's `plan`).
+JAX_VERSIONS = ("0.10.2",)
+
+
+def check_jax():
+    """Raises ImportError with the fix when jax is missing or another release."""
+    try:
+        import jax
+    except ImportError:
+        raise ImportError("planning needs jax and its CUDA plugin: "
+                          "pip install -e '.[plan]'") from None
+    if jax.__version__ not in JAX_VERSIONS:
+        raise ImportError(f"tfllm.plan.gpu_compile was written for jax "
+                          f"{', '.join(JAX_VERSIONS)}, found {jax.__version__}: "
+                          f"pip install -e '.[plan]'")
 
 
 def remove_copies(module) -> int:
@@ -74,6 +87,7 @@ def compile_for_target(hlo_proto: bytes, target_config: str) -> dict:
       {"memory": {arguments, outputs, alias, temp, generated_code} in bytes,
        "optimized_hlo": text, "compile_s": seconds, "jax": version}
     """
+    check_jax()
     import jax
     from jax._src.interpreters import mlir as jax_mlir
     from jax._src.lib import _jax, xla_client
@@ -121,6 +135,9 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
+    # The CUDA plugin checks the driver and CUDA libraries on load; compile-only use needs
+    # neither. Must be set before jax loads its plugins.
+    os.environ.setdefault("JAX_SKIP_CUDA_CONSTRAINTS_CHECK", "1")
     # XLA reads its flags once, when the backend starts: set them before jax does.
     os.environ["XLA_FLAGS"] = " ".join(
         (os.environ.get("XLA_FLAGS", ""),) + PLAN_XLA_FLAGS).strip()

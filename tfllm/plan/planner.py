@@ -66,9 +66,8 @@ def compile_in_child(hlo_path: str, target: Target, timeout: float = 1800) -> di
     if r.returncode != 0:
         tail = "\n".join(l for l in r.stderr.splitlines()
                          if not l.startswith(("I0000", "W0000", "E0000")))[-3000:]
-        if "No module named 'jax" in tail or "jax_plugins" in tail and "cuda" not in tail:
-            raise PlanError("tfllm plan needs jax with its CUDA plugin: "
-                            "pip install -e '.[plan]'")
+        if "pip install -e '.[plan]'" in tail:
+            raise PlanError(tail.splitlines()[-1].split("Error: ", 1)[-1])
         raise PlanError(f"compiling the step for {target.name} failed:\n{tail}")
     with open(out) as f:
         result = json.load(f)
@@ -141,7 +140,7 @@ def _with_layers(config, layers: int):
     return c
 
 
-def plan(config, target_name: str = "h100", layers: str = "auto", devices: int = 1) -> dict:
+def plan(config, target_name: str = "h100", layers: str = "auto", devices=None) -> dict:
     """The plan of one device of the config's mesh for the target (see module docstring).
 
     Args:

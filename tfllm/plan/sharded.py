@@ -29,6 +29,7 @@ from typing import Dict, Tuple
 
 from tfllm.parallel import rules as rules_lib
 from tfllm.parallel.layouts import layout_rows, mesh_shape_from_config
+from tfllm.parallel.mesh import parse_axes
 
 # NVLink 4 on H100/H200 SXM: 18 links x 25 GB/s per direction = 450 GB/s (XLA's specs list
 # `active_links: 18`); NVLink 5 on B200: 900 GB/s; NVLink 3 on A100 SXM: 300 GB/s
@@ -40,6 +41,12 @@ _ACT_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "fp8": 2}
 
 
 
+def mesh_shape(config, devices=None) -> Dict[str, int]:
+    """The config's mesh; `devices` (default 1) sizes a -1 axis, fixed sizes stand."""
+    has_free_axis = any(size == -1 for _, size in parse_axes(config.mesh.axes))
+    return mesh_shape_from_config(config, (devices or 1) if has_free_axis else None)
+
+
 def _axis_for(rules, logical: str, mesh_shape) -> str:
     """The mesh axis the first applicable rule maps `logical` to (size > 1), or ''."""
     for l, m in rules:
@@ -48,13 +55,13 @@ def _axis_for(rules, logical: str, mesh_shape) -> str:
     return ""
 
 
-def per_device_config(config, devices: int = 1) -> Tuple[object, str]:
+def per_device_config(config, devices=None) -> Tuple[object, str]:
     """(the config of what one device computes, a description of the mesh).
 
     Args:
-      devices: the device count, used where a mesh axis is -1.
+      devices: the device count, used where a mesh axis is -1 (default 1).
     """
-    shape = mesh_shape_from_config(config, devices)
+    shape = mesh_shape(config, devices)
     devices = math.prod(shape.values())
     local = copy.deepcopy(config)
     local.mesh.axes = "data=1"
@@ -96,9 +103,9 @@ def param_count(config) -> int:
     return sum(math.prod(int(d) for d in v.shape) for v in model.trainable_variables)
 
 
-def apply_mesh(config, local, result: dict, target, mesh_note: str, devices: int = 1) -> dict:
+def apply_mesh(config, local, result: dict, target, mesh_note: str, devices=None) -> dict:
     """Turns the plan of `local`'s one-device program into the plan of one mesh device."""
-    shape = mesh_shape_from_config(config, devices)
+    shape = mesh_shape(config, devices)
     devices = math.prod(shape.values())
     result["devices"] = devices
     result["mesh"] = mesh_note
