@@ -9,6 +9,7 @@ that fits is then planned to confirm it (and lowered until it fits). Also plans 
 """
 
 import argparse
+import importlib.metadata
 import json
 import math
 import os
@@ -49,21 +50,55 @@ def row(model, policy, batch, p):
 
 
 def largest_batch(model, policy, log):
+    """(largest micro-batch that fits one device, its rows): a linear guess from batches
+    1 and 2, then compiles that refine it (re-estimating the slope, then bisecting) until
+    the fitting and the failing batch are within 1/16 of each other."""
     p1 = plan(config_for(model, policy, 1))
     p2 = plan(config_for(model, policy, 2))
-    a, b = p1["memory"]["total"], p2["memory"]["total"] - p1["memory"]["total"]
-    device = p1["memory"]["device"]
     rows = [row(model, policy, 1, p1), row(model, policy, 2, p2)]
     log(rows[0]), log(rows[1])
-    guess = max(1, math.floor((device - a) / b) + 1) if b > 0 else 1
-    while guess > 2:
+    device, a = p1["memory"]["device"], p1["memory"]["total"]
+    if not p1["memory"]["fits"]:
+        return 0, rows
+    lo, hi = (2, None) if p2["memory"]["fits"] else (1, 2)
+    slope = p2["memory"]["total"] - a
+    guess = max(lo + 1, math.floor((device - a) / slope) + 1) if hi is None else None
+    while hi is None or hi - lo > max(1, lo // 16):
+        if hi is not None:
+            guess = (lo + hi) // 2
         p = plan(config_for(model, policy, guess))
         rows.append(row(model, policy, guess, p))
         log(rows[-1])
         if p["memory"]["fits"]:
-            return guess, rows
-        guess -= max(1, guess // 16)
-    return (2 if p2["memory"]["fits"] else 1 if p1["memory"]["fits"] else 0), rows
+            lo = guess
+            if hi is None:  # the memory grew slower than linearly: aim higher
+                slope = (p["memory"]["total"] - a) / (guess - 1)
+                guess = max(guess + 1, math.floor((device - a) / slope) + 1)
+        else:
+            hi = guess
+    return lo, rows
+
+
+def extrapolation_check(model, log):
+    """Full compile against the 1+2-layer extrapolation, bf16 batch 1."""
+    cfg = config_for(model, "bfloat16", 1)
+    full, est = plan(cfg, layers="full"), plan(cfg, layers="extrapolate")
+    out = {"model": model, "full_temp_gib": full["memory"]["temp"] / 2**30,
+           "extrapolated_temp_gib": est["memory"]["temp"] / 2**30,
+           "full_total_gib": full["memory"]["total"] / 2**30,
+           "extrapolated_total_gib": est["memory"]["total"] / 2**30,
+           "full_step_ms": 1e3 * full["estimated_step_s"],
+           "extrapolated_step_ms": 1e3 * est["estimated_step_s"]}
+    log(out)
+    return out
+
+
+def state_only(model, mesh, devices):
+    """Bytes per device of weights + AdamW moments in the mesh's layout (no compile)."""
+    from tfllm.plan import sharded
+    cfg = config_for(model, "bfloat16", devices, mesh)
+    state, _ = sharded.state_bytes(cfg, sharded.mesh_shape(cfg))
+    return {"model": model, "mesh": mesh, "state_gib_per_device": state / 2**30}
 
 
 def main():
@@ -73,6 +108,7 @@ def main():
     parser.add_argument("--models", default="gpt2-small,llama-1b,llama-7b")
     parser.add_argument("--policies", default="bfloat16,fp8")
     parser.add_argument("--meshes", default="fsdp=8;fsdp=4,model=2;data=2,fsdp=4;model=8")
+    parser.add_argument("--check-extrapolation", default="gpt2-small,gpt2-medium")
     args = parser.parse_args()
     results = {"date": time.strftime("%Y-%m-%d"), "sequence_length": SEQ, "rows": [],
                "largest_batch": {}, "mesh_rows": []}
@@ -92,7 +128,11 @@ def main():
             log(results["mesh_rows"][-1])
             with open(args.out + ".json", "w") as f:
                 json.dump(results, f, indent=1)
-    results["jax"] = p["jax"]
+    results["extrapolation"] = [extrapolation_check(m, log) for m in
+                                filter(None, args.check_extrapolation.split(","))]
+    results["state_only"] = [state_only(m, mesh, 8) for m in ("llama-7b", "llama-70b")
+                             for mesh in filter(None, args.meshes.split(";"))]
+    results["jax"] = importlib.metadata.version("jax")
     with open(args.out + ".json", "w") as f:
         json.dump(results, f, indent=1)
 

@@ -34,12 +34,12 @@ class PlanError(RuntimeError):
     """The step could not be compiled for the target (the message says why)."""
 
 
-def _mem_available() -> int:
-    """Bytes of host memory available now (Linux), or 8 GiB where unknown."""
+def _host_memory() -> int:
+    """Bytes of host memory (Linux MemTotal: the same answer on every run), or 8 GiB."""
     try:
         with open("/proc/meminfo") as f:
             for line in f:
-                if line.startswith("MemAvailable:"):
+                if line.startswith("MemTotal:"):
                     return int(line.split()[1]) * 1024
     except OSError:
         pass
@@ -147,7 +147,8 @@ def plan(config, target_name: str = "h100", layers: str = "auto", devices=None) 
       config: a loaded tfllm config.
       target_name: one of `tfllm.plan.targets.TARGETS`.
       layers: "full" compiles the whole model; "extrapolate" compiles 1 and 2 layers;
-        "auto" extrapolates when the model's variables would not fit this host.
+        "auto" extrapolates when the model's variables would take more than half of
+        this host's memory.
       devices: the device count, for a mesh axis of -1 (default 1).
     """
     from tfllm.plan import sharded
@@ -158,7 +159,7 @@ def plan(config, target_name: str = "h100", layers: str = "auto", devices=None) 
     if layers not in ("auto", "full", "extrapolate"):
         raise ValueError(f"--layers must be auto, full or extrapolate, not {layers!r}")
     extrapolate = (layers == "extrapolate" or layers == "auto"
-                   and host_need > 0.5 * _mem_available()) and n_layers > 2
+                   and host_need > 0.5 * _host_memory()) and n_layers > 2
     if extrapolate:
         one = plan_program(_with_layers(local, 1), target)
         two = plan_program(_with_layers(local, 2), target)
@@ -178,10 +179,10 @@ def finish(result: dict, config, target: Target, method: str) -> dict:
     mem["margin"] = target.device_memory_bytes - mem["total"]
     mem["fits"] = mem["margin"] >= 0
     step_s = result["roofline_s"] + result.get("collective_s", 0.0)
-    devices = result.get("devices", 1)
     # MFU as tfllm reports it: model FLOPs (6N + attention) against the dense bf16 peak
     result["estimated_step_s"] = step_s
-    result["estimated_tokens_per_s"] = result["tokens_per_step"] * devices / step_s
+    result["estimated_tokens_per_s"] = (result["tokens_per_step"]
+                                        * result.get("batch_shards", 1) / step_s)
     result["estimated_mfu"] = result["model_flops"] / (step_s * target.bf16_flops)
     result.update({
         "target": target.name, "device": target.description,

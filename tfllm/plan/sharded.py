@@ -87,11 +87,11 @@ def per_device_config(config, devices=None) -> Tuple[object, str]:
     return local, f"{desc} ({devices} devices), per device"
 
 
-def _state_bytes(config, mesh_shape):
+def state_bytes(config, shape):
     """(bytes of all state per device, the layout rows)."""
     from tfllm.models import build_model
     rows = layout_rows(build_model(config, allocate=False),
-                       rules_lib.rules_from_config(config.mesh.rules), mesh_shape,
+                       rules_lib.rules_from_config(config.mesh.rules), shape,
                        config.optimizer.shard_optimizer_state)
     return sum(r.bytes_per_device + r.optimizer_bytes_per_device for r in rows), rows
 
@@ -112,16 +112,16 @@ def apply_mesh(config, local, result: dict, target, mesh_note: str, devices=None
     if devices == 1:
         return result
     one = {"data": 1}
-    local_state, _ = _state_bytes(local, one)
-    mesh_state, rows = _state_bytes(config, shape)
+    local_state, _ = state_bytes(local, one)
+    mesh_state, rows = state_bytes(config, shape)
     mem = result["memory"]
     diff = mesh_state - local_state
     for key in ("arguments", "outputs", "alias"):
         mem[key] += diff
     mem["total"] = mem["arguments"] + mem["outputs"] - mem["alias"] + mem["temp"]
-    # the model's FLOPs are the whole step's; one device does 1/devices of them
-    result["model_flops"] = result["model_flops"] * local.train.global_batch_size \
-        / config.train.global_batch_size
+    # model_flops, flops and tokens_per_step stay those of the local program: one
+    # device's share of the step; the devices that split the batch multiply the tokens
+    result["batch_shards"] = config.train.global_batch_size // local.train.global_batch_size
     act = _ACT_BYTES.get(config.precision.policy, 4)
     weights_per_device = sum(r.bytes_per_device for r in rows)  # float32 variables
     detail, sent = [], 0.0
