@@ -101,6 +101,83 @@ def state_only(model, mesh, devices):
     return {"model": model, "mesh": mesh, "state_gib_per_device": state / 2**30}
 
 
+def write_markdown(results, path):
+    """The tables of h100_plan.md from the results JSON."""
+    gib = lambda x: f"{x:.1f}"
+    out = [f"# H100 plans of the presets (`tfllm plan`, no GPU)", "",
+           f"{results['date']}, jax {results.get('jax')}, sequence {results['sequence_length']}, "
+           "target h100 (XLA's `h100_sxm.txtpb`: 79.1 GiB, 3.35 TB/s, 989 TFLOP/s bf16, "
+           "1979 TFLOP/s FP8 dense). Made by `python benchmarks/h100_plan.py` on a 2-core "
+           "CPU machine without a GPU; figures are XLA's compiled memory and a roofline "
+           "lower bound on the step time (README: \"Planning a GPU run on a laptop\").", "",
+           "## One H100: memory, largest batch, FP8 coverage, estimated MFU", "",
+           "| model | policy | largest batch that fits | memory at that batch (GiB) | "
+           "memory at batch 1 (GiB) | + per sequence (GiB) | FP8 GEMMs / projections | "
+           "FP8 share of GEMM FLOPs | est. step at that batch (ms) | est. tokens/s | "
+           "est. MFU | method |",
+           "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for key, best in results["largest_batch"].items():
+        model, policy = key.split("/")
+        rows = {r["batch"]: r for r in results["rows"]
+                if r["model"] == model and r["policy"] == policy}
+        one, two = rows.get(1), rows.get(2)
+        top = rows.get(best)
+        if not (one and two and top):
+            continue
+        out.append(
+            f"| {model} | {policy} | {best} | {gib(top['total_gib'])} | "
+            f"{gib(one['total_gib'])} | {two['total_gib'] - one['total_gib']:.2f} | "
+            f"{top['fp8_gemm_calls']} / {top['fp8_projections']} | "
+            f"{100 * top['fp8_flops_share']:.0f}% | {1e3 * top['estimated_step_s']:.0f} | "
+            f"{top['estimated_tokens_per_s']:,.0f} | {100 * top['estimated_mfu']:.0f}% | "
+            f"{top['method'].split(' to ')[0]} |")
+    out += ["", "Every batch that was compiled:", "",
+            "| model | policy | batch | total GiB | arguments GiB | temp GiB | fits | "
+            "GEMM calls | FP8 GEMM calls | est. step ms | est. MFU | compile s |",
+            "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in results["rows"]:
+        out.append(f"| {r['model']} | {r['policy']} | {r['batch']} | {gib(r['total_gib'])} | "
+                   f"{gib(r['arguments_gib'])} | {gib(r['temp_gib'])} | "
+                   f"{'yes' if r['fits'] else 'no'} | {r['gemm_calls']:.0f} | "
+                   f"{r['fp8_gemm_calls']:.0f} | {1e3 * r['estimated_step_s']:.1f} | "
+                   f"{100 * r['estimated_mfu']:.0f}% | {r['compile_s']:.0f} |")
+    if results.get("mesh_rows"):
+        out += ["", "## llama-7b on 8 H100s (per device; sharded plans are estimates)", "",
+                "Global batch 32 (4 sequences of 2048 per data shard). Memory: the "
+                "per-device program compiled for the H100 with its state replaced by the "
+                "layout's exact bytes; collectives: the layout's theoretical bytes at "
+                "450 GB/s NVLink, not overlapped.", "",
+                "| mesh | policy | memory GiB | fits | state GiB (args) | temp GiB | "
+                "collectives GB/device/step | est. step ms | est. tokens/s (8 GPUs) | "
+                "est. MFU |", "|---|---|---|---|---|---|---|---|---|---|"]
+        for r in results["mesh_rows"]:
+            out.append(f"| {r['mesh'].split(' (')[0]} | {r['policy']} | "
+                       f"{gib(r['total_gib'])} | {'yes' if r['fits'] else 'no'} | "
+                       f"{gib(r['arguments_gib'])} | {gib(r['temp_gib'])} | "
+                       f"{r['collectives_gb']:.1f} | {1e3 * r['estimated_step_s']:.0f} | "
+                       f"{r['estimated_tokens_per_s']:,.0f} | "
+                       f"{100 * r['estimated_mfu']:.0f}% |")
+    if results.get("state_only"):
+        out += ["", "## Weights + AdamW state alone per device on 8 devices (no compile)",
+                "", "| model | mesh | state GiB / device | fits 79.1 GiB before activations |",
+                "|---|---|---|---|"]
+        for r in results["state_only"]:
+            out.append(f"| {r['model']} | {r['mesh']} | {r['state_gib_per_device']:.1f} | "
+                       f"{'yes' if r['state_gib_per_device'] < 79.1 else 'no'} |")
+    if results.get("extrapolation"):
+        out += ["", "## Extrapolating over layers against the full compile (bf16, batch 1)",
+                "", "| model | temp full / extrapolated GiB | total full / extrapolated GiB "
+                "| est. step full / extrapolated ms |", "|---|---|---|---|"]
+        for r in results["extrapolation"]:
+            out.append(f"| {r['model']} | {r['full_temp_gib']:.3f} / "
+                       f"{r['extrapolated_temp_gib']:.3f} | {r['full_total_gib']:.3f} / "
+                       f"{r['extrapolated_total_gib']:.3f} | {r['full_step_ms']:.2f} / "
+                       f"{r['extrapolated_step_ms']:.2f} |")
+    out.append("")
+    with open(path, "w") as f:
+        f.write("\n".join(out) + results.get("notes", ""))
+
+
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "results",
@@ -109,7 +186,13 @@ def main():
     parser.add_argument("--policies", default="bfloat16,fp8")
     parser.add_argument("--meshes", default="fsdp=8;fsdp=4,model=2;data=2,fsdp=4;model=8")
     parser.add_argument("--check-extrapolation", default="gpt2-small,gpt2-medium")
+    parser.add_argument("--markdown-only", action="store_true",
+                        help="Rewrite OUT.md from OUT.json without compiling.")
     args = parser.parse_args()
+    if args.markdown_only:
+        with open(args.out + ".json") as f:
+            write_markdown(json.load(f), args.out + ".md")
+        return
     results = {"date": time.strftime("%Y-%m-%d"), "sequence_length": SEQ, "rows": [],
                "largest_batch": {}, "mesh_rows": []}
     log = lambda r: print(json.dumps({k: v for k, v in r.items() if k != "top_kernels"}),
@@ -135,6 +218,7 @@ def main():
     results["jax"] = importlib.metadata.version("jax")
     with open(args.out + ".json", "w") as f:
         json.dump(results, f, indent=1)
+    write_markdown(results, args.out + ".md")
 
 
 if __name__ == "__main__":

@@ -29,6 +29,8 @@ def test_cli_surface_is_frozen():
         "layouts": ["--config", "--help", "--num-devices", "--set", "-h"],
         "bench": ["--config", "--help", "--repeats", "--set", "--steps", "--warmup", "-h"],
         "export-step": ["--check", "--config", "--help", "--out", "--set", "-h"],
+        "plan": ["--config", "--devices", "--help", "--json", "--layers", "--set",
+                 "--target", "-h"],
         "generate": ["--help", "--max-new-tokens", "--prompt", "--seed", "--set",
                      "--temperature", "--top-k", "--top-p", "--workdir", "-h"],
         "eval": ["--help", "--set", "--steps", "--workdir", "-h"],
