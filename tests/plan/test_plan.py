@@ -2,6 +2,7 @@
 
 import importlib.util
 import json
+import os
 import subprocess
 import sys
 
@@ -10,6 +11,8 @@ import pytest
 from tfllm.config import load_config
 from tfllm.plan.planner import format_plan, plan
 from tests.conftest import tiny_overrides
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 pytestmark = pytest.mark.skipif(
     importlib.util.find_spec("jax_plugins") is None,
@@ -108,3 +111,49 @@ def test_cli_prints_one_json_object_and_rejects_unknown_targets(tmp_path):
     r = subprocess.run(args + ["--target", "v100"], capture_output=True, text=True,
                        timeout=120)
     assert r.returncode == 2 and "invalid choice: 'v100'" in r.stderr
+
+
+# In a jax-only child: compile each HLO module DTensor handed to XLA for the H100 and sum
+# the GEMM FLOPs of its backward (gradient_tape) kernels.
+_CLUSTER_FLOPS = r"""
+import glob, json, os, sys
+from jax._src.lib import xla_client
+from tfllm.plan import hlo_stats
+from tfllm.plan.gpu_compile import compile_for_target
+from tfllm.plan.targets import TARGETS
+target = TARGETS["h100"]
+backward, compiled = 0.0, 0
+for path in sorted(glob.glob(os.path.join(sys.argv[1], "*before_optimizations.txt"))):
+    text = open(path).read()
+    if " dot(" not in text:
+        continue
+    proto = xla_client.hlo.hlo_module_from_text(text).as_serialized_hlo_module_proto()
+    result = compile_for_target(proto, target.target_config())
+    compiled += 1
+    kernels, _ = hlo_stats.kernels(result["optimized_hlo"])
+    backward += sum(k.gemm_flops * k.count for k in kernels if "gradient_tape" in k.op_name)
+print(json.dumps({"backward_flops": backward, "compiled": compiled}))
+"""
+
+
+@pytest.mark.slow
+def test_dtensor_clusters_compile_for_h100_and_match_the_per_device_plan(tmp_path):
+    from tests.train.test_xla import _train
+    extra = ["--set", "model.family=llama", "--set", "model.num_key_value_heads=2",
+             "--set", "train.steps=1"]
+    _, modules = _train(tmp_path, "fsdp=2", extra)
+    assert modules
+    env = dict(os.environ, JAX_SKIP_CUDA_CONSTRAINTS_CHECK="1",
+               XLA_FLAGS="--xla_gpu_autotune_level=0 --xla_gpu_enable_triton_gemm=false")
+    r = subprocess.run([sys.executable, "-c", _CLUSTER_FLOPS, str(tmp_path / "xla_dump")],
+                       capture_output=True, text=True, timeout=900, env=env, cwd=ROOT)
+    assert r.returncode == 0, r.stderr[-3000:]
+    clusters = json.loads(r.stdout.strip().splitlines()[-1])
+    assert clusters["compiled"] > 0
+    cfg = load_config(os.path.join(ROOT, "configs/tiny.yaml"), ["model.family=llama", "model.num_key_value_heads=2",
+                                            "mesh.axes=fsdp=2"])
+    p = plan(cfg)
+    # The backward half of the step (input and weight gradients: 2/3 of its GEMM FLOPs)
+    # exists only in the train step's clusters (the run's evaluation is forward only).
+    # Over the 2 devices it equals what the plan computes for one device, times 2.
+    assert clusters["backward_flops"] / 2 == pytest.approx(p["flops"] * 2 / 3, rel=1e-9)
