@@ -49,22 +49,26 @@ def row(model, policy, batch, p):
             "top_kernels": p.get("top_kernels", [])[:5]}
 
 
-def largest_batch(model, policy, log):
-    """(largest micro-batch that fits one device, its rows): a linear guess from batches
-    1 and 2, then compiles that refine it (re-estimating the slope, then bisecting) until
-    the fitting and the failing batch are within 1/16 of each other."""
+def largest_batch(model, policy, log, refinements=3):
+    """(largest micro-batch known to fit one device, its rows): a linear guess from
+    batches 1 and 2, then up to `refinements` compiles that refine it (re-estimating the
+    slope from the last fitting batch, then bisecting)."""
     p1 = plan(config_for(model, policy, 1))
-    p2 = plan(config_for(model, policy, 2))
-    rows = [row(model, policy, 1, p1), row(model, policy, 2, p2)]
-    log(rows[0]), log(rows[1])
-    device, a = p1["memory"]["device"], p1["memory"]["total"]
+    rows = [row(model, policy, 1, p1)]
+    log(rows[0])
     if not p1["memory"]["fits"]:
         return 0, rows
+    p2 = plan(config_for(model, policy, 2))
+    rows.append(row(model, policy, 2, p2))
+    log(rows[-1])
+    device, a = p1["memory"]["device"], p1["memory"]["total"]
     lo, hi = (2, None) if p2["memory"]["fits"] else (1, 2)
     slope = p2["memory"]["total"] - a
-    guess = max(lo + 1, math.floor((device - a) / slope) + 1) if hi is None else None
-    while hi is None or hi - lo > max(1, lo // 16):
+    guess = max(lo + 1, math.floor((device - a) / slope) + 1)
+    for _ in range(refinements):
         if hi is not None:
+            if hi - lo <= 1:
+                break
             guess = (lo + hi) // 2
         p = plan(config_for(model, policy, guess))
         rows.append(row(model, policy, guess, p))
@@ -111,7 +115,7 @@ def write_markdown(results, path):
            "CPU machine without a GPU; figures are XLA's compiled memory and a roofline "
            "lower bound on the step time (README: \"Planning a GPU run on a laptop\").", "",
            "## One H100: memory, largest batch, FP8 coverage, estimated MFU", "",
-           "| model | policy | largest batch that fits | memory at that batch (GiB) | "
+           "| model | policy | largest batch found to fit | memory at that batch (GiB) | "
            "memory at batch 1 (GiB) | + per sequence (GiB) | FP8 GEMMs / projections | "
            "FP8 share of GEMM FLOPs | est. step at that batch (ms) | est. tokens/s | "
            "est. MFU | method |",
@@ -185,7 +189,7 @@ def main():
     parser.add_argument("--models", default="gpt2-small,llama-1b,llama-7b")
     parser.add_argument("--policies", default="bfloat16,fp8")
     parser.add_argument("--meshes", default="fsdp=8;fsdp=4,model=2;data=2,fsdp=4;model=8")
-    parser.add_argument("--check-extrapolation", default="gpt2-small,gpt2-medium")
+    parser.add_argument("--check-extrapolation", default="gpt2-small")
     parser.add_argument("--markdown-only", action="store_true",
                         help="Rewrite OUT.md from OUT.json without compiling.")
     args = parser.parse_args()

@@ -150,8 +150,8 @@ def test_dtensor_clusters_compile_for_h100_and_match_the_per_device_plan(tmp_pat
     assert r.returncode == 0, r.stderr[-3000:]
     clusters = json.loads(r.stdout.strip().splitlines()[-1])
     assert clusters["compiled"] > 0
-    cfg = load_config(os.path.join(ROOT, "configs/tiny.yaml"), ["model.family=llama", "model.num_key_value_heads=2",
-                                            "mesh.axes=fsdp=2"])
+    cfg = load_config(os.path.join(ROOT, "configs/tiny.yaml"),
+                      ["model.family=llama", "model.num_key_value_heads=2", "mesh.axes=fsdp=2"])
     p = plan(cfg)
     # The backward half of the step (input and weight gradients: 2/3 of its GEMM FLOPs)
     # exists only in the train step's clusters (the run's evaluation is forward only).

@@ -10,11 +10,12 @@ the compile time.
 
 Why the copies are removed: the HLO that TensorFlow's tf2xla bridge builds returns each
 updated variable through an HLO `copy` (metadata `op_name="XLA_Retvals"`; 146 of them in
-tiny's fp8 step, one per returned variable). HLO -> MLIR turns them into `mhlo.copy`, which has no StableHLO form, and
-PJRT plugins (the CUDA one included, deviceless or not) take their program as portable
-StableHLO, so the compile fails with "failed to legalize operation 'mhlo.copy'". A copy is
-the identity on values; XLA inserts the copies its buffer assignment needs by itself.
-So `remove_copies` forwards each copy's operand to its users and erases it.
+tiny's fp8 step, one per returned variable). HLO -> MLIR turns them into `mhlo.copy`,
+which has no StableHLO form, and PJRT plugins (the CUDA one included, deviceless or not)
+take their program as portable StableHLO, so the compile fails with "failed to legalize
+operation 'mhlo.copy'". A copy is the identity on values; XLA inserts the copies its
+buffer assignment needs by itself. So `remove_copies` forwards each copy's operand to its
+users and erases it.
 """
 
 from __future__ import annotations
