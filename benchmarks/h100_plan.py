@@ -128,8 +128,10 @@ def write_markdown(results, path):
         top = rows.get(best)
         if not (one and two and top):
             continue
+        failing = [b for b, r in rows.items() if not r["fits"] and b > best]
+        bracket = f"{best} ({min(failing)} does not)" if failing else f"{best}"
         out.append(
-            f"| {model} | {policy} | {best} | {gib(top['total_gib'])} | "
+            f"| {model} | {policy} | {bracket} | {gib(top['total_gib'])} | "
             f"{gib(one['total_gib'])} | {two['total_gib'] - one['total_gib']:.2f} | "
             f"{top['fp8_gemm_calls']} / {top['fp8_projections']} | "
             f"{100 * top['fp8_flops_share']:.0f}% | {1e3 * top['estimated_step_s']:.0f} | "
