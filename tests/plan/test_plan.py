@@ -23,6 +23,13 @@ def tiny(family="llama", **extra):
     return load_config(None, tiny_overrides(family, **extra))
 
 
+# Each plan exports and compiles a step (~25 s on 2 cores): the plans several tests
+# read are made once.
+@pytest.fixture(scope="module")
+def bf16_plan():
+    return plan(tiny(**{"precision.policy": "bfloat16"}))
+
+
 @pytest.mark.parametrize("exclude", ["", "mlp/"])
 def test_fp8_plans_three_fp8_gemms_per_projection(exclude):
     p = plan(tiny(**{"precision.policy": "fp8", "precision.fp8_exclude": f"[{exclude}]"
@@ -40,8 +47,8 @@ def test_fp8_plans_three_fp8_gemms_per_projection(exclude):
     assert p["model_flops"] <= p["flops"] <= 1.1 * p["model_flops"]
 
 
-def test_bfloat16_plans_no_fp8_gemm_and_arguments_are_the_step_parameters():
-    p = plan(tiny(**{"precision.policy": "bfloat16"}))
+def test_bfloat16_plans_no_fp8_gemm_and_arguments_are_the_step_parameters(bf16_plan):
+    p = bf16_plan
     assert p["fp8_gemm_calls"] == 0 and p["fp8_projections"] == 0 and p["gemm_calls"] > 0
     m = p["memory"]
     # XLA's argument buffers are exactly the step's parameters: batch, float32 weights,
@@ -54,9 +61,9 @@ def test_bfloat16_plans_no_fp8_gemm_and_arguments_are_the_step_parameters():
     assert "fits" in format_plan(p)
 
 
-def test_temporaries_grow_with_the_batch():
-    small = plan(tiny(**{"train.global_batch_size": 8}))
-    large = plan(tiny(**{"train.global_batch_size": 64}))
+def test_temporaries_grow_with_the_batch(bf16_plan):
+    small = bf16_plan  # batch 16
+    large = plan(tiny(**{"precision.policy": "bfloat16", "train.global_batch_size": 128}))
     assert large["memory"]["temp"] > small["memory"]["temp"]
     assert large["memory"]["arguments"] > small["memory"]["arguments"]  # the batch only
     assert large["flops"] == pytest.approx(8 * small["flops"])
@@ -73,9 +80,9 @@ def test_a_step_that_cannot_fit_says_by_how_much():
     assert f"DOES NOT FIT: {-m['margin'] / 2**30:.2f} GiB over" in text
 
 
-def test_a_sharded_mesh_is_planned_per_device():
-    p = plan(tiny(**{"mesh.axes": "fsdp=2,model=2"}))
-    one = plan(tiny())
+def test_a_sharded_mesh_is_planned_per_device(bf16_plan):
+    p = plan(tiny(**{"precision.policy": "bfloat16", "mesh.axes": "fsdp=2,model=2"}))
+    one = bf16_plan
     assert p["devices"] == 4 and "per device" in p["mesh"]
     # state is split 4 ways (fsdp x model) except the small replicated norms, and the
     # batch 2 ways (fsdp carries it)
