@@ -13,23 +13,41 @@ import importlib.metadata
 import json
 import math
 import os
+import subprocess
 import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from tfllm.config import load_config  # noqa: E402
-from tfllm.plan.planner import plan  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SEQ = 2048
 
 
+def overrides_for(model, policy, batch, mesh="data=1"):
+    return [f"precision.policy={policy}", f"data.sequence_length={SEQ}",
+            f"model.max_sequence_length={SEQ}", f"train.global_batch_size={batch}",
+            "train.grad_accum_steps=1", f"mesh.axes={mesh}"]
+
+
 def config_for(model, policy, batch, mesh="data=1"):
-    return load_config(os.path.join(ROOT, "configs", f"{model}.yaml"), [
-        f"precision.policy={policy}", f"data.sequence_length={SEQ}",
-        f"model.max_sequence_length={SEQ}", f"train.global_batch_size={batch}",
-        "train.grad_accum_steps=1", f"mesh.axes={mesh}"])
+    return load_config(os.path.join(ROOT, "configs", f"{model}.yaml"),
+                       overrides_for(model, policy, batch, mesh))
+
+
+def plan(model, policy, batch, mesh="data=1", layers="auto"):
+    """`tfllm plan --json` in a process of its own: the variables of each exported step
+    are then freed with the process (in one process, gpt2-small's ten plans and then
+    llama-1b's took 20 GB of host memory and were OOM-killed)."""
+    cmd = [sys.executable, "-m", "tfllm.cli.main", "plan", "--json", "--layers", layers,
+           "--config", os.path.join(ROOT, "configs", f"{model}.yaml")]
+    for o in overrides_for(model, policy, batch, mesh):
+        cmd += ["--set", o]
+    r = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=3600)
+    if r.returncode != 0:
+        raise RuntimeError(f"{' '.join(cmd)} failed:\n{r.stderr[-3000:]}")
+    return json.loads(r.stdout)
 
 
 def row(model, policy, batch, p):
@@ -53,12 +71,12 @@ def largest_batch(model, policy, log, refinements=3):
     """(largest micro-batch known to fit one device, its rows): a linear guess from
     batches 1 and 2, then up to `refinements` compiles that refine it (re-estimating the
     slope from the last fitting batch, then bisecting)."""
-    p1 = plan(config_for(model, policy, 1))
+    p1 = plan(model, policy, 1)
     rows = [row(model, policy, 1, p1)]
     log(rows[0])
     if not p1["memory"]["fits"]:
         return 0, rows
-    p2 = plan(config_for(model, policy, 2))
+    p2 = plan(model, policy, 2)
     rows.append(row(model, policy, 2, p2))
     log(rows[-1])
     device, a = p1["memory"]["device"], p1["memory"]["total"]
@@ -70,7 +88,7 @@ def largest_batch(model, policy, log, refinements=3):
             if hi - lo <= 1:
                 break
             guess = (lo + hi) // 2
-        p = plan(config_for(model, policy, guess))
+        p = plan(model, policy, guess)
         rows.append(row(model, policy, guess, p))
         log(rows[-1])
         if p["memory"]["fits"]:
@@ -85,8 +103,8 @@ def largest_batch(model, policy, log, refinements=3):
 
 def extrapolation_check(model, log):
     """Full compile against the 1+2-layer extrapolation, bf16 batch 1."""
-    cfg = config_for(model, "bfloat16", 1)
-    full, est = plan(cfg, layers="full"), plan(cfg, layers="extrapolate")
+    full = plan(model, "bfloat16", 1, layers="full")
+    est = plan(model, "bfloat16", 1, layers="extrapolate")
     out = {"model": model, "full_temp_gib": full["memory"]["temp"] / 2**30,
            "extrapolated_temp_gib": est["memory"]["temp"] / 2**30,
            "full_total_gib": full["memory"]["total"] / 2**30,
@@ -192,6 +210,8 @@ def main():
     parser.add_argument("--policies", default="bfloat16,fp8")
     parser.add_argument("--meshes", default="fsdp=8;fsdp=4,model=2;data=2,fsdp=4;model=8")
     parser.add_argument("--check-extrapolation", default="gpt2-small")
+    parser.add_argument("--resume", action="store_true",
+                        help="Keep the model/policy results already in OUT.json.")
     parser.add_argument("--markdown-only", action="store_true",
                         help="Rewrite OUT.md from OUT.json without compiling.")
     args = parser.parse_args()
@@ -201,10 +221,16 @@ def main():
         return
     results = {"date": time.strftime("%Y-%m-%d"), "sequence_length": SEQ, "rows": [],
                "largest_batch": {}, "mesh_rows": []}
+    if args.resume and os.path.exists(args.out + ".json"):
+        with open(args.out + ".json") as f:
+            done = json.load(f)
+        results.update({k: done[k] for k in ("rows", "largest_batch")})
     log = lambda r: print(json.dumps({k: v for k, v in r.items() if k != "top_kernels"}),
                           flush=True)
     for model in filter(None, args.models.split(",")):
         for policy in args.policies.split(","):
+            if f"{model}/{policy}" in results["largest_batch"]:
+                continue
             best, rows = largest_batch(model, policy, log)
             results["rows"] += rows
             results["largest_batch"][f"{model}/{policy}"] = best
@@ -212,7 +238,7 @@ def main():
                 json.dump(results, f, indent=1)
     for mesh in filter(None, args.meshes.split(";")):
         for policy in args.policies.split(","):
-            p = plan(config_for("llama-7b", policy, 8 * 4, mesh))  # 4 sequences per device
+            p = plan("llama-7b", policy, 8 * 4, mesh)  # 4 sequences per device
             results["mesh_rows"].append(row("llama-7b", policy, 32, p))
             log(results["mesh_rows"][-1])
             with open(args.out + ".json", "w") as f:
