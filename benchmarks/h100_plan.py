@@ -115,6 +115,25 @@ def extrapolation_check(model, log):
     return out
 
 
+def seq_sweep(model, lengths, log):
+    """Memory of one sequence of each length (bf16): how attention's T x T terms grow."""
+    global SEQ
+    out, keep = [], SEQ
+    try:
+        for length in lengths:
+            SEQ = length
+            p = plan(model, "bfloat16", 1)
+            out.append({"model": model, "sequence_length": length,
+                        "temp_gib": p["memory"]["temp"] / 2**30,
+                        "total_gib": p["memory"]["total"] / 2**30,
+                        "estimated_step_ms": 1e3 * p["estimated_step_s"],
+                        "estimated_mfu": p["estimated_mfu"]})
+            log(out[-1])
+    finally:
+        SEQ = keep
+    return out
+
+
 def state_only(model, mesh, devices):
     """Bytes per device of weights + AdamW moments in the mesh's layout (no compile)."""
     from tfllm.plan import sharded
@@ -197,6 +216,14 @@ def write_markdown(results, path):
                        f"{r['extrapolated_temp_gib']:.3f} | {r['full_total_gib']:.3f} / "
                        f"{r['extrapolated_total_gib']:.3f} | {r['full_step_ms']:.2f} / "
                        f"{r['extrapolated_step_ms']:.2f} |")
+    if results.get("seq_sweep"):
+        out += ["", "## One sequence of gpt2-small (bf16) against its length", "",
+                "| sequence | temporaries GiB | total GiB | est. step ms | est. MFU |",
+                "|---|---|---|---|---|"]
+        for r in results["seq_sweep"]:
+            out.append(f"| {r['sequence_length']} | {r['temp_gib']:.2f} | "
+                       f"{r['total_gib']:.2f} | {r['estimated_step_ms']:.2f} | "
+                       f"{100 * r['estimated_mfu']:.0f}% |")
     out.append("")
     with open(path, "w") as f:
         f.write("\n".join(out) + results.get("notes", ""))
@@ -212,9 +239,19 @@ def main():
     parser.add_argument("--check-extrapolation", default="gpt2-small")
     parser.add_argument("--resume", action="store_true",
                         help="Keep the model/policy results already in OUT.json.")
+    parser.add_argument("--seq-sweep-only", action="store_true",
+                        help="Add the gpt2-small sequence sweep to OUT.json and OUT.md.")
     parser.add_argument("--markdown-only", action="store_true",
                         help="Rewrite OUT.md from OUT.json without compiling.")
     args = parser.parse_args()
+    if args.seq_sweep_only:
+        with open(args.out + ".json") as f:
+            done = json.load(f)
+        done["seq_sweep"] = seq_sweep("gpt2-small", (512, 1024, 2048, 4096), print)
+        with open(args.out + ".json", "w") as f:
+            json.dump(done, f, indent=1)
+        write_markdown(done, args.out + ".md")
+        return
     if args.markdown_only:
         with open(args.out + ".json") as f:
             write_markdown(json.load(f), args.out + ".md")
