@@ -186,15 +186,19 @@ def write_markdown(results, path):
                    f"{100 * r['estimated_mfu']:.0f}% | {r['compile_s']:.0f} |")
     if results.get("mesh_rows"):
         out += ["", "## llama-7b on 8 H100s (per device; sharded plans are estimates)", "",
-                "Global batch 32 (4 sequences of 2048 per data shard). Memory: the "
+                "Memory: the "
                 "per-device program compiled for the H100 with its state replaced by the "
                 "layout's exact bytes; collectives: the layout's theoretical bytes at "
                 "450 GB/s NVLink, not overlapped.", "",
-                "| mesh | policy | memory GiB | fits | state GiB (args) | temp GiB | "
+                "| mesh | policy | global batch (sequences per device) | memory GiB | fits | "
+                "state GiB (args) | temp GiB | "
                 "collectives GB/device/step | est. step ms | est. tokens/s (8 GPUs) | "
-                "est. MFU |", "|---|---|---|---|---|---|---|---|---|---|"]
+                "est. MFU |", "|---|---|---|---|---|---|---|---|---|---|---|"]
         for r in results["mesh_rows"]:
+            shards = 8 // (2 if "model=2" in r["mesh"] else 8 if "model=8" in r["mesh"]
+                           else 1)
             out.append(f"| {r['mesh'].split(' (')[0]} | {r['policy']} | "
+                       f"{r['batch']} ({r['batch'] // shards}) | "
                        f"{gib(r['total_gib'])} | {'yes' if r['fits'] else 'no'} | "
                        f"{gib(r['arguments_gib'])} | {gib(r['temp_gib'])} | "
                        f"{r['collectives_gb']:.1f} | {1e3 * r['estimated_step_s']:.0f} | "
@@ -261,9 +265,15 @@ def main():
     if args.resume and os.path.exists(args.out + ".json"):
         with open(args.out + ".json") as f:
             done = json.load(f)
-        results.update({k: done[k] for k in ("rows", "largest_batch")})
+        results.update({k: done[k] for k in ("rows", "largest_batch", "mesh_rows",
+                                             "extrapolation") if k in done})
     log = lambda r: print(json.dumps({k: v for k, v in r.items() if k != "top_kernels"}),
                           flush=True)
+
+    def save():
+        with open(args.out + ".json", "w") as f:
+            json.dump(results, f, indent=1)
+
     for model in filter(None, args.models.split(",")):
         for policy in args.policies.split(","):
             if f"{model}/{policy}" in results["largest_batch"]:
@@ -271,19 +281,26 @@ def main():
             best, rows = largest_batch(model, policy, log)
             results["rows"] += rows
             results["largest_batch"][f"{model}/{policy}"] = best
-            with open(args.out + ".json", "w") as f:
-                json.dump(results, f, indent=1)
-    for mesh in filter(None, args.meshes.split(";")):
+            save()
+    # MESH or MESH@GLOBAL_BATCH (default 32: 4 sequences per device over 8)
+    done_meshes = {(r["mesh"].split(" (")[0].replace(" ", ""), r["policy"], r["batch"])
+                   for r in results["mesh_rows"]}
+    for entry in filter(None, args.meshes.split(";")):
+        mesh, _, batch = entry.partition("@")
+        batch = int(batch or 32)
         for policy in args.policies.split(","):
-            p = plan("llama-7b", policy, 8 * 4, mesh)  # 4 sequences per device
-            results["mesh_rows"].append(row("llama-7b", policy, 32, p))
+            if (mesh, policy, batch) in done_meshes:
+                continue
+            p = plan("llama-7b", policy, batch, mesh)
+            results["mesh_rows"].append(row("llama-7b", policy, batch, p))
             log(results["mesh_rows"][-1])
-            with open(args.out + ".json", "w") as f:
-                json.dump(results, f, indent=1)
-    results["extrapolation"] = [extrapolation_check(m, log) for m in
-                                filter(None, args.check_extrapolation.split(","))]
+            save()
+    if not results.get("extrapolation"):
+        results["extrapolation"] = [extrapolation_check(m, log) for m in
+                                    filter(None, args.check_extrapolation.split(","))]
+    meshes = sorted({e.partition("@")[0] for e in filter(None, args.meshes.split(";"))})
     results["state_only"] = [state_only(m, mesh, 8) for m in ("llama-7b", "llama-70b")
-                             for mesh in filter(None, args.meshes.split(";"))]
+                             for mesh in meshes]
     results["jax"] = importlib.metadata.version("jax")
     with open(args.out + ".json", "w") as f:
         json.dump(results, f, indent=1)
