@@ -106,6 +106,12 @@ def test_extrapolating_over_layers_matches_the_full_compile():
     assert est["memory"]["temp"] == pytest.approx(full["memory"]["temp"], rel=0.1)
 
 
+def test_a_mesh_that_needs_more_devices_names_the_flag():
+    from tfllm.parallel.mesh import MeshError
+    with pytest.raises(MeshError, match="--devices N"):
+        plan(tiny(**{"mesh.axes": "fsdp=-1,model=8"}))
+
+
 @pytest.mark.slow
 def test_cli_prints_one_json_object_and_rejects_unknown_targets(tmp_path):
     args = [sys.executable, "-m", "tfllm.cli.main", "plan"]

@@ -27,6 +27,7 @@ import sys
 import tempfile
 from typing import Optional
 
+from tfllm.parallel.mesh import MeshError
 from tfllm.plan import hlo_stats
 from tfllm.plan.targets import Target, get_target
 
@@ -165,7 +166,11 @@ def plan(config, target_name: str = "h100", layers: str = "auto", devices=None) 
     """
     from tfllm.plan import sharded
     target = get_target(target_name)
-    local, mesh_note = sharded.per_device_config(config, devices)
+    try:
+        local, mesh_note = sharded.per_device_config(config, devices)
+    except MeshError as e:  # e.g. llama-7b's fsdp=-1,model=8 on the default 1 device
+        raise MeshError(f"{e} For tfllm plan, --devices N sets the device count that a -1 "
+                        f"axis takes (default 1), e.g. --devices 8.") from None
     n_layers = local.model.num_layers
     host_need = HOST_BYTES_PER_PARAM * sharded.param_count(local)
     if layers not in ("auto", "full", "extrapolate"):
