@@ -10,7 +10,9 @@ from tfllm.config import schema
 ALL_KEYS = {
     "model": ["family", "vocab_size", "hidden_dim", "num_layers", "num_query_heads",
               "num_key_value_heads", "head_dim", "intermediate_dim", "max_sequence_length",
-              "tie_embeddings", "use_bias", "norm_epsilon", "rope_theta", "init_std"],
+              "tie_embeddings", "use_bias", "norm_epsilon", "rope_theta", "rope_scaling",
+              "rope_scaling_factor", "rope_low_freq_factor", "rope_high_freq_factor",
+              "rope_original_max_length", "qkv_bias", "init_std"],
     "mesh": ["axes", "device_type", "num_cpu_devices", "rules"],
     "precision": ["policy", "fp8_recipe", "fp8_amax_history_length", "fp8_margin",
                   "fp8_exclude", "loss_scale_initial", "loss_scale_growth_interval"],

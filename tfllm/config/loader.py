@@ -137,6 +137,19 @@ def parse_override(text: str) -> tuple:
     return key.strip(), value
 
 
+def config_from_dict(data: dict, overrides: Iterable[str] = (),
+                     source: str = "config") -> schema.Config:
+    """A validated Config from defaults, a nested {section: {key: value}} mapping (e.g. a
+    model section derived from a pretrained preset) and 'section.key=value' overrides."""
+    cfg = schema.Config()
+    apply_dict(cfg, data, source)
+    for text in overrides:
+        key, value = parse_override(text)
+        _set(cfg, key, value, f"--set {text}")
+    validate(cfg)
+    return cfg
+
+
 def load_config(path: Optional[str] = None, overrides: Iterable[str] = ()) -> schema.Config:
     """Builds a validated Config from defaults, an optional YAML file and overrides.
 
@@ -172,6 +185,10 @@ def validate(cfg: schema.Config) -> None:
     if m.num_query_heads % kv:
         raise ConfigError(f"model.num_query_heads ({m.num_query_heads}) must be a multiple of "
                           f"model.num_key_value_heads ({kv}).")
+    if m.rope_scaling == "llama3" and m.rope_high_freq_factor <= m.rope_low_freq_factor:
+        raise ConfigError(f"model.rope_high_freq_factor ({m.rope_high_freq_factor}) must "
+                          f"exceed model.rope_low_freq_factor ({m.rope_low_freq_factor}) for "
+                          "rope_scaling=llama3 (Llama 3.1 uses 4.0 and 1.0).")
     if cfg.data.sequence_length > m.max_sequence_length:
         raise ConfigError(f"data.sequence_length ({cfg.data.sequence_length}) exceeds "
                           f"model.max_sequence_length ({m.max_sequence_length}); lower it or "

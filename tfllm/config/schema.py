@@ -43,6 +43,23 @@ class ModelConfig:
                                   "default (gpt: true, llama: false).")
     norm_epsilon: float = _f(1e-5, "Epsilon of LayerNorm / RMSNorm.", min=0.0)
     rope_theta: float = _f(10000.0, "RoPE base frequency (llama).", min=1.0)
+    rope_scaling: str = _f("none", "RoPE frequency scaling for long contexts (llama): none; "
+                           "linear (positions divided by rope_scaling_factor, as Llama 2 "
+                           "long-context models); llama3 (Llama 3.1+: low frequencies divided "
+                           "by rope_scaling_factor, a smooth blend between "
+                           "rope_low_freq_factor and rope_high_freq_factor).",
+                           choices=("none", "linear", "llama3"))
+    rope_scaling_factor: float = _f(1.0, "RoPE scaling factor (linear and llama3).", min=1.0)
+    rope_low_freq_factor: float = _f(1.0, "llama3 RoPE scaling: wavelengths above "
+                                     "rope_original_max_length / this are fully scaled.",
+                                     min=0.0)
+    rope_high_freq_factor: float = _f(4.0, "llama3 RoPE scaling: wavelengths below "
+                                      "rope_original_max_length / this are unchanged.",
+                                      min=0.0)
+    rope_original_max_length: int = _f(8192, "llama3 RoPE scaling: the context length of "
+                                       "pre-training.", min=1)
+    qkv_bias: Optional[bool] = _f(None, "Biases on the query/key/value projections only "
+                                  "(Qwen2); null means use_bias.")
     init_std: float = _f(0.02, "Standard deviation of the normal weight init; residual "
                          "output projections use init_std / sqrt(2 * num_layers).", min=0.0)
 

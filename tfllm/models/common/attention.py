@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import Optional
 
 import keras
@@ -16,7 +17,48 @@ _KV_HEADS = ("activation_batch", "activation_length", "activation_kv_heads",
              "activation_head_dim")
 
 
-def rotary(x, theta: float, positions=None):
+@dataclass(frozen=True)
+class RopeScaling:
+    """How RoPE frequencies are stretched for contexts longer than pre-training.
+
+    Args:
+      kind: "linear" (every frequency divided by `factor`, i.e. positions / factor) or
+        "llama3" (Llama 3.1+: wavelengths longer than original_length / low_freq_factor
+        divided by `factor`, shorter than original_length / high_freq_factor unchanged,
+        a smooth blend in between).
+      factor: the scaling factor.
+      low_freq_factor, high_freq_factor, original_length: llama3 only.
+    """
+
+    kind: str
+    factor: float
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_length: int = 8192
+
+
+def rope_inverse_frequencies(dim: int, theta: float, scaling: Optional[RopeScaling] = None):
+    """The (D/2,) float32 angular frequencies of RoPE over a head of width `dim`."""
+    inv_freq = 1.0 / (theta ** (tf.range(0, dim, 2, dtype=tf.float32) / dim))  # (D/2,)
+    if scaling is None:
+        return inv_freq
+    if scaling.kind == "linear":
+        return inv_freq / scaling.factor
+    if scaling.kind != "llama3":
+        raise ValueError(f"unknown RoPE scaling {scaling.kind!r}; use linear or llama3.")
+    # Llama 3.1's rule (as Meta's reference and keras-hub's LlamaRotaryEmbedding).
+    wavelength = 2 * math.pi / inv_freq
+    low_wavelength = scaling.original_length / scaling.low_freq_factor
+    high_wavelength = scaling.original_length / scaling.high_freq_factor
+    scaled = tf.where(wavelength > low_wavelength, inv_freq / scaling.factor, inv_freq)
+    smooth = ((scaling.original_length / wavelength - scaling.low_freq_factor)
+              / (scaling.high_freq_factor - scaling.low_freq_factor))
+    blended = (1 - smooth) * scaled / scaling.factor + smooth * scaled
+    medium = (wavelength >= high_wavelength) & (wavelength <= low_wavelength)
+    return tf.where(medium, blended, scaled)
+
+
+def rotary(x, theta: float, positions=None, scaling: Optional[RopeScaling] = None):
     """Applies rotary position embeddings to x of shape (B, T, H, D) (rotate-half form).
 
     Args:
@@ -24,9 +66,10 @@ def rotary(x, theta: float, positions=None):
       theta: the RoPE base.
       positions: (B, T) int position of each token, or None for 0 .. T-1 in every row
         (packed documents and cached decoding pass their own).
+      scaling: a `RopeScaling` for long-context frequencies, or None.
     """
     length, dim = tf.shape(x)[1], x.shape[-1]
-    inv_freq = 1.0 / (theta ** (tf.range(0, dim, 2, dtype=tf.float32) / dim))  # (D/2,)
+    inv_freq = rope_inverse_frequencies(dim, theta, scaling)  # (D/2,)
     if positions is None:
         angles = tf.cast(tf.range(length), tf.float32)[:, None] * inv_freq[None, :]  # (T, D/2)
         angles = tf.concat([angles, angles], axis=-1)[None, :, None, :]  # (1, T, 1, D)
@@ -50,6 +93,9 @@ class Attention(keras.layers.Layer):
       head_dim: D.
       use_bias: biases on the projections (GPT) or not (Llama).
       rope_theta: apply rotary embeddings with this base, or None for none.
+      rope_scaling: a `RopeScaling` of the rotary frequencies, or None.
+      qkv_bias: biases on the query/key/value projections (default: use_bias); the
+        output projection follows use_bias (Qwen2 has q/k/v biases only).
       init_std: init of the q/k/v projections.
       output_init_std: init of the output projection (scaled for depth).
       fp8: `Fp8Settings` for FP8 projections, or None.
@@ -59,15 +105,18 @@ class Attention(keras.layers.Layer):
     def __init__(self, hidden_dim: int, num_query_heads: int, num_key_value_heads: int,
                  head_dim: int, use_bias: bool = False, rope_theta: Optional[float] = None,
                  init_std: float = 0.02, output_init_std: float = 0.02, fp8=None,
-                 fp8_path: str = "attention", **kwargs):
+                 fp8_path: str = "attention", rope_scaling: Optional[RopeScaling] = None,
+                 qkv_bias: Optional[bool] = None, **kwargs):
         super().__init__(**kwargs)
         fp8_for = lambda name: fp8.for_layer(f"{fp8_path}/{name}") if fp8 else None
         self.num_query_heads = num_query_heads
         self.num_key_value_heads = num_key_value_heads
         self.head_dim = head_dim
         self.rope_theta = rope_theta
+        self.rope_scaling = rope_scaling
         E, H, K, D = hidden_dim, num_query_heads, num_key_value_heads, head_dim
-        kw = dict(use_bias=use_bias, init_std=init_std, dtype=self.dtype_policy)
+        kw = dict(use_bias=use_bias if qkv_bias is None else qkv_bias, init_std=init_std,
+                  dtype=self.dtype_policy)
         self.query = Projection("btd,dhk->bthk", (E, H, D), ("embed", "heads", "head_dim"),
                                 output_axes=_HEADS, name="query", fp8=fp8_for("query"), **kw)
         self.key = Projection("btd,dhk->bthk", (E, K, D), ("embed", "kv_heads", "head_dim"),
@@ -125,8 +174,8 @@ class Attention(keras.layers.Layer):
         """
         q, k, v = self.query(x), self.key(x), self.value(x)  # (B,T,H,D), (B,T,K,D) x2
         if self.rope_theta is not None:
-            q = rotary(q, self.rope_theta, positions)
-            k = rotary(k, self.rope_theta, positions)
+            q = rotary(q, self.rope_theta, positions, self.rope_scaling)
+            k = rotary(k, self.rope_theta, positions, self.rope_scaling)
         if cache is None:
             return self.output_proj(self.attend(q, k, v, attention_mask))  # (B, T, E)
         if attention_mask is None:

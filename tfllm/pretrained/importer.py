@@ -1,0 +1,250 @@
+"""Pretrained weights into tfllm: `from_preset` (a model) and `import_preset` (a run).
+
+The model section of the config is derived from the preset (keras-hub's converter reads
+a Hugging Face config.json; `tfllm.pretrained.families` maps keras-hub's backbone config
+onto tfllm's). The model is built in its DTensor layouts first, then every weight is
+filled block by block: each client reads, for each variable, only the blocks its own
+devices hold (see `tfllm.pretrained.sources` for what each format allows), so no host
+holds more than one tensor of the source at a time.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+from typing import Dict, Iterable, Optional
+
+import numpy as np
+
+from tfllm.pretrained.families import PretrainedError
+from tfllm.pretrained.sources import Source, open_source
+
+log = logging.getLogger("tfllm.pretrained")
+
+#: The training settings an imported run starts with: fine-tuning, not pre-training.
+#: (Every one can be changed by --set at import or at `tfllm train`.)
+FINE_TUNE_DEFAULTS = {"optimizer": {"learning_rate": 3e-5, "warmup_steps": 10,
+                                    "weight_decay": 0.0},
+                      "train": {"steps": 200, "log_every": 10, "eval_every": 100}}
+
+PRETRAINED_FILE = "pretrained.json"
+
+
+def preset_model_section(source: Source) -> dict:
+    """tfllm's `model` section for the preset (config.json -> keras-hub -> tfllm)."""
+    from tfllm.pretrained.families import _check_understood
+    _check_understood(source.family, source.config, os.path.join(source.path, "config.json"))
+    max_length = (source.hf_config or {}).get("max_position_embeddings")
+    return source.family.model_fields(source.config, max_length)
+
+
+def preset_config(source: Source, overrides: Iterable[str] = (),
+                  tokenizer_path: Optional[str] = None):
+    """The run config of an import: the preset's model, fine-tuning defaults, overrides.
+
+    Args:
+      source: the opened preset.
+      overrides: 'section.key=value' strings, applied last (e.g. mesh.axes).
+      tokenizer_path: where the run's tokenizer will be (data.tokenizer=file), or None to
+        keep the default tokenizer settings.
+    """
+    from tfllm.config.loader import config_from_dict
+    model = preset_model_section(source)
+    data = {"sequence_length": min(128, model["max_sequence_length"])}
+    if tokenizer_path:
+        data.update(tokenizer="file", tokenizer_path=tokenizer_path)
+    sections = {"model": model, "data": data, **{k: dict(v) for k, v in
+                                                 FINE_TUNE_DEFAULTS.items()}}
+    return config_from_dict(sections, overrides, f"{source.path}/config.json")
+
+
+def load_weights(model, source: Source) -> dict:
+    """Fills every weight of a built tfllm `model` from `source`, block by block.
+
+    Every weight must come from the preset (FP8 amax histories, which are not weights,
+    stay as they are); a preset variable tfllm has no place for is an error.
+
+    Returns:
+      {"tensors": weights filled, "bytes_read": bytes read by this client,
+       "largest_read": the largest single read in bytes}.
+    """
+    from tfllm.checkpoint.shards import assign_blocks, target_blocks, tf_variable
+    mapping = source.family.weight_map(model.config)
+    prefix = model.name + "/"
+    ours = {v.path[len(prefix):] if v.path.startswith(prefix) else v.path: v
+            for v in model.variables if getattr(v, "kind", None) != "fp8_state"}
+    unmapped = sorted(set(ours) - set(mapping))
+    if unmapped:
+        raise PretrainedError(f"tfllm's {model.config.family} model has weights no "
+                              f"{source.backbone} tensor feeds: {unmapped[:5]}; a subclass "
+                              "with extra weights cannot be imported from this preset.")
+    left = sorted(set(source.variables) - set(mapping.values()))
+    if left:
+        raise PretrainedError(f"{source.path}: the {source.backbone} weights {left[:5]} have "
+                              "no place in tfllm's model (e.g. an untied output embedding "
+                              "with tie_embeddings=true); check the --set model.* overrides.")
+    stats = {"tensors": 0, "bytes_read": 0, "largest_read": 0}
+    for path in sorted(ours):
+        var = tf_variable(ours[path], path)
+        kh_name = mapping[path]
+        if kh_name not in source.variables:
+            raise PretrainedError(f"{source.path}: keras-hub's {source.backbone} has no "
+                                  f"variable {kh_name} for tfllm's {path}; check the --set "
+                                  "model.* overrides.")
+        blocks = sorted({block for _, block in target_blocks(var)})
+        arrays = source.read(kh_name, blocks, tuple(int(n) for n in var.shape))
+        dtype = np.dtype(var.dtype.as_numpy_dtype)
+        arrays = {b: np.asarray(a).astype(dtype) for b, a in arrays.items()}
+        size = sum(a.nbytes for a in arrays.values())
+        stats["bytes_read"] += size
+        stats["largest_read"] = max(stats["largest_read"], size)
+        assign_blocks(var, arrays)
+        del arrays
+        stats["tensors"] += 1
+    return stats
+
+
+def from_preset(preset: str, parallel=None, overrides: Iterable[str] = (), model_cls=None):
+    """A tfllm model holding a keras-hub preset's or Hugging Face checkpoint's weights.
+
+    Args:
+      preset: a local keras-hub preset directory or Hugging Face checkpoint folder.
+      parallel: a `tfllm.parallel.Parallel` to load onto a mesh (each client reads only
+        its blocks), or None for one device.
+      overrides: 'section.key=value' settings (e.g. precision.policy=bfloat16).
+      model_cls: a `CausalLM` subclass to build instead of the family's class.
+
+    Returns:
+      The built model; `model.config` is its model section and `model.tfllm_config` the
+      whole config it was built from.
+    """
+    from tfllm.models import build_model
+    source = open_source(preset)
+    try:
+        config = preset_config(source, overrides)
+        model = build_model(config, parallel, model_cls=model_cls)
+        load_weights(model, source)
+    finally:
+        source.close()
+    model.tfllm_config = config
+    return model
+
+
+# ---- tfllm import: a run directory at step 0 ------------------------------------------------
+def _write_tokenizer(source: Source, tokenizer: Optional[str], out: str) -> str:
+    """Writes the run's tokenizer under `out`; returns its name relative to `out`."""
+    import keras
+    import keras_hub
+    if tokenizer:
+        tokenizer = os.path.abspath(os.path.expanduser(tokenizer))
+        if os.path.isdir(tokenizer):
+            shutil.copytree(tokenizer, os.path.join(out, "tokenizer"))
+            return "tokenizer"
+        if os.path.isfile(tokenizer):
+            os.makedirs(os.path.join(out, "tokenizer"))
+            shutil.copy(tokenizer, os.path.join(out, "tokenizer", "tokenizer.model"))
+            return "tokenizer/tokenizer.model"
+        raise PretrainedError(f"--tokenizer {tokenizer}: no such file or directory.")
+    try:
+        hub = keras_hub.tokenizers.Tokenizer.from_preset(source.path)
+    except Exception as e:  # keras-hub raises many kinds for a missing/foreign tokenizer
+        raise PretrainedError(
+            f"{source.path}: keras-hub cannot load a tokenizer from it ({type(e).__name__}: "
+            f"{str(e).splitlines()[0] if str(e) else ''}); save the tokenizer into the preset "
+            "(tokenizer.save_to_preset) or pass --tokenizer (a keras-hub tokenizer preset or "
+            "a SentencePiece .model file).") from None
+    target = os.path.join(out, "tokenizer")
+    hub.save_to_preset(target)
+    # Tokenizer.from_preset finds the tokenizer class through the backbone's config.json.
+    with open(os.path.join(target, "config.json"), "w", encoding="utf-8") as f:
+        json.dump(keras.saving.serialize_keras_object(source.abstract), f, indent=1)
+    return "tokenizer"
+
+
+def import_preset(preset: str, workdir: str, overrides: Iterable[str] = (),
+                  tokenizer: Optional[str] = None) -> dict:
+    """Writes `workdir` as a tfllm run at step 0 holding the preset's weights.
+
+    The run directory gets config.yaml (the model section derived from the preset, the
+    fine-tuning defaults of `FINE_TUNE_DEFAULTS`, then `overrides`), a committed
+    checkpoint of the model weights (step 0, marked as an initialization, so that
+    `tfllm train` starts a fine-tuning run from it with any data and optimizer
+    settings), the tokenizer, and pretrained.json (where the weights came from, for
+    `tfllm export --format keras-hub`). Everything is written under a temporary name
+    and renamed last: a failed import leaves no workdir.
+
+    Args:
+      preset: a local keras-hub preset or Hugging Face checkpoint folder.
+      workdir: the new run directory (must not exist, or be empty).
+      overrides: 'section.key=value' (e.g. mesh.axes=data=2,model=4).
+      tokenizer: a tokenizer to use instead of the preset's: a keras-hub tokenizer
+        preset directory or a SentencePiece .model file.
+
+    Returns:
+      A summary: workdir, backbone, format, params, tensors, bytes_read, largest_read.
+    """
+    from tfllm.checkpoint import Checkpointer
+    from tfllm.config import save_config
+    from tfllm.config.loader import to_dict
+    from tfllm.data.tokenizer import _check_vocab, from_file
+    from tfllm.models import build_model
+    from tfllm.parallel import make_parallel
+    from tfllm.parallel.mesh import client_id
+
+    workdir = os.path.abspath(os.path.expanduser(workdir))
+    if os.path.exists(workdir) and (not os.path.isdir(workdir) or os.listdir(workdir)):
+        raise PretrainedError(f"--workdir {workdir} exists and is not empty; import into a "
+                              "new directory (an import never overwrites a run).")
+    source = open_source(preset)
+    tmp = workdir.rstrip("/") + ".importing"
+    primary = client_id() == 0
+    try:
+        config = preset_config(source, overrides, os.path.join(workdir, "tokenizer"))
+        # The mesh first: splitting the CPU into logical devices must happen before
+        # anything (the tokenizer, the abstract backbone) initializes TensorFlow.
+        parallel = make_parallel(config)
+        if primary and os.path.exists(tmp):
+            shutil.rmtree(tmp)  # a crashed import's leftovers
+        if primary:
+            os.makedirs(tmp)
+            name = _write_tokenizer(source, tokenizer, tmp)
+            config.data.tokenizer_path = os.path.join(workdir, name)
+            # The tokenizer must load and fit the vocabulary before any weight is read.
+            _check_vocab(from_file(os.path.join(tmp, name)), config.model.vocab_size,
+                         f"the tokenizer of {source.path}")
+        model = build_model(config, parallel)
+        stats = load_weights(model, source)
+        origin = {"preset": source.path, "format": source.format,
+                  "backbone": source.backbone, "backbone_config": source.config}
+        variables = {f"model/{v.path}": v for v in model.variables}
+        checkpointer = Checkpointer(os.path.join(tmp, "checkpoints"), parallel,
+                                    config.checkpoint)
+        checkpointer.save(0, variables, {"config": to_dict(config), "imported": origin})
+        checkpointer.close()
+        if primary:
+            save_config(config, tmp)
+            with open(os.path.join(tmp, PRETRAINED_FILE), "w", encoding="utf-8") as f:
+                json.dump(origin, f, indent=1, sort_keys=True)
+            if os.path.isdir(workdir):
+                os.rmdir(workdir)  # empty (checked above)
+            os.replace(tmp, workdir)
+    except BaseException:
+        if primary:
+            shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    finally:
+        source.close()
+    params = sum(int(np.prod(v.shape)) for v in model.trainable_variables)
+    return {"workdir": workdir, "backbone": source.backbone, "format": source.format,
+            "params": params, "mesh": dict(parallel.shape), **stats}
+
+
+def read_origin(workdir: str) -> Optional[Dict]:
+    """The pretrained.json of an imported run, or None."""
+    path = os.path.join(workdir, PRETRAINED_FILE)
+    if not os.path.exists(path):
+        return None
+    with open(path, encoding="utf-8") as f:
+        return json.load(f)

@@ -1,0 +1,325 @@
+"""Reading pretrained weights tensor by tensor: keras-hub presets and Hugging Face folders.
+
+`open_source(dir)` recognizes the folder the way keras-hub does (its `config.json` is a
+serialized Keras backbone, or a Transformers config with a `model_type`) and returns a
+`Source` whose tensors are addressed by keras-hub variable paths
+("transformer_layer_0/self_attention/query/kernel") in keras-hub's shapes.
+
+* keras-hub presets: `model.weights.h5` (or the sharded `model.weights.json` + shards)
+  is read with h5py block by block: a client reads only the slices its devices hold.
+* Hugging Face folders: keras-hub's own converter for the `model_type` says which
+  safetensors tensor feeds each variable and how it is transposed/reshaped; that
+  reshaping needs the whole tensor, so a client reads one whole tensor at a time
+  (peak host memory: the largest tensor, not the model).
+"""
+
+from __future__ import annotations
+
+import inspect
+import json
+import os
+from typing import Dict, List, Optional, Sequence, Tuple
+
+import numpy as np
+
+from tfllm.pretrained import keras_internal
+from tfllm.pretrained.families import PretrainedError, family_for
+
+Block = Tuple[Tuple[int, ...], Tuple[int, ...]]  # (start, size)
+
+#: source dtypes a float32 tfllm weight may be read from (all convert exactly or widen)
+FLOAT_DTYPES = ("float16", "bfloat16", "float32")
+
+KERAS_WEIGHTS = "model.weights.h5"
+KERAS_SHARDED = "model.weights.json"
+
+
+def _slices(block: Block, offset: Sequence[int] = ()) -> tuple:
+    start, size = block
+    return tuple(slice(s, s + n) for s, n in zip(start, size))
+
+
+class Source:
+    """A pretrained model folder: its keras-hub backbone class, config and tensors.
+
+    Attributes:
+      path: the folder.
+      format: "keras-hub" or "huggingface".
+      backbone: the keras-hub backbone class name (e.g. "Llama3Backbone").
+      backbone_cls: that class.
+      config: the keras-hub backbone config (constructor arguments).
+      hf_config: the Transformers config.json (Hugging Face folders), else None.
+      variables: {keras-hub variable path: shape} of the backbone.
+    """
+
+    format = ""
+
+    def __init__(self, path: str, loader):
+        self.path = path
+        self.loader = loader
+        self.hf_config: Optional[dict] = None
+        self.backbone_cls, self.config = self._backbone()
+        self.backbone = self.backbone_cls.__name__
+        self.family = family_for(self.backbone, os.path.join(path, "config.json"))
+        self._abstract = None
+
+    # Reading the configs touches no TensorFlow device; building the abstract backbone
+    # may, so it waits until the mesh (which splits the CPU into devices) exists.
+    @property
+    def abstract(self):
+        """The keras-hub backbone with shapes and paths only (no memory)."""
+        if self._abstract is None:
+            self._abstract = keras_internal.abstract_backbone(
+                self.backbone_cls, {**self.config, "dtype": "float32"})
+            self._prepare()
+        return self._abstract
+
+    @property
+    def variables(self) -> Dict[str, Tuple[int, ...]]:
+        """{keras-hub variable path: shape} of the backbone's weights."""
+        return {v.path: tuple(int(n) for n in v.shape) for v in self.abstract.variables
+                if "seed_generator" not in v.path}  # dropout RNG state, not a weight
+
+    def _prepare(self) -> None:
+        """Format-specific indexing once the abstract backbone exists."""
+
+    def _backbone(self):
+        raise NotImplementedError
+
+    def describe(self, name: str) -> str:
+        """Where the tensor feeding keras-hub variable `name` lives (for messages)."""
+        raise NotImplementedError
+
+    def read(self, name: str, blocks: Sequence[Block], shape: Tuple[int, ...]
+             ) -> Dict[Block, np.ndarray]:
+        """The `blocks` of keras-hub variable `name`, checked against `shape` and dtype."""
+        raise NotImplementedError
+
+    def close(self) -> None:
+        pass
+
+    def _check(self, name: str, got_shape, got_dtype, shape) -> None:
+        if tuple(got_shape) != tuple(shape):
+            raise PretrainedError(f"{self.describe(name)}: shape {list(got_shape)}, but the "
+                                  f"model config needs {list(shape)}; the weights do not "
+                                  "belong to this config.json (or a --set changed the model).")
+        if str(got_dtype) not in FLOAT_DTYPES:
+            raise PretrainedError(f"{self.describe(name)}: dtype {got_dtype}; tfllm reads "
+                                  f"{', '.join(FLOAT_DTYPES)} weights (quantized checkpoints "
+                                  "are not supported).")
+
+
+class KerasPresetSource(Source):
+    """A keras-hub preset directory (`save_to_preset`)."""
+
+    format = "keras-hub"
+
+    def __init__(self, path: str, loader):
+        import h5py
+        super().__init__(path, loader)
+        self._h5py = h5py
+        self.locations: Dict[str, str] = {}
+        self._files: Dict[str, object] = {}
+        single = os.path.join(path, KERAS_WEIGHTS)
+        sharded = os.path.join(path, KERAS_SHARDED)
+        if os.path.exists(single):
+            self._map = None
+        elif os.path.exists(sharded):
+            with open(sharded, encoding="utf-8") as f:
+                self._map = json.load(f).get("weight_map", {})
+        else:
+            raise PretrainedError(f"{path}: a keras-hub preset needs {KERAS_WEIGHTS} (or the "
+                                  f"sharded {KERAS_SHARDED}); neither exists. Save the model "
+                                  "with save_to_preset, or copy its weights file here.")
+
+    def _prepare(self):
+        self.locations = keras_internal.h5_locations(self._abstract)
+
+    def _backbone(self):
+        import keras_hub
+        config = self.loader.config
+        name = config.get("class_name", "")
+        cls = getattr(keras_hub.models, name, None)
+        if cls is None:
+            raise PretrainedError(f"{self.path}/config.json: class {name!r} is not a keras-hub "
+                                  "model class.")
+        return cls, dict(config.get("config", {}))
+
+    def _file_for(self, dataset: str) -> str:
+        if self._map is None:
+            return KERAS_WEIGHTS
+        group = "/" + dataset.rsplit("/", 1)[0]
+        files = self._map.get(group)
+        if files is None:
+            raise PretrainedError(f"{self.path}/{KERAS_SHARDED}: no shard holds {group}; the "
+                                  "sharded preset is incomplete.")
+        files = files if isinstance(files, list) else [files]
+        for fname in files:
+            if dataset in self._open(fname):
+                return fname
+        raise PretrainedError(f"{self.path}: {dataset} is in none of {files}.")
+
+    def _open(self, fname: str):
+        if fname not in self._files:
+            full = os.path.join(self.path, fname)
+            if not os.path.exists(full):
+                raise PretrainedError(f"{full}: missing; the preset names it but it is not "
+                                      "there (an incomplete download?).")
+            self._files[fname] = self._h5py.File(full, "r")
+        return self._files[fname]
+
+    def describe(self, name: str) -> str:
+        dataset = self.locations.get(name, "?")
+        return f"{self.path}/{self._file_for(dataset) if dataset != '?' else KERAS_WEIGHTS}" \
+               f" [{dataset}] ({name})"
+
+    def read(self, name, blocks, shape):
+        import ml_dtypes
+        self.abstract  # noqa: B018  (builds self.locations)
+        dataset = self.locations.get(name)
+        if dataset is None:
+            raise PretrainedError(f"{self.path}: keras-hub's {self.backbone} has no variable "
+                                  f"{name}.")
+        fname = self._file_for(dataset)
+        h5 = self._open(fname)
+        if dataset not in h5:
+            raise PretrainedError(f"{self.path}/{fname}: tensor {dataset} ({name}) is "
+                                  "missing; the weights file does not match config.json.")
+        ds = h5[dataset]
+        bf16 = ds.attrs.get("dtype") == "bfloat16"
+        self._check(name, ds.shape, "bfloat16" if bf16 else ds.dtype, shape)
+        out = {}
+        for block in blocks:
+            part = ds[_slices(block)] if len(shape) else ds[()]
+            out[block] = np.array(part, dtype=ml_dtypes.bfloat16) if bf16 else np.asarray(part)
+        return out
+
+    def stored(self) -> List[str]:
+        """Every dataset of the weights file(s), to find tensors nothing consumed."""
+        names = []
+        files = [KERAS_WEIGHTS] if self._map is None else sorted(
+            {f for v in self._map.values() for f in (v if isinstance(v, list) else [v])})
+        for fname in files:
+            self._open(fname).visititems(
+                lambda n, o: names.append(n) if isinstance(o, self._h5py.Dataset) else None)
+        return names
+
+    def close(self):
+        for f in self._files.values():
+            f.close()
+        self._files = {}
+
+
+class HuggingFaceSource(Source):
+    """A Hugging Face Transformers folder (config.json + *.safetensors)."""
+
+    format = "huggingface"
+
+    def __init__(self, path: str, loader):
+        super().__init__(path, loader)
+        self._reader = None
+        self.ported: Dict[str, tuple] = {}
+
+    def _prepare(self):
+        self._reader = keras_internal.recording_safetensor_loader(self.path)
+        self._reader.__enter__()
+        try:
+            self.loader.converter.convert_weights(self._abstract, self._reader,
+                                                  self.hf_config)
+        except (KeyError, FileNotFoundError, OSError) as e:
+            self.close()
+            raise PretrainedError(f"{self.path}: keras-hub's {self.backbone} converter could "
+                                  f"not find a tensor ({e}); the safetensors files do not "
+                                  "match config.json.") from None
+        self.ported = self._reader.ported
+
+    def _backbone(self):
+        self.hf_config = self.loader.config
+        converter = self.loader.converter
+        convert = converter.convert_backbone_config
+        if len(inspect.signature(convert).parameters) != 1:
+            raise PretrainedError(f"{self.path}: model_type "
+                                  f"{self.hf_config.get('model_type')!r} needs a task-specific "
+                                  "converter tfllm does not drive.")
+        try:
+            return converter.backbone_cls, dict(convert(self.hf_config))
+        except (KeyError, ValueError) as e:
+            raise PretrainedError(f"{self.path}/config.json: keras-hub's converter rejects it "
+                                  f"({e}).") from None
+
+    def describe(self, name: str) -> str:
+        key = self.ported.get(name, ("?",))[0]
+        return f"{self.path} [{key}] ({name})"
+
+    def read(self, name, blocks, shape):
+        self.abstract  # noqa: B018  (runs the converter: fills self.ported)
+        if name not in self.ported:
+            raise PretrainedError(f"{self.path}: keras-hub's converter maps no tensor to "
+                                  f"{name}.")
+        key, hook, kh_shape = self.ported[name]
+        try:
+            tensor = self._reader.get_tensor(key)
+        except Exception as e:  # safetensors raises its own error types
+            raise PretrainedError(f"{self.path}: tensor {key} ({name}) cannot be read: "
+                                  f"{e}") from None
+        if str(tensor.dtype) not in FLOAT_DTYPES:
+            self._check(name, shape, tensor.dtype, shape)
+        if hook is not None:
+            try:
+                tensor = hook(tensor, list(kh_shape))
+            except ValueError as e:  # a reshape of a wrongly shaped tensor
+                raise PretrainedError(f"{self.describe(name)}: shape {list(tensor.shape)} "
+                                      f"cannot become {list(kh_shape)} ({e}); the weights do "
+                                      "not belong to this config.json.") from None
+        tensor = np.asarray(tensor)
+        self._check(name, tensor.shape, tensor.dtype, shape)
+        return {block: tensor[_slices(block)] if len(shape) else tensor for block in blocks}
+
+    def stored(self) -> List[str]:
+        names = []
+        for fname in self._files():
+            from safetensors import safe_open
+            with safe_open(os.path.join(self.path, fname), framework="np") as f:
+                names.extend(f.keys())
+        return names
+
+    def _files(self) -> List[str]:
+        index = os.path.join(self.path, "model.safetensors.index.json")
+        if os.path.exists(index):
+            with open(index, encoding="utf-8") as f:
+                return sorted(set(json.load(f)["weight_map"].values()))
+        return ["model.safetensors"]
+
+    def close(self):
+        reader = getattr(self, "_reader", None)
+        if reader is not None:
+            reader.__exit__(None, None, None)
+            self._reader = None
+
+
+def open_source(path: str) -> Source:
+    """The `Source` for a keras-hub preset or Hugging Face folder; PretrainedError when it
+    is neither, or when its architecture is not one tfllm holds."""
+    from tfllm.pretrained.families import supported
+    path = os.path.abspath(os.path.expanduser(path))
+    if not os.path.isdir(path):
+        raise PretrainedError(f"--preset {path}: no such directory; give a local keras-hub "
+                              "preset (save_to_preset) or Hugging Face checkpoint folder.")
+    if not os.path.exists(os.path.join(path, "config.json")):
+        raise PretrainedError(f"{path}: no config.json; a keras-hub preset or Hugging Face "
+                              "checkpoint folder has one.")
+    try:
+        loader = keras_internal.preset_loader(path)
+    except ValueError as e:
+        message = str(e).split("\n")[0]
+        raise PretrainedError(f"{path}/config.json: {message} Supported: {supported()}.") \
+            from None
+    except json.JSONDecodeError as e:
+        raise PretrainedError(f"{path}/config.json is not valid JSON ({e}).") from None
+    kind = type(loader).__name__
+    if kind == "KerasPresetLoader":
+        return KerasPresetSource(path, loader)
+    if kind == "TransformersPresetLoader":
+        return HuggingFaceSource(path, loader)
+    raise PretrainedError(f"{path}: a {kind} folder; tfllm imports keras-hub presets and "
+                          f"Hugging Face folders of: {supported()}.")
