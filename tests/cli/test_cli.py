@@ -34,7 +34,8 @@ def test_cli_surface_is_frozen():
         "generate": ["--help", "--max-new-tokens", "--prompt", "--seed", "--set",
                      "--temperature", "--top-k", "--top-p", "--workdir", "-h"],
         "eval": ["--help", "--set", "--steps", "--workdir", "-h"],
-        "export": ["--help", "--out", "--set", "--workdir", "-h"],
+        "export": ["--format", "--help", "--out", "--set", "--workdir", "-h"],
+        "import": ["--help", "--preset", "--set", "--tokenizer", "--workdir", "-h"],
     }
 
 

@@ -94,8 +94,18 @@ def cmd_eval(args) -> int:
 
 
 def cmd_export(args) -> int:
+    if args.format == "keras-hub":
+        from tfllm.pretrained.exporter import export_preset
+        print(json.dumps(export_preset(_saved_config(args), args.workdir, args.out)))
+        return 0
     from tfllm.train.export import export_model
     print(json.dumps(export_model(_saved_config(args), args.workdir, args.out)))
+    return 0
+
+
+def cmd_import(args) -> int:
+    from tfllm.pretrained import import_preset
+    print(json.dumps(import_preset(args.preset, args.workdir, args.overrides, args.tokenizer)))
     return 0
 
 
@@ -175,7 +185,19 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--set", dest="overrides", action="append", default=[],
                    metavar="SECTION.KEY=VALUE", help="Override a setting.")
     p.add_argument("--out", required=True, help="Output directory.")
+    p.add_argument("--format", default="saved-model", choices=("saved-model", "keras-hub"),
+                   help="saved-model (SavedModel + Keras weights) or keras-hub (a preset "
+                        "that keras_hub.models.CausalLM.from_preset loads).")
     p.set_defaults(fn=cmd_export)
+    p = sub.add_parser("import", help="Write a run at step 0 from a local keras-hub preset "
+                       "or Hugging Face checkpoint folder, for generate/eval/train/export.")
+    p.add_argument("--preset", required=True, help="The preset or checkpoint directory.")
+    p.add_argument("--workdir", required=True, help="The new run directory.")
+    p.add_argument("--set", dest="overrides", action="append", default=[],
+                   metavar="SECTION.KEY=VALUE", help="Override a setting, e.g. mesh.axes.")
+    p.add_argument("--tokenizer", default=None, help="Use this tokenizer instead of the "
+                   "preset's: a keras-hub tokenizer preset or a SentencePiece .model file.")
+    p.set_defaults(fn=cmd_import)
     p = sub.add_parser("layouts", help="Print each variable's layout and bytes per device "
                        "without allocating the model.")
     _common(p)
@@ -218,8 +240,9 @@ def _input_errors() -> tuple:
     from tfllm.parallel.coordination import ClientMismatchError
     from tfllm.parallel.mesh import MeshError
     from tfllm.parallel.rules import ShardingError
+    from tfllm.pretrained.families import PretrainedError
     return (ConfigError, MeshError, ShardingError, DataError, CheckpointError,
-            ClientMismatchError, FileNotFoundError)
+            ClientMismatchError, FileNotFoundError, PretrainedError)
 
 
 def main(argv=None) -> int:

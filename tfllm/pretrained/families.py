@@ -151,10 +151,21 @@ _LLAMA_KEYS = frozenset({
 
 def _llama_family(backbone: str, description: str) -> Family:
     def fields(kh, max_length=None):
-        return _llama_fields(kh, kh.get("tie_word_embeddings", False), False,
-                             kh.get("rope_position_scaling_factor", 1.0), None, max_length)
+        factor = kh.get("rope_position_scaling_factor", 1.0)
+        if factor and float(factor) != 1.0:
+            # keras-hub's LlamaRotaryEmbedding (0.32) ignores it, so the preset's own
+            # library does not apply the scaling its config names: refuse to guess.
+            raise PretrainedError(f"{backbone} config: rope_position_scaling_factor={factor}"
+                                  " is ignored by keras-hub's own Llama layers, so what the "
+                                  "preset computes is ambiguous; tfllm imports Llama presets "
+                                  "with 1.0 (or llama3 scaling).")
+        return _llama_fields(kh, kh.get("tie_word_embeddings", False), False, 1.0, None,
+                             max_length)
 
     def kwargs(m, original):
+        if m.rope_scaling == "linear":
+            raise PretrainedError(f"{backbone}'s layers ignore linear RoPE scaling; export "
+                                  "this model as QwenBackbone or MistralBackbone.")
         return {**_llama_kwargs_common(m), **_rope_llama_kwargs(m),
                 "tie_word_embeddings": bool(m.tie_embeddings),
                 "dropout": original.get("dropout", 0.0)}

@@ -37,7 +37,12 @@ def preset_model_section(source: Source) -> dict:
     from tfllm.pretrained.families import _check_understood
     _check_understood(source.family, source.config, os.path.join(source.path, "config.json"))
     max_length = (source.hf_config or {}).get("max_position_embeddings")
-    return source.family.model_fields(source.config, max_length)
+    kh = source.config
+    if (source.format == "keras-hub" and source.family.tfllm_family == "llama"
+            and "tie_word_embeddings" not in source.stated and source.backbone != "MistralBackbone"):
+        # Also builds the abstract backbone (h5 locations) tied, like the weights.
+        kh["tie_word_embeddings"] = not source.stores_output_embedding()
+    return source.family.model_fields(kh, max_length)
 
 
 def preset_config(source: Source, overrides: Iterable[str] = (),

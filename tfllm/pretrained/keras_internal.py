@@ -15,12 +15,12 @@ otherwise, instead of an AttributeError in the middle of an import.
 from __future__ import annotations
 
 import keras
-import keras_hub
 
 _WRITTEN_FOR = "Keras 3.5-3.x with keras-hub 0.20-0.x"
 
 
 def _missing(what: str) -> RuntimeError:
+    import keras_hub
     return RuntimeError(f"Keras {keras.__version__} / keras-hub {keras_hub.__version__} lacks "
                         f"{what}, which tfllm's pretrained import uses (written for "
                         f"{_WRITTEN_FOR}); install versions in that range.")

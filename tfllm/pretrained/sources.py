@@ -58,7 +58,13 @@ class Source:
         self.path = path
         self.loader = loader
         self.hf_config: Optional[dict] = None
-        self.backbone_cls, self.config = self._backbone()
+        self.backbone_cls, config = self._backbone()
+        # Arguments the config leaves out take the backbone's defaults, as keras-hub does.
+        defaults = {k: p.default for k, p in
+                    inspect.signature(self.backbone_cls.__init__).parameters.items()
+                    if p.default is not inspect.Parameter.empty and k != "dtype"}
+        self.config = {**defaults, **config}
+        self.stated = set(config)  # the keys the folder's config really names
         self.backbone = self.backbone_cls.__name__
         self.family = family_for(self.backbone, os.path.join(path, "config.json"))
         self._abstract = None
@@ -135,6 +141,22 @@ class KerasPresetSource(Source):
     def _prepare(self):
         self.locations = keras_internal.h5_locations(self._abstract)
 
+    def stores_output_embedding(self) -> bool:
+        """Whether the weights hold a separate output embedding (a ReversibleEmbedding's
+        second variable). keras-hub's Llama configs (0.32) omit tie_word_embeddings, so a
+        tied preset is recognized by its weights."""
+        found = []
+        for fname in self._weight_files():
+            self._open(fname).visit(lambda n: found.append(n) if n.endswith(
+                "reversible_embedding/vars/1") else None)
+        return bool(found)
+
+    def _weight_files(self) -> List[str]:
+        if self._map is None:
+            return [KERAS_WEIGHTS]
+        return sorted({f for v in self._map.values()
+                       for f in (v if isinstance(v, list) else [v])})
+
     def _backbone(self):
         import keras_hub
         config = self.loader.config
@@ -191,15 +213,17 @@ class KerasPresetSource(Source):
         out = {}
         for block in blocks:
             part = ds[_slices(block)] if len(shape) else ds[()]
-            out[block] = np.array(part, dtype=ml_dtypes.bfloat16) if bf16 else np.asarray(part)
+            part = np.asarray(part)
+            if bf16:  # h5py stores bfloat16 as 2-byte opaque values
+                part = part.view(ml_dtypes.bfloat16) if part.dtype.itemsize == 2 \
+                    else part.astype(ml_dtypes.bfloat16)
+            out[block] = part
         return out
 
     def stored(self) -> List[str]:
         """Every dataset of the weights file(s), to find tensors nothing consumed."""
         names = []
-        files = [KERAS_WEIGHTS] if self._map is None else sorted(
-            {f for v in self._map.values() for f in (v if isinstance(v, list) else [v])})
-        for fname in files:
+        for fname in self._weight_files():
             self._open(fname).visititems(
                 lambda n, o: names.append(n) if isinstance(o, self._h5py.Dataset) else None)
         return names
@@ -242,7 +266,15 @@ class HuggingFaceSource(Source):
                                   f"{self.hf_config.get('model_type')!r} needs a task-specific "
                                   "converter tfllm does not drive.")
         try:
-            return converter.backbone_cls, dict(convert(self.hf_config))
+            config = dict(convert(self.hf_config))
+            if "use_sliding_window" in config:  # keras-hub 0.32's Qwen converter's name
+                config["use_sliding_window_attention"] = config.pop("use_sliding_window")
+            eps = self.hf_config.get("rms_norm_eps")
+            if eps is not None and "layer_norm_epsilon" not in config:
+                # keras-hub 0.32's Llama converter drops rms_norm_eps (Llama 3 uses 1e-5,
+                # keras-hub's default is 1e-6); the checkpoint's own value is the model's.
+                config["layer_norm_epsilon"] = float(eps)
+            return converter.backbone_cls, config
         except (KeyError, ValueError) as e:
             raise PretrainedError(f"{self.path}/config.json: keras-hub's converter rejects it "
                                   f"({e}).") from None

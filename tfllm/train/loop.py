@@ -27,7 +27,8 @@ from tfllm.train.preemption import NonFiniteError, Preempted, SignalWatcher
 from tfllm.train.progress import Progress
 from tfllm.train.run import Run, sample_text
 from tfllm.train.tensorboard import TensorBoard
-from tfllm.train.workdir import check_workdir, clear_dead_run, truncate_metrics
+from tfllm.train.workdir import (check_workdir, clear_dead_run, imported_start,
+                                 truncate_metrics)
 
 __all__ = ["Run", "train"]
 
@@ -96,7 +97,8 @@ def _train(config, workdir, model_cls, out, signals) -> dict:
         tf.config.experimental.enable_op_determinism()
     ckpt_dir = os.path.join(workdir, "checkpoints")
     has_checkpoint = os.path.isdir(ckpt_dir) and bool(committed(ckpt_dir))
-    check_workdir(workdir, config, has_checkpoint)
+    imported = has_checkpoint and imported_start(ckpt_dir)
+    check_workdir(workdir, config, has_checkpoint, imported)
     run = Run(config, model_cls, workdir)  # bad data or tokenizer settings fail here
     checkpointer = Checkpointer(ckpt_dir, run.parallel, config.checkpoint)
     os.makedirs(workdir, exist_ok=True)
@@ -106,7 +108,15 @@ def _train(config, workdir, model_cls, out, signals) -> dict:
         save_config(config, workdir)
 
     start_step, first_step_s = 0, None
-    meta = checkpointer.restore_latest(run.state_variables())
+    if imported:  # pretrained weights: a new run starts from them at step 0
+        weights = {k: v for k, v in run.state_variables().items() if k.startswith("model/")
+                   and getattr(v, "kind", None) != "fp8_state"}
+        meta = checkpointer.restore(weights, step=0, strict=False)
+        progress_note = f"; fine-tuning from {meta['imported'].get('preset', 'imported weights')}"
+        meta = None
+    else:
+        progress_note = ""
+        meta = checkpointer.restore_latest(run.state_variables())
     if meta is not None:
         start_step = int(meta["step"])
         run.restore_data_state(checkpointer.restored_files)
@@ -122,7 +132,8 @@ def _train(config, workdir, model_cls, out, signals) -> dict:
     progress.message(f"tfllm: {config.model.family} on mesh [{mesh}] "
                      f"({run.parallel.device_type}), jit_compile={run.jit_compile}, "
                      f"{describe(config.precision)}"
-                     + (f"; resuming after step {start_step}" if start_step else ""))
+                     + (f"; resuming after step {start_step}" if start_step else "")
+                     + progress_note)
     idle = run.idle_batch_axes()
     if idle:
         progress.message(f"tfllm: note: the batch is sharded over '{run.batch_axis}' only; "

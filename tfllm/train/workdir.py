@@ -31,9 +31,9 @@ class WorkdirError(ConfigError):
     """The workdir cannot be used for this run."""
 
 
-def _differences(saved: dict, current: dict) -> list:
+def _differences(saved: dict, current: dict, defining=RUN_DEFINING) -> list:
     diffs = []
-    for section, key in RUN_DEFINING:
+    for section, key in defining:
         keys = [key] if key else sorted(set(saved.get(section, {})) | set(current[section]))
         for k in keys:
             a, b = saved.get(section, {}).get(k), current[section].get(k)
@@ -42,13 +42,25 @@ def _differences(saved: dict, current: dict) -> list:
     return diffs
 
 
-def check_workdir(workdir: str, config, has_checkpoint: bool) -> None:
+def imported_start(checkpoint_dir: str) -> bool:
+    """Whether the newest committed checkpoint is a `tfllm import` (pretrained weights at
+    step 0): training from it starts a new (fine-tuning) run rather than resuming one."""
+    from tfllm.checkpoint import Reader, committed
+    steps = committed(checkpoint_dir) if os.path.isdir(checkpoint_dir) else []
+    if not steps or steps[-1][0] != 0:
+        return False
+    return "imported" in Reader(steps[-1][1]).metadata()
+
+
+def check_workdir(workdir: str, config, has_checkpoint: bool, imported: bool = False) -> None:
     """Raises `WorkdirError` when `workdir` holds a different run.
 
     Args:
       workdir: the run directory.
       config: this run's validated config.
       has_checkpoint: whether the workdir has a committed checkpoint.
+      imported: the checkpoint is pretrained weights (`tfllm import`): only the model
+        section must match; data, optimizer, precision and batch are the new run's.
     """
     if os.path.exists(workdir) and not os.path.isdir(workdir):
         raise WorkdirError(f"--workdir {workdir} is a file, not a directory; choose another "
@@ -62,7 +74,8 @@ def check_workdir(workdir: str, config, has_checkpoint: bool) -> None:
     except (OSError, yaml.YAMLError) as e:
         raise WorkdirError(f"{path} cannot be read ({e}); restore it or use a new "
                            "--workdir.") from None
-    diffs = _differences(saved, to_dict(config))
+    diffs = _differences(saved, to_dict(config), (("model", None),) if imported
+                         else RUN_DEFINING)
     if diffs:
         raise WorkdirError(
             f"{workdir} holds a different run ({'; '.join(diffs[:4])}"

@@ -1,0 +1,120 @@
+"""Tiny keras-hub models with random weights, saved as presets or Hugging Face folders."""
+
+import os
+
+import keras
+import keras_hub
+import numpy as np
+
+# Small enough to build in a second, shaped to divide over model=4 (8 query heads,
+# 4 key-value heads, vocab 64, MLP 64).
+_LLAMA = dict(vocabulary_size=64, num_layers=2, num_query_heads=8, hidden_dim=32,
+              intermediate_dim=64, num_key_value_heads=4)
+
+#: name -> (backbone class, constructor arguments); one per supported family/variant
+BACKBONES = {
+    "gpt2": (keras_hub.models.GPT2Backbone,
+             dict(vocabulary_size=64, num_layers=2, num_heads=8, hidden_dim=32,
+                  intermediate_dim=128, max_sequence_length=48)),  # HF GPT-2: 4 x hidden
+    "llama2": (keras_hub.models.LlamaBackbone,
+               dict(_LLAMA, layer_norm_epsilon=1e-5)),
+    # Llama 3.1-style: llama3 RoPE scaling; the test sequences (40) pass the pre-training
+    # length (16) so that every frequency band of the scaling is exercised.
+    "llama3": (keras_hub.models.Llama3Backbone,
+               dict(_LLAMA, rope_max_wavelength=500000, rope_frequency_adjustment_factor=8.0,
+                    rope_low_freq_factor=1.0, rope_high_freq_factor=4.0,
+                    rope_pretraining_sequence_length=16)),
+    "llama3_tied": (keras_hub.models.Llama3Backbone, dict(_LLAMA, tie_word_embeddings=True)),
+    "mistral": (keras_hub.models.MistralBackbone, dict(_LLAMA, sliding_window=64)),
+    # linear RoPE scaling (positions / 2), as Qwen2's and Mistral's RotaryEmbedding apply it
+    "qwen": (keras_hub.models.QwenBackbone, dict(_LLAMA, tie_word_embeddings=False,
+                                                 rope_scaling_factor=2.0)),
+}
+
+_BPE_SPECIALS = {
+    "gpt2": ["<|endoftext|>"],
+    "llama3": ["<|begin_of_text|>", "<|end_of_text|>", "<|start_header_id|>",
+               "<|end_header_id|>", "<|eot_id|>"],
+}
+
+
+def bpe_vocabulary(specials, size=64):
+    """A byte-level BPE vocabulary of `size` ids: specials, letters, merges of 'Ġ'."""
+    vocab = {}
+    for token in specials:
+        vocab[token] = len(vocab)
+    for c in "Ġ" + "abcdefghijklmnopqrstuvwxyz.,":
+        vocab[c] = len(vocab)
+    merges = []
+    for pair in ("Ġ t", "t h", "Ġt h", "e r", "Ġ a", "a n", "Ġ s", "o n", "i n", "Ġ c",
+                 "a t", "Ġc at", "Ġs at", "Ġ o", "Ġo n", "Ġ m", "Ġm at"):
+        merged = pair.replace(" ", "")
+        if merged not in vocab and len(vocab) < size:
+            vocab[merged] = len(vocab)
+            merges.append(pair)
+    return vocab, merges
+
+
+def random_weights(backbone, seed=0):
+    """Replaces every weight by N(0, 0.3^2): the logits then depend on every tensor."""
+    rng = np.random.RandomState(seed)
+    for v in backbone.weights:
+        if "seed_generator" not in v.path:
+            v.assign(rng.normal(0, 0.3, v.shape).astype(v.dtype))
+
+
+def make_backbone(name, seed=0, dtype="float32"):
+    cls, kwargs = BACKBONES[name]
+    keras.utils.set_random_seed(seed)
+    backbone = cls(**kwargs, dtype=dtype)
+    random_weights(backbone, seed)
+    return backbone
+
+
+def make_causal_lm(name, seed=0, dtype="float32"):
+    """A keras-hub CausalLM with random weights and, for gpt2/llama3, a BPE tokenizer."""
+    backbone = make_backbone(name, seed, dtype)
+    base = type(backbone).__name__.replace("Backbone", "")
+    task_cls = getattr(keras_hub.models, base + "CausalLM")
+    key = "gpt2" if name == "gpt2" else "llama3"
+    if name.startswith("llama3") or name == "gpt2":
+        vocab, merges = bpe_vocabulary(_BPE_SPECIALS[key])
+        tokenizer = getattr(keras_hub.models, base + "Tokenizer")(vocabulary=vocab,
+                                                                  merges=merges)
+        pre = getattr(keras_hub.models, base + "CausalLMPreprocessor")(tokenizer=tokenizer)
+        return task_cls(backbone=backbone, preprocessor=pre)
+    return task_cls(backbone=backbone, preprocessor=None)
+
+
+def save_preset(name, path, seed=0, dtype="float32"):
+    """A keras-hub preset directory (backbone, and task + tokenizer when there is one)."""
+    lm = make_causal_lm(name, seed, dtype)
+    if lm.preprocessor is None:
+        lm.backbone.save_to_preset(str(path))
+    else:
+        lm.save_to_preset(str(path))
+    return lm
+
+
+def save_huggingface(name, path, seed=0):
+    """A Hugging Face folder (config.json, model.safetensors, tokenizer) by keras-hub's
+    own exporter."""
+    lm = make_causal_lm(name, seed)
+    lm.backbone.export_to_transformers(str(path)) if lm.preprocessor is None else \
+        lm.export_to_transformers(str(path))
+    return lm
+
+
+def keras_hub_logits(lm, ids):
+    """keras-hub's float32 logits (B, T, V) for token ids (B, T)."""
+    mask = np.ones_like(ids)
+    hidden = lm.backbone({"token_ids": ids, "padding_mask": mask})
+    return np.asarray(lm.backbone.token_embedding(hidden, reverse=True), np.float32)
+
+
+def token_ids(batch=2, length=40, vocab=64, seed=1):
+    return np.random.RandomState(seed).randint(0, vocab, (batch, length)).astype("int32")
+
+
+def listing(path):
+    return sorted(os.listdir(path)) if os.path.isdir(path) else None

@@ -1,0 +1,100 @@
+"""A tfllm run out as a keras-hub preset (`tfllm export --format keras-hub`).
+
+The latest checkpoint is restored onto one device, copied into the keras-hub backbone
+the run was imported from (pretrained.json), or the family's default (GPT2Backbone,
+Llama3Backbone, QwenBackbone with q/k/v biases), and written with keras-hub's own
+`save_to_preset`: config, float32 weights, and, when the run has a keras-hub
+tokenizer, the tokenizer and preprocessor, so that
+`keras_hub.models.CausalLM.from_preset(DIR)` loads it and generates.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+
+import numpy as np
+
+from tfllm.pretrained.families import PretrainedError, default_backbone, family_for
+from tfllm.pretrained.importer import read_origin
+
+
+def _run_tokenizer(config):
+    """The run's tokenizer as a keras-hub tokenizer, or None when it is not one."""
+    import keras_hub
+    d = config.data
+    if d.tokenizer != "file" or not os.path.isdir(os.path.expanduser(d.tokenizer_path)):
+        return None
+    return keras_hub.tokenizers.Tokenizer.from_preset(os.path.expanduser(d.tokenizer_path))
+
+
+def export_preset(config, workdir: str, out_dir: str) -> dict:
+    """Writes the run in `workdir` (latest checkpoint) as a keras-hub preset `out_dir`.
+
+    Args:
+      config: the run's config (its config.yaml).
+      workdir: the run directory.
+      out_dir: the preset directory; written under a temporary name, renamed last.
+
+    Returns:
+      A summary: out, step, backbone, tokenizer (true when written).
+    """
+    import keras_hub
+    from tfllm.checkpoint import Checkpointer, run_state_variables
+    from tfllm.models import build_model
+
+    origin = read_origin(workdir) or {}
+    name = origin.get("backbone") or default_backbone(config.model)
+    family = family_for(name, os.path.join(workdir, "pretrained.json"))
+    if family.tfllm_family != config.model.family:
+        raise PretrainedError(f"{workdir}: a {config.model.family} model cannot be written "
+                              f"as {name}.")
+    kwargs = family.backbone_kwargs(config.model, origin.get("backbone_config", {}))
+    untie = False
+    if kwargs.get("tie_word_embeddings") and name in ("LlamaBackbone", "Llama3Backbone"):
+        # keras-hub (0.32) drops tie_word_embeddings from these configs, so a tied preset
+        # would load untied and fail; write the output embedding out explicitly instead.
+        kwargs["tie_word_embeddings"], untie = False, True
+    model = build_model(config, None)  # one device: the preset is written whole
+    checkpointer = Checkpointer(os.path.join(workdir, "checkpoints"), None, config.checkpoint)
+    meta = checkpointer.restore_latest(run_state_variables(model), strict=False)
+    if meta is None:
+        raise FileNotFoundError(f"{checkpointer.directory} holds no committed checkpoint; "
+                                "train or import first.")
+    backbone = getattr(keras_hub.models, name)(**kwargs, dtype="float32")
+    theirs = {v.path: v for v in backbone.variables if "seed_generator" not in v.path}
+    mapping = family.weight_map(config.model)
+    prefix = model.name + "/"
+    done = set()
+    for var in model.variables:
+        if getattr(var, "kind", None) == "fp8_state":
+            continue
+        path = var.path[len(prefix):] if var.path.startswith(prefix) else var.path
+        target = theirs.get(mapping.get(path, ""))
+        if target is None or tuple(target.shape) != tuple(var.shape):
+            raise PretrainedError(f"{name} has no variable shaped {list(var.shape)} for "
+                                  f"tfllm's {path}; this model cannot be written as {name}.")
+        target.assign(np.asarray(var.numpy(), np.float32))
+        done.add(target.path)
+    if untie:
+        embedding = theirs["token_embedding/embeddings"]
+        theirs["token_embedding/reverse_embeddings"].assign(np.transpose(embedding.numpy()))
+        done.add("token_embedding/reverse_embeddings")
+    missing = sorted(set(theirs) - done)
+    if missing:
+        raise PretrainedError(f"{name}'s weights {missing[:5]} have no tfllm counterpart.")
+
+    tmp = out_dir.rstrip("/") + ".tmp-export"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tokenizer = _run_tokenizer(config)
+    if tokenizer is not None:
+        task_cls = getattr(keras_hub.models, name.replace("Backbone", "CausalLM"))
+        pre_cls = getattr(keras_hub.models, name.replace("Backbone", "CausalLMPreprocessor"))
+        task_cls(backbone=backbone, preprocessor=pre_cls(tokenizer=tokenizer)).save_to_preset(tmp)
+    else:
+        backbone.save_to_preset(tmp)
+    if os.path.exists(out_dir):
+        shutil.rmtree(out_dir)
+    os.replace(tmp, out_dir)
+    return {"out": out_dir, "step": int(meta["step"]), "backbone": name,
+            "tokenizer": tokenizer is not None}
