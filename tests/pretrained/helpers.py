@@ -7,14 +7,16 @@ import keras_hub
 import numpy as np
 
 # Small enough to build in a second, shaped to divide over model=4 (8 query heads,
-# 4 key-value heads, vocab 64, MLP 64).
-_LLAMA = dict(vocabulary_size=64, num_layers=2, num_query_heads=8, hidden_dim=32,
+# 4 key-value heads, vocab 288, MLP 64).
+VOCAB = 288  # the 256 bytes, specials and merges; divisible by model=4
+
+_LLAMA = dict(vocabulary_size=VOCAB, num_layers=2, num_query_heads=8, hidden_dim=32,
               intermediate_dim=64, num_key_value_heads=4)
 
 #: name -> (backbone class, constructor arguments); one per supported family/variant
 BACKBONES = {
     "gpt2": (keras_hub.models.GPT2Backbone,
-             dict(vocabulary_size=64, num_layers=2, num_heads=8, hidden_dim=32,
+             dict(vocabulary_size=VOCAB, num_layers=2, num_heads=8, hidden_dim=32,
                   intermediate_dim=128, max_sequence_length=48)),  # HF GPT-2: 4 x hidden
     "llama2": (keras_hub.models.LlamaBackbone,
                dict(_LLAMA, layer_norm_epsilon=1e-5)),
@@ -38,20 +40,30 @@ _BPE_SPECIALS = {
 }
 
 
-def bpe_vocabulary(specials, size=64):
-    """A byte-level BPE vocabulary of `size` ids: specials, letters, merges of 'Ġ'."""
+def _byte_alphabet():
+    """The 256 printable stand-ins byte-level BPE uses for the bytes (GPT-2's mapping)."""
+    printable = (list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1))
+                 + list(range(ord("®"), ord("ÿ") + 1)))
+    extra = [b for b in range(256) if b not in printable]
+    return [chr(b) for b in printable] + [chr(256 + i) for i in range(len(extra))]
+
+
+def bpe_vocabulary(specials, size=VOCAB):
+    """A byte-level BPE vocabulary of `size` ids: specials, every byte, a few merges, so
+    that any text tokenizes."""
     vocab = {}
     for token in specials:
         vocab[token] = len(vocab)
-    for c in "Ġ" + "abcdefghijklmnopqrstuvwxyz.,":
+    for c in _byte_alphabet():
         vocab[c] = len(vocab)
     merges = []
-    for pair in ("Ġ t", "t h", "Ġt h", "e r", "Ġ a", "a n", "Ġ s", "o n", "i n", "Ġ c",
-                 "a t", "Ġc at", "Ġs at", "Ġ o", "Ġo n", "Ġ m", "Ġm at"):
+    for pair in ("Ġ t", "h e", "Ġt he", "Ġ c", "a t", "Ġc at", "Ġ s", "Ġs at", "Ġ o", "o n",
+                 "Ġo n", "Ġ a", "Ġ m", "Ġm at", "Ġ d", "o g", "Ġd og", "a n", "Ġa n", "Ġan d"):
         merged = pair.replace(" ", "")
         if merged not in vocab and len(vocab) < size:
             vocab[merged] = len(vocab)
             merges.append(pair)
+    assert len(vocab) <= size
     return vocab, merges
 
 
@@ -112,7 +124,7 @@ def keras_hub_logits(lm, ids):
     return np.asarray(lm.backbone.token_embedding(hidden, reverse=True), np.float32)
 
 
-def token_ids(batch=2, length=40, vocab=64, seed=1):
+def token_ids(batch=2, length=40, vocab=VOCAB, seed=1):
     return np.random.RandomState(seed).randint(0, vocab, (batch, length)).astype("int32")
 
 
