@@ -12,8 +12,12 @@ setup(
     packages=find_packages(include=["tfllm", "tfllm.*"]),
     install_requires=[
         "tensorflow>=2.16,<2.22",
-        "keras>=3.5",
-        "keras-hub>=0.20",
+        # tfllm.pretrained.keras_internal and tfllm.train.tf_internal fence the private
+        # APIs used; these bounds are the versions they were written for.
+        "keras>=3.5,<4",
+        "keras-hub>=0.20,<1",
+        "safetensors",  # Hugging Face checkpoints (tfllm import)
+        "h5py",  # keras-hub preset weights, read block by block
         "tensorflow-datasets",
         "tensorboard",
         "absl-py",
