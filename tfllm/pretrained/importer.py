@@ -190,13 +190,13 @@ def import_preset(preset: str, workdir: str, overrides: Iterable[str] = (),
     Returns:
       A summary: workdir, backbone, format, params, tensors, bytes_read, largest_read.
     """
-    from tfllm.checkpoint import Checkpointer
+    from tfllm.checkpoint import Checkpointer, agree_nonce
     from tfllm.config import save_config
     from tfllm.config.loader import to_dict
     from tfllm.data.tokenizer import _check_vocab, from_file
     from tfllm.models import build_model
     from tfllm.parallel import make_parallel
-    from tfllm.parallel.mesh import client_id
+    from tfllm.parallel.mesh import client_id, num_clients
 
     workdir = os.path.abspath(os.path.expanduser(workdir))
     if os.path.exists(workdir) and (not os.path.isdir(workdir) or os.listdir(workdir)):
@@ -207,13 +207,14 @@ def import_preset(preset: str, workdir: str, overrides: Iterable[str] = (),
     primary = client_id() == 0
     try:
         config = preset_config(source, overrides, os.path.join(workdir, "tokenizer"))
-        # The mesh first: splitting the CPU into logical devices must happen before
-        # anything (the tokenizer, the abstract backbone) initializes TensorFlow.
-        parallel = make_parallel(config)
         if primary and os.path.exists(tmp):
-            shutil.rmtree(tmp)  # a crashed import's leftovers
+            shutil.rmtree(tmp)  # a crashed import's leftovers, before any client joins
+        # The mesh next: splitting the CPU into logical devices must happen before
+        # anything (the tokenizer, the abstract backbone) initializes TensorFlow; with
+        # several clients it is also where they meet.
+        parallel = make_parallel(config)
         if primary:
-            os.makedirs(tmp)
+            os.makedirs(tmp, exist_ok=True)
             name = _write_tokenizer(source, tokenizer, tmp)
             config.data.tokenizer_path = os.path.join(workdir, name)
             # The tokenizer must load and fit the vocabulary before any weight is read.
@@ -228,6 +229,8 @@ def import_preset(preset: str, workdir: str, overrides: Iterable[str] = (),
                                     config.checkpoint)
         checkpointer.save(0, variables, {"config": to_dict(config), "imported": origin})
         checkpointer.close()
+        # Every client has seen the commit before client 0 moves the directory.
+        agree_nonce(parallel.mesh, num_clients())
         if primary:
             save_config(config, tmp)
             with open(os.path.join(tmp, PRETRAINED_FILE), "w", encoding="utf-8") as f:
