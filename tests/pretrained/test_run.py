@@ -231,3 +231,32 @@ def test_two_clients_import_each_reading_its_own_blocks(tmp_path):
     restored = _weights(_restored(tmp_path / "run"))
     for name, value in _weights(reference).items():
         np.testing.assert_array_equal(restored[name], value, err_msg=name)
+
+
+def test_hugging_face_llama_on_a_mesh_fine_tunes_generates_and_exports(tmp_path, capsys):
+    """The issue's end-to-end path: a Hugging Face Llama 3.1-style folder onto
+    data=2,model=4, a few fine-tuning steps there, generation, keras-hub export."""
+    import keras_hub
+    helpers.save_huggingface("llama3", tmp_path / "hf")
+    mesh = ["--set", "mesh.axes=data=2,model=4"]
+    assert _import(tmp_path / "hf", tmp_path / "run", *mesh) == 0
+    summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert summary["format"] == "huggingface"
+    write_text_corpus(tmp_path / "text")
+    assert main(["train", "--workdir", str(tmp_path / "run"), *mesh,
+                 "--set", "data.source=text", "--set", f"data.paths=[{tmp_path}/text/*.txt]",
+                 "--set", "data.sequence_length=16", "--set", "train.global_batch_size=4",
+                 "--set", "train.steps=3", "--set", "train.sample_tokens=0",
+                 "--set", "optimizer.learning_rate=1e-3", "--set", "train.eval_steps=1"]) == 0
+    assert "fine-tuning from" in capsys.readouterr().out
+    assert main(["generate", "--workdir", str(tmp_path / "run"), *mesh, "--prompt", "the dog",
+                 "--max-new-tokens", "3"]) == 0
+    assert capsys.readouterr().out.startswith("the dog")
+    assert main(["export", "--workdir", str(tmp_path / "run"), "--format", "keras-hub",
+                 "--out", str(tmp_path / "out")]) == 0
+    reloaded = keras_hub.models.CausalLM.from_preset(str(tmp_path / "out"))
+    assert type(reloaded.backbone).__name__ == "Llama3Backbone"
+    ids = helpers.token_ids()
+    trained = _restored(tmp_path / "run")
+    np.testing.assert_allclose(np.asarray(trained(ids)), helpers.keras_hub_logits(reloaded, ids),
+                               atol=2e-5, rtol=0)  # as in test_import
