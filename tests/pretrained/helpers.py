@@ -6,6 +6,8 @@ import keras
 import keras_hub
 import numpy as np
 
+from tfllm.pretrained.demo import SPECIAL_TOKENS, bpe_vocabulary
+
 # Small enough to build in a second, shaped to divide over model=4 (8 query heads,
 # 4 key-value heads, vocab 288, MLP 64).
 VOCAB = 288  # the 256 bytes, specials and merges; divisible by model=4
@@ -33,40 +35,6 @@ BACKBONES = {
                                                  rope_scaling_factor=2.0)),
 }
 
-_BPE_SPECIALS = {
-    "gpt2": ["<|endoftext|>"],
-    "llama3": ["<|begin_of_text|>", "<|end_of_text|>", "<|start_header_id|>",
-               "<|end_header_id|>", "<|eot_id|>"],
-}
-
-
-def _byte_alphabet():
-    """The 256 printable stand-ins byte-level BPE uses for the bytes (GPT-2's mapping)."""
-    printable = (list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1))
-                 + list(range(ord("®"), ord("ÿ") + 1)))
-    extra = [b for b in range(256) if b not in printable]
-    return [chr(b) for b in printable] + [chr(256 + i) for i in range(len(extra))]
-
-
-def bpe_vocabulary(specials, size=VOCAB):
-    """A byte-level BPE vocabulary of `size` ids: specials, every byte, a few merges, so
-    that any text tokenizes."""
-    vocab = {}
-    for token in specials:
-        vocab[token] = len(vocab)
-    for c in _byte_alphabet():
-        vocab[c] = len(vocab)
-    merges = []
-    for pair in ("Ġ t", "h e", "Ġt he", "Ġ c", "a t", "Ġc at", "Ġ s", "Ġs at", "Ġ o", "o n",
-                 "Ġo n", "Ġ a", "Ġ m", "Ġm at", "Ġ d", "o g", "Ġd og", "a n", "Ġa n", "Ġan d"):
-        merged = pair.replace(" ", "")
-        if merged not in vocab and len(vocab) < size:
-            vocab[merged] = len(vocab)
-            merges.append(pair)
-    assert len(vocab) <= size
-    return vocab, merges
-
-
 def random_weights(backbone, seed=0):
     """Replaces every weight by N(0, 0.3^2): the logits then depend on every tensor."""
     rng = np.random.RandomState(seed)
@@ -90,7 +58,7 @@ def make_causal_lm(name, seed=0, dtype="float32"):
     task_cls = getattr(keras_hub.models, base + "CausalLM")
     key = "gpt2" if name == "gpt2" else "llama3"
     if name.startswith("llama3") or name == "gpt2":
-        vocab, merges = bpe_vocabulary(_BPE_SPECIALS[key])
+        vocab, merges = bpe_vocabulary(SPECIAL_TOKENS[key], VOCAB)
         tokenizer = getattr(keras_hub.models, base + "Tokenizer")(vocabulary=vocab,
                                                                   merges=merges)
         pre = getattr(keras_hub.models, base + "CausalLMPreprocessor")(tokenizer=tokenizer)
