@@ -127,8 +127,13 @@ class Checkpointer:
         snapshot = {}
         for name, var in variables.items():
             v = tf_variable(var, name)
+            # A synchronous save reads each variable's shards only when it writes them,
+            # so the host never holds more than one variable's shards (an import of a
+            # model larger than host memory still saves); an async save must copy now.
+            blocks = owned_blocks(v, self.client_id, True, name) if asynchronous else (
+                lambda v=v, name=name: owned_blocks(v, self.client_id, False, name))
             snapshot[name] = {"shape": [int(n) for n in v.shape], "dtype": v.dtype.name,
-                              "blocks": owned_blocks(v, self.client_id, asynchronous, name)}
+                              "blocks": blocks}
         files = _read_client_files(client_files)
         nonce = agree_nonce(self.parallel.mesh if self.parallel else None, self.num_clients)
         self.timings = {"snapshot_s": time.perf_counter() - start}

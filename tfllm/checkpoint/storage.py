@@ -88,7 +88,8 @@ def write_client(tmp: str, client_id: int, variables: Dict[str, dict],
     Args:
       tmp: the shared temporary checkpoint directory.
       client_id: this client.
-      variables: name -> {"shape", "dtype", "blocks": [((start, size), array)]}.
+      variables: name -> {"shape", "dtype", "blocks": [((start, size), array)], or a
+        callable returning that list, called when the variable is written}.
       files: relative name -> bytes, stored under client_XXXXX/files/.
     """
     rel = client_dir(client_id)
@@ -98,8 +99,9 @@ def write_client(tmp: str, client_id: int, variables: Dict[str, dict],
     with open(os.path.join(tmp, rel, "shards.bin"), "wb") as f:
         for name in sorted(variables):
             entry = variables[name]
+            owned = entry["blocks"]() if callable(entry["blocks"]) else entry["blocks"]
             blocks = []
-            for (start, size), array in entry["blocks"]:
+            for (start, size), array in owned:
                 raw = _raw(array)
                 f.write(raw)
                 data_hash.update(raw)
