@@ -12,7 +12,7 @@ ALL_KEYS = {
               "num_key_value_heads", "head_dim", "intermediate_dim", "max_sequence_length",
               "tie_embeddings", "use_bias", "norm_epsilon", "rope_theta", "rope_scaling",
               "rope_scaling_factor", "rope_low_freq_factor", "rope_high_freq_factor",
-              "rope_original_max_length", "qkv_bias", "init_std"],
+              "rope_original_max_length", "qkv_bias", "remat", "init_std"],
     "mesh": ["axes", "device_type", "num_cpu_devices", "rules"],
     "precision": ["policy", "fp8_recipe", "fp8_amax_history_length", "fp8_margin",
                   "fp8_exclude", "loss_scale_initial", "loss_scale_growth_interval"],

@@ -60,6 +60,11 @@ class ModelConfig:
                                        "pre-training.", min=1)
     qkv_bias: Optional[bool] = _f(None, "Biases on the query/key/value projections only "
                                   "(Qwen2); null means use_bias.")
+    remat: str = _f("none", "Activation rematerialization (tfllm.models.common.remat): none; "
+                    "full (keep each block's input, recompute the block); selective (keep "
+                    "matmul outputs, recompute norms, activations and attention scores); "
+                    "attention (recompute only the attention scores and softmax).",
+                    choices=("none", "full", "selective", "attention"))
     init_std: float = _f(0.02, "Standard deviation of the normal weight init; residual "
                          "output projections use init_std / sqrt(2 * num_layers).", min=0.0)
 

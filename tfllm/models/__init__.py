@@ -19,7 +19,7 @@ def model_class(family: str):
 
 
 def build_model(config, parallel=None, seed: Optional[int] = None, model_cls=None,
-                allocate: bool = True) -> CausalLM:
+                allocate: bool = True, zeros: bool = False) -> CausalLM:
     """Builds the model a config describes, its variables created in their layouts.
 
     Args:
@@ -28,6 +28,7 @@ def build_model(config, parallel=None, seed: Optional[int] = None, model_cls=Non
       seed: the init seed (default: config.train.seed).
       model_cls: a `CausalLM` subclass to use instead of the config's family.
       allocate: False builds shapes only (no memory), for `tfllm layouts`.
+      zeros: allocate zero-filled variables (weights that will be loaded).
     """
     from tfllm.parallel.placement import build_abstract, place_variables
     from tfllm.precision import fp8_settings, keras_policy
@@ -39,7 +40,7 @@ def build_model(config, parallel=None, seed: Optional[int] = None, model_cls=Non
         for var in model.variables:
             parallel.variable_spec(var)
     if allocate:
-        place_variables(model, parallel, config.train.seed if seed is None else seed)
+        place_variables(model, parallel, config.train.seed if seed is None else seed, zeros)
     return model
 
 

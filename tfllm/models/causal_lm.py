@@ -33,6 +33,7 @@ import tensorflow as tf
 from tfllm.config.schema import ModelConfig
 from tfllm.models.common.layers import Projection, TokenEmbedding
 from tfllm.models.common.masks import cache_mask_and_positions, segment_mask_and_positions
+from tfllm.models.common.remat import check_policy, recompute
 from tfllm.models.loss import token_nll
 from tfllm.parallel.context import constrain
 
@@ -104,6 +105,8 @@ class CausalLM(keras.Model):
                                               name="token_embedding", dtype=dtype)
         self.blocks = [self.make_block(i) for i in range(c.num_layers)]
         self.final_norm = self.make_norm("final_norm")
+        self.remat = check_policy(getattr(c, "remat", "none"))
+        self.apply_remat(self.remat)
         self.lm_head = None
         if not self.tie_embeddings:
             self.lm_head = Projection("btd,dv->btv", (c.hidden_dim, c.vocab_size),
@@ -163,6 +166,29 @@ class CausalLM(keras.Model):
         mask = tf.cast(mask, tf.float32)
         return tf.reduce_sum(nll * mask) / tf.maximum(tf.reduce_sum(mask), 1.0)
 
+    def apply_remat(self, policy: str) -> None:
+        """Marks the sublayers that recompute their activations under `policy` (see
+        `tfllm.models.common.remat`); `full` is applied per block in `call`. Layers of a
+        subclass without the flags are simply kept."""
+        selective, attention = policy == "selective", policy in ("selective", "attention")
+        for block in self.blocks:
+            for norm in (getattr(block, "attention_norm", None),
+                         getattr(block, "mlp_norm", None)):
+                if hasattr(norm, "recompute"):
+                    norm.recompute = selective
+            if hasattr(getattr(block, "attention", None), "recompute_core"):
+                block.attention.recompute_core = attention
+            if hasattr(getattr(block, "mlp", None), "recompute_activation"):
+                block.mlp.recompute_activation = selective
+        if hasattr(self.final_norm, "recompute"):
+            self.final_norm.recompute = selective
+
+    def _run_block(self, block, x, mask=None, positions=None):
+        """One block of the training forward; under remat=full, recomputed in backward."""
+        if self.remat == "full":
+            return recompute(block)(x, mask, positions)
+        return block(x, attention_mask=mask, positions=positions)
+
     def fp8_state_variables(self) -> list:
         """The FP8 amax histories: updated by the train step, never by the optimizer."""
         return [v for v in self.variables if getattr(v, "kind", None) == "fp8_state"]
@@ -189,12 +215,12 @@ class CausalLM(keras.Model):
         if segment_ids is None:
             x = self.embed(token_ids)
             for block in self.blocks:
-                x = block(x)
+                x = self._run_block(block, x)
             return self.head(self.final_norm(x))
         mask, positions = segment_mask_and_positions(segment_ids)
         x = self.embed(token_ids, positions=positions)
         for block in self.blocks:
-            x = block(x, attention_mask=mask, positions=positions)
+            x = self._run_block(block, x, mask, positions)
         return self.head(self.final_norm(x))
 
     # ---- cached decoding ----------------------------------------------------------------

@@ -166,13 +166,17 @@ def new_variable(parallel: Optional[Parallel], spec, shape, init, dtype, name: s
     return dtensor.DVariable(value, trainable=trainable, name=name)
 
 
-def place_variables(model: keras.Model, parallel: Optional[Parallel], seed: int) -> None:
+def place_variables(model: keras.Model, parallel: Optional[Parallel], seed: int,
+                    zeros: bool = False) -> None:
     """Creates every (deferred) variable of `model` in its layout, with mesh-independent values.
 
     Args:
       model: built with `build_abstract`; every variable carries `logical_axes` and `init`.
       parallel: the sharding setup, or None for plain single-device variables.
       seed: the init seed.
+      zeros: fill with zeros instead of each variable's init (for weights about to be
+        overwritten, e.g. a pretrained import: the random init's hashing needs several
+        times a tensor's size in temporaries).
     """
     done = []
     for var in model.variables:
@@ -183,8 +187,14 @@ def place_variables(model: keras.Model, parallel: Optional[Parallel], seed: int)
             raise ValueError(f"{var.path}: created without tfllm.models.common.add_param, so "
                              "it has no logical axes; create weights with add_param.")
         spec = parallel.variable_spec(var) if parallel is not None else None
-        tf_var = new_variable(parallel, spec, tuple(var.shape), var.init, var.dtype, var.name,
-                              key=variable_key(seed, var.path), trainable=var.trainable)
+        # FP8 amax histories receive their new values as gradients (overwrite-with-
+        # gradient), so TensorFlow must see them as differentiable: tf.recompute_grad
+        # (remat) returns gradients only for trainable variables. Keras still lists them
+        # as non-trainable, so the optimizer never touches them.
+        differentiable = var.trainable or getattr(var, "kind", None) == "fp8_state"
+        tf_var = new_variable(parallel, spec, tuple(var.shape),
+                              ("zeros",) if zeros else var.init, var.dtype, var.name,
+                              key=variable_key(seed, var.path), trainable=differentiable)
         var._initializer = None
         var._initialize(tf_var)
         done.append(var)

@@ -129,7 +129,7 @@ def from_preset(preset: str, parallel=None, overrides: Iterable[str] = (), model
     source = open_source(preset)
     try:
         config = preset_config(source, overrides)
-        model = build_model(config, parallel, model_cls=model_cls)
+        model = build_model(config, parallel, model_cls=model_cls, zeros=True)
         load_weights(model, source)
     finally:
         source.close()
@@ -220,7 +220,7 @@ def import_preset(preset: str, workdir: str, overrides: Iterable[str] = (),
             # The tokenizer must load and fit the vocabulary before any weight is read.
             _check_vocab(from_file(os.path.join(tmp, name)), config.model.vocab_size,
                          f"the tokenizer of {source.path}")
-        model = build_model(config, parallel)
+        model = build_model(config, parallel, zeros=True)  # every weight is loaded
         stats = load_weights(model, source)
         origin = {"preset": source.path, "format": source.format,
                   "backbone": source.backbone, "backbone_config": source.config}

@@ -10,6 +10,7 @@ import keras
 import tensorflow as tf
 
 from tfllm.models.common.layers import Projection
+from tfllm.models.common.remat import recompute
 from tfllm.parallel.context import constrain
 
 _HEADS = ("activation_batch", "activation_length", "activation_heads", "activation_head_dim")
@@ -114,6 +115,7 @@ class Attention(keras.layers.Layer):
         self.head_dim = head_dim
         self.rope_theta = rope_theta
         self.rope_scaling = rope_scaling
+        self.recompute_core = False  # set by the model's remat policy
         E, H, K, D = hidden_dim, num_query_heads, num_key_value_heads, head_dim
         kw = dict(use_bias=use_bias if qkv_bias is None else qkv_bias, init_std=init_std,
                   dtype=self.dtype_policy)
@@ -177,7 +179,8 @@ class Attention(keras.layers.Layer):
             q = rotary(q, self.rope_theta, positions, self.rope_scaling)
             k = rotary(k, self.rope_theta, positions, self.rope_scaling)
         if cache is None:
-            return self.output_proj(self.attend(q, k, v, attention_mask))  # (B, T, E)
+            attend = recompute(self.attend) if self.recompute_core else self.attend
+            return self.output_proj(attend(q, k, v, attention_mask))  # (B, T, E)
         if attention_mask is None:
             raise ValueError(f"{self.name}: a cache needs an attention_mask (B, T, S); call "
                              "the model through CausalLM.call_with_cache.")

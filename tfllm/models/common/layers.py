@@ -18,6 +18,7 @@ from typing import Optional, Sequence, Tuple
 import keras
 import tensorflow as tf
 
+from tfllm.models.common.remat import recompute
 from tfllm.parallel.context import constrain, gather_weight
 
 INIT_KINDS = ("normal", "zeros", "ones")
@@ -166,12 +167,16 @@ class LayerNorm(keras.layers.Layer):
     def __init__(self, hidden_dim: int, epsilon: float = 1e-5, **kwargs):
         super().__init__(**kwargs)
         self.hidden_dim, self.epsilon = hidden_dim, epsilon
+        self.recompute = False  # set by the model's remat policy
 
     def build(self, input_shape=None):
         self.scale = add_param(self, "scale", (self.hidden_dim,), ("norm",), ("ones",), "norm")
         self.bias = add_param(self, "bias", (self.hidden_dim,), ("norm",), ("zeros",), "norm")
 
     def call(self, x):
+        return recompute(self._normalize)(x) if self.recompute else self._normalize(x)
+
+    def _normalize(self, x):
         x32 = tf.cast(x, tf.float32)
         mean, var = tf.nn.moments(x32, axes=[-1], keepdims=True)
         y = (x32 - mean) * tf.math.rsqrt(var + self.epsilon)
@@ -187,11 +192,15 @@ class RMSNorm(keras.layers.Layer):
     def __init__(self, hidden_dim: int, epsilon: float = 1e-5, **kwargs):
         super().__init__(**kwargs)
         self.hidden_dim, self.epsilon = hidden_dim, epsilon
+        self.recompute = False  # set by the model's remat policy
 
     def build(self, input_shape=None):
         self.scale = add_param(self, "scale", (self.hidden_dim,), ("norm",), ("ones",), "norm")
 
     def call(self, x):
+        return recompute(self._normalize)(x) if self.recompute else self._normalize(x)
+
+    def _normalize(self, x):
         x32 = tf.cast(x, tf.float32)
         y = x32 * tf.math.rsqrt(tf.reduce_mean(tf.square(x32), -1, keepdims=True) + self.epsilon)
         scale = gather_weight(self.scale, ("norm",), self.name)

@@ -6,9 +6,18 @@ import keras
 import tensorflow as tf
 
 from tfllm.models.common.layers import Projection
+from tfllm.models.common.remat import recompute
 
 _MLP = ("activation_batch", "activation_length", "activation_mlp")
 _EMBED = ("activation_batch", "activation_length", "activation_embed")
+
+
+def _gelu(h):
+    return tf.nn.gelu(h, approximate=True)
+
+
+def _swiglu(gate, up):
+    return tf.nn.silu(gate) * up
 
 
 class MLP(keras.layers.Layer):
@@ -29,6 +38,7 @@ class MLP(keras.layers.Layer):
                  fp8_path: str = "mlp", **kwargs):
         super().__init__(**kwargs)
         fp8_for = lambda name: fp8.for_layer(f"{fp8_path}/{name}") if fp8 else None
+        self.recompute_activation = False  # set by the model's remat policy
         self.up = Projection("btd,df->btf", (hidden_dim, intermediate_dim), ("embed", "mlp"),
                              use_bias=use_bias, init_std=init_std, output_axes=_MLP, name="up",
                              fp8=fp8_for("up"), dtype=self.dtype_policy)
@@ -41,7 +51,9 @@ class MLP(keras.layers.Layer):
         self.down.build(None)
 
     def call(self, x):
-        return self.down(tf.nn.gelu(self.up(x), approximate=True))
+        h = self.up(x)  # (B, T, F)
+        act = recompute(_gelu) if self.recompute_activation else _gelu
+        return self.down(act(h))
 
 
 class GatedMLP(keras.layers.Layer):
@@ -62,6 +74,7 @@ class GatedMLP(keras.layers.Layer):
                  fp8_path: str = "mlp", **kwargs):
         super().__init__(**kwargs)
         fp8_for = lambda name: fp8.for_layer(f"{fp8_path}/{name}") if fp8 else None
+        self.recompute_activation = False  # set by the model's remat policy
         kw = dict(use_bias=use_bias, init_std=init_std, output_axes=_MLP,
                   dtype=self.dtype_policy)
         self.gate = Projection("btd,df->btf", (hidden_dim, intermediate_dim), ("embed", "mlp"),
@@ -77,4 +90,5 @@ class GatedMLP(keras.layers.Layer):
             layer.build(None)
 
     def call(self, x):
-        return self.down(tf.nn.silu(self.gate(x)) * self.up(x))
+        act = recompute(_swiglu) if self.recompute_activation else _swiglu
+        return self.down(act(self.gate(x), self.up(x)))
