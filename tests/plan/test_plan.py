@@ -170,3 +170,15 @@ def test_dtensor_clusters_compile_for_h100_and_match_the_per_device_plan(tmp_pat
     # exists only in the train step's clusters (the run's evaluation is forward only).
     # Over the 2 devices it equals what the plan computes for one device, times 2.
     assert clusters["backward_flops"] / 2 == pytest.approx(p["flops"] * 2 / 3, rel=1e-9)
+
+
+def test_remat_policies_trade_temporaries_for_compute(bf16_plan):
+    """XLA really keeps fewer activations under remat (it does not merge the recomputed
+    forward back into the saved one), and the recomputation costs GEMMs."""
+    base = bf16_plan
+    full = plan(tiny(**{"precision.policy": "bfloat16", "model.remat": "full"}))
+    assert full["model"]["remat"] == "full" and "remat=full" in format_plan(full)
+    assert full["memory"]["temp"] < base["memory"]["temp"]
+    # The recomputed forward's GEMMs: more than the step's, at most one more forward
+    # (a third of forward + backward) plus the attention GEMMs.
+    assert base["flops"] < full["flops"] <= 1.4 * base["flops"]

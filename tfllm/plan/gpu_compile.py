@@ -116,6 +116,34 @@ def compile_for_target(hlo_proto: bytes, target_config: str) -> dict:
     }
 
 
+def compile_for_cpu(hlo_proto: bytes) -> dict:
+    """Compiles for this host's CPU with jaxlib's CPU client: XLA's own memory figures
+    of the program as the CPU backend would run it (`benchmarks/remat.py`).
+
+    Returns:
+      {"memory": {arguments, outputs, alias, temp, generated_code} in bytes,
+       "compile_s": seconds, "jax": version}
+    """
+    check_jax()
+    import jax
+    from jax._src.interpreters import mlir as jax_mlir
+    from jax._src.lib import _jax, xla_client
+
+    device = jax.devices("cpu")[0]
+    start = time.perf_counter()
+    with jax_mlir.make_ir_context():
+        module = hlo_to_mlir(hlo_proto)
+        exe = device.client.compile_and_load(module, _jax.DeviceList((device,)),
+                                             xla_client.CompileOptions())
+    stats = exe.get_compiled_memory_stats()
+    return {"memory": {"arguments": stats.argument_size_in_bytes,
+                       "outputs": stats.output_size_in_bytes,
+                       "alias": stats.alias_size_in_bytes,
+                       "temp": stats.temp_size_in_bytes,
+                       "generated_code": stats.generated_code_size_in_bytes},
+            "compile_s": time.perf_counter() - start, "jax": jax.__version__}
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("hlo", help="A serialized HloModuleProto (step.hlo.pb).")

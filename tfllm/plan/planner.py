@@ -208,7 +208,7 @@ def finish(result: dict, config, target: Target, method: str) -> dict:
                   "memory_bandwidth": target.memory_bandwidth,
                   "source": f"XLA spec {target.spec_file}"},
         "model": {"family": config.model.family, "num_layers": config.model.num_layers,
-                  "hidden_dim": config.model.hidden_dim},
+                  "hidden_dim": config.model.hidden_dim, "remat": config.model.remat},
         "policy": config.precision.policy,
         "global_batch_size": config.train.global_batch_size,
         "grad_accum_steps": config.train.grad_accum_steps,
@@ -239,7 +239,8 @@ def format_plan(p: dict) -> str:
         ("memory / device", f"{_gib(m['total'])} of {_gib(m['device'])}: {fits}"),
         ("  arguments", _gib(m["arguments"])),
         ("  outputs", f"{_gib(m['outputs'])} ({_gib(m['alias'])} aliased to arguments)"),
-        ("  temporaries", _gib(m["temp"])),
+        ("  temporaries", f"{_gib(m['temp'])} (activations and workspace, remat="
+                          f"{p['model'].get('remat', 'none')})"),
         ("GEMMs", f"{p['gemm_calls']:.0f} cuBLAS calls, {p['fp8_gemm_calls']:.0f} FP8 "
                   f"({p['fp8_projections']:.0f} FP8 projections)"),
         ("kernels", f"{p['kernels']:.0f} ({p['fusions']:.0f} fusions)"),
