@@ -52,7 +52,9 @@ def sharded_logits(model, parallel, ids):
     return to_numpy(forward(batch))
 
 
-@pytest.mark.parametrize("name", sorted(helpers.BACKBONES))
+# One backbone of each kind of weight set: GPT-2 (biases, learned positions), Llama 3.1
+# (llama3 RoPE, untied head), Qwen2 (q/k/v biases); the others share Llama's mapping.
+@pytest.mark.parametrize("name", ["gpt2", "llama3", "qwen"])
 def test_sharded_load_on_data2_model4_equals_keras_hub(name, tmp_path):
     from tensorflow.experimental import dtensor
     lm = helpers.save_preset(name, tmp_path / "preset")

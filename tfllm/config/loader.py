@@ -157,7 +157,7 @@ def load_config(path: Optional[str] = None, overrides: Iterable[str] = ()) -> sc
       path: a YAML file of overrides, or None for the defaults.
       overrides: strings 'section.key=value', applied after the file.
     """
-    cfg = schema.Config()
+    data = {}
     if path:
         if not os.path.isfile(path):
             raise ConfigError(f"--config {path}: no such file. Presets live in configs/ "
@@ -167,12 +167,7 @@ def load_config(path: Optional[str] = None, overrides: Iterable[str] = ()) -> sc
                 data = yaml.safe_load(f) or {}
             except yaml.YAMLError as e:
                 raise ConfigError(f"{path}: not valid YAML: {e}") from None
-        apply_dict(cfg, data, path)
-    for text in overrides:
-        key, value = parse_override(text)
-        _set(cfg, key, value, f"--set {text}")
-    validate(cfg)
-    return cfg
+    return config_from_dict(data, overrides, path or "config")
 
 
 def validate(cfg: schema.Config) -> None:
