@@ -60,6 +60,11 @@ class ModelConfig:
                                        "pre-training.", min=1)
     qkv_bias: Optional[bool] = _f(None, "Biases on the query/key/value projections only "
                                   "(Qwen2); null means use_bias.")
+    attention_chunk: int = _f(0, "Query-chunked attention: when > 0 and the sequence is "
+                              "longer, attention runs over chunks of this many queries, each "
+                              "recomputed in the backward pass, so no (T x T) scores are ever "
+                              "kept (memory O(T x chunk)); 0 is standard attention. Same "
+                              "result up to float rounding.", min=0)
     remat: str = _f("none", "Activation rematerialization (tfllm.models.common.remat): none; "
                     "full (keep each block's input, recompute the block); selective (keep "
                     "matmul outputs, recompute norms, activations and attention scores); "

@@ -16,6 +16,7 @@ from tfllm.parallel.context import constrain
 _HEADS = ("activation_batch", "activation_length", "activation_heads", "activation_head_dim")
 _KV_HEADS = ("activation_batch", "activation_length", "activation_kv_heads",
              "activation_head_dim")
+_MASK_ROWS = ("activation_batch", "activation_length", None)
 
 
 @dataclass(frozen=True)
@@ -97,6 +98,8 @@ class Attention(keras.layers.Layer):
       rope_scaling: a `RopeScaling` of the rotary frequencies, or None.
       qkv_bias: biases on the query/key/value projections (default: use_bias); the
         output projection follows use_bias (Qwen2 has q/k/v biases only).
+      query_chunk: > 0: the training path attends chunks of this many queries, each
+        recomputed in the backward pass (see `attend_chunked`); 0: one `attend`.
       init_std: init of the q/k/v projections.
       output_init_std: init of the output projection (scaled for depth).
       fp8: `Fp8Settings` for FP8 projections, or None.
@@ -107,7 +110,7 @@ class Attention(keras.layers.Layer):
                  head_dim: int, use_bias: bool = False, rope_theta: Optional[float] = None,
                  init_std: float = 0.02, output_init_std: float = 0.02, fp8=None,
                  fp8_path: str = "attention", rope_scaling: Optional[RopeScaling] = None,
-                 qkv_bias: Optional[bool] = None, **kwargs):
+                 qkv_bias: Optional[bool] = None, query_chunk: int = 0, **kwargs):
         super().__init__(**kwargs)
         fp8_for = lambda name: fp8.for_layer(f"{fp8_path}/{name}") if fp8 else None
         self.num_query_heads = num_query_heads
@@ -116,6 +119,7 @@ class Attention(keras.layers.Layer):
         self.rope_theta = rope_theta
         self.rope_scaling = rope_scaling
         self.recompute_core = False  # set by the model's remat policy
+        self.query_chunk = query_chunk
         E, H, K, D = hidden_dim, num_query_heads, num_key_value_heads, head_dim
         kw = dict(use_bias=use_bias if qkv_bias is None else qkv_bias, init_std=init_std,
                   dtype=self.dtype_policy)
@@ -163,6 +167,34 @@ class Attention(keras.layers.Layer):
         out = tf.einsum("bhts,bshd->bthd", probs, v)  # (B, T, H, D)
         return constrain(out, _HEADS)
 
+    def attend_chunked(self, q, k, v, attention_mask=None):
+        """`attend` over chunks of `query_chunk` queries; same result, O(T x chunk) memory.
+
+        Each chunk's queries see all keys (row-wise softmax is exact per chunk), so the
+        result equals `attend` up to float rounding. Every chunk is recomputed in the
+        backward pass (tf.recompute_grad), so neither pass keeps more than one chunk's
+        (B, H, chunk, S) scores: what flash attention achieves with online softmax,
+        here with XLA's own kernels.
+        """
+        length, chunk = q.shape[1], self.query_chunk
+        if attention_mask is None:  # causal, as `attend` builds it: rows of the full mask
+            attention_mask = tf.linalg.band_part(tf.ones((length, length), tf.bool), -1, 0)
+            attention_mask = tf.expand_dims(attention_mask, 0)  # (1, T, S)
+        outs = []
+        # Static, near-equal chunks of at most `chunk` queries (T=16, chunk=5: 4 x 4): on
+        # a DTensor mesh a lone 1-query chunk gets its heads laid out differently.
+        count = -(-length // chunk)
+        bounds = [length * i // count for i in range(count + 1)]
+        for start, stop in zip(bounds[:-1], bounds[1:]):
+            rows = attention_mask[:, start:stop]  # (B or 1, t, S)
+            if rows.shape[0] != q.shape[0]:
+                # An explicit (B, t, S) in the batch's layout, like a packing mask: DTensor
+                # mis-shapes the gradient of a select broadcast over a sharded batch.
+                rows = tf.broadcast_to(rows, (q.shape[0],) + tuple(rows.shape[1:]))
+                rows = constrain(rows, _MASK_ROWS, "chunk_mask")
+            outs.append(recompute(self.attend)(q[:, start:stop], k, v, rows))
+        return constrain(tf.concat(outs, axis=1), _HEADS)  # (B, T, H, D)
+
     def call(self, x, attention_mask=None, positions=None, cache=None, cache_index=None):
         """Self-attention of x (B, T, E) -> (B, T, E), or ((B, T, E), new cache) with a cache.
 
@@ -179,6 +211,8 @@ class Attention(keras.layers.Layer):
             q = rotary(q, self.rope_theta, positions, self.rope_scaling)
             k = rotary(k, self.rope_theta, positions, self.rope_scaling)
         if cache is None:
+            if self.query_chunk and q.shape[1] is not None and q.shape[1] > self.query_chunk:
+                return self.output_proj(self.attend_chunked(q, k, v, attention_mask))
             attend = recompute(self.attend) if self.recompute_core else self.attend
             return self.output_proj(attend(q, k, v, attention_mask))  # (B, T, E)
         if attention_mask is None:

@@ -36,7 +36,7 @@ class Llama(CausalLM):
                          init_std=c.init_std, output_init_std=self.output_init_std,
                          fp8=self.fp8, fp8_path=f"block_{index}/attention", name="attention",
                          rope_scaling=self.rope_scaling(), qkv_bias=c.qkv_bias,
-                         dtype=self.dtype_policy)
+                         query_chunk=c.attention_chunk, dtype=self.dtype_policy)
 
     def make_mlp(self, index):
         c = self.config
