@@ -65,14 +65,15 @@ class _Outputs:
         self.progress.close()
 
 
-def train(config, workdir: str, model_cls=None, out=sys.stdout) -> dict:
+def train(config, workdir: str, model_cls=None, out=None) -> dict:
     """Trains per `config` in `workdir`, resuming from its latest checkpoint.
 
     Args:
       config: a validated `tfllm.config.Config`.
       workdir: the run directory (created if missing).
       model_cls: optional `CausalLM` subclass.
-      out: where the progress display goes (client 0 only).
+      out: where the progress display goes (client 0 only); default: sys.stdout at
+        the time of the call (not of the import, so redirections are honoured).
 
     Returns:
       The last logged metrics (plus eval results and `first_step_s`).
@@ -81,6 +82,7 @@ def train(config, workdir: str, model_cls=None, out=sys.stdout) -> dict:
       Preempted: after saving, when a signal asked the run to stop.
       NonFiniteError: a NaN/Inf loss or gradient norm under on_nonfinite=abort.
     """
+    out = sys.stdout if out is None else out
     with SignalWatcher() as signals:  # from the start: setup and first compile included
         return _train(config, workdir, model_cls, out, signals)
 

@@ -1,0 +1,103 @@
+"""Standard vs query-chunked attention (`model.attention_chunk`) against sequence length.
+
+A small Llama (2 layers, hidden 256, 4 heads of 64, vocab 2048), batch 1, on this CPU:
+XLA's compiled temporary memory of the one-device train step (jaxlib's CPU compiler on
+the exported HLO) and the measured step time through XLA (`tfllm bench`,
+train.jit_compile=true, median; standard and chunked interleaved, the machine is shared).
+
+    python benchmarks/long_sequence.py --out benchmarks/results/long_sequence
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+LENGTHS = (1024, 2048, 4096, 8192)
+CHUNK = 512
+MODEL = ["model.family=llama", "model.num_layers=2", "model.hidden_dim=256",
+         "model.num_query_heads=4", "model.num_key_value_heads=4",
+         "model.intermediate_dim=1024", "model.vocab_size=2048",
+         "model.max_sequence_length=8192", "train.global_batch_size=1", "mesh.axes=data=1",
+         "train.jit_compile=true"]
+ENV = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3")
+
+
+def _sets(length: int, chunk: int):
+    return sum((["--set", s] for s in MODEL + [f"data.sequence_length={length}",
+                                               f"model.attention_chunk={chunk}"]), [])
+
+
+def _tfllm(*args) -> str:
+    r = subprocess.run([sys.executable, "-m", "tfllm.cli.main", *args], capture_output=True,
+                       text=True, env=ENV, timeout=3600)
+    if r.returncode:
+        raise SystemExit(f"tfllm {' '.join(args[:3])} failed:\n{r.stderr[-3000:]}")
+    return r.stdout
+
+
+def temp_gib(length: int, chunk: int) -> float:
+    with tempfile.TemporaryDirectory() as tmp:
+        _tfllm("export-step", "--out", tmp, *_sets(length, chunk))
+        code = ("import json, sys; from tfllm.plan.gpu_compile import compile_for_cpu; "
+                "print(json.dumps(compile_for_cpu(open(sys.argv[1], 'rb').read())))")
+        r = subprocess.run([sys.executable, "-c", code, os.path.join(tmp, "step.hlo.pb")],
+                           capture_output=True, text=True, env=dict(ENV, JAX_PLATFORMS="cpu"))
+        if r.returncode:
+            raise SystemExit(r.stderr[-3000:])
+        return json.loads(r.stdout.strip().splitlines()[-1])["memory"]["temp"] / 2**30
+
+
+def step_ms(length: int, chunk: int) -> float:
+    out = _tfllm("bench", "--steps", "3", "--warmup", "1", *_sets(length, chunk))
+    return json.loads(out.strip().splitlines()[-1])["step_ms"]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", default="benchmarks/results/long_sequence")
+    parser.add_argument("--repeats", type=int, default=2)
+    args = parser.parse_args()
+    import tensorflow as tf
+    rows = []
+    for length in LENGTHS:
+        row = {"length": length, "temp_gib": {}, "step_ms": {}, "step_ms_all": {}}
+        for chunk in (0, CHUNK):
+            row["temp_gib"][chunk] = temp_gib(length, chunk)
+        times = {0: [], CHUNK: []}
+        for _ in range(args.repeats):
+            for chunk in (0, CHUNK):
+                times[chunk].append(step_ms(length, chunk))
+        for chunk in (0, CHUNK):
+            row["step_ms"][chunk] = statistics.median(times[chunk])
+            row["step_ms_all"][chunk] = times[chunk]
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+    result = {"date": time.strftime("%Y-%m-%d"), "tensorflow": tf.__version__,
+              "model": MODEL, "chunk": CHUNK, "rows": rows}
+    with open(args.out + ".json", "w") as f:
+        json.dump(result, f, indent=1)
+    lines = [f"# Standard vs query-chunked attention on this CPU ({result['date']})", "",
+             f"Small Llama (2 layers, hidden 256, 4 heads), batch 1, chunk {CHUNK}; XLA "
+             f"temporaries of the train step and median step time through XLA "
+             f"(`benchmarks/long_sequence.py`, TensorFlow {tf.__version__}).", "",
+             "| sequence | temp standard GiB | temp chunked GiB | ratio | step standard ms | "
+             "step chunked ms | ratio |", "|---|---|---|---|---|---|---|"]
+    for r in rows:
+        t, s = r["temp_gib"], r["step_ms"]
+        lines.append(f"| {r['length']} | {t[0]:.3f} | {t[CHUNK]:.3f} | "
+                     f"{t[CHUNK] / t[0]:.2f} | {s[0]:.0f} | {s[CHUNK]:.0f} | "
+                     f"{s[CHUNK] / s[0]:.2f} |")
+    with open(args.out + ".md", "w") as f:
+        f.write("\n".join(lines) + "\n")
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()
