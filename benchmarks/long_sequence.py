@@ -1,9 +1,10 @@
 """Standard vs query-chunked attention (`model.attention_chunk`) against sequence length.
 
-A small Llama (2 layers, hidden 256, 4 heads of 64, vocab 2048), batch 1, on this CPU:
+A small Llama (2 layers, hidden 256, 4 heads of 64, vocab 2048), batch 1: on this CPU,
 XLA's compiled temporary memory of the one-device train step (jaxlib's CPU compiler on
 the exported HLO) and the measured step time through XLA (`tfllm bench`,
-train.jit_compile=true, median; standard and chunked interleaved, the machine is shared).
+train.jit_compile=true; standard and chunked interleaved, the machine is shared); on the
+H100 target, `tfllm plan`'s XLA temporaries and roofline step.
 
     python benchmarks/long_sequence.py --out benchmarks/results/long_sequence
 """
@@ -55,21 +56,30 @@ def temp_gib(length: int, chunk: int) -> float:
 
 
 def step_ms(length: int, chunk: int) -> float:
-    out = _tfllm("bench", "--steps", "3", "--warmup", "1", *_sets(length, chunk))
+    out = _tfllm("bench", "--steps", "2", "--warmup", "1", *_sets(length, chunk))
     return json.loads(out.strip().splitlines()[-1])["step_ms"]
+
+
+def h100(length: int, chunk: int) -> dict:
+    """XLA's temporaries and the roofline step on the H100 target (`tfllm plan`)."""
+    plan = json.loads(_tfllm("plan", "--json", *_sets(length, chunk)))
+    return {"temp_gib": plan["memory"]["temp"] / 2**30,
+            "step_ms": plan["estimated_step_s"] * 1e3}
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default="benchmarks/results/long_sequence")
-    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--repeats", type=int, default=1)
     args = parser.parse_args()
     import tensorflow as tf
     rows = []
     for length in LENGTHS:
-        row = {"length": length, "temp_gib": {}, "step_ms": {}, "step_ms_all": {}}
+        row = {"length": length, "temp_gib": {}, "step_ms": {}, "step_ms_all": {},
+               "h100": {}}
         for chunk in (0, CHUNK):
             row["temp_gib"][chunk] = temp_gib(length, chunk)
+            row["h100"][chunk] = h100(length, chunk)
         times = {0: [], CHUNK: []}
         for _ in range(args.repeats):
             for chunk in (0, CHUNK):
@@ -87,6 +97,7 @@ def main() -> None:
              f"Small Llama (2 layers, hidden 256, 4 heads), batch 1, chunk {CHUNK}; XLA "
              f"temporaries of the train step and median step time through XLA "
              f"(`benchmarks/long_sequence.py`, TensorFlow {tf.__version__}).", "",
+             "## CPU (this host, XLA)", "",
              "| sequence | temp standard GiB | temp chunked GiB | ratio | step standard ms | "
              "step chunked ms | ratio |", "|---|---|---|---|---|---|---|"]
     for r in rows:
@@ -94,6 +105,16 @@ def main() -> None:
         lines.append(f"| {r['length']} | {t[0]:.3f} | {t[CHUNK]:.3f} | "
                      f"{t[CHUNK] / t[0]:.2f} | {s[0]:.0f} | {s[CHUNK]:.0f} | "
                      f"{s[CHUNK] / s[0]:.2f} |")
+    lines += ["", "## H100 target (deviceless `tfllm plan`: XLA temporaries, roofline step)",
+              "", "| sequence | temp standard GiB | temp chunked GiB | ratio | est. step "
+              "standard ms | est. step chunked ms | ratio |", "|---|---|---|---|---|---|---|"]
+    for r in rows:
+        h = r["h100"]
+        lines.append(f"| {r['length']} | {h[0]['temp_gib']:.3f} | "
+                     f"{h[CHUNK]['temp_gib']:.3f} | "
+                     f"{h[CHUNK]['temp_gib'] / h[0]['temp_gib']:.2f} | "
+                     f"{h[0]['step_ms']:.2f} | {h[CHUNK]['step_ms']:.2f} | "
+                     f"{h[CHUNK]['step_ms'] / h[0]['step_ms']:.2f} |")
     with open(args.out + ".md", "w") as f:
         f.write("\n".join(lines) + "\n")
     print("\n".join(lines))

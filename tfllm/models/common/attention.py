@@ -186,13 +186,20 @@ class Attention(keras.layers.Layer):
         count = -(-length // chunk)
         bounds = [length * i // count for i in range(count + 1)]
         for start, stop in zip(bounds[:-1], bounds[1:]):
+            q_chunk = q[:, start:stop]  # (B, t, H, D)
+            if outs:
+                # A true data dependency on the previous chunk (0 * x is not folded for
+                # floats), so that XLA runs the chunks one after another, forward and
+                # backward, instead of side by side with all their scores alive. The
+                # added slice has q's layout: no communication.
+                q_chunk = q_chunk + tf.cast(0.0, q.dtype) * outs[-1][:, -1:]
             rows = attention_mask[:, start:stop]  # (B or 1, t, S)
             if rows.shape[0] != q.shape[0]:
                 # An explicit (B, t, S) in the batch's layout, like a packing mask: DTensor
                 # mis-shapes the gradient of a select broadcast over a sharded batch.
                 rows = tf.broadcast_to(rows, (q.shape[0],) + tuple(rows.shape[1:]))
                 rows = constrain(rows, _MASK_ROWS, "chunk_mask")
-            outs.append(recompute(self.attend)(q[:, start:stop], k, v, rows))
+            outs.append(recompute(self.attend)(q_chunk, k, v, rows))
         return constrain(tf.concat(outs, axis=1), _HEADS)  # (B, T, H, D)
 
     def call(self, x, attention_mask=None, positions=None, cache=None, cache_index=None):
