@@ -17,8 +17,9 @@ import os
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
+
+from remat import exported_cpu_memory  # benchmarks/ is the script's directory
 
 LENGTHS = (1024, 2048, 4096, 8192)
 CHUNK = 512
@@ -44,15 +45,7 @@ def _tfllm(*args) -> str:
 
 
 def temp_gib(length: int, chunk: int) -> float:
-    with tempfile.TemporaryDirectory() as tmp:
-        _tfllm("export-step", "--out", tmp, *_sets(length, chunk))
-        code = ("import json, sys; from tfllm.plan.gpu_compile import compile_for_cpu; "
-                "print(json.dumps(compile_for_cpu(open(sys.argv[1], 'rb').read())))")
-        r = subprocess.run([sys.executable, "-c", code, os.path.join(tmp, "step.hlo.pb")],
-                           capture_output=True, text=True, env=dict(ENV, JAX_PLATFORMS="cpu"))
-        if r.returncode:
-            raise SystemExit(r.stderr[-3000:])
-        return json.loads(r.stdout.strip().splitlines()[-1])["memory"]["temp"] / 2**30
+    return exported_cpu_memory(*_sets(length, chunk))["temp"] / 2**30
 
 
 def step_ms(length: int, chunk: int) -> float:

@@ -49,17 +49,24 @@ def h100(config: str, batch: int, policy: str) -> dict:
             "step_s": plan["estimated_step_s"]}
 
 
-def cpu_memory(policy: str) -> dict:
+def exported_cpu_memory(*export_args) -> dict:
+    """XLA's CPU memory figures (bytes) of `tfllm export-step *export_args`' step, compiled
+    by jaxlib's CPU compiler in a jax-only child process."""
     with tempfile.TemporaryDirectory() as tmp:
-        _tfllm("export-step", "--config", "configs/gpt2-small.yaml", "--out", tmp,
-               *sum((["--set", s] for s in CPU_SETS + [f"model.remat={policy}"]), []))
+        _tfllm("export-step", "--out", tmp, *export_args)
         code = ("import json, sys; from tfllm.plan.gpu_compile import compile_for_cpu; "
                 "print(json.dumps(compile_for_cpu(open(sys.argv[1], 'rb').read())))")
         r = subprocess.run([sys.executable, "-c", code, os.path.join(tmp, "step.hlo.pb")],
                            capture_output=True, text=True, env=dict(ENV, JAX_PLATFORMS="cpu"))
         if r.returncode:
             raise SystemExit(r.stderr[-3000:])
-        memory = json.loads(r.stdout.strip().splitlines()[-1])["memory"]
+        return json.loads(r.stdout.strip().splitlines()[-1])["memory"]
+
+
+def cpu_memory(policy: str) -> dict:
+    memory = exported_cpu_memory(
+        "--config", "configs/gpt2-small.yaml",
+        *sum((["--set", s] for s in CPU_SETS + [f"model.remat={policy}"]), []))
     return {"cpu_temp_gib": memory["temp"] / 2**30}
 
 
