@@ -1,7 +1,5 @@
 """Tiny keras-hub models with random weights, saved as presets or Hugging Face folders."""
 
-import os
-
 import keras
 import keras_hub
 import numpy as np
@@ -94,7 +92,3 @@ def keras_hub_logits(lm, ids):
 
 def token_ids(batch=2, length=40, vocab=VOCAB, seed=1):
     return np.random.RandomState(seed).randint(0, vocab, (batch, length)).astype("int32")
-
-
-def listing(path):
-    return sorted(os.listdir(path)) if os.path.isdir(path) else None
