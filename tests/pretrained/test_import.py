@@ -1,6 +1,5 @@
 """Pretrained import/export: logits equal keras-hub's, on one device and on a mesh."""
 
-import json
 import os
 
 import numpy as np
