@@ -57,7 +57,9 @@ def test_train_tiny_on_a_mesh_writes_metrics_and_config(tmp_path):
     assert "mesh.axes" not in (workdir / "config.yaml").read_text()
     assert "axes: data=2,fsdp=2,model=2" in (workdir / "config.yaml").read_text()
     assert "mesh [data=2, fsdp=2, model=2]" in r.stdout
-    assert "the batch is sharded over 'data' only" in r.stdout  # fsdp repeats activations
+    # Every device computes distinct tokens: rows over data, sequence over fsdp.
+    assert "batch rows over 'data', sequence over 'fsdp'" in r.stdout
+    assert "repeat the same activations" not in r.stdout
 
 
 def test_layouts_for_llama_70b_without_allocating():

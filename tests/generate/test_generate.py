@@ -80,7 +80,8 @@ def test_bad_requests_name_the_limit():
         gen.generate([1], 2, temperature=1.0, top_p=0.0)
 
 
-@pytest.mark.parametrize("family, axes", [("llama", "data=2,model=4"), ("gpt", "fsdp=8")])
+@pytest.mark.parametrize("family, axes", [("llama", "data=2,model=4"), ("gpt", "fsdp=8"),
+                                          ("llama", "data=2,fsdp=4")])
 def test_sharded_model_generates_the_same_tokens(family, axes):
     # build_model gives bit-identical weights on every mesh; one prompt (batch 1) is
     # padded to the batch axis' size, three prompts to the next multiple.

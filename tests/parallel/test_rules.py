@@ -2,8 +2,9 @@
 
 import pytest
 
-from tfllm.parallel.rules import (DEFAULT_RULES, ShardingError, resolve_spec, rules_from_config,
-                                  shard_shape, zero1_spec)
+from tfllm.parallel.rules import (DEFAULT_RULES, ShardingError, activation_mesh_axes,
+                                  resolve_spec, rules_from_config, sequence_axis, shard_shape,
+                                  token_batch_spec, without_sequence_sharding, zero1_spec)
 
 MESH = {"data": 2, "fsdp": 2, "model": 2}
 
@@ -52,8 +53,9 @@ def test_default_table_on_a_3d_mesh():
     r = lambda shape, axes: resolve_spec("w", shape, axes, DEFAULT_RULES, MESH)
     assert r((128, 64), ("vocab", "embed")) == ("model", "fsdp")
     assert r((64, 8, 8), ("embed", "heads", "head_dim")) == ("fsdp", "model", None)
+    # data and fsdp both > 1: rows over data, sequence over fsdp (see the next test).
     assert r((8, 16, 64), ("activation_batch", "activation_length", "activation_embed")) == \
-        ("data", None, None)
+        ("data", "fsdp", None)
     assert r((64,), ("norm",)) == (None,)
 
 
@@ -70,3 +72,34 @@ def test_shard_shape_and_rules_from_config():
     assert shard_shape((8, 6), ("data", None), MESH) == (4, 6)
     assert rules_from_config([]) == DEFAULT_RULES
     assert rules_from_config([["embed", None]]) == (("embed", None),)
+
+
+@pytest.mark.parametrize("mesh, rows, sequence", [
+    ({"data": 8}, "data", None),
+    ({"fsdp": 8}, "fsdp", None),
+    ({"data": 2, "model": 4}, "data", None),
+    ({"data": 1, "fsdp": 4, "model": 2}, "fsdp", None),
+    ({"data": 2, "fsdp": 4}, "data", "fsdp"),
+    ({"data": 2, "fsdp": 2, "model": 2}, "data", "fsdp"),
+])
+def test_batch_rows_and_sequence_axes(mesh, rows, sequence):
+    # Token rows (M, T+1): rows over the batch axis, the odd T+1 never split.
+    assert token_batch_spec((8, 17), DEFAULT_RULES, mesh) == (rows, None)
+    assert sequence_axis(8, 16, DEFAULT_RULES, mesh) == sequence
+    # Every token-splitting axis of size > 1 is used: no device repeats another's work.
+    used = {rows, sequence} - {None}
+    assert used == {a for a in activation_mesh_axes(DEFAULT_RULES) if mesh.get(a, 1) > 1}
+
+
+def test_sequence_must_divide_the_sequence_axis():
+    with pytest.raises(ShardingError, match="'activation_length', size 15.*'fsdp'"):
+        sequence_axis(8, 15, DEFAULT_RULES, {"data": 2, "fsdp": 4})
+
+
+def test_decoding_rules_never_split_the_sequence():
+    rules = without_sequence_sharding(DEFAULT_RULES)
+    assert sequence_axis(8, 16, rules, {"data": 2, "fsdp": 4}) is None
+    # Weights are laid out as before.
+    for shape, axes in (((64, 128), ("embed", "mlp")), ((128, 64), ("vocab", "embed"))):
+        assert resolve_spec("w", shape, axes, rules, MESH) == \
+            resolve_spec("w", shape, axes, DEFAULT_RULES, MESH)

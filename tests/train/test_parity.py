@@ -22,7 +22,7 @@ from tfllm.parallel.placement import to_numpy
 from tfllm.train.step import TrainStep
 from tests.conftest import run_in_child, tiny_overrides
 
-MESHES = ["data=8", "fsdp=8", "model=8", "data=2,model=4", "data=2,fsdp=2,model=2"]
+MESHES = ["data=8", "fsdp=8", "model=8", "data=2,model=4", "data=2,fsdp=2,model=2", "data=2,fsdp=4"]
 STEPS = 3
 
 # Tolerances. float32 has a unit roundoff of 6e-8; a sharded run reorders sums of at

@@ -42,7 +42,10 @@ class Generator:
     """
 
     def __init__(self, model, parallel=None, jit_compile: bool = True):
-        self.model, self.parallel = model, parallel
+        # Decoding never splits the sequence (one new token per step, prompts of any
+        # length); weights keep their layouts.
+        self.model = model
+        self.parallel = parallel.for_decoding() if parallel is not None else None
         self._prefill = xla.compile_fn(self._prefill_fn, parallel, jit_compile)
         self._decode = xla.compile_fn(self._decode_fn, parallel, jit_compile)
         self._reference_step = xla.compile_fn(self._reference_step_fn, parallel, jit_compile)

@@ -38,7 +38,8 @@ from tfllm.models.loss import token_nll
 from tfllm.parallel.context import constrain
 
 _EMBED = ("activation_batch", "activation_length", "activation_embed")
-_KV_CACHE = ("activation_batch", "activation_length", "activation_kv_heads",
+# Cache slots are never split: decoding writes one slot at a time.
+_KV_CACHE = ("activation_batch", None, "activation_kv_heads",
              "activation_head_dim")
 
 

@@ -46,6 +46,17 @@ def constrain(x, logical_axes: Sequence[Optional[str]], name: str = "activation"
     return parallel.constrain(x, logical_axes, name)
 
 
+def split_count(shape: Sequence[int], logical_axes: Sequence[Optional[str]], dim: int) -> int:
+    """Into how many pieces the active setup splits dimension `dim` of a tensor of this
+    shape and these logical axes (1 outside a setup). Lets model code keep work local to
+    each piece (e.g. chunking queries within each device's part of the sequence)."""
+    parallel = current()
+    if parallel is None:
+        return 1
+    axis = parallel.spec("activation", list(shape), logical_axes)[dim]
+    return parallel.shape[axis] if axis else 1
+
+
 def gather_weight(w, logical_axes: Sequence[Optional[str]], name: str = "weight"):
     """A weight as its layer computes with it under the active setup (else a no-op).
 

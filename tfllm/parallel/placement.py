@@ -61,13 +61,23 @@ class Parallel:
         return spec
 
     def batch_spec(self, shape: Sequence[int]) -> rules_lib.Spec:
-        axes = ("activation_batch", "activation_length") + (None,) * (len(shape) - 2)
-        return self.spec("batch", shape, axes)
+        """The layout of token rows (M, T+1, ...): see `rules.token_batch_spec`."""
+        return rules_lib.token_batch_spec(shape, self.rules, self.shape)
 
     @property
     def batch_mesh_axes(self):
-        """Mesh axes that the rules can use for the batch (data and fsdp by default)."""
-        return {m for l, m in self.rules if l == "activation_batch" and m is not None}
+        """Mesh axes that the rules can split tokens over, by rows or by sequence (data
+        and fsdp by default): weights sharded over them are gathered before use."""
+        return rules_lib.activation_mesh_axes(self.rules)
+
+    def for_decoding(self) -> "Parallel":
+        """This setup with the sequence never split: decoding feeds one token at a time
+        and prompts of any length. Weights keep their layouts (the rules for weights are
+        unchanged)."""
+        if not any(l == "activation_length" and m is not None for l, m in self.rules):
+            return self
+        return Parallel(self.mesh, rules_lib.without_sequence_sharding(self.rules),
+                        self.shard_optimizer_state)
 
     def gather_weight(self, w, logical_axes, name: str = "weight"):
         spec = self.spec(name, w.shape.as_list(), logical_axes)

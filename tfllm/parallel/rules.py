@@ -14,6 +14,16 @@ A dimension whose candidates are all skipped stays replicated. A logical name wi
 rule at all is an error (fail closed: nothing is replicated because a rule was
 forgotten). DTensor shards a tensor dimension over at most one mesh axis, so each
 dimension takes one rule.
+
+Batch over data and fsdp together (hybrid sharding): DTensor cannot split the batch
+dimension over two mesh axes, so when both are larger than 1 the default table splits
+the batch's rows over `data` and its sequence over `fsdp` (`activation_length`'s rule).
+Every device then computes a distinct slice of the batch's tokens. Per-token work
+(projections, MLP, norms, loss) needs nothing more; attention gathers the keys and
+values of its rows over `fsdp` (context parallelism inside the fsdp group, the fast
+axis that already carries the weight all-gathers), and the gradient flows back
+reduce-scattered. With only one of the two axes the batch's rows take it and the
+sequence stays whole.
 """
 
 from __future__ import annotations
@@ -29,7 +39,8 @@ Spec = Tuple[Optional[str], ...]
 DEFAULT_RULES: Tuple[Tuple[str, Optional[str]], ...] = (
     ("activation_batch", "data"),
     ("activation_batch", "fsdp"),
-    ("activation_length", None),
+    # Taken only when the batch's rows did not take fsdp, i.e. data > 1 and fsdp > 1.
+    ("activation_length", "fsdp"),
     ("activation_embed", None),
     ("activation_heads", "model"),
     ("activation_kv_heads", "model"),
@@ -68,6 +79,38 @@ def mesh_axes_of(rules: Rules) -> Tuple[str, ...]:
         if m is not None and m not in seen:
             seen.append(m)
     return tuple(seen)
+
+
+def token_batch_spec(shape: Sequence[int], rules: Rules,
+                     mesh_shape: Mapping[str, int]) -> Spec:
+    """The layout of a batch of token rows (M, T+1, ...): rows over the batch's mesh axis,
+    the rest whole. The one owner of "which axis carries the batch".
+
+    The length stays unsharded here because T+1 rarely divides; the model's inputs and
+    targets (T tokens) are laid out by the activation rules once sliced, which is local.
+    """
+    axes = ("activation_batch",) + (None,) * (len(shape) - 1)
+    return resolve_spec("batch", shape, axes, rules, mesh_shape)
+
+
+def sequence_axis(batch_rows: int, length: int, rules: Rules,
+                  mesh_shape: Mapping[str, int]) -> Optional[str]:
+    """The mesh axis that splits the sequence of the model's (M, T) activations, or None."""
+    spec = resolve_spec("activations", (batch_rows, length),
+                        ("activation_batch", "activation_length"), rules, mesh_shape)
+    return spec[1]
+
+
+def activation_mesh_axes(rules: Rules):
+    """Mesh axes that the rules may split activations' tokens over (rows or sequence):
+    weights sharded over them are all-gathered before use (FSDP)."""
+    return {m for l, m in rules
+            if l in ("activation_batch", "activation_length") and m is not None}
+
+
+def without_sequence_sharding(rules: Rules) -> Tuple[Tuple[str, Optional[str]], ...]:
+    """`rules` with the sequence never split (decoding writes one token at a time)."""
+    return (("activation_length", None),) + tuple(rules)
 
 
 def resolve_spec(path: str, shape: Sequence[int], logical_axes: Sequence[Optional[str]],

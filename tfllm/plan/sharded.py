@@ -7,7 +7,8 @@ TensorFlow ops that run between the clusters, outside XLA. No single XLA program
 sharded step exists to compile for a GPU, so a sharded mesh is planned as:
 
 * **compute and temporaries**: the one-device step compiled with the shapes one device
-  computes with: the batch divided over the mesh axes that carry it, and under tensor
+  computes with: the batch divided over the mesh axes that carry it (rows, and the
+  sequence when data and fsdp are both > 1: folded into rows where they divide), and under tensor
   parallelism the heads, key-value heads, MLP width and vocabulary divided over `model`;
 * **state**: the exact per-device bytes of every weight, optimizer moment and FP8 history
   in its layout (`tfllm.parallel.layouts`), replacing the one-device program's copies;
@@ -69,11 +70,21 @@ def per_device_config(config, devices=None) -> Tuple[object, str]:
         return local, "one device"
     rules = rules_lib.rules_from_config(config.mesh.rules)
     m, t = config.model, config.train
-    batch_shape = (t.global_batch_size // t.grad_accum_steps, config.data.sequence_length + 1)
-    spec = rules_lib.resolve_spec("batch", batch_shape, ("activation_batch",
-                                                        "activation_length"), rules, shape)
-    local.train.global_batch_size = (t.global_batch_size
-                                     // (shape[spec[0]] if spec[0] else 1))
+    micro_rows, length = t.global_batch_size // t.grad_accum_steps, config.data.sequence_length
+    row_axis = rules_lib.token_batch_spec((micro_rows, length + 1), rules, shape)[0]
+    seq_axis = rules_lib.sequence_axis(micro_rows, length, rules, shape)
+    rows, seq = shape[row_axis] if row_axis else 1, shape[seq_axis] if seq_axis else 1
+    local.train.global_batch_size = t.global_batch_size // rows
+    if seq > 1:
+        if (micro_rows // rows) % seq == 0:
+            # Sequence sharding: a device computes T/seq queries of B/rows rows against
+            # all T keys: the same tokens and (queries x keys) scores as B/(rows*seq)
+            # whole rows, which is what the one-device program is compiled with.
+            local.train.global_batch_size //= seq
+        else:
+            # Too few rows to fold the sequence split into them: a (T/seq)-token program
+            # (its attention sees T/seq keys, not T: scores are underestimated).
+            local.data.sequence_length = length // seq
     tp_axis = _axis_for(rules, "heads", shape)
     if tp_axis:
         tp = shape[tp_axis]
@@ -121,7 +132,8 @@ def apply_mesh(config, local, result: dict, target, mesh_note: str, devices=None
     mem["total"] = mem["arguments"] + mem["outputs"] - mem["alias"] + mem["temp"]
     # model_flops, flops and tokens_per_step stay those of the local program: one
     # device's share of the step; the devices that split the batch multiply the tokens
-    result["batch_shards"] = config.train.global_batch_size // local.train.global_batch_size
+    result["batch_shards"] = ((config.train.global_batch_size * config.data.sequence_length)
+                              // (local.train.global_batch_size * local.data.sequence_length))
     act = _ACT_BYTES.get(config.precision.policy, 4)
     weights_per_device = sum(r.bytes_per_device for r in rows)  # float32 variables
     detail, sent = [], 0.0
@@ -137,9 +149,26 @@ def apply_mesh(config, local, result: dict, target, mesh_note: str, devices=None
         sent += b_ag + b_rs
         detail.append(f"fsdp: all-gather weights {b_ag / 1e9:.2f} GB, "
                       f"reduce-scatter grads {b_rs / 1e9:.2f} GB")
+    micro_rows = config.train.global_batch_size // config.train.grad_accum_steps
+    seq_axis = rules_lib.sequence_axis(micro_rows, config.data.sequence_length,
+                                       rules_lib.rules_from_config(config.mesh.rules), shape)
+    if seq_axis:
+        # Attention gathers each layer's keys and values of its rows over the sequence
+        # axis forward and reduce-scatters their gradients backward.
+        seq, m = shape[seq_axis], config.model
+        kv_width = (m.num_key_value_heads or m.num_query_heads) * (
+            m.head_dim or m.hidden_dim // m.num_query_heads) // tp
+        row_axis = rules_lib.token_batch_spec(
+            (micro_rows, 2), rules_lib.rules_from_config(config.mesh.rules), shape)[0]
+        rows_per_device = config.train.global_batch_size // (shape[row_axis] if row_axis else 1)
+        kv_bytes = rows_per_device * config.data.sequence_length * kv_width * act
+        b = m.num_layers * 2 * 2 * (seq - 1) / seq * kv_bytes
+        sent += b
+        detail.append(f"{seq_axis} (sequence): all-gather keys/values, reduce-scatter "
+                      f"their grads {b / 1e9:.2f} GB")
     if tp > 1:
         c = config
-        tokens = local.train.global_batch_size * c.data.sequence_length
+        tokens = local.train.global_batch_size * local.data.sequence_length
         b = 4 * c.model.num_layers * 2 * (tp - 1) / tp * tokens * c.model.hidden_dim * act
         sent += b
         detail.append(f"model: all-reduce activations {b / 1e9:.2f} GB")

@@ -140,8 +140,12 @@ def _train(config, workdir, model_cls, out, signals) -> dict:
     if idle:
         progress.message(f"tfllm: note: the batch is sharded over '{run.batch_axis}' only; "
                          f"the devices along {', '.join(repr(a) for a in idle)} repeat the "
-                         "same activations (DTensor shards one tensor dimension over at most "
-                         "one mesh axis).")
+                         "same activations: the custom mesh.rules map neither "
+                         "'activation_batch' nor 'activation_length' to them.")
+    if run.sequence_axis:
+        progress.message(f"tfllm: batch rows over '{run.batch_axis}', sequence over "
+                         f"'{run.sequence_axis}' (attention gathers keys and values over "
+                         f"'{run.sequence_axis}')")
 
     last, recent = {}, deque(maxlen=t.loss_spike_window)
     window_start, window_tokens = None, 0

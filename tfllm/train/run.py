@@ -14,6 +14,7 @@ from typing import Optional
 from tfllm.models import build_model
 from tfllm.optim import AdamW
 from tfllm.parallel import make_parallel
+from tfllm.parallel import rules as rules_lib
 from tfllm.parallel.mesh import check_batch
 from tfllm.train.evaluate import Evaluator
 from tfllm.train.step import TrainStep, resolve_jit
@@ -47,9 +48,11 @@ class Run:
             from tfllm.data.tokenizer import load_tokenizer
             self.tokenizer = load_tokenizer(config, workdir)
         self.micro_batch_rows = t.global_batch_size // t.grad_accum_steps
-        self.batch_axis = self.parallel.spec(
-            "batch", (self.micro_batch_rows, d.sequence_length + 1),
-            ("activation_batch", "activation_length"))[0]
+        self.batch_axis = self.parallel.batch_spec(
+            (self.micro_batch_rows, d.sequence_length + 1))[0]
+        self.sequence_axis = rules_lib.sequence_axis(
+            self.micro_batch_rows, d.sequence_length, self.parallel.rules,
+            self.parallel.shape)
         check_batch(t.global_batch_size, t.grad_accum_steps, self.batch_axis,
                     self.parallel.shape)
         self.model = build_model(config, self.parallel, model_cls=model_cls)
@@ -90,10 +93,11 @@ class Run:
                   flush=True)
 
     def idle_batch_axes(self):
-        """Batch-capable mesh axes (size > 1) that the batch does not use."""
+        """Token-splitting mesh axes (size > 1) that neither the batch's rows nor its
+        sequence use: their devices repeat the same activations (custom rules only)."""
         p = self.parallel
-        return sorted(a for a in p.batch_mesh_axes
-                      if p.shape.get(a, 1) > 1 and a != self.batch_axis)
+        return sorted(a for a in p.batch_mesh_axes if p.shape.get(a, 1) > 1
+                      and a not in (self.batch_axis, self.sequence_axis))
 
     # ---- data ---------------------------------------------------------------------------
     def local_rows(self) -> list:

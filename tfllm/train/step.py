@@ -17,8 +17,6 @@ from tfllm.parallel import context
 from tfllm.parallel.placement import Parallel, new_variable, to_numpy
 from tfllm.train import xla
 
-BATCH_AXES = ("activation_batch", "activation_length")
-
 
 # train.jit_compile=auto, by device type: measured in benchmarks/results/cpu_jit.md.
 # On the 2-core CPU, XLA clusters of DTensor's per-device programs were no faster than
@@ -81,7 +79,7 @@ class TrainStep:
         self._called = False
 
     def batch_spec(self, shape):
-        return self.parallel.spec("batch", shape, BATCH_AXES) if self.parallel else None
+        return self.parallel.batch_spec(shape) if self.parallel else None
 
     def to_device(self, tokens: np.ndarray, segment_ids: Optional[np.ndarray] = None):
         """A global (A, M, T+1) token array as this step's input: a tuple of A micro-batches

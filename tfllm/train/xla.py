@@ -153,6 +153,28 @@ def _short_device(name: str) -> str:
     return name.split("/")[-1].replace("device:", "") if name else ""
 
 
+def _device_coordinate_nodes(graph) -> set:
+    """Names of the nodes computed from the device id and constants only.
+
+    DTensor's SPMD expansion computes each device's mesh coordinates and shard offsets
+    from the `device_id` argument (a Div, FloorMod, a small integer MatMul with a
+    constant table, slices): plumbing of the layout, not the model's work, so it is not
+    counted as left outside XLA (a real matmul reads the model's tensors).
+    """
+    inputs = {n.name: [i.split(":")[0] for i in n.input if not i.startswith("^")]
+              for n in graph.node}
+    found = {n.name for n in graph.node
+             if n.op == "Const" or (n.op == "_Arg" and n.name.startswith("device_id"))}
+    changed = True
+    while changed:
+        changed = False
+        for name, ins in inputs.items():
+            if name not in found and ins and all(i in found for i in ins):
+                found.add(name)
+                changed = True
+    return {n.name for n in graph.node if n.op != "Const"} & found
+
+
 def report_from_graphs(graph_defs, marked_ops: int) -> XlaReport:
     """Builds an `XlaReport` from executed (post-optimization) GraphDefs.
 
@@ -165,8 +187,11 @@ def report_from_graphs(graph_defs, marked_ops: int) -> XlaReport:
     communication: Counter = Counter()
     examples: Dict[str, Dict[str, List[str]]] = {}
     for graph in graph_defs:
+        coordinates = _device_coordinate_nodes(graph)
         for node in graph.node:
             device = node.device
+            if node.name in coordinates:
+                continue
             if node.op == "_XlaCompile":
                 clusters[device] += 1
                 continue

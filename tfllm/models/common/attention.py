@@ -11,12 +11,20 @@ import tensorflow as tf
 
 from tfllm.models.common.layers import Projection
 from tfllm.models.common.remat import recompute
-from tfllm.parallel.context import constrain
+from tfllm.parallel.context import constrain, split_count
 
 _HEADS = ("activation_batch", "activation_length", "activation_heads", "activation_head_dim")
 _KV_HEADS = ("activation_batch", "activation_length", "activation_kv_heads",
              "activation_head_dim")
 _MASK_ROWS = ("activation_batch", "activation_length", None)
+# Keys and values as the scores use them: every query needs all keys of its row, so
+# their length is never split (under sequence sharding this gathers them).
+_KEYS = ("activation_batch", None, "activation_kv_heads", "activation_head_dim")
+_KEYS_REPEATED = ("activation_batch", None, "activation_heads", "activation_head_dim")
+# Queries folded to (B, P, T/P, H, D) by the pieces their sequence is split into.
+_FOLDED = ("activation_batch", "activation_length", None, "activation_heads",
+           "activation_head_dim")
+_FOLDED_MASK = ("activation_batch", "activation_length", None, None)
 
 
 @dataclass(frozen=True)
@@ -151,9 +159,10 @@ class Attention(keras.layers.Layer):
             causal with S == T (the training path).
         """
         groups = self.num_query_heads // self.num_key_value_heads
+        k, v = constrain(k, _KEYS, "keys"), constrain(v, _KEYS, "values")  # (B, S, K, D)
         if groups > 1:  # each K head serves `groups` consecutive query heads
-            k = constrain(tf.repeat(k, groups, axis=2), _HEADS)  # (B, T, H, D)
-            v = constrain(tf.repeat(v, groups, axis=2), _HEADS)  # (B, T, H, D)
+            k = constrain(tf.repeat(k, groups, axis=2), _KEYS_REPEATED)  # (B, S, H, D)
+            v = constrain(tf.repeat(v, groups, axis=2), _KEYS_REPEATED)  # (B, S, H, D)
         scores = tf.einsum("bthd,bshd->bhts", q, k)  # (B, H, T, S)
         scores = tf.cast(scores, tf.float32) / math.sqrt(self.head_dim)
         if attention_mask is None:
@@ -175,32 +184,55 @@ class Attention(keras.layers.Layer):
         backward pass (tf.recompute_grad), so neither pass keeps more than one chunk's
         (B, H, chunk, S) scores: what flash attention achieves with online softmax,
         here with XLA's own kernels.
+
+        When the active setup splits the sequence into P pieces (batch over data and
+        fsdp), chunks are cut inside every piece: the queries are folded to
+        (B, P, T/P, H, D) and chunk c takes queries c*chunk.. of each piece, so each
+        device attends its own queries without gathering them, `query_chunk` at a time.
         """
-        length, chunk = q.shape[1], self.query_chunk
-        if attention_mask is None:  # causal, as `attend` builds it: rows of the full mask
-            attention_mask = tf.linalg.band_part(tf.ones((length, length), tf.bool), -1, 0)
-            attention_mask = tf.expand_dims(attention_mask, 0)  # (1, T, S)
+        batch, length, heads, dim = q.shape
+        pieces = split_count(q.shape, _HEADS, 1)
+        local = length // pieces
+        q = constrain(tf.reshape(q, (batch, pieces, local, heads, dim)), _FOLDED)  # (B,P,L,H,D)
+        # Gather the keys once for all chunks (a no-op unless the sequence is split).
+        k, v = constrain(k, _KEYS, "keys"), constrain(v, _KEYS, "values")
+        if attention_mask is not None:  # (B, T, S) -> (B, P, L, S)
+            attention_mask = constrain(
+                tf.reshape(attention_mask, (batch, pieces, local, attention_mask.shape[-1])),
+                _FOLDED_MASK, "mask")
         outs = []
-        # Static, near-equal chunks of at most `chunk` queries (T=16, chunk=5: 4 x 4): on
+        # Static, near-equal chunks of at most `chunk` queries (L=16, chunk=5: 4 x 4): on
         # a DTensor mesh a lone 1-query chunk gets its heads laid out differently.
-        count = -(-length // chunk)
-        bounds = [length * i // count for i in range(count + 1)]
+        count = -(-local // self.query_chunk)
+        bounds = [local * i // count for i in range(count + 1)]
         for start, stop in zip(bounds[:-1], bounds[1:]):
-            q_chunk = q[:, start:stop]  # (B, t, H, D)
+            q_chunk = q[:, :, start:stop]  # (B, P, t, H, D)
             if outs:
                 # A true data dependency on the previous chunk (0 * x is not folded for
                 # floats), so that XLA runs the chunks one after another, forward and
                 # backward, instead of side by side with all their scores alive. The
                 # added slice has q's layout: no communication.
-                q_chunk = q_chunk + tf.cast(0.0, q.dtype) * outs[-1][:, -1:]
-            rows = attention_mask[:, start:stop]  # (B or 1, t, S)
-            if rows.shape[0] != q.shape[0]:
-                # An explicit (B, t, S) in the batch's layout, like a packing mask: DTensor
+                q_chunk = q_chunk + tf.cast(0.0, q.dtype) * outs[-1][:, :, -1:]
+            size = pieces * (stop - start)
+            q_chunk = constrain(tf.reshape(q_chunk, (batch, size, heads, dim)), _HEADS)
+            if attention_mask is None:
+                # Causal rows of these queries (global positions p*L + start ..): built
+                # directly, an explicit (B, P*t, S) in the batch's layout: DTensor
                 # mis-shapes the gradient of a select broadcast over a sharded batch.
-                rows = tf.broadcast_to(rows, (q.shape[0],) + tuple(rows.shape[1:]))
-                rows = constrain(rows, _MASK_ROWS, "chunk_mask")
-            outs.append(recompute(self.attend)(q_chunk, k, v, rows))
-        return constrain(tf.concat(outs, axis=1), _HEADS)  # (B, T, H, D)
+                query_pos = tf.reshape(tf.expand_dims(tf.range(pieces) * local, 1)
+                                       + tf.expand_dims(tf.range(start, stop), 0),
+                                       (size,))  # (P*t,)
+                rows = (tf.expand_dims(tf.range(length), 0)
+                        <= tf.expand_dims(query_pos, 1))  # (P*t, S)
+                rows = tf.broadcast_to(tf.expand_dims(rows, 0), (batch, size, length))
+            else:
+                rows = tf.reshape(attention_mask[:, :, start:stop], (batch, size, -1))
+            rows = constrain(rows, _MASK_ROWS, "chunk_mask")  # (B, P*t, S)
+            out = recompute(self.attend)(q_chunk, k, v, rows)  # (B, P*t, H, D)
+            outs.append(constrain(tf.reshape(out, (batch, pieces, stop - start, heads, dim)),
+                                  _FOLDED))
+        out = tf.reshape(tf.concat(outs, axis=2), (batch, length, heads, dim))
+        return constrain(out, _HEADS)  # (B, T, H, D)
 
     def call(self, x, attention_mask=None, positions=None, cache=None, cache_index=None):
         """Self-attention of x (B, T, E) -> (B, T, E), or ((B, T, E), new cache) with a cache.
@@ -243,4 +275,4 @@ def write_cache(cache, new, index):
     written = (offset >= 0) & (offset < length)  # (S,)
     spread = tf.gather(new, tf.clip_by_value(offset, 0, length - 1), axis=1)  # (B, S, K, D)
     out = tf.where(tf.reshape(written, (1, slots, 1, 1)), spread, cache)
-    return constrain(out, _KV_HEADS, "kv_cache")
+    return constrain(out, _KEYS, "kv_cache")

@@ -1,0 +1,54 @@
+"""Per-device shapes and collectives of a sharded plan: pure, no compile, no jax."""
+
+import json
+from types import SimpleNamespace
+
+import pytest
+
+from tfllm.config import load_config
+from tfllm.parallel.rules import DEFAULT_RULES, without_sequence_sharding
+from tfllm.plan.sharded import apply_mesh, per_device_config
+from tests.conftest import tiny_overrides
+
+
+def tiny(axes, **extra):
+    return load_config(None, tiny_overrides("llama", axes, **extra))
+
+
+@pytest.mark.parametrize("axes, batch, length", [
+    ("data=8", 2, 16), ("fsdp=8", 2, 16), ("data=2,model=4", 8, 16),
+    # rows over data (8 each), the 16-token sequence over fsdp: folded into 2 rows
+    ("data=2,fsdp=4", 2, 16),
+])
+def test_one_device_computes_its_share_of_the_tokens(axes, batch, length):
+    local, note = per_device_config(tiny(axes))
+    assert (local.train.global_batch_size, local.data.sequence_length) == (batch, length)
+    assert "per device" in note
+
+
+def test_a_sequence_split_that_does_not_fold_into_rows_shortens_the_sequence():
+    # 4 rows: 2 per data group, fewer than the 4 sequence pieces.
+    local, _ = per_device_config(tiny("data=2,fsdp=4", **{"train.global_batch_size": 4}))
+    assert (local.train.global_batch_size, local.data.sequence_length) == (2, 4)
+
+
+def _collectives(axes, **extra):
+    config = tiny(axes, **{"precision.policy": "bfloat16"}, **extra)
+    local, note = per_device_config(config)
+    empty = {"memory": {"arguments": 0, "outputs": 0, "alias": 0, "temp": 0}}
+    return apply_mesh(config, local, empty, SimpleNamespace(name="h100"), note)
+
+
+def test_sequence_split_adds_the_key_value_gathers():
+    hybrid = _collectives("data=2,fsdp=4")
+    assert hybrid["batch_shards"] == 8  # every device a distinct eighth of the tokens
+    assert "fsdp (sequence): all-gather keys/values" in hybrid["collectives"]["detail"]
+    # The same mesh with the sequence never split moves the same weights and gradients;
+    # the difference is 2 layers x (gather forward + reduce-scatter backward) x (k and
+    # v) x 3/4 of the 8 rows x 16 tokens x 8 kv heads x 4 dims x 2 bytes a device holds.
+    rules = json.dumps([list(r) for r in without_sequence_sharding(DEFAULT_RULES)])
+    whole = _collectives("data=2,fsdp=4", **{"mesh.rules": rules})
+    assert whole["batch_shards"] == 2 and "sequence" not in whole["collectives"]["detail"]
+    kv = 2 * 2 * 2 * 3 / 4 * (8 * 16 * 8 * 4 * 2)
+    assert (hybrid["collectives"]["bytes_per_device"]
+            - whole["collectives"]["bytes_per_device"]) == pytest.approx(kv)
