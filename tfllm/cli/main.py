@@ -154,6 +154,9 @@ def cmd_export_step(args) -> int:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="tfllm", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
+    p = sub.add_parser("launch", help="Start and supervise the clients of a multi-client "
+                       "job (tfllm launch --help).", add_help=False)
+    p.add_argument("launch_args", nargs=argparse.REMAINDER)
     p = sub.add_parser("train", help="Train a model; writes config.yaml and metrics.jsonl.")
     _common(p)
     p.add_argument("--workdir", default="runs/default", help="Run directory.")
@@ -246,6 +249,10 @@ def _input_errors() -> tuple:
 
 
 def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["launch"]:  # its own options (a launcher parses no tfllm flags)
+        from tfllm.launch.main import main as launch
+        return launch(argv[1:], "tfllm launch")
     args = build_parser().parse_args(argv)
     errors = _input_errors()
     try:
