@@ -368,7 +368,7 @@ def main(argv: Optional[List[str]] = None, prog: str = "tfllm launch") -> int:
         current = ports if attempt == 0 else assign_ports(plan)
         for spec in specs(attempt, current):
             supervisor.start(spec, worker_argv(plan, spec, os.environ), attempt,
-                             stdin_pipe=t.mode == "hostfile")
+                             remote=t.mode == "hostfile")
         say(f"attempt {attempt}: started rank(s) {' '.join(map(str, t.own_ranks))} of "
             f"{t.world_size}; logs in {log_dir}")
 

@@ -89,8 +89,15 @@ class Supervisor:
         return os.path.join(self.log_dir, f"ready.{rank}")
 
     def start(self, spec: WorkerSpec, argv: Sequence[str], attempt: int,
-              stdin_pipe: bool = False) -> None:
-        """Starts one worker in its own process group with `spec.env` set."""
+              remote: bool = False) -> None:
+        """Starts one worker in its own process group.
+
+        Args:
+          argv: what to execute: the command with `spec.env` set, or (remote) the remote
+            shell whose script sets `spec.env` on the other host.
+          remote: hostfile mode: ssh gets our environment only, and its stdin is held
+            open so that the remote watcher stops the worker when ssh is stopped.
+        """
         log_path = os.path.join(self.log_dir, f"rank_{spec.rank}.log")
         ready = self.ready_file(spec.rank)
         if os.path.exists(ready):
@@ -98,12 +105,10 @@ class Supervisor:
         with open(log_path, "a") as log:
             log.write(f"=== multiworker: rank {spec.rank} attempt {attempt} started "
                       f"{time.strftime('%Y-%m-%dT%H:%M:%SZ', time.gmtime())} ===\n")
-        env = dict(os.environ, **spec.env)
-        # Hostfile mode holds ssh's stdin open: when the worker's group is stopped, the
-        # remote watcher sees EOF and stops the remote worker.
+        env = dict(os.environ) if remote else dict(os.environ, **spec.env)
         process = subprocess.Popen(list(argv), env=env, stdout=subprocess.PIPE,
                                    stderr=subprocess.STDOUT,
-                                   stdin=subprocess.PIPE if stdin_pipe else subprocess.DEVNULL,
+                                   stdin=subprocess.PIPE if remote else subprocess.DEVNULL,
                                    start_new_session=True)
         matched = threading.Event()
         key = spec.env.get("TFLLM_READY_KEY")
