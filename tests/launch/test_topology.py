@@ -176,3 +176,14 @@ def test_plan_defaults():
     assert plan.log_dir == "runs/x/logs" and plan.kill_timeout == 15
     assert plan.startup_timeout == 900 and plan.max_restarts == 0
     assert plan.ready_pattern is None  # readiness is the handshake unless asked
+
+
+@pytest.mark.parametrize("mode_args", [["--mode", "env", "--rank", "0", "--world-size", "2",
+                                        "--hosts", "a,b"]])
+def test_no_lone_restarts_in_per_rank_modes(mode_args):
+    # One rank per launcher: a restart would rejoin a dead mesh alone.
+    with pytest.raises(LaunchError, match="restart every rank together"):
+        make_plan(parse([*mode_args, "--max-restarts", "1", "--", "tfllm", "train"]), {})
+    slurm = {"SLURM_PROCID": "0", "SLURM_NTASKS": "1", "SLURM_JOB_NODELIST": "n1"}
+    with pytest.raises(LaunchError, match="--mode slurm, which would rejoin a dead mesh"):
+        make_plan(parse(["--mode", "slurm", "--max-restarts", "2", "--", "true"]), slurm)

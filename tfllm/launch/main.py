@@ -82,9 +82,10 @@ Options:
                          one ready worker means that all have joined).
   --ready-pattern REGEX  for commands other than tfllm: a worker is also ready when an
                          output line matches this (Python) regular expression.
-  --max-restarts N       after a failure or startup timeout, stop everything and start all
-                         workers again, up to N times (default 0). `tfllm train --workdir`
-                         resumes from the latest checkpoint there.
+  --max-restarts N       local and hostfile modes: after a failure or startup timeout, stop
+                         everything and start all workers again, up to N times (default 0).
+                         `tfllm train --workdir` resumes from the latest checkpoint there.
+                         Under slurm and env the scheduler restarts the whole job.
   --dry-run              print each worker's environment and command; start nothing.
   --expand-nodelist LIST print a SLURM nodelist's hostnames, one per line, and exit
                          (scontrol show hostnames, else a built-in expansion).
@@ -255,6 +256,14 @@ def make_plan(opts: Options, environ) -> Plan:
     else:
         topology = topo.env_topology(environ, opts.get("--rank"), opts.get("--world-size"),
                                      opts.get("--hosts"), opts.get("--host-pattern"))
+    if max_restarts and mode in ("slurm", "env"):
+        # One rank per launcher: restarting it alone would face the other ranks' dead or
+        # waiting mesh. The scheduler restarts the whole job instead.
+        raise LaunchError(f"--max-restarts restarts only this launcher's own rank under "
+                          f"--mode {mode}, which would rejoin a dead mesh alone; let the "
+                          "scheduler restart every rank together (SLURM: srun "
+                          "--kill-on-bad-exit=1 in an sbatch --requeue job; Kubernetes: a "
+                          "JobSet with failurePolicy.maxRestarts) and drop --max-restarts")
     workdir = topo.command_workdir(command)
     log_dir = opts.get("--log-dir") or (os.path.join(workdir, "logs") if workdir
                                         else "multiworker-logs")
