@@ -254,6 +254,8 @@ def main(argv=None) -> int:
         from tfllm.launch.main import main as launch
         return launch(argv[1:], "tfllm launch")
     args = build_parser().parse_args(argv)
+    from tfllm.quiet import install
+    install(tfllm.USER_TF_LOG_LEVEL)  # before TensorFlow is imported and starts logging
     errors = _input_errors()
     try:
         return args.fn(args)
