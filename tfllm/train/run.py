@@ -48,13 +48,17 @@ class Run:
             from tfllm.data.tokenizer import load_tokenizer
             self.tokenizer = load_tokenizer(config, workdir)
         self.micro_batch_rows = t.global_batch_size // t.grad_accum_steps
+        # The batch's own error first (naming train.global_batch_size or
+        # data.sequence_length), before the generic sharding error could fire.
+        rules, shape = self.parallel.rules, self.parallel.shape
+        rows_axis = rules_lib.candidate_axis("activation_batch", rules, shape)
+        check_batch(t.global_batch_size, t.grad_accum_steps, rows_axis, shape,
+                    d.sequence_length, rules_lib.candidate_axis(
+                        "activation_length", rules, shape, used=(rows_axis,)))
         self.batch_axis = self.parallel.batch_spec(
             (self.micro_batch_rows, d.sequence_length + 1))[0]
-        self.sequence_axis = rules_lib.sequence_axis(
-            self.micro_batch_rows, d.sequence_length, self.parallel.rules,
-            self.parallel.shape)
-        check_batch(t.global_batch_size, t.grad_accum_steps, self.batch_axis,
-                    self.parallel.shape)
+        self.sequence_axis = rules_lib.sequence_axis(self.micro_batch_rows, d.sequence_length,
+                                                     rules, shape)
         self.model = build_model(config, self.parallel, model_cls=model_cls)
         self.optimizer = AdamW(config.optimizer, t.steps, self.parallel)
         self.optimizer.build(self.model.trainable_variables)
