@@ -11,13 +11,12 @@ import os
 import tempfile
 from typing import Optional
 
-from tfllm.models import build_model
-from tfllm.optim import AdamW
 from tfllm.parallel import make_parallel
 from tfllm.parallel import rules as rules_lib
 from tfllm.parallel.mesh import check_batch
 from tfllm.train.evaluate import Evaluator
-from tfllm.train.step import TrainStep, resolve_jit
+from tfllm.train.state import build_train_state
+from tfllm.train.step import resolve_jit
 
 
 class Run:
@@ -59,19 +58,11 @@ class Run:
             (self.micro_batch_rows, d.sequence_length + 1))[0]
         self.sequence_axis = rules_lib.sequence_axis(self.micro_batch_rows, d.sequence_length,
                                                      rules, shape)
-        self.model = build_model(config, self.parallel, model_cls=model_cls)
-        self.optimizer = AdamW(config.optimizer, t.steps, self.parallel)
-        self.optimizer.build(self.model.trainable_variables)
         self.jit_compile = resolve_jit(t.jit_compile, self.parallel.device_type)
-        self.loss_scale = None
-        if config.precision.policy == "float16":
-            from tfllm.precision.loss_scale import DynamicLossScale
-            self.loss_scale = DynamicLossScale(config.precision.loss_scale_initial,
-                                               config.precision.loss_scale_growth_interval,
-                                               self.parallel)
         packing = d.packing_mask and d.source != "synthetic"
-        self.step = TrainStep(self.model, self.optimizer, self.parallel, self.jit_compile,
-                              self.loss_scale, packing_mask=packing)
+        state = build_train_state(config, self.parallel, self.jit_compile, model_cls, packing)
+        self.model, self.optimizer = state.model, state.optimizer
+        self.loss_scale, self.step = state.loss_scale, state.step
         self.evaluator = Evaluator(self.model, self.parallel, self.jit_compile, packing)
         self.rows = self.local_rows()
         self._synthetic = None
