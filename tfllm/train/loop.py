@@ -20,7 +20,8 @@ from collections import deque
 from tfllm.config import save_config
 from tfllm.config.loader import to_dict
 from tfllm.parallel.coordination import any_client
-from tfllm.parallel.mesh import client_id
+from tfllm.parallel.mesh import client_id, num_clients
+from tfllm.parallel.watchdog import PeerWatchdog
 from tfllm.precision import describe
 from tfllm.train.metrics import Throughput, flops_per_token, mesh_peak_flops
 from tfllm.train.preemption import NonFiniteError, Preempted, SignalWatcher
@@ -72,10 +73,15 @@ def train(config, workdir: str, model_cls=None, out=None) -> dict:
     """
     out = sys.stdout if out is None else out
     with SignalWatcher() as signals:  # from the start: setup and first compile included
-        return _train(config, workdir, model_cls, out, signals)
+        watchdog = []
+        try:
+            return _train(config, workdir, model_cls, out, signals, watchdog)
+        finally:
+            for w in watchdog:
+                w.stop()  # peers must not take this client's normal end for a loss
 
 
-def _train(config, workdir, model_cls, out, signals) -> dict:
+def _train(config, workdir, model_cls, out, signals, watchdog: list) -> dict:
     from tfllm.checkpoint import Checkpointer, committed
     t = config.train
     primary = client_id() == 0
@@ -91,6 +97,9 @@ def _train(config, workdir, model_cls, out, signals) -> dict:
     check_workdir(workdir, config, has_checkpoint, imported)
     run = Run(config, model_cls, workdir)  # bad data or tokenizer settings fail here
     checkpointer = Checkpointer(ckpt_dir, run.parallel, config.checkpoint)
+    if num_clients() > 1 and t.peer_timeout_s > 0:  # from here a lost peer is reported
+        watchdog.append(PeerWatchdog(workdir, client_id(), num_clients(), t.peer_timeout_s,
+                                     checkpointer.latest_step).start())
     os.makedirs(workdir, exist_ok=True)
     if primary:
         if not has_checkpoint:
@@ -144,6 +153,8 @@ def _train(config, workdir, model_cls, out, signals) -> dict:
             if t.loss_spike_factor > 0 and len(recent) == recent.maxlen:
                 limit = t.loss_spike_factor * sum(recent) / len(recent)
             began = time.perf_counter()
+            for w in watchdog:
+                w.step = step + 1  # the step this client waits in, for the message
             values = run.step(run.batch(step), loss_limit=limit)
             number = step + 1
             now = time.perf_counter()
