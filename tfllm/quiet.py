@@ -44,6 +44,16 @@ def is_noise(line: str, min_level: int) -> bool:
     return bool(_NOISE.search(line))
 
 
+_restore = None
+
+
+def release() -> None:
+    """Puts descriptor 2 back and waits until the filter has passed on everything written
+    so far. Call before `os._exit`, which skips the exit handler that would do it."""
+    if _restore is not None:
+        _restore()
+
+
 def install(user_level: Optional[str]) -> None:
     """Filters descriptor 2 for the rest of the process (the `tfllm` command calls this).
 
@@ -76,6 +86,10 @@ def install(user_level: Optional[str]) -> None:
     def restore() -> None:
         # Closing the pipe's only write end (descriptor 2) ends the pump after it has
         # passed on everything written so far, tracebacks included.
+        global _restore
+        if _restore is None:
+            return
+        _restore = None
         try:
             sys.stderr.flush()
         except (OSError, ValueError):
@@ -83,4 +97,6 @@ def install(user_level: Optional[str]) -> None:
         os.dup2(original, 2)
         thread.join(timeout=5)
 
+    global _restore
+    _restore = restore
     atexit.register(restore)

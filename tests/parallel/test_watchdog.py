@@ -4,7 +4,7 @@ import io
 import json
 import time
 
-from tfllm.parallel.watchdog import PeerWatchdog, heartbeat_path
+from tfllm.parallel.watchdog import PeerWatchdog, heartbeat_path, lost_message, peer_from_error
 from tfllm.train.preemption import PEER_LOST_EXIT_CODE
 
 
@@ -48,3 +48,18 @@ def test_the_report_is_one_line_with_peer_step_checkpoint_and_code(tmp_path):
     assert mine["client"] == 0 and not mine["done"]
     w.stop()
     assert json.loads(open(heartbeat_path(str(tmp_path), 0)).read())["done"]
+
+
+ABORTED = ("{{function_node __inference__train_step_11980}} Collective ops is aborted by: "
+           "recvmsg:Connection reset by peer\nAdditional GRPC error information from remote "
+           "target /job:worker/replica:0/task:1 while calling /tensorflow.WorkerService/RecvBuf")
+
+
+def test_collective_errors_name_the_peer():
+    assert peer_from_error(ABORTED, own=0) == 1
+    assert peer_from_error(ABORTED.replace("task:1", "task:0"), own=0) == -1  # only itself
+    assert peer_from_error("Incompatible shapes: [2,3] vs. [3,2]", own=0) is None
+    line = lost_message(1, 0, 41, 40, "its connection failed in a collective")
+    assert line == ("client 1 stopped responding (its connection failed in a collective) "
+                    "while client 0 was at step 41; the latest committed checkpoint is step "
+                    "40. Exiting with code 76: restart the job to resume.")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 
 import tfllm  # noqa: F401  (sets KERAS_BACKEND before keras is imported)
@@ -22,8 +23,9 @@ def _load(args):
 
 def cmd_train(args) -> int:
     from tfllm.train.loop import train
-    from tfllm.train.preemption import (NONFINITE_EXIT_CODE, PREEMPTED_EXIT_CODE,
-                                        NonFiniteError, Preempted)
+    from tfllm.parallel.watchdog import PeerLost
+    from tfllm.train.preemption import (NONFINITE_EXIT_CODE, PEER_LOST_EXIT_CODE,
+                                        PREEMPTED_EXIT_CODE, NonFiniteError, Preempted)
     config = _load_for_workdir(args)
     try:
         last = train(config, args.workdir)
@@ -33,6 +35,12 @@ def cmd_train(args) -> int:
     except NonFiniteError as e:
         print(f"tfllm train: error: {e}", file=sys.stderr)
         return NONFINITE_EXIT_CODE
+    except PeerLost as e:  # one line, no traceback: the cause is another process
+        print(f"tfllm train: error: {e}", file=sys.stderr, flush=True)
+        # At once: TensorFlow's multi-client shutdown would wait for the lost peer.
+        from tfllm import quiet
+        quiet.release()
+        os._exit(PEER_LOST_EXIT_CODE)
     print(json.dumps({k: last[k] for k in ("step", "loss", "eval_loss", "tokens_per_s")
                       if k in last}))
     return 0

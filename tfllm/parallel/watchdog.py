@@ -16,12 +16,44 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import sys
 import threading
 import time
 from typing import Callable, Dict, Optional, Tuple
 
 from tfllm.train.preemption import PEER_LOST_EXIT_CODE
+
+
+class PeerLost(RuntimeError):
+    """Another client of the job died or stopped responding; the message is one line."""
+
+
+# A peer named in a collective's error: ".../job:worker/replica:0/task:1 while calling ...".
+_TASK = re.compile(r"/job:[\w-]+/replica:\d+/task:(\d+)")
+_PEER_ERRORS = ("Collective ops is aborted", "Connection reset by peer", "Socket closed",
+                "failed to connect", "unavailable", "Deadline Exceeded")
+
+
+def peer_from_error(message: str, own: int) -> Optional[int]:
+    """The peer a TensorFlow collective error blames (-1: a peer, which one unknown), or
+    None when the error is not about a lost peer."""
+    for match in _TASK.finditer(message):
+        if int(match.group(1)) != own:
+            return int(match.group(1))
+    if any(text.lower() in message.lower() for text in _PEER_ERRORS):
+        return -1
+    return None
+
+
+def lost_message(peer: int, client: int, step: int, latest: Optional[int],
+                 why: str) -> str:
+    """The one line a surviving client prints (by the watchdog or on a collective error)."""
+    who = f"client {peer}" if peer >= 0 else "a peer client"
+    where = (f"the latest committed checkpoint is step {latest}" if latest is not None
+             else "no checkpoint is committed yet")
+    return (f"{who} stopped responding ({why}) while client {client} was at step {step}; "
+            f"{where}. Exiting with code {PEER_LOST_EXIT_CODE}: restart the job to resume.")
 
 
 def heartbeat_path(workdir: str, client: int) -> str:
@@ -117,14 +149,12 @@ class PeerWatchdog:
         return worst
 
     def _report(self, peer: int, silent: float) -> None:
-        latest = self.latest_checkpoint()
-        where = (f"the latest committed checkpoint is step {latest}" if latest is not None
-                 else "no checkpoint is committed yet")
-        line = (f"tfllm train: error: client {peer} stopped responding (no heartbeat for "
-                f"{silent:.0f} s, train.peer_timeout_s={self.timeout_s:g}) while client "
-                f"{self.client} was at step {self.step}; {where}. Exiting with code "
-                f"{PEER_LOST_EXIT_CODE}: restart the job to resume (see "
-                f"{os.path.join(self.workdir, 'logs')}).")
+        line = "tfllm train: error: " + lost_message(
+            peer, self.client, self.step, self.latest_checkpoint(),
+            f"no heartbeat for {silent:.0f} s, train.peer_timeout_s={self.timeout_s:g}")
+        if self.out is None:
+            from tfllm import quiet
+            quiet.release()  # the line must reach the terminal before os._exit
         out = self.out or sys.stderr
         try:
             print(line, file=out, flush=True)

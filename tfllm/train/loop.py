@@ -21,7 +21,7 @@ from tfllm.config import save_config
 from tfllm.config.loader import to_dict
 from tfllm.parallel.coordination import any_client
 from tfllm.parallel.mesh import client_id, num_clients
-from tfllm.parallel.watchdog import PeerWatchdog
+from tfllm.parallel.watchdog import PeerLost, PeerWatchdog, lost_message, peer_from_error
 from tfllm.precision import describe
 from tfllm.train.metrics import Throughput, flops_per_token, mesh_peak_flops
 from tfllm.train.preemption import NonFiniteError, Preempted, SignalWatcher
@@ -155,7 +155,7 @@ def _train(config, workdir, model_cls, out, signals, watchdog: list) -> dict:
             began = time.perf_counter()
             for w in watchdog:
                 w.step = step + 1  # the step this client waits in, for the message
-            values = run.step(run.batch(step), loss_limit=limit)
+            values = _step_or_peer_lost(run, step, limit, checkpointer)
             number = step + 1
             now = time.perf_counter()
             if first_step_s is None:  # the first step includes compilation: not timed
@@ -222,6 +222,19 @@ def _train(config, workdir, model_cls, out, signals, watchdog: list) -> dict:
         last["sample"] = text
     last["first_step_s"] = first_step_s or 0.0
     return last
+
+
+def _step_or_peer_lost(run, step: int, limit: float, checkpointer) -> dict:
+    """One train step; a collective aborted by a lost peer becomes `PeerLost` (one line)."""
+    import tensorflow as tf
+    try:
+        return run.step(run.batch(step), loss_limit=limit)
+    except tf.errors.OpError as e:
+        peer = peer_from_error(str(e.message), client_id()) if num_clients() > 1 else None
+        if peer is None:
+            raise
+        raise PeerLost(lost_message(peer, client_id(), step + 1, checkpointer.latest_step(),
+                                    "its connection failed in a collective")) from None
 
 
 def _meta(config, step: int) -> dict:
