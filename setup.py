@@ -12,7 +12,8 @@ setup(
     packages=find_packages(include=["tfllm", "tfllm.*"]),
     install_requires=[
         "tensorflow>=2.16,<2.22",
-        # tfllm.pretrained.keras_internal and tfllm.train.tf_internal fence the private
+        # tfllm.parallel.keras_internal, tfllm.pretrained.keras_internal and
+        # tfllm.train.tf_internal fence the private
         # APIs used; these bounds are the versions they were written for.
         "keras>=3.5,<4",
         "keras-hub>=0.20,<1",

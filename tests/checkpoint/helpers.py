@@ -6,12 +6,10 @@ from tfllm.checkpoint import run_state_variables
 from tfllm.checkpoint.shards import tf_variable
 from tfllm.config import load_config
 from tfllm.data import SyntheticTokens
-from tfllm.models import build_model
-from tfllm.optim import AdamW
 from tfllm.parallel import make_parallel
 from tfllm.parallel.placement import to_numpy
 from tfllm.precision.loss_scale import DynamicLossScale
-from tfllm.train.step import TrainStep
+from tfllm.train.state import build_train_state
 from tests.conftest import tiny_overrides
 
 
@@ -23,12 +21,10 @@ def build_run(axes, train_steps=0, family="gpt", **extra):
     """
     cfg = load_config(None, tiny_overrides(family, axes or "data=1", **extra))
     parallel = None if axes is None else make_parallel(cfg)
-    model = build_model(cfg, parallel)
-    optimizer = AdamW(cfg.optimizer, cfg.train.steps, parallel)
-    optimizer.build(model.trainable_variables)
+    state = build_train_state(cfg, parallel, jit_compile=False)
+    model, optimizer, step = state.model, state.optimizer, state.step
     loss_scale = DynamicLossScale(2.0 ** 10, 100, parallel)
     if train_steps:
-        step = TrainStep(model, optimizer, parallel, jit_compile=False)
         data = SyntheticTokens(cfg.model.vocab_size, cfg.data.sequence_length + 1, seed=3)
         t = cfg.train
         for i in range(train_steps):

@@ -36,6 +36,7 @@ def test_cli_surface_is_frozen():
         "eval": ["--help", "--set", "--steps", "--workdir", "-h"],
         "export": ["--format", "--help", "--out", "--set", "--workdir", "-h"],
         "import": ["--help", "--preset", "--set", "--tokenizer", "--workdir", "-h"],
+        "launch": [],  # its own options: tests/launch/test_arguments.py freezes them
     }
 
 
@@ -77,6 +78,13 @@ def test_layouts_for_llama_70b_without_allocating():
     (["layouts", "--config", "configs/tiny.yaml", "--set", "mesh.axes=model=3",
       "--num-devices", "3"], "is not divisible by mesh axis 'model' (size 3)"),
     (["train", "--config", "configs/nope.yaml"], "no such file"),
+    # The batch's own message, naming the setting, not the generic sharding error.
+    (["train", "--config", "configs/tiny.yaml", "--set", "mesh.axes=data=8", "--set",
+      "train.global_batch_size=12"], "12 sequences per micro-batch do not divide over "
+     "mesh axis 'data' (size 8)"),
+    (["train", "--config", "configs/tiny.yaml", "--set", "mesh.axes=data=2,fsdp=4", "--set",
+      "data.sequence_length=30"], "data.sequence_length (30) does not divide over mesh axis "
+     "'fsdp' (size 4)"),
 ])
 def test_bad_input_exits_2_with_a_message(args, message, tmp_path):
     if args[0] == "layouts" and "--num-devices" not in args:

@@ -27,7 +27,7 @@ ALL_KEYS = {
     "train": ["steps", "global_batch_size", "grad_accum_steps", "seed", "jit_compile",
               "log_every", "eval_every", "eval_steps", "deterministic", "progress",
               "on_nonfinite", "loss_spike_factor", "loss_spike_window", "sample_prompt",
-              "sample_tokens"],
+              "sample_tokens", "peer_timeout_s"],
     "checkpoint": ["every", "max_to_keep", "async_save", "on_corruption"],
 }
 

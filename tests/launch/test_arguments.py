@@ -1,4 +1,5 @@
-"""multiworker.sh argument and environment errors: exit 2 before anything starts (no TF)."""
+"""multiworker.sh (the wrapper of `tfllm launch`) argument and environment errors: exit 2
+before anything starts (no TF)."""
 
 import re
 import shutil
@@ -7,7 +8,8 @@ import subprocess
 
 import pytest
 
-from tests.launch.helpers import LAUNCHER, launcher_env, run
+from tfllm.launch.main import _FLAGS, _VALUED
+from tests.launch.helpers import LAUNCHER, PY, ROOT, launcher_env, run
 
 CMD = ["--", "true"]
 
@@ -32,7 +34,7 @@ def _hostfile(tmp_path, text):
     (["--mode", "local", "--num-workers", "2", "--port", "70000", *CMD], {},
      "--port must be a TCP port number"),
     (["--mode", "local", "--num-workers", "2", "--ready-pattern", "a[", *CMD], {},
-     "--ready-pattern 'a[' is not a valid extended regex"),
+     "--ready-pattern 'a[' is not a valid regular expression"),
     (["--mode", "local", "--num-workers", "2", "--port"], {}, "--port needs a value"),
     (["--mode", "hostfile", *CMD], {}, "--mode hostfile needs --hostfile"),
     (["--mode", "hostfile", "--hostfile", "/nonexistent/hosts", *CMD], {},
@@ -83,14 +85,16 @@ def test_port_in_use(tmp_path):
 def test_help_documents_every_option():
     code, out, _ = run(["--help"], timeout=30)
     assert code == 0
-    source = open(LAUNCHER).read()
-    parsed = set(re.findall(r"(--[a-z][a-z-]+)\)", source))  # the case labels of the parser
-    parsed |= set(re.findall(r"\| (--[a-z][a-z-]+)", source))
+    parsed = set(_VALUED) | set(_FLAGS)  # what the parser accepts
     assert len(parsed) > 15
     for option in sorted(parsed):
         assert re.search(rf"^\s+(-h, )?{option}\b", out, re.M), f"{option} is not in --help"
     for code_doc in ("0 ", "2 ", "124", "75", "128+N"):
         assert code_doc in out
+    # `tfllm launch` is the same launcher under its own name.
+    r = subprocess.run([PY, "-m", "tfllm.cli.main", "launch", "--help"], capture_output=True,
+                       text=True, timeout=60, cwd=ROOT, env=launcher_env())
+    assert r.returncode == 0 and r.stdout.startswith("Usage: tfllm launch --mode MODE")
 
 
 @pytest.mark.skipif(shutil.which("shellcheck") is None, reason="shellcheck is not installed")

@@ -12,11 +12,13 @@ from tests.launch.helpers import (PY, assert_no_leftovers, finish, kill_group, k
 
 pytestmark = pytest.mark.multiprocess
 
+# The worker's side of the readiness handshake, as tfllm does it once its mesh is up.
+READY = "open(__import__('os').environ['TFLLM_READY_FILE'], 'w').close(); "
 # A worker that says it joined the mesh, then waits; `marker` in its argv lets the test find
 # leftovers. On SIGTERM it exits 75, like a preempted tfllm that saved a checkpoint.
 READY_THEN_WAIT = ("import signal, sys, time; "
                    "signal.signal(signal.SIGTERM, lambda *a: sys.exit(75)); "
-                   "print('tfllm: gpt on mesh [data=8]', flush=True); time.sleep(600)")
+                   + READY + "time.sleep(600)")
 
 
 def _free_port():
@@ -66,8 +68,7 @@ def test_worker_ignoring_sigterm_gets_sigkill(tmp_path):
     log_dir = tmp_path / "logs"
     # Rank 0 ignores SIGTERM and waits; rank 1 fails after a second.
     stubborn = ("import signal, sys, time, os; signal.signal(signal.SIGTERM, signal.SIG_IGN); "
-                "print('on mesh [x]', flush=True); "
-                "rank = os.environ['DTENSOR_CLIENT_ID']; time.sleep(1 if rank == '1' else 600); "
+                + READY + "rank = os.environ['DTENSOR_CLIENT_ID']; time.sleep(1 if rank == '1' else 600); "
                 "sys.exit(3)")
     try:
         code, _, err = run(["--mode", "local", "--num-workers", "2", "--log-dir", str(log_dir),
@@ -145,7 +146,7 @@ def test_launcher_signal_reaches_workers(tmp_path, sig):
 def test_launcher_signal_exit_code_without_preemption_support(tmp_path):
     log_dir = tmp_path / "logs"
     proc = start(["--mode", "local", "--num-workers", "1", "--log-dir", str(log_dir), "--",
-                  PY, "-c", "import time; print('on mesh [x]', flush=True); time.sleep(600)",
+                  PY, "-c", "import time; " + READY + "time.sleep(600)",
                   str(tmp_path)])
     try:
         _wait_for(log_dir / "ready.0")
@@ -158,22 +159,49 @@ def test_launcher_signal_exit_code_without_preemption_support(tmp_path):
     assert_no_leftovers(tmp_path)
 
 
-def test_ready_from_tfllm_client_log(tmp_path):
-    """Today tfllm's clients other than 0 print their mesh line to WORKDIR/logs/client_N.log,
-    not stdout; a launcher that runs only such a client (slurm, env) reads it there."""
-    workdir = tmp_path / "run"
-    (workdir / "logs").mkdir(parents=True)
-    (workdir / "logs" / "client_1.log").write_text("on mesh [stale, from an earlier run]\n")
-    client = ("import sys, time; time.sleep(2); "
-              "open(sys.argv[2] + '/logs/client_1.log', 'a').write('tfllm: gpt on mesh [x]\\n'); "
-              "time.sleep(4)")
+def test_ready_by_handshake_file_not_by_printed_text(tmp_path):
+    """A launcher that runs only a client other than 0 (slurm, env) learns readiness from
+    the client's TFLLM_READY_FILE, whatever it prints and wherever; a ready file left by an
+    earlier run does not count."""
+    log_dir = tmp_path / "logs"
+    log_dir.mkdir()
+    (log_dir / "ready.1").write_text("stale, from an earlier run")
+    client = ("import time; print('tfllm: gpt on mesh [x]', flush=True); time.sleep(2); "
+              + READY + "time.sleep(4)")
     try:
         code, _, err = run(["--mode", "env", "--rank", "1", "--world-size", "2", "--hosts",
-                            "localhost", "--port", str(_free_port()), "--startup-timeout", "4", "--", PY,
-                            "-c", client, "--workdir", str(workdir)], timeout=60)
+                            "localhost", "--port", str(_free_port()), "--startup-timeout", "4",
+                            "--log-dir", str(log_dir), "--", PY, "-c", client, str(tmp_path)],
+                           timeout=60)
         assert code == 0, err
         ready_after = int(err.split("workers ready after ")[1].split()[0])
-        assert ready_after >= 2  # the stale line from before the start did not count
+        assert ready_after >= 2  # neither the stale file nor the printed line counted
     finally:
-        kill_workers(workdir / "logs")
+        kill_workers(log_dir)
+    assert_no_leftovers(tmp_path)
+
+
+def test_printed_text_alone_is_not_ready(tmp_path):
+    log_dir = tmp_path / "logs"
+    try:
+        code, _, err = run(["--mode", "local", "--num-workers", "1", "--log-dir", str(log_dir),
+                            "--startup-timeout", "2", "--kill-timeout", "2", "--", PY, "-c",
+                            "import time; print('tfllm: client 0/1 ready on mesh [x]', "
+                            "flush=True); time.sleep(600)", str(tmp_path)], timeout=60)
+        assert code == 124, err
+    finally:
+        kill_workers(log_dir)
+    assert_no_leftovers(tmp_path)
+
+
+def test_ready_pattern_for_other_commands(tmp_path):
+    log_dir = tmp_path / "logs"
+    try:
+        code, _, err = run(["--mode", "local", "--num-workers", "1", "--log-dir", str(log_dir),
+                            "--startup-timeout", "20", "--ready-pattern", "^server up$", "--",
+                            PY, "-c", "import time; print('server up', flush=True); "
+                            "time.sleep(3)", str(tmp_path)], timeout=60)
+        assert code == 0 and "workers ready after" in err, err
+    finally:
+        kill_workers(log_dir)
     assert_no_leftovers(tmp_path)

@@ -1,6 +1,7 @@
 import pytest
 
 from tfllm.parallel.mesh import MeshError, check_batch, num_clients, parse_axes, resolve_axes
+from tfllm.parallel.rules import DEFAULT_RULES, candidate_axis
 
 
 def test_parse_and_fill():
@@ -30,6 +31,25 @@ def test_batch_must_divide_over_batch_axis():
     with pytest.raises(MeshError, match=r"= 4 sequences per micro-batch do not divide over "
                                         r"mesh axis 'data' \(size 8\)"):
         check_batch(16, 4, "data", {"data": 8})
+    shape = {"data": 2, "fsdp": 4}
+    check_batch(16, 1, "data", shape, 64, "fsdp")
+    with pytest.raises(MeshError, match=r"data.sequence_length \(30\) does not divide over "
+                                        r"mesh axis 'fsdp' \(size 4\)"):
+        check_batch(16, 1, "data", shape, 30, "fsdp")
+
+
+def test_the_batch_error_comes_before_the_sharding_error():
+    # What Run checks first: the axes the rules would use, before any spec is resolved
+    # (resolve_spec would raise its generic ShardingError for the same batch).
+    shape = {"data": 8}
+    axis = candidate_axis("activation_batch", DEFAULT_RULES, shape)
+    assert axis == "data"
+    with pytest.raises(MeshError, match="train.global_batch_size"):
+        check_batch(12, 1, axis, shape)
+    assert candidate_axis("activation_length", DEFAULT_RULES, {"data": 2, "fsdp": 4},
+                          used=("data",)) == "fsdp"
+    assert candidate_axis("activation_length", DEFAULT_RULES, {"fsdp": 4},
+                          used=("fsdp",)) is None
 
 
 def test_num_clients_from_dtensor_jobs(monkeypatch):
@@ -37,3 +57,12 @@ def test_num_clients_from_dtensor_jobs(monkeypatch):
     assert num_clients() == 2
     monkeypatch.delenv("DTENSOR_JOBS")
     assert num_clients() == 1
+
+
+def test_keras_version_is_checked_before_the_bridge_uses_internals():
+    from tfllm.parallel.keras_internal import check_keras
+    check_keras()  # the installed one
+    check_keras("3.5.0")
+    for bad in ("4.0.0", "3.4.1", "2.15.0"):
+        with pytest.raises(RuntimeError, match=r"keras>=3.5,<4"):
+            check_keras(bad)

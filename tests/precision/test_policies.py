@@ -10,9 +10,8 @@ from tfllm.data import SyntheticTokens
 from tfllm.models import build_model
 from tfllm.models.common import Projection
 from tfllm.parallel.placement import to_numpy
-from tfllm.optim import AdamW
 from tfllm.train.loop import Run
-from tfllm.train.step import TrainStep
+from tfllm.train.state import build_train_state
 from tests.conftest import tiny_overrides
 
 FP8_PROJECTIONS = ("query", "key", "value", "output", "up", "down", "gate")
@@ -133,10 +132,7 @@ def test_fp8_matmuls_lower_to_f8_dots_and_only_those():
     # One device without DTensor: get_compiler_ir needs plain tensors.
     cfg = load_config(None, tiny_overrides("gpt", **{"precision.policy": "fp8",
                                                      "model.num_layers": 1}))
-    model = build_model(cfg)
-    optimizer = AdamW(cfg.optimizer, 3)
-    optimizer.build(model.trainable_variables)
-    step = TrainStep(model, optimizer, None, jit_compile=True)
+    step = build_train_state(cfg, None, jit_compile=True).step
     data = SyntheticTokens(cfg.model.vocab_size, cfg.data.sequence_length + 1)
     batch = step.to_device(data.batch(0, cfg.train.global_batch_size))
     hlo = step._step.experimental_get_compiler_ir(

@@ -15,11 +15,9 @@ import pytest
 
 from tfllm.config import load_config
 from tfllm.data import SyntheticTokens
-from tfllm.models import build_model
-from tfllm.optim import AdamW
 from tfllm.parallel import make_parallel
 from tfllm.parallel.placement import to_numpy
-from tfllm.train.step import TrainStep
+from tfllm.train.state import build_train_state
 from tests.conftest import run_in_child, tiny_overrides
 
 MESHES = ["data=8", "fsdp=8", "model=8", "data=2,model=4", "data=2,fsdp=2,model=2", "data=2,fsdp=4"]
@@ -52,10 +50,8 @@ def _run(family, axes, jit, extra=()):
     overrides = dict(PARITY_SETTINGS + tuple(extra))
     cfg = load_config(None, tiny_overrides(family, "data=1" if single else axes, **overrides))
     parallel = None if single else make_parallel(cfg)
-    model = build_model(cfg, parallel)
-    optimizer = AdamW(cfg.optimizer, cfg.train.steps, parallel)
-    optimizer.build(model.trainable_variables)
-    step = TrainStep(model, optimizer, parallel, jit)
+    state = build_train_state(cfg, parallel, jit)  # what `tfllm train` builds
+    model, optimizer, step = state.model, state.optimizer, state.step
     data = SyntheticTokens(cfg.model.vocab_size, cfg.data.sequence_length + 1, seed=7)
     t = cfg.train
     batch = lambda i: step.to_device(data.batch(i, t.global_batch_size, t.grad_accum_steps))

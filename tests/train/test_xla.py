@@ -22,11 +22,10 @@ from tensorflow.core.framework import graph_pb2
 
 from tfllm.config import load_config
 from tfllm.data import SyntheticTokens
-from tfllm.models import build_model
-from tfllm.optim import AdamW
 from tfllm.parallel import make_parallel
 from tfllm.train import xla
-from tfllm.train.step import TrainStep, resolve_jit
+from tfllm.train.state import build_train_state
+from tfllm.train.step import resolve_jit
 from tests.conftest import tiny_overrides
 from tests.launch.helpers import (PY, ROOT, assert_no_leftovers, finish, kill_workers,
                                   launcher_env, start)
@@ -83,10 +82,7 @@ def test_auto_is_decided_per_device_type():
 def _step(axes, jit, family="llama", **extra):
     cfg = load_config(None, tiny_overrides(family, axes, **extra))
     parallel = make_parallel(cfg)
-    model = build_model(cfg, parallel)
-    optimizer = AdamW(cfg.optimizer, cfg.train.steps, parallel)
-    optimizer.build(model.trainable_variables)
-    step = TrainStep(model, optimizer, parallel, jit)
+    step = build_train_state(cfg, parallel, jit).step
     data = SyntheticTokens(cfg.model.vocab_size, cfg.data.sequence_length + 1, seed=3)
     batch = step.to_device(data.batch(0, cfg.train.global_batch_size, 1))
     return step, step(batch)

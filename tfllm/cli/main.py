@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 
 import tfllm  # noqa: F401  (sets KERAS_BACKEND before keras is imported)
@@ -22,8 +23,9 @@ def _load(args):
 
 def cmd_train(args) -> int:
     from tfllm.train.loop import train
-    from tfllm.train.preemption import (NONFINITE_EXIT_CODE, PREEMPTED_EXIT_CODE,
-                                        NonFiniteError, Preempted)
+    from tfllm.parallel.watchdog import PeerLost
+    from tfllm.train.preemption import (NONFINITE_EXIT_CODE, PEER_LOST_EXIT_CODE,
+                                        PREEMPTED_EXIT_CODE, NonFiniteError, Preempted)
     config = _load_for_workdir(args)
     try:
         last = train(config, args.workdir)
@@ -33,6 +35,12 @@ def cmd_train(args) -> int:
     except NonFiniteError as e:
         print(f"tfllm train: error: {e}", file=sys.stderr)
         return NONFINITE_EXIT_CODE
+    except PeerLost as e:  # one line, no traceback: the cause is another process
+        print(f"tfllm train: error: {e}", file=sys.stderr, flush=True)
+        # At once: TensorFlow's multi-client shutdown would wait for the lost peer.
+        from tfllm import quiet
+        quiet.release()
+        os._exit(PEER_LOST_EXIT_CODE)
     print(json.dumps({k: last[k] for k in ("step", "loss", "eval_loss", "tokens_per_s")
                       if k in last}))
     return 0
@@ -154,6 +162,9 @@ def cmd_export_step(args) -> int:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="tfllm", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
+    p = sub.add_parser("launch", help="Start and supervise the clients of a multi-client "
+                       "job (tfllm launch --help).", add_help=False)
+    p.add_argument("launch_args", nargs=argparse.REMAINDER)
     p = sub.add_parser("train", help="Train a model; writes config.yaml and metrics.jsonl.")
     _common(p)
     p.add_argument("--workdir", default="runs/default", help="Run directory.")
@@ -246,7 +257,13 @@ def _input_errors() -> tuple:
 
 
 def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["launch"]:  # its own options (a launcher parses no tfllm flags)
+        from tfllm.launch.main import main as launch
+        return launch(argv[1:], "tfllm launch")
     args = build_parser().parse_args(argv)
+    from tfllm.quiet import install
+    install(tfllm.USER_TF_LOG_LEVEL)  # before TensorFlow is imported and starts logging
     errors = _input_errors()
     try:
         return args.fn(args)

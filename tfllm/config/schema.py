@@ -211,6 +211,10 @@ class TrainConfig:
     sample_prompt: str = _f("def ", "Prompt of the sample printed at the end of training.")
     sample_tokens: int = _f(48, "Tokens generated for the end-of-training sample (0: none).",
                             min=0)
+    peer_timeout_s: float = _f(300.0, "Multi-client runs: a client whose heartbeat is silent "
+                               "this long is lost; the others exit 76 with one line naming "
+                               "it (0: never; keep it above the longest pause, e.g. a "
+                               "compile, of a live client).", min=0.0)
 
 
 @dataclass

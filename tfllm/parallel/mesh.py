@@ -161,11 +161,20 @@ def mesh_shape(mesh) -> dict:
     return {name: mesh.dim_size(name) for name in mesh.dim_names}
 
 
-def check_batch(global_batch: int, grad_accum: int, spec_axis: Optional[str], shape: dict) -> None:
-    """Each micro-batch must split evenly over the mesh axis that shards the batch."""
+def check_batch(global_batch: int, grad_accum: int, spec_axis: Optional[str], shape: dict,
+                sequence_length: Optional[int] = None,
+                sequence_axis: Optional[str] = None) -> None:
+    """Each micro-batch must split evenly over the mesh axis that shards its rows, and the
+    sequence over the axis that splits it (batch over data and fsdp together)."""
     micro = global_batch // grad_accum
     if spec_axis and micro % shape[spec_axis]:
         raise MeshError(
             f"train.global_batch_size ({global_batch}) / train.grad_accum_steps ({grad_accum}) "
             f"= {micro} sequences per micro-batch do not divide over mesh axis '{spec_axis}' "
             f"(size {shape[spec_axis]}); use a multiple of {shape[spec_axis]}.")
+    if sequence_axis and sequence_length and sequence_length % shape[sequence_axis]:
+        raise MeshError(
+            f"data.sequence_length ({sequence_length}) does not divide over mesh axis "
+            f"'{sequence_axis}' (size {shape[sequence_axis]}), which splits the sequence "
+            f"because the batch's rows take '{spec_axis}'; use a multiple of "
+            f"{shape[sequence_axis]}, or a mesh without both axes.")

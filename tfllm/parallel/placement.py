@@ -16,11 +16,11 @@ from typing import Dict, Optional, Sequence
 import keras
 import numpy as np
 import tensorflow as tf
-from keras.src.backend.common import global_state
 from tensorflow.experimental import dtensor
 
 from tfllm.parallel import rules as rules_lib
 from tfllm.parallel.init import initial_block, variable_key
+from tfllm.parallel.keras_internal import adopt, check_keras, forget_deferred, is_allocated
 from tfllm.parallel.mesh import mesh_shape
 
 
@@ -148,13 +148,6 @@ def build_abstract(model: keras.Model) -> keras.Model:
     return model
 
 
-def _forget_uninitialized(done) -> None:
-    pending = global_state.get_global_attribute("uninitialized_variables") or []
-    ids = {id(v) for v in done}
-    global_state.set_global_attribute("uninitialized_variables",
-                                      [v for v in pending if id(v) not in ids])
-
-
 def new_variable(parallel: Optional[Parallel], spec, shape, init, dtype, name: str,
                  key: int = 0, trainable: bool = False) -> tf.Variable:
     """A variable filled by `init`: a DVariable in layout `spec`, or a plain tf.Variable.
@@ -188,9 +181,10 @@ def place_variables(model: keras.Model, parallel: Optional[Parallel], seed: int,
         overwritten, e.g. a pretrained import: the random init's hashing needs several
         times a tensor's size in temporaries).
     """
+    check_keras()
     done = []
     for var in model.variables:
-        if var._value is not None:
+        if is_allocated(var):
             raise ValueError(f"{var.path}: already initialized; build the model with "
                              "tfllm.models.build_model (or build_abstract) first.")
         if not hasattr(var, "init"):
@@ -205,7 +199,6 @@ def place_variables(model: keras.Model, parallel: Optional[Parallel], seed: int,
         tf_var = new_variable(parallel, spec, tuple(var.shape),
                               ("zeros",) if zeros else var.init, var.dtype, var.name,
                               key=variable_key(seed, var.path), trainable=differentiable)
-        var._initializer = None
-        var._initialize(tf_var)
+        adopt(var, tf_var)
         done.append(var)
-    _forget_uninitialized(done)
+    forget_deferred(done)

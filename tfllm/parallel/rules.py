@@ -81,6 +81,21 @@ def mesh_axes_of(rules: Rules) -> Tuple[str, ...]:
     return tuple(seen)
 
 
+def candidate_axis(logical: str, rules: Rules, mesh_shape: Mapping[str, int],
+                   used=()) -> Optional[str]:
+    """The mesh axis `resolve_spec` would try for `logical` (first rule with an axis of size
+    > 1 not in `used`; None when a None rule comes first), before checking divisibility:
+    lets callers say what must divide before the generic sharding error would."""
+    for l, m in rules:
+        if l != logical:
+            continue
+        if m is None:
+            return None
+        if mesh_shape.get(m, 1) > 1 and m not in used:
+            return m
+    return None
+
+
 def token_batch_spec(shape: Sequence[int], rules: Rules,
                      mesh_shape: Mapping[str, int]) -> Spec:
     """The layout of a batch of token rows (M, T+1, ...): rows over the batch's mesh axis,

@@ -5,9 +5,9 @@ from __future__ import annotations
 import statistics
 import time
 
-import tensorflow as tf
 
-from tfllm.train.metrics import count_params, flops_per_token, measure_matmul_peak
+from tfllm.train.metrics import (count_params, flops_per_token, mesh_peak_flops,
+                                 model_flops_utilization)
 
 
 def benchmark(config, steps: int = 20, warmup: int = 3, repeats: int = 1) -> dict:
@@ -38,18 +38,15 @@ def benchmark(config, steps: int = 20, warmup: int = 3, repeats: int = 1) -> dic
             times.append(time.perf_counter() - start)
     step_s = statistics.median(times)
     fpt = flops_per_token(config.model, config.data.sequence_length)
-    dtype = tf.bfloat16 if config.precision.policy == "bfloat16" else tf.float32
-    with tf.device(run.parallel.mesh.local_devices()[0]):
-        peak = measure_matmul_peak(dtype=dtype)
-    achieved = fpt * tokens_per_step / step_s
-    devices = len(run.parallel.mesh.local_devices())
+    peak = mesh_peak_flops(run.parallel, config.precision.policy)  # as `tfllm train`
+    tokens_per_s = tokens_per_step / step_s
     return {
-        "tokens_per_s": round(tokens_per_step / step_s, 1),
+        "tokens_per_s": round(tokens_per_s, 1),
         "step_ms": round(step_s * 1000, 2),
         "params": count_params(run.model),
         "flops_per_token": fpt,
-        "peak_flops": round(peak * devices, 1),
-        "mfu": round(achieved / (peak * devices), 4),
+        "peak_flops": round(peak, 1),
+        "mfu": round(model_flops_utilization(tokens_per_s, fpt, peak), 4),
         "jit_compile": run.jit_compile,
         "first_step_s": round(first_step_s, 2),
         "xla": run.step.xla_report.as_dict() if run.step.xla_report else None,

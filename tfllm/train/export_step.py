@@ -22,10 +22,8 @@ import numpy as np
 import tensorflow as tf
 
 from tfllm.data import SyntheticTokens
-from tfllm.models import build_model
-from tfllm.optim import AdamW
 from tfllm.train.metrics import count_params, flops_per_token
-from tfllm.train.step import TrainStep
+from tfllm.train.state import build_train_state
 
 
 def _entry_signature(hlo_text: str):
@@ -39,11 +37,10 @@ def _entry_signature(hlo_text: str):
 def export_step(config, out_dir: str, check: bool = False) -> dict:
     """Writes the step's HLO and description to `out_dir`; returns the description."""
     os.makedirs(out_dir, exist_ok=True)
-    model = build_model(config, None)  # one device, no DTensor: plain XLA parameters
+    # One device, no DTensor: plain XLA parameters.
+    state = build_train_state(config, None, jit_compile=True)
+    model, optimizer, step = state.model, state.optimizer, state.step
     t = config.train
-    optimizer = AdamW(config.optimizer, t.steps)
-    optimizer.build(model.trainable_variables)
-    step = TrainStep(model, optimizer, None, jit_compile=True)
     data = SyntheticTokens(config.model.vocab_size, config.data.sequence_length + 1,
                            config.data.seed)
     batch = step.to_device(data.batch(0, t.global_batch_size, t.grad_accum_steps))

@@ -20,9 +20,10 @@ from collections import deque
 from tfllm.config import save_config
 from tfllm.config.loader import to_dict
 from tfllm.parallel.coordination import any_client
-from tfllm.parallel.mesh import client_id
+from tfllm.parallel.mesh import client_id, num_clients
+from tfllm.parallel.watchdog import PeerLost, PeerWatchdog, lost_message, peer_from_error
 from tfllm.precision import describe
-from tfllm.train.metrics import flops_per_token, measure_matmul_peak
+from tfllm.train.metrics import Throughput, flops_per_token, mesh_peak_flops
 from tfllm.train.preemption import NonFiniteError, Preempted, SignalWatcher
 from tfllm.train.progress import Progress
 from tfllm.train.run import Run, sample_text
@@ -31,18 +32,6 @@ from tfllm.train.workdir import (check_workdir, clear_dead_run, imported_start,
                                  truncate_metrics)
 
 __all__ = ["Run", "train"]
-
-
-def _peak_flops(run) -> float:
-    """The mesh's matmul peak for MFU: measured on one device. Logical CPU devices share
-    the host's cores, so on CPU one device's peak is the whole host's."""
-    import tensorflow as tf
-    dtype = tf.bfloat16 if run.config.precision.policy != "float32" else tf.float32
-    with tf.device(run.parallel.mesh.local_devices()[0]):
-        peak = measure_matmul_peak(n=2048, repeats=10, dtype=dtype)
-    if run.parallel.device_type == "CPU":
-        return peak
-    return peak * math.prod(run.parallel.shape.values())  # every device of every client
 
 
 class _Outputs:
@@ -84,10 +73,15 @@ def train(config, workdir: str, model_cls=None, out=None) -> dict:
     """
     out = sys.stdout if out is None else out
     with SignalWatcher() as signals:  # from the start: setup and first compile included
-        return _train(config, workdir, model_cls, out, signals)
+        watchdog = []
+        try:
+            return _train(config, workdir, model_cls, out, signals, watchdog)
+        finally:
+            for w in watchdog:
+                w.stop()  # peers must not take this client's normal end for a loss
 
 
-def _train(config, workdir, model_cls, out, signals) -> dict:
+def _train(config, workdir, model_cls, out, signals, watchdog: list) -> dict:
     from tfllm.checkpoint import Checkpointer, committed
     t = config.train
     primary = client_id() == 0
@@ -103,6 +97,9 @@ def _train(config, workdir, model_cls, out, signals) -> dict:
     check_workdir(workdir, config, has_checkpoint, imported)
     run = Run(config, model_cls, workdir)  # bad data or tokenizer settings fail here
     checkpointer = Checkpointer(ckpt_dir, run.parallel, config.checkpoint)
+    if num_clients() > 1 and t.peer_timeout_s > 0:  # from here a lost peer is reported
+        watchdog.append(PeerWatchdog(workdir, client_id(), num_clients(), t.peer_timeout_s,
+                                     checkpointer.latest_step).start())
     os.makedirs(workdir, exist_ok=True)
     if primary:
         if not has_checkpoint:
@@ -128,7 +125,7 @@ def _train(config, workdir, model_cls, out, signals) -> dict:
     tokens_per_step = t.global_batch_size * config.data.sequence_length
     fpt = flops_per_token(config.model, config.data.sequence_length)
     progress = Progress(t.steps, t.progress if primary else "lines", out,
-                        _peak_flops(run), fpt)
+                        mesh_peak_flops(run.parallel, config.precision.policy), fpt)
     outputs = _Outputs(workdir, primary, progress)
     mesh = ", ".join(f"{k}={v}" for k, v in run.parallel.shape.items())
     progress.message(f"tfllm: {config.model.family} on mesh [{mesh}] "
@@ -148,22 +145,25 @@ def _train(config, workdir, model_cls, out, signals) -> dict:
                          f"'{run.sequence_axis}')")
 
     last, recent = {}, deque(maxlen=t.loss_spike_window)
-    window_start, window_tokens = None, 0
+    throughput, first_step_s = Throughput(), None
     start = time.perf_counter()
     try:
         for step in range(start_step, t.steps):
             limit = float("inf")
             if t.loss_spike_factor > 0 and len(recent) == recent.maxlen:
                 limit = t.loss_spike_factor * sum(recent) / len(recent)
-            values = run.step(run.batch(step), loss_limit=limit)
+            began = time.perf_counter()
+            for w in watchdog:
+                w.step = step + 1  # the step this client waits in, for the message
+            values = _step_or_peer_lost(run, step, limit, checkpointer)
             number = step + 1
             now = time.perf_counter()
-            if window_start is None:  # the first step includes compilation: not timed
-                window_start, first_step_s = now, now - start
+            if first_step_s is None:  # the first step includes compilation: not timed
+                first_step_s = now - start
                 if run.step.xla_report is not None:
                     progress.message("tfllm: " + run.step.xla_report.line())
             else:
-                window_tokens += tokens_per_step
+                throughput.add_step(now - began, tokens_per_step)
             # Under fp16 an overflowing gradient is the loss scale's business: the
             # step is skipped and the scale halved; only a non-finite loss aborts.
             finite = math.isfinite(values["loss"]) and (
@@ -176,10 +176,10 @@ def _train(config, workdir, model_cls, out, signals) -> dict:
                     "optimizer.learning_rate, or set train.on_nonfinite=skip.")
             if values["step_ok"]:
                 recent.append(values["loss"])
-            elapsed = now - window_start
-            tps = window_tokens / elapsed if window_tokens else 0.0
-            eta = (t.steps - number) * tokens_per_step / tps if tps else 0.0
             logged = number % t.log_every == 0 or number == t.steps or number == 1
+            # tokens/s of the steps since the last logged one (pauses excluded)
+            tps = throughput.close_interval() if logged else throughput.rate()
+            eta = (t.steps - number) * tokens_per_step / tps if tps else 0.0
             record = None
             if logged:
                 mfu = progress.mfu(tps)
@@ -222,6 +222,19 @@ def _train(config, workdir, model_cls, out, signals) -> dict:
         last["sample"] = text
     last["first_step_s"] = first_step_s or 0.0
     return last
+
+
+def _step_or_peer_lost(run, step: int, limit: float, checkpointer) -> dict:
+    """One train step; a collective aborted by a lost peer becomes `PeerLost` (one line)."""
+    import tensorflow as tf
+    try:
+        return run.step(run.batch(step), loss_limit=limit)
+    except tf.errors.OpError as e:
+        peer = peer_from_error(str(e.message), client_id()) if num_clients() > 1 else None
+        if peer is None:
+            raise
+        raise PeerLost(lost_message(peer, client_id(), step + 1, checkpointer.latest_step(),
+                                    "its connection failed in a collective")) from None
 
 
 def _meta(config, step: int) -> dict:

@@ -17,6 +17,8 @@ PREEMPTED_EXIT_CODE = 75
 NONFINITE_EXIT_CODE = 3
 #: exit code of a second signal: stopped at once, nothing saved
 HARD_STOP_EXIT_CODE = 130
+#: exit code of a client whose peer stopped responding (tfllm.parallel.watchdog)
+PEER_LOST_EXIT_CODE = 76
 
 
 class Preempted(Exception):

@@ -10,6 +10,8 @@ import sys
 import time
 from typing import Optional
 
+from tfllm.train.metrics import model_flops_utilization
+
 
 def format_eta(seconds: float) -> str:
     seconds = int(max(seconds, 0))
@@ -50,7 +52,7 @@ class Progress:
         """Model FLOPs utilization: achieved training FLOP/s over the peak."""
         if not self.peak_flops or not tokens_per_s:
             return None
-        return tokens_per_s * self.flops_per_token / self.peak_flops
+        return model_flops_utilization(tokens_per_s, self.flops_per_token, self.peak_flops)
 
     def line(self, step: int, metrics: dict, tokens_per_s: float, eta_s: float,
              detail: bool = False) -> str:

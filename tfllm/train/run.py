@@ -11,13 +11,12 @@ import os
 import tempfile
 from typing import Optional
 
-from tfllm.models import build_model
-from tfllm.optim import AdamW
 from tfllm.parallel import make_parallel
 from tfllm.parallel import rules as rules_lib
 from tfllm.parallel.mesh import check_batch
 from tfllm.train.evaluate import Evaluator
-from tfllm.train.step import TrainStep, resolve_jit
+from tfllm.train.state import build_train_state
+from tfllm.train.step import resolve_jit
 
 
 class Run:
@@ -48,26 +47,22 @@ class Run:
             from tfllm.data.tokenizer import load_tokenizer
             self.tokenizer = load_tokenizer(config, workdir)
         self.micro_batch_rows = t.global_batch_size // t.grad_accum_steps
+        # The batch's own error first (naming train.global_batch_size or
+        # data.sequence_length), before the generic sharding error could fire.
+        rules, shape = self.parallel.rules, self.parallel.shape
+        rows_axis = rules_lib.candidate_axis("activation_batch", rules, shape)
+        check_batch(t.global_batch_size, t.grad_accum_steps, rows_axis, shape,
+                    d.sequence_length, rules_lib.candidate_axis(
+                        "activation_length", rules, shape, used=(rows_axis,)))
         self.batch_axis = self.parallel.batch_spec(
             (self.micro_batch_rows, d.sequence_length + 1))[0]
-        self.sequence_axis = rules_lib.sequence_axis(
-            self.micro_batch_rows, d.sequence_length, self.parallel.rules,
-            self.parallel.shape)
-        check_batch(t.global_batch_size, t.grad_accum_steps, self.batch_axis,
-                    self.parallel.shape)
-        self.model = build_model(config, self.parallel, model_cls=model_cls)
-        self.optimizer = AdamW(config.optimizer, t.steps, self.parallel)
-        self.optimizer.build(self.model.trainable_variables)
+        self.sequence_axis = rules_lib.sequence_axis(self.micro_batch_rows, d.sequence_length,
+                                                     rules, shape)
         self.jit_compile = resolve_jit(t.jit_compile, self.parallel.device_type)
-        self.loss_scale = None
-        if config.precision.policy == "float16":
-            from tfllm.precision.loss_scale import DynamicLossScale
-            self.loss_scale = DynamicLossScale(config.precision.loss_scale_initial,
-                                               config.precision.loss_scale_growth_interval,
-                                               self.parallel)
         packing = d.packing_mask and d.source != "synthetic"
-        self.step = TrainStep(self.model, self.optimizer, self.parallel, self.jit_compile,
-                              self.loss_scale, packing_mask=packing)
+        state = build_train_state(config, self.parallel, self.jit_compile, model_cls, packing)
+        self.model, self.optimizer = state.model, state.optimizer
+        self.loss_scale, self.step = state.loss_scale, state.step
         self.evaluator = Evaluator(self.model, self.parallel, self.jit_compile, packing)
         self.rows = self.local_rows()
         self._synthetic = None
@@ -85,12 +80,15 @@ class Run:
                 self._peeked = next(self.train_data)
 
     def _announce_ready(self) -> None:
-        """Every client says it joined the mesh (launch/multiworker.sh waits for this)."""
+        """Every client says it joined the mesh, and answers the launcher's readiness
+        handshake (TFLLM_READY_FILE / TFLLM_READY_KEY, see `tfllm.launch`)."""
+        from tfllm.launch.topology import announce_ready
         from tfllm.parallel.mesh import client_id, num_clients
         if num_clients() > 1:
             mesh = ", ".join(f"{k}={v}" for k, v in self.parallel.shape.items())
             print(f"tfllm: client {client_id()}/{num_clients()} ready on mesh [{mesh}]",
                   flush=True)
+        announce_ready(os.environ)
 
     def idle_batch_axes(self):
         """Token-splitting mesh axes (size > 1) that neither the batch's rows nor its

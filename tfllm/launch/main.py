@@ -1,0 +1,394 @@
+"""`tfllm launch` (and `launch/multiworker.sh`): options, then plan and supervise the job.
+
+Imports nothing heavy: the launcher runs on login nodes and inside containers before
+TensorFlow is needed, and its argument errors must be immediate.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import secrets
+import shlex
+import shutil
+import socket
+import subprocess
+import sys
+from dataclasses import dataclass, field
+from typing import List, Optional
+
+from tfllm.launch import supervisor as sup
+from tfllm.launch import topology as topo
+from tfllm.launch.topology import EXIT_USAGE, LaunchError
+
+USAGE = """\
+Usage: {prog} --mode MODE [options] -- COMMAND [ARGS...]
+
+Starts one COMMAND (e.g. `tfllm train --config c.yaml --workdir runs/x`) per host, or per
+GPU with --per-gpu, with DTensor's multi-client environment set:
+  DTENSOR_JOBS=host0:port0,host1:port1,...   one entry per worker (process)
+  DTENSOR_CLIENT_ID=<rank>   DTENSOR_JOB_NAME=<--job-name>
+  DTENSOR_GPU_USE_NCCL_COMMUNICATION=1       on GPU
+  CUDA_VISIBLE_DEVICES=<one GPU>             with --per-gpu
+  MULTIWORKER_RANK, MULTIWORKER_WORLD_SIZE, MULTIWORKER_LOCAL_RANK, MULTIWORKER_ATTEMPT
+  TFLLM_READY_FILE=<LOG_DIR/ready.RANK>      created by tfllm once its mesh is up
+  TFLLM_READY_KEY=<key>                      hostfile: tfllm prints "tfllm: ready <key>"
+Each worker's output is printed as "[rank N] ..." and saved to LOG_DIR/rank_N.log. If a
+worker exits non-zero all are stopped (SIGTERM, SIGKILL after --kill-timeout).
+
+Modes (--mode):
+  local     --num-workers N processes on this host (ports: free ones, or --port, --port+1..).
+  slurm     inside an allocation, once per srun task (srun ... {prog} --mode slurm):
+            rank SLURM_PROCID of SLURM_NTASKS; hosts from SLURM_STEP_NODELIST (else
+            SLURM_JOB_NODELIST) and SLURM_STEP_TASKS_PER_NODE (else SLURM_TASKS_PER_NODE),
+            block distribution. This task starts only its own worker.
+  hostfile  --hostfile FILE, one host per line (# comments, blank lines ignored); every
+            worker is started from here over --ssh. Ranks follow the file order.
+  env       the caller gives rank and world size: --rank/--world-size, else
+            JOB_COMPLETION_INDEX (Kubernetes Indexed Job) or OMPI_COMM_WORLD_RANK /
+            OMPI_COMM_WORLD_SIZE (mpirun); hosts from --hosts or --host-pattern. This
+            process starts only its own worker.
+
+Options:
+  --mode MODE            local | slurm | hostfile | env (required).
+  --num-workers N        local: number of processes (default: one per GPU with --per-gpu).
+  --per-gpu              one process per GPU instead of one per host; sets
+                         CUDA_VISIBLE_DEVICES to the worker's GPU (the LOCAL_RANK-th entry of
+                         an inherited CUDA_VISIBLE_DEVICES list, else LOCAL_RANK).
+  --gpus-per-host N      hostfile + --per-gpu: processes per host (default 8).
+  --port PORT            first port; a host's workers use PORT, PORT+1, ... (default: free
+                         ports in local mode, 9991 otherwise). All hosts must agree.
+  --job-name NAME        DTENSOR_JOB_NAME (default worker).
+  --device auto|cpu|gpu  gpu sets DTENSOR_GPU_USE_NCCL_COMMUNICATION=1; auto = gpu when
+                         --per-gpu is given or nvidia-smi lists a GPU here (default auto).
+  --hostfile FILE        hostfile mode: the hosts.
+  --ssh COMMAND          hostfile mode: the remote shell (default "ssh -o BatchMode=yes"),
+                         run as COMMAND HOST REMOTE_SCRIPT.
+  --export NAMES         hostfile mode: comma list of variables passed to remote workers
+                         (default PATH,PYTHONPATH,VIRTUAL_ENV,KERAS_BACKEND,
+                         TF_CPP_MIN_LOG_LEVEL,XLA_FLAGS plus every TFLLM_* and NCCL_*).
+  --rank R               env mode: this process's rank (overrides the environment).
+  --world-size N         env mode: the number of processes.
+  --hosts H0,H1,...      env mode: one host per rank, or one per node when the world size is
+                         a multiple (ranks fill a node's slots in order).
+  --host-pattern PAT     env mode: hosts from a pattern, {{rank}} replaced by 0..N-1, e.g.
+                         'tfllm-{{rank}}.tfllm' (Indexed Job pods behind a headless Service).
+  --log-dir DIR          where rank_N.log, ready.N and pids go (default WORKDIR/logs when the
+                         command has --workdir WORKDIR, else ./multiworker-logs).
+  --kill-timeout S       seconds between SIGTERM and SIGKILL when stopping (default 15).
+  --startup-timeout S    fail if no worker is ready within S seconds (default 900; 0: never).
+                         A worker is ready when it creates its TFLLM_READY_FILE (tfllm does
+                         once its multi-client mesh is built, which needs every client, so
+                         one ready worker means that all have joined).
+  --ready-pattern REGEX  for commands other than tfllm: a worker is also ready when an
+                         output line matches this (Python) regular expression.
+  --max-restarts N       local and hostfile modes: after a failure or startup timeout, stop
+                         everything and start all workers again, up to N times (default 0).
+                         `tfllm train --workdir` resumes from the latest checkpoint there.
+                         Under slurm and env the scheduler restarts the whole job.
+  --dry-run              print each worker's environment and command; start nothing.
+  --expand-nodelist LIST print a SLURM nodelist's hostnames, one per line, and exit
+                         (scontrol show hostnames, else a built-in expansion).
+  -h, --help             this help.
+
+Exit codes:
+  0     every worker exited 0
+  2     bad arguments or environment (nothing was started)
+  124   no worker became ready within --startup-timeout
+  75    the workers were stopped by a forwarded signal and at least one exited 75
+        (tfllm's "preempted, checkpoint saved, requeue me" code)
+  128+N the launcher itself got signal N (SIGINT 130, SIGTERM 143); it forwarded SIGTERM
+  other the first failing worker's exit code (128+N when a signal N killed it)
+
+Signals: SIGINT, SIGTERM and SIGHUP to the launcher are forwarded to every worker's process
+group as SIGTERM, then SIGKILL after --kill-timeout.
+"""
+
+_VALUED = ("--mode", "--num-workers", "--gpus-per-host", "--port", "--job-name", "--device",
+           "--hostfile", "--ssh", "--export", "--rank", "--world-size", "--hosts",
+           "--host-pattern", "--log-dir", "--kill-timeout", "--startup-timeout",
+           "--ready-pattern", "--max-restarts", "--expand-nodelist")
+_FLAGS = ("--per-gpu", "--dry-run")
+
+
+@dataclass
+class Options:
+    """The launcher's options (see USAGE); values as given, validated by `validate`."""
+
+    values: dict = field(default_factory=dict)
+    flags: set = field(default_factory=set)
+    command: List[str] = field(default_factory=list)
+    help: bool = False
+
+    def get(self, name: str, default=None):
+        return self.values.get(name, default)
+
+
+def parse(argv: List[str]) -> Options:
+    """Options before '--', the command after it; --opt=value equals --opt value."""
+    opts = Options()
+    args = list(argv)
+    while args:
+        arg = args.pop(0)
+        if arg.startswith("--") and "=" in arg:
+            arg, value = arg.split("=", 1)
+            args.insert(0, value)
+        if arg in ("-h", "--help"):
+            opts.help = True
+            return opts
+        if arg in _FLAGS:
+            opts.flags.add(arg)
+        elif arg == "--":
+            opts.command = args
+            break
+        elif arg in _VALUED:
+            if not args:
+                raise LaunchError(f"{arg} needs a value")
+            opts.values[arg] = args.pop(0)
+            if arg == "--expand-nodelist":
+                return opts
+        else:
+            raise LaunchError(f"unknown argument '{arg}'; options come before '--', the "
+                              "command after it")
+    return opts
+
+
+def _whole(opts: Options, name: str, default: int, minimum: int = 0) -> int:
+    value = opts.get(name, str(default))
+    if not value.isdigit():
+        raise LaunchError(f"{name} must be a whole number of seconds/times, got '{value}'")
+    if int(value) < minimum:
+        raise LaunchError(f"{name} must be at least {minimum}")
+    return int(value)
+
+
+def expand_nodelist(nodelist: str) -> List[str]:
+    """scontrol's expansion when scontrol exists (SCONTROL overrides its path), else ours."""
+    scontrol = os.environ.get("SCONTROL", "scontrol")
+    if shutil.which(scontrol):
+        out = subprocess.run([scontrol, "show", "hostnames", nodelist], capture_output=True,
+                             text=True, check=True).stdout
+        return out.split()
+    return topo.expand_nodelist(nodelist)
+
+
+def _gpu_count() -> int:
+    if not shutil.which("nvidia-smi"):
+        return 0
+    out = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True).stdout
+    return sum(line.startswith("GPU") for line in out.splitlines())
+
+
+@dataclass
+class Plan:
+    """Everything decided before a process starts."""
+
+    topology: topo.Topology
+    device: str
+    per_gpu: bool
+    job_name: str
+    port: Optional[int]
+    log_dir: str
+    kill_timeout: int
+    startup_timeout: int
+    max_restarts: int
+    ready_pattern: Optional[re.Pattern]
+    command: List[str]
+    ssh: List[str]
+    exports: Optional[str]
+
+
+def make_plan(opts: Options, environ) -> Plan:
+    """Validates the options against the environment; raises LaunchError naming the fix."""
+    mode = opts.get("--mode")
+    if mode is None:
+        raise LaunchError("--mode is required: local, slurm, hostfile or env")
+    if mode not in ("local", "slurm", "hostfile", "env"):
+        raise LaunchError(f"--mode '{mode}' is unknown; use local, slurm, hostfile or env")
+    command = opts.command
+    if not command:
+        raise LaunchError(f"no command after '--'; e.g. --mode {mode} ... -- tfllm train "
+                          "--config configs/tiny.yaml --workdir runs/x")
+    kill_timeout = _whole(opts, "--kill-timeout", 15)
+    startup_timeout = _whole(opts, "--startup-timeout", 900)
+    max_restarts = _whole(opts, "--max-restarts", 0)
+    gpus_per_host = _whole(opts, "--gpus-per-host", 8, minimum=1)
+    port = opts.get("--port")
+    if port is not None and not (port.isdigit() and 1 <= int(port) <= 65535):
+        raise LaunchError(f"--port must be a TCP port number (1-65535), got '{port}'")
+    device = opts.get("--device", "auto")
+    if device not in ("auto", "cpu", "gpu"):
+        raise LaunchError(f"--device '{device}' is unknown; use auto, cpu or gpu")
+    per_gpu = "--per-gpu" in opts.flags
+    if device == "auto":
+        device = "gpu" if per_gpu or _gpu_count() else "cpu"
+    pattern = opts.get("--ready-pattern")
+    try:
+        ready_pattern = re.compile(pattern) if pattern else None
+    except re.error as e:
+        raise LaunchError(f"--ready-pattern '{pattern}' is not a valid regular expression "
+                          f"({e})") from None
+    if mode == "local":
+        workers = opts.get("--num-workers")
+        if workers is None:
+            count = _gpu_count() if per_gpu else 0
+            if not count:
+                raise LaunchError("--num-workers is required in local mode (no GPUs found "
+                                  "to count with --per-gpu)")
+            workers = str(count)
+        if not workers.isdigit():
+            raise LaunchError(f"--num-workers must be at least 1, got '{workers}'")
+        topology = topo.local_topology(int(workers))
+    elif mode == "slurm":
+        nodelist = environ.get("SLURM_STEP_NODELIST") or environ.get("SLURM_JOB_NODELIST")
+        nodes = (expand_nodelist(nodelist) if nodelist and environ.get("SLURM_PROCID")
+                 and environ.get("SLURM_NTASKS") else None)
+        topology = topo.slurm_topology(environ, nodes)
+    elif mode == "hostfile":
+        path = opts.get("--hostfile")
+        if not path:
+            raise LaunchError("--mode hostfile needs --hostfile FILE (one host per line)")
+        if not os.access(path, os.R_OK):
+            raise LaunchError(f"--hostfile '{path}' does not exist or is not readable")
+        with open(path) as f:
+            hosts = topo.parse_hostfile(f.read(), path)
+        topology = topo.hostfile_topology(hosts, gpus_per_host if per_gpu else 1)
+    else:
+        topology = topo.env_topology(environ, opts.get("--rank"), opts.get("--world-size"),
+                                     opts.get("--hosts"), opts.get("--host-pattern"))
+    if max_restarts and mode in ("slurm", "env"):
+        # One rank per launcher: restarting it alone would face the other ranks' dead or
+        # waiting mesh. The scheduler restarts the whole job instead.
+        raise LaunchError(f"--max-restarts restarts only this launcher's own rank under "
+                          f"--mode {mode}, which would rejoin a dead mesh alone; let the "
+                          "scheduler restart every rank together (SLURM: srun "
+                          "--kill-on-bad-exit=1 in an sbatch --requeue job; Kubernetes: a "
+                          "JobSet with failurePolicy.maxRestarts) and drop --max-restarts")
+    workdir = topo.command_workdir(command)
+    log_dir = opts.get("--log-dir") or (os.path.join(workdir, "logs") if workdir
+                                        else "multiworker-logs")
+    return Plan(topology, device, per_gpu, opts.get("--job-name", "worker"),
+                int(port) if port else None, log_dir, kill_timeout, startup_timeout,
+                max_restarts, ready_pattern, list(command),
+                shlex.split(opts.get("--ssh", "ssh -o BatchMode=yes")), opts.get("--export"))
+
+
+def free_ports(count: int) -> List[int]:
+    """`count` distinct free TCP ports here (bound together, then released)."""
+    sockets = [socket.socket() for _ in range(count)]
+    try:
+        for s in sockets:
+            s.bind(("", 0))
+        return [s.getsockname()[1] for s in sockets]
+    finally:
+        for s in sockets:
+            s.close()
+
+
+def check_port_free(port: int, local_mode: bool) -> None:
+    with socket.socket() as s:
+        try:
+            s.bind(("", port))
+        except OSError:
+            raise LaunchError(f"port {port} is in use on {socket.gethostname()}; choose "
+                              "another --port" + (" or omit it to pick free ports"
+                                                  if local_mode else "")) from None
+
+
+def assign_ports(plan: Plan) -> List[int]:
+    t = plan.topology
+    if t.mode == "local" and plan.port is None:
+        return free_ports(t.world_size)
+    ports = topo.fixed_ports(t, plan.port)
+    if t.mode != "hostfile":  # hostfile ports are on other hosts
+        for rank in t.own_ranks:
+            check_port_free(ports[rank], t.mode == "local")
+    return ports
+
+
+def worker_argv(plan: Plan, spec: topo.WorkerSpec, environ) -> List[str]:
+    """What to execute for `spec`: the command, or in hostfile mode ssh with the script."""
+    if plan.topology.mode != "hostfile":
+        return list(plan.command)
+    names = topo.exported_names(environ, plan.exports)
+    exports = {n: environ[n] for n in names if n in environ}
+    # The ready file is on this host: a remote worker prints its TFLLM_READY_KEY instead.
+    env = {k: v for k, v in spec.env.items() if k != "TFLLM_READY_FILE"}
+    script = topo.remote_script(topo.WorkerSpec(spec.rank, spec.host, spec.port, env),
+                                plan.command, os.getcwd(), exports)
+    return plan.ssh + [spec.host, script]
+
+
+def main(argv: Optional[List[str]] = None, prog: str = "tfllm launch") -> int:
+    argv = sys.argv[1:] if argv is None else argv
+
+    def say(message: str) -> None:
+        print(f"{prog}: {message}", file=sys.stderr, flush=True)
+
+    def fail(message: str) -> int:
+        print(f"{prog}: error: {message}\nRun '{prog} --help' for the options.",
+              file=sys.stderr, flush=True)
+        return EXIT_USAGE
+
+    try:
+        opts = parse(argv)
+        if opts.help:
+            print(USAGE.format(prog=prog), end="")
+            return 0
+        if "--expand-nodelist" in opts.values:
+            print("\n".join(expand_nodelist(opts.values["--expand-nodelist"])))
+            return 0
+        plan = make_plan(opts, os.environ)
+        ports = assign_ports(plan)  # here too: a port in use fails before anything starts
+    except LaunchError as e:
+        return fail(str(e))
+    t = plan.topology
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+
+    def specs(attempt: int, ports: List[int]):
+        ready = {r: os.path.join(os.path.abspath(plan.log_dir), f"ready.{r}")
+                 for r in t.own_ranks}
+        keys = ({r: secrets.token_hex(8) for r in t.own_ranks} if t.mode == "hostfile"
+                else None)
+        return topo.worker_specs(t, ports, plan.job_name, plan.device, plan.per_gpu,
+                                 attempt, visible, ready, keys)
+
+    if "--dry-run" in opts.flags:
+        print(f"mode={t.mode} world_size={t.world_size} device={plan.device} "
+              f"log_dir={plan.log_dir}")
+        for spec in specs(0, ports):
+            print(f"rank {spec.rank} host {spec.host} port {spec.port}")
+            for k, v in spec.env.items():
+                print(f"  {k}={v}")
+            print("  exec: " + " ".join(shlex.quote(w) for w in worker_argv(plan, spec,
+                                                                            os.environ)))
+        return 0
+    try:
+        os.makedirs(plan.log_dir, exist_ok=True)
+    except OSError:
+        return fail(f"cannot create the log directory '{plan.log_dir}'; give a writable "
+                    "--log-dir")
+    log_dir = os.path.abspath(plan.log_dir)
+    supervisor = sup.Supervisor(log_dir, plan.kill_timeout, plan.startup_timeout,
+                                plan.ready_pattern, say)
+    supervisor.install_signal_handlers()
+
+    def start_all(attempt: int) -> None:
+        current = ports if attempt == 0 else assign_ports(plan)
+        for spec in specs(attempt, current):
+            supervisor.start(spec, worker_argv(plan, spec, os.environ), attempt,
+                             remote=t.mode == "hostfile")
+        say(f"attempt {attempt}: started rank(s) {' '.join(map(str, t.own_ranks))} of "
+            f"{t.world_size}; logs in {log_dir}")
+
+    try:
+        return sup.run_job(supervisor, start_all, plan.max_restarts, say)
+    except LaunchError as e:  # a port taken between attempts
+        supervisor.stop_all()
+        return fail(str(e))
+    finally:
+        supervisor.kill_all()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,56 @@
+"""`build_train_state`: the model, optimizer, loss scale and step of a training run.
+
+The one place they are put together, so that `tfllm train` (`Run`), `tfllm export-step`,
+`tfllm bench` (through `Run`) and the tests train the same thing.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+from tfllm.models import build_model
+from tfllm.optim import AdamW
+from tfllm.train.step import TrainStep
+
+
+@dataclass
+class TrainState:
+    """What one training run updates.
+
+    Args:
+      model: the placed `CausalLM`.
+      optimizer: AdamW, built over the model's trainable variables.
+      loss_scale: a `DynamicLossScale` under float16, else None.
+      step: the `TrainStep` over them.
+    """
+
+    model: object
+    optimizer: AdamW
+    loss_scale: object
+    step: TrainStep
+
+
+def build_train_state(config, parallel, jit_compile: bool, model_cls=None,
+                      packing_mask: bool = False) -> TrainState:
+    """Builds the run's model (in its layouts on `parallel`, or on one device when None),
+    optimizer, loss scale (float16 only) and train step.
+
+    Args:
+      config: the resolved config.
+      parallel: the sharding setup, or None for one device without DTensor.
+      jit_compile: XLA-compile the step.
+      model_cls: a `CausalLM` subclass to use instead of the config's family.
+      packing_mask: the step masks attention to each packed document.
+    """
+    model = build_model(config, parallel, model_cls=model_cls)
+    optimizer = AdamW(config.optimizer, config.train.steps, parallel)
+    optimizer.build(model.trainable_variables)
+    loss_scale = None
+    if config.precision.policy == "float16":
+        from tfllm.precision.loss_scale import DynamicLossScale
+        loss_scale = DynamicLossScale(config.precision.loss_scale_initial,
+                                      config.precision.loss_scale_growth_interval, parallel)
+    step = TrainStep(model, optimizer, parallel, jit_compile, loss_scale,
+                     packing_mask=packing_mask)
+    return TrainState(model, optimizer, loss_scale, step)
