@@ -34,5 +34,5 @@ setup(
         "plan": ["jax==0.10.2", "jaxlib==0.10.2", "jax-cuda12-plugin==0.10.2",
                  "jax-cuda12-pjrt==0.10.2"],
     },
-    entry_points={"console_scripts": ["tfllm=tfllm.cli.main:main"]},
+    entry_points={"console_scripts": ["tfllm=tfllm.cli.main:command"]},
 )

@@ -94,7 +94,10 @@ def install(user_level: Optional[str]) -> None:
             sys.stderr.flush()
         except (OSError, ValueError):
             pass
-        os.dup2(original, 2)
+        try:
+            os.dup2(original, 2)
+        except OSError:
+            return
         thread.join(timeout=5)
 
     global _restore

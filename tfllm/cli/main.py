@@ -262,8 +262,6 @@ def main(argv=None) -> int:
         from tfllm.launch.main import main as launch
         return launch(argv[1:], "tfllm launch")
     args = build_parser().parse_args(argv)
-    from tfllm.quiet import install
-    install(tfllm.USER_TF_LOG_LEVEL)  # before TensorFlow is imported and starts logging
     errors = _input_errors()
     try:
         return args.fn(args)
@@ -272,5 +270,15 @@ def main(argv=None) -> int:
         return 2
 
 
+def command() -> int:
+    """The `tfllm` console command: `main` with TensorFlow's C++ start-up records filtered
+    from stderr (tfllm.quiet). Only the command filters: a process that calls `main` itself
+    (a test, a notebook) keeps its own file descriptors."""
+    if sys.argv[1:2] != ["launch"]:  # the launcher imports no TensorFlow
+        from tfllm.quiet import install
+        install(tfllm.USER_TF_LOG_LEVEL)  # before TensorFlow is imported and starts logging
+    return main()
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(command())
