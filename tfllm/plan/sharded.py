@@ -150,16 +150,15 @@ def apply_mesh(config, local, result: dict, target, mesh_note: str, devices=None
         detail.append(f"fsdp: all-gather weights {b_ag / 1e9:.2f} GB, "
                       f"reduce-scatter grads {b_rs / 1e9:.2f} GB")
     micro_rows = config.train.global_batch_size // config.train.grad_accum_steps
-    seq_axis = rules_lib.sequence_axis(micro_rows, config.data.sequence_length,
-                                       rules_lib.rules_from_config(config.mesh.rules), shape)
+    rules = rules_lib.rules_from_config(config.mesh.rules)
+    seq_axis = rules_lib.sequence_axis(micro_rows, config.data.sequence_length, rules, shape)
     if seq_axis:
         # Attention gathers each layer's keys and values of its rows over the sequence
         # axis forward and reduce-scatters their gradients backward.
         seq, m = shape[seq_axis], config.model
         kv_width = (m.num_key_value_heads or m.num_query_heads) * (
             m.head_dim or m.hidden_dim // m.num_query_heads) // tp
-        row_axis = rules_lib.token_batch_spec(
-            (micro_rows, 2), rules_lib.rules_from_config(config.mesh.rules), shape)[0]
+        row_axis = rules_lib.token_batch_spec((micro_rows, 2), rules, shape)[0]
         rows_per_device = config.train.global_batch_size // (shape[row_axis] if row_axis else 1)
         kv_bytes = rows_per_device * config.data.sequence_length * kv_width * act
         b = m.num_layers * 2 * 2 * (seq - 1) / seq * kv_bytes
