@@ -30,14 +30,16 @@ def plot_loss(metrics_path: str, png_path: str) -> str:
     Returns:
       png_path.
     """
-    import matplotlib
-    matplotlib.use("Agg")  # no display needed
-    import matplotlib.pyplot as plt
+    # A bare Figure (no pyplot): nothing global changes, so a notebook or a user's
+    # program that trains keeps its own matplotlib backend and open figures. Imported
+    # here, not at the top: only the end of a run draws.
+    from matplotlib.figure import Figure
 
     records = read_metrics(metrics_path)
     train = [(r["step"], r["loss"]) for r in records if "loss" in r]
     evals = [(r["step"], r["eval_loss"]) for r in records if "eval_loss" in r]
-    fig, ax = plt.subplots(figsize=(6, 4), dpi=100)
+    fig = Figure(figsize=(6, 4), dpi=100)
+    ax = fig.subplots()
     if train:
         ax.plot(*zip(*train), label="train loss")
     if evals:
@@ -49,6 +51,5 @@ def plot_loss(metrics_path: str, png_path: str) -> str:
     fig.tight_layout()
     tmp = png_path + ".tmp.png"
     fig.savefig(tmp)
-    plt.close(fig)
     os.replace(tmp, png_path)
     return png_path
