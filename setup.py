@@ -28,7 +28,8 @@ setup(
     ],
     extras_require={
         "and-cuda": ["tensorflow[and-cuda]>=2.16,<2.22"],
-        "test": ["pytest>=7", "pytest-timeout"],
+        # The notebooks' tests run them through a real Jupyter kernel.
+        "test": ["pytest>=7", "pytest-timeout", "nbclient", "nbformat", "ipykernel"],
         # `tfllm plan`: jaxlib's compile-only CUDA client (no NVIDIA wheels, no driver).
         # Pinned: tfllm.plan.gpu_compile uses jax internals checked for this release.
         "plan": ["jax==0.10.2", "jaxlib==0.10.2", "jax-cuda12-plugin==0.10.2",
