@@ -108,20 +108,22 @@ def _finish(nb, seconds: float):
 
 
 def text_lines(cell) -> list:
-    """The text a code cell shows: stdout, and text/plain of results and displays."""
-    lines = []
+    """The text a code cell shows: stdout, and text/plain of results and displays.
+
+    Consecutive stdout outputs are joined first: the kernel may cut one print in two
+    when its flush timer fires in the middle of it.
+    """
+    text = ""
     for o in cell.get("outputs", []):
         if o["output_type"] == "stream" and o["name"] == "stdout":
-            text = o["text"]
+            text += "".join(o["text"]) if isinstance(o["text"], list) else o["text"]
         elif o["output_type"] in ("execute_result", "display_data"):
             if "image/png" in o["data"]:
                 continue  # its text/plain is "<Figure size ...>": the figure is checked
-            text = o["data"].get("text/plain", "")
-        else:
-            continue
-        text = "".join(text) if isinstance(text, list) else text
-        lines.extend(text.splitlines())
-    return [line.rstrip() for line in lines]
+            plain = o["data"].get("text/plain", "")
+            plain = "".join(plain) if isinstance(plain, list) else plain
+            text += ("\n" if text and not text.endswith("\n") else "") + plain + "\n"
+    return [line.rstrip() for line in text.splitlines()]
 
 
 def output_kinds(cell) -> list:

@@ -81,6 +81,13 @@ def test_compare_accepts_small_float_drift_and_nothing_else():
         assert len(problems) == 1 and what in problems[0], (text, problems)
 
 
+def test_a_print_cut_in_two_by_the_kernel_is_one_line():
+    stored = _notebook(("print(calls)", [_stdout("cuBLAS calls: {'f8': 36}\n")], None))
+    fresh = copy.deepcopy(stored)
+    fresh.cells[0].outputs = [_stdout("cuBLAS calls:"), _stdout(" {'f8': 36}\n")]
+    assert execute.compare(stored, fresh) == []
+
+
 def test_compare_checks_figures_and_skips_the_text_of_tagged_cells():
     stored = _notebook(("plot()", [_figure()], None),
                        ("print(seconds)", [_stdout("took 3.1 s\n")], [execute.NONDETERMINISTIC]))
