@@ -64,6 +64,25 @@ def test_killed_worker_stops_everyone(tmp_path):
     assert_no_leftovers(tmp_path)
 
 
+def test_the_rank_that_died_is_named_not_the_one_that_lost_it(tmp_path):
+    # Rank 0 plays a survivor: it exits 76 (lost peer) at once; rank 1, the real failure,
+    # exits 3 half a second later. Polled in rank order, rank 0 was reported before.
+    script = ("import os, sys, time; " + READY +
+              "client = os.environ['DTENSOR_CLIENT_ID']; "
+              "sys.exit(76) if client == '0' else (time.sleep(0.5), sys.exit(3))")
+    log_dir = tmp_path / "logs"
+    proc = start(["--mode", "local", "--num-workers", "2", "--log-dir", str(log_dir),
+                  "--kill-timeout", "5", "--", PY, "-c", script, str(tmp_path)])
+    try:
+        code, out, err = finish(proc, timeout=60)
+        assert code == 3, err
+        assert "rank 1 exited with code 3" in err and "rank 0 exited" not in err
+    finally:
+        kill_group(proc)
+        kill_workers(log_dir)
+    assert_no_leftovers(tmp_path)
+
+
 def test_worker_ignoring_sigterm_gets_sigkill(tmp_path):
     log_dir = tmp_path / "logs"
     # Rank 0 ignores SIGTERM and waits; rank 1 fails after a second.

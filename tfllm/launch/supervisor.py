@@ -24,11 +24,13 @@ from dataclasses import dataclass
 from typing import Callable, Dict, Optional, Sequence
 
 from tfllm.launch.topology import READY_LINE, WorkerSpec
-from tfllm.train.preemption import PREEMPTED_EXIT_CODE
+from tfllm.train.preemption import PEER_LOST_EXIT_CODE, PREEMPTED_EXIT_CODE
 
 #: exit code when no worker became ready within the startup timeout
 EXIT_STARTUP_TIMEOUT = 124
 _POLL_S = 0.2
+#: how long a lost-peer exit (76) waits for the rank that really failed to show
+_CAUSE_GRACE_S = 2.0
 
 
 @dataclass
@@ -154,21 +156,13 @@ class Supervisor:
                 if any(w.code == PREEMPTED_EXIT_CODE for w in self.workers.values()):
                     return PREEMPTED_EXIT_CODE
                 return 128 + self.signal_received
-            alive = False
-            for rank, worker in sorted(self.workers.items()):
-                if worker.code is not None:
-                    continue
-                returncode = worker.process.poll()
-                if returncode is None:
-                    alive = True
-                    continue
-                worker.code = exit_status(returncode)
-                _signal_group(worker.process.pid, signal.SIGTERM)  # nothing outlives it
-                if worker.code != 0:
-                    self.say(f"rank {rank} exited with code {worker.code}; stopping the other "
-                             f"workers (log: {os.path.join(self.log_dir, f'rank_{rank}.log')})")
-                    self.stop_all()
-                    return worker.code
+            alive, failed = self._sweep()
+            if failed:
+                rank, code = self._first_cause(failed)
+                self.say(f"rank {rank} exited with code {code}; stopping the other "
+                         f"workers (log: {os.path.join(self.log_dir, f'rank_{rank}.log')})")
+                self.stop_all()
+                return code
             if not alive:
                 self._drain()
                 return 0
@@ -185,6 +179,38 @@ class Supervisor:
                 self.stop_all()
                 return EXIT_STARTUP_TIMEOUT
             time.sleep(_POLL_S)
+
+    def _sweep(self):
+        """Polls every worker once: (any still running, [(rank, code)] of new failures)."""
+        alive, failed = False, []
+        for rank, worker in sorted(self.workers.items()):
+            if worker.code is not None:
+                continue
+            returncode = worker.process.poll()
+            if returncode is None:
+                alive = True
+                continue
+            worker.code = exit_status(returncode)
+            _signal_group(worker.process.pid, signal.SIGTERM)  # nothing outlives it
+            if worker.code != 0:
+                failed.append((rank, worker.code))
+        return alive, failed
+
+    def _first_cause(self, failed):
+        """The failure to report: a rank that died, not one that only lost it.
+
+        A survivor exits PEER_LOST_EXIT_CODE within milliseconds of its peer's death,
+        often before the dead rank's exit is seen; so when every failure so far is a
+        lost peer, the others get `_CAUSE_GRACE_S` to show their own code.
+        """
+        deadline = time.monotonic() + _CAUSE_GRACE_S
+        while all(code == PEER_LOST_EXIT_CODE for _, code in failed):
+            alive, more = self._sweep()
+            failed = failed + more
+            if not alive or time.monotonic() >= deadline:
+                break
+            time.sleep(_POLL_S / 4)
+        return next(((r, c) for r, c in failed if c != PEER_LOST_EXIT_CODE), failed[0])
 
     def stop_all(self) -> None:
         """SIGTERM every worker's process group; SIGKILL what is left after the timeout."""
