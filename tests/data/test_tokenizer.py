@@ -113,3 +113,8 @@ def test_keras_hub_preset_directory(tmp_path):
     assert (t.vocab_size, t.eod_id) == (hub.vocabulary_size(), hub.end_token_id)
     ids = t.tf_encode(tf.constant("def f0(x):")).numpy().tolist()
     assert t.decode(ids) == "def f0(x):"
+    # Every row stream of a batch maps through the same traced function: traced once.
+    traced = t.traced_encode()
+    assert traced is t.traced_encode()
+    assert traced(tf.constant("def f0(x):")).numpy().tolist() == ids
+    assert traced.experimental_get_tracing_count() == 1

@@ -121,7 +121,7 @@ class Batches:
             docs = docs.shuffle(buffer, seed=stream_seed(data.seed, row),
                                 reshuffle_each_iteration=True).repeat()
         eod = tf.constant([self.tokenizer.eod_id], tf.int32)
-        encode = self.tokenizer.tf_encode
+        encode = self.tokenizer.traced_encode()
         def tokenize(doc):
             text, continued = strip_continued(doc)
             # A piece of a longer text document continues in the next piece: no EOD.
