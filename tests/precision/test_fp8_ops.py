@@ -1,5 +1,6 @@
 """FP8 ops: numerics against float64, scaling recipes, saturation, zero handling."""
 
+import keras
 import numpy as np
 import pytest
 import tensorflow as tf
@@ -101,6 +102,21 @@ def test_delayed_scaling_uses_history_and_returns_rolled_histories():
     np.testing.assert_array_equal(new_hg, [3.0, 0.0, 0.0])
     # x = 2 scaled by 448 / (8 * 2): 56 is exact in E4M3, so the product is exact.
     np.testing.assert_allclose(y.numpy(), np.full((1, 1, 2), 4.0))
+
+
+def test_variables_work_outside_tf_function():
+    # A layer passes its kernel and amax histories as variables; eagerly (a model called
+    # outside tf.function) that used to fail inside tf.custom_gradient.
+    w = keras.Variable(np.full((4, 2), 0.5), dtype="float32")
+    hx, hw, hg = (keras.Variable([1.0, 8.0, 0.0]), keras.Variable([0.5, 0.0, 0.0]),
+                  keras.Variable([0.0, 0.0, 0.0]))
+    x = tf.constant(np.full((1, 1, 4), 2.0), tf.float32)
+    with tf.GradientTape() as tape:
+        y = fp8_einsum("btd,df->btf", x, w, hx, hw, hg, Fp8Settings("delayed", 3, margin=1))
+    dw, new_hx = tape.gradient(y, [w.value, hx.value], output_gradients=tf.fill(y.shape, 3.0))
+    np.testing.assert_allclose(y.numpy(), np.full((1, 1, 2), 4.0))  # as with tensors above
+    np.testing.assert_array_equal(new_hx, [2.0, 1.0, 8.0])
+    assert dw.shape == (4, 2)
 
 
 def test_roll_history():

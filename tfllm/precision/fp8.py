@@ -133,4 +133,8 @@ def fp8_einsum(equation: str, x, w, history_x, history_w, history_g, settings: F
 
         return y, grad
 
-    return op(x, w, history_x, history_w, history_g)
+    # Read variables here, outside the custom gradient: in eager mode a variable read
+    # inside it would make TensorFlow ask grad() for variable gradients (a model called
+    # outside tf.function failed with "grad_fn must accept keyword argument
+    # 'variables'"). In graphs the reads happen at the same point either way.
+    return op(*(tf.convert_to_tensor(t) for t in (x, w, history_x, history_w, history_g)))
