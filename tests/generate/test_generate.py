@@ -91,3 +91,38 @@ def test_sharded_model_generates_the_same_tokens(family, axes):
     assert sharded.generate(prompts, NEW) == single.generate(prompts, NEW)
     kw = dict(temperature=1.0, top_k=30, top_p=0.95, seed=5)
     assert sharded.generate(prompts, NEW, **kw) == single.generate(prompts, NEW, **kw)
+
+
+def test_dtensor_function_name_clash_is_retraced_once_more_and_nothing_else():
+    from tfllm.generate.generator import _Retraced
+    import tensorflow as tf
+
+    clash = tf.errors.InvalidArgumentError(
+        None, None, "Cannot add function 'decode_i_body' because a different function "
+        "with the same name already exists. [Op:__inference__decode_fn_65556]")
+    traces = []
+
+    def compile_fn(fn):
+        traces.append(fn)
+        failing = len(traces) == 1  # the first trace trips, the second runs
+
+        def compiled(x):
+            if failing:
+                raise clash
+            return fn(x)
+        return compiled
+
+    retraced = _Retraced(lambda x: x + 1, compile_fn, on_mesh=True)
+    assert retraced(1) == 2 and retraced.retraces == 1 and len(traces) == 2
+    # Without a mesh, or for any other error, nothing is retried.
+    traces.clear()
+    with pytest.raises(tf.errors.InvalidArgumentError, match="same name"):
+        _Retraced(lambda x: x, compile_fn, on_mesh=False)(1)
+    other = tf.errors.InvalidArgumentError(None, None, "Incompatible shapes")
+
+    def always(fn):
+        def compiled(x):
+            raise other
+        return compiled
+    with pytest.raises(tf.errors.InvalidArgumentError, match="Incompatible"):
+        _Retraced(lambda x: x, always, on_mesh=True)(1)

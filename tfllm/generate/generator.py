@@ -46,9 +46,11 @@ class Generator:
         # length); weights keep their layouts.
         self.model = model
         self.parallel = parallel.for_decoding() if parallel is not None else None
-        self._prefill = xla.compile_fn(self._prefill_fn, parallel, jit_compile)
-        self._decode = xla.compile_fn(self._decode_fn, parallel, jit_compile)
-        self._reference_step = xla.compile_fn(self._reference_step_fn, parallel, jit_compile)
+        self._compile = lambda fn: _Retraced(
+            fn, lambda f: xla.compile_fn(f, parallel, jit_compile), parallel is not None)
+        self._prefill = self._compile(self._prefill_fn)
+        self._decode = self._compile(self._decode_fn)
+        self._reference_step = self._compile(self._reference_step_fn)
         #: seconds and token counts of the last `generate` call (prefill, decode)
         self.last_timing = {}
 
@@ -250,6 +252,41 @@ def batch_multiple(parallel) -> int:
     size = math.prod(parallel.shape.values())
     (axis,) = parallel.spec("generate batch", (size,), _BATCH)
     return parallel.shape[axis] if axis else 1
+
+
+class _Retraced:
+    """A compiled function that is traced anew when DTensor trips over its own names.
+
+    On a mesh, DTensor (TF 2.21) now and then fails a loop program's first run with
+    "Cannot add function 'decode_x_body' because a different function with the same
+    name already exists": the function library it registers its expanded loop under
+    already holds another version of that name. It happened in about one run in three
+    of the sharded generation tests, on different calls each time. A fresh trace gives
+    the loop new names; it is retried up to `_RETRACES` times, and only for that error.
+    """
+
+    def __init__(self, fn, compile_fn, on_mesh: bool):
+        self._fn, self._compile_fn, self._on_mesh = fn, compile_fn, on_mesh
+        self.compiled = compile_fn(fn)
+        self.retraces = 0
+
+    def __call__(self, *args, **kwargs):
+        for attempt in range(_RETRACES + 1):
+            try:
+                return self.compiled(*args, **kwargs)
+            except tf.errors.InvalidArgumentError as error:
+                if (not self._on_mesh or attempt == _RETRACES
+                        or "a different function with the same name" not in str(error)):
+                    raise
+                self.compiled = self._compile_fn(self._fn)
+                self.retraces += 1
+
+    def get_concrete_function(self, *args, **kwargs):
+        """The current trace's concrete function (what `xla.run_and_report` reads)."""
+        return self.compiled.get_concrete_function(*args, **kwargs)
+
+
+_RETRACES = 3
 
 
 def _letters(number: int) -> str:
