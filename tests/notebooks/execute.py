@@ -59,13 +59,22 @@ def code_hash(nb) -> str:
     return hashlib.sha256(json.dumps(sources).encode()).hexdigest()
 
 
+# Settings that change numerics, which the kernel must not inherit: the tests' conftest
+# turns oneDNN off, and bfloat16 then rounds differently from what a user's kernel (and
+# the stored outputs) computed.
+_NOT_INHERITED = ("TF_ENABLE_ONEDNN_OPTS", "XLA_FLAGS", "TF_XLA_FLAGS")
+
+
 @contextlib.contextmanager
 def _kernel_environment():
-    """The kernel inherits os.environ: quiet TensorFlow, fixed hashing, CPU only."""
+    """The kernel inherits os.environ: quiet TensorFlow, fixed hashing, CPU only, and
+    TensorFlow's own defaults for the settings that change numerics."""
     wanted = {"TF_CPP_MIN_LOG_LEVEL": "3", "PYTHONHASHSEED": "0", "CUDA_VISIBLE_DEVICES": "",
               "KERAS_BACKEND": "tensorflow", "MPLBACKEND": "module://matplotlib_inline.backend_inline"}
-    saved = {k: os.environ.get(k) for k in wanted}
+    saved = {k: os.environ.get(k) for k in (*wanted, *_NOT_INHERITED)}
     os.environ.update(wanted)
+    for k in _NOT_INHERITED:
+        os.environ.pop(k, None)
     try:
         yield
     finally:
