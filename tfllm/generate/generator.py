@@ -46,11 +46,12 @@ class Generator:
         # length); weights keep their layouts.
         self.model = model
         self.parallel = parallel.for_decoding() if parallel is not None else None
-        self._compile = lambda fn: _Retraced(
-            fn, lambda f: xla.compile_fn(f, parallel, jit_compile), parallel is not None)
-        self._prefill = self._compile(self._prefill_fn)
-        self._decode = self._compile(self._decode_fn)
-        self._reference_step = self._compile(self._reference_step_fn)
+        def compiled(fn):
+            return _Retraced(fn, lambda f: xla.compile_fn(f, parallel, jit_compile),
+                             parallel is not None)
+        self._prefill = compiled(self._prefill_fn)
+        self._decode = compiled(self._decode_fn)
+        self._reference_step = compiled(self._reference_step_fn)
         #: seconds and token counts of the last `generate` call (prefill, decode)
         self.last_timing = {}
 
