@@ -35,7 +35,7 @@ from tfllm.models.common.layers import Projection, TokenEmbedding
 from tfllm.models.common.masks import cache_mask_and_positions, segment_mask_and_positions
 from tfllm.models.common.remat import check_policy, recompute
 from tfllm.models.loss import token_nll
-from tfllm.parallel.context import constrain
+from tfllm.parallel.context import constrain, gather_after
 
 _EMBED = ("activation_batch", "activation_length", "activation_embed")
 # Cache slots are never split: decoding writes one slot at a time.
@@ -184,11 +184,16 @@ class CausalLM(keras.Model):
         if hasattr(self.final_norm, "recompute"):
             self.final_norm.recompute = selective
 
-    def _run_block(self, block, x, mask=None, positions=None):
-        """One block of the training forward; under remat=full, recomputed in backward."""
-        if self.remat == "full":
-            return recompute(block)(x, mask, positions)
-        return block(x, attention_mask=mask, positions=positions)
+    def _run_block(self, block, x, mask=None, positions=None, ahead=None):
+        """One block of the training forward; under remat=full, recomputed in backward.
+
+        Weights the block gathers (FSDP) wait for `ahead`, the previous block's input, so
+        they travel while that block computes and no earlier (`gather_after`).
+        """
+        with gather_after((x if ahead is None else ahead,)):
+            if self.remat == "full":
+                return recompute(block)(x, mask, positions)
+            return block(x, attention_mask=mask, positions=positions)
 
     def fp8_state_variables(self) -> list:
         """The FP8 amax histories: updated by the train step, never by the optimizer."""
@@ -213,16 +218,16 @@ class CausalLM(keras.Model):
             attention stays within each document and positions restart at 0 at each
             document's start; None is plain causal attention over the whole row.
         """
-        if segment_ids is None:
-            x = self.embed(token_ids)
-            for block in self.blocks:
-                x = self._run_block(block, x)
-            return self.head(self.final_norm(x))
-        mask, positions = segment_mask_and_positions(segment_ids)
-        x = self.embed(token_ids, positions=positions)
+        mask = positions = None
+        if segment_ids is not None:
+            mask, positions = segment_mask_and_positions(segment_ids)
+        x = (self.embed(token_ids) if positions is None
+             else self.embed(token_ids, positions=positions))
+        previous = None
         for block in self.blocks:
-            x = self._run_block(block, x, mask, positions)
-        return self.head(self.final_norm(x))
+            x, previous = self._run_block(block, x, mask, positions, ahead=previous), x
+        with gather_after((previous,)):
+            return self.head(self.final_norm(x))
 
     # ---- cached decoding ----------------------------------------------------------------
     def init_cache(self, batch_size: int, cache_length: int):

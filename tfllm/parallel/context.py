@@ -12,6 +12,8 @@ import contextlib
 import threading
 from typing import Optional, Sequence
 
+from tfllm.parallel import fsdp
+
 _state = threading.local()
 
 
@@ -68,3 +70,36 @@ def gather_weight(w, logical_axes: Sequence[Optional[str]], name: str = "weight"
     if parallel is None:
         return w
     return parallel.gather_weight(w, logical_axes, name)
+
+
+def weight_product(fn, x, w, logical_axes: Sequence[Optional[str]], name: str = "weight",
+                   extra=()):
+    """fn(x, w, *extra): a layer's product with a weight, e.g. an einsum.
+
+    Under a setup that shards the weight over a batch axis (FSDP), the weight is gathered
+    just before the product and gathered again in the backward pass instead of being
+    kept (`tfllm.parallel.fsdp`); else this is `fn(x, w, *extra)`.
+
+    Args:
+      fn: the product; differentiable in every argument.
+      x: the layer's input.
+      w: the weight (a variable or its value).
+      logical_axes: the weight's logical axes.
+      name: used in error messages.
+      extra: more inputs of `fn` (e.g. FP8 amax histories).
+    """
+    parallel = current()
+    if parallel is None:
+        return fn(x, w, *extra)
+    return parallel.weight_product(fn, x, w, logical_axes, name, extra)
+
+
+@contextlib.contextmanager
+def gather_after(tensors):
+    """Weights gathered inside the block wait for `tensors` (the model passes the input of
+    the block before, so each block's weights arrive one block ahead, not all at once)."""
+    if current() is None:
+        yield
+        return
+    with fsdp.gate(tensors):
+        yield

@@ -18,6 +18,7 @@ import numpy as np
 import tensorflow as tf
 from tensorflow.experimental import dtensor
 
+from tfllm.parallel import fsdp
 from tfllm.parallel import rules as rules_lib
 from tfllm.parallel.init import initial_block, variable_key
 from tfllm.parallel.keras_internal import adopt, check_keras, forget_deferred, is_allocated
@@ -40,6 +41,7 @@ class Parallel:
         self.shape: Dict[str, int] = mesh_shape(mesh)
         self.shard_optimizer_state = shard_optimizer_state
         self.device_type = mesh.device_type()
+        fsdp.configure_dtensor()
 
     # ---- specs and layouts ---------------------------------------------------------------
     def spec(self, path: str, shape: Sequence[int], logical_axes) -> rules_lib.Spec:
@@ -79,12 +81,27 @@ class Parallel:
         return Parallel(self.mesh, rules_lib.without_sequence_sharding(self.rules),
                         self.shard_optimizer_state)
 
-    def gather_weight(self, w, logical_axes, name: str = "weight"):
-        spec = self.spec(name, w.shape.as_list(), logical_axes)
+    def _weight_layouts(self, w, logical_axes, name):
+        """(shard layout, compute layout) of a weight, or None when nothing is gathered:
+        dimensions sharded over a batch axis (FSDP) are gathered for the computation."""
+        spec = self.spec(name, list(w.shape), logical_axes)
         compute = tuple(None if m in self.batch_mesh_axes else m for m in spec)
         if compute == spec:
-            return w
-        return dtensor.relayout(w, self.layout(compute))
+            return None
+        return self.layout(spec), self.layout(compute)
+
+    def gather_weight(self, w, logical_axes, name: str = "weight"):
+        """`w` gathered over the batch axes (see `tfllm.parallel.fsdp.gather`)."""
+        layouts = self._weight_layouts(w, logical_axes, name)
+        return w if layouts is None else fsdp.gather(w, *layouts)
+
+    def weight_product(self, fn, x, w, logical_axes, name: str = "weight", extra=()):
+        """fn(x, w, *extra) with `w` gathered just before use and again in the backward
+        pass (see `tfllm.parallel.fsdp.gathered_product`)."""
+        layouts = self._weight_layouts(w, logical_axes, name)
+        if layouts is None:
+            return fn(x, w, *extra)
+        return fsdp.gathered_product(fn, x, w, *layouts, extra=extra)
 
     def constrain(self, x, logical_axes, name: str = "activation"):
         spec = self.spec(name, x.shape.as_list(), logical_axes)

@@ -19,7 +19,7 @@ import keras
 import tensorflow as tf
 
 from tfllm.models.common.remat import recompute
-from tfllm.parallel.context import constrain, gather_weight
+from tfllm.parallel.context import constrain, gather_weight, weight_product
 
 INIT_KINDS = ("normal", "zeros", "ones")
 
@@ -105,12 +105,14 @@ class Projection(keras.layers.Layer):
                                           "fp8_state", trainable=False) for t in "xwg"]
 
     def call(self, x):
-        kernel = gather_weight(self.kernel, self.kernel_axes, self.name)
         if self.fp8 is not None:
             from tfllm.precision.fp8 import fp8_einsum
-            y = fp8_einsum(self.equation, x, kernel, *self.fp8_history, self.fp8)
+            product = lambda x, w, *h: fp8_einsum(self.equation, x, w, *h, self.fp8)  # noqa: E731
+            extra = tuple(self.fp8_history)
         else:
-            y = tf.einsum(self.equation, x, kernel)
+            product = lambda x, w: tf.einsum(self.equation, x, w)  # noqa: E731
+            extra = ()
+        y = weight_product(product, x, self.kernel, self.kernel_axes, self.name, extra)
         if self.use_bias:
             y = y + gather_weight(self.bias, self.bias.logical_axes, self.name)
         if self.output_axes is not None:
@@ -135,8 +137,8 @@ class TokenEmbedding(keras.layers.Layer):
         return constrain(x, ("activation_batch", "activation_length", "activation_embed"))
 
     def attend(self, x):
-        table = gather_weight(self.embeddings, ("vocab", "embed"), self.name)  # (V, E)
-        logits = tf.einsum("btd,vd->btv", x, table)  # (B, T, V)
+        logits = weight_product(lambda x, table: tf.einsum("btd,vd->btv", x, table),  # (V, E)
+                                x, self.embeddings, ("vocab", "embed"), self.name)  # (B, T, V)
         return constrain(logits, ("activation_batch", "activation_length", "activation_vocab"))
 
 

@@ -1,0 +1,188 @@
+"""FSDP with ZeRO-3 semantics on DTensor: gather each weight just before use, re-gather it
+in the backward pass, reduce-scatter its gradient, and never keep a gathered copy alive.
+
+Left to itself, DTensor gathers an FSDP-sharded weight where its relayout is written and
+keeps the gathered copy for the backward pass, so a whole model's worth of gathered
+weights is alive on every device at once (measured: one float32 all-reduce of every
+sharded parameter at the start of the step, `../shared/notes/dtensor-costs.md`). Three
+things change that here:
+
+* **Order.** A gather is created under a control dependency on the tensors the layer is
+  about to consume (its input `x`) and on the model's *gate* (`gate`: the input of the
+  block one ahead, so block i+1's weights travel while block i computes). TensorFlow's
+  executor runs an op as soon as its inputs are ready; without the dependency every
+  gather, which only reads a variable, is ready at the start of the step.
+* **Lifetime.** `gathered_product` runs a layer's product (an einsum, an FP8 einsum) on
+  the gathered weight under one `tf.custom_gradient` whose backward pass gathers the weight
+  again (after the incoming gradient, so it happens when that layer's backward runs) and
+  recomputes the product's gradients from it. The forward's gathered copy is dead as
+  soon as the forward product has run: only the shard and the layer's input are kept.
+* **Bytes.** The gather moves the compute dtype: a bfloat16 or float16 weight travels as
+  float16 bits (`tf.bitcast`, exact: a gather does no arithmetic) through DTensor's
+  `CollectiveGatherV2` lowering (`LOWER_DTENSOR_GATHER_TO_COLLECTIVE_GATHER_V2`, set by
+  `configure_dtensor`); without it DTensor lowers each gather to a zero-padded float32
+  all-reduce and its combining pass merges all independent ones into one.
+  Gradients are reduced in float32 (the weight's gradient is cast up before its
+  relayout back to the sharded layout: an all-reduce plus slice on CPU, a reduce-scatter
+  under NCCL).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import threading
+from typing import Callable, Sequence
+
+import tensorflow as tf
+from tensorflow.experimental import dtensor
+
+# DTensor reads these at every lowering (tensorflow/dtensor/cc/dtensor_utils.cc), so they
+# take effect for any function traced after `configure_dtensor`.
+DTENSOR_SETTINGS = {
+    # DTensorAllGather -> CollectiveGatherV2 (int32/int64/f16/f32/f64; other dtypes keep
+    # the zero-padded all-reduce): gathers move the weight's bytes once, are not merged
+    # by the all-reduce combining pass, and need no zero-filled full-size buffer.
+    "LOWER_DTENSOR_GATHER_TO_COLLECTIVE_GATHER_V2": "1",
+}
+
+_state = threading.local()
+
+
+def configure_dtensor() -> dict:
+    """Sets the DTensor lowering settings FSDP needs, unless the user set them; returns
+    the values in effect."""
+    for name, value in DTENSOR_SETTINGS.items():
+        os.environ.setdefault(name, value)
+    return {name: os.environ[name] for name in DTENSOR_SETTINGS}
+
+
+class _Gate:
+    """The tensors gathers wait for, and the zero computed from them (made once)."""
+
+    def __init__(self, tensors):
+        self.tensors = tuple(t for t in tensors if t is not None)
+        self._zero = None
+
+    def zero(self):
+        if self._zero is None and self.tensors:
+            self._zero = zero_after(self.tensors)
+        return self._zero
+
+
+def _current_gate():
+    return getattr(_state, "gate", None)
+
+
+@contextlib.contextmanager
+def gate(tensors):
+    """Gathers created inside wait for `tensors` (e.g. the previous block's input)."""
+    previous = _current_gate()
+    _state.gate = _Gate(tensors)
+    try:
+        yield
+    finally:
+        _state.gate = previous
+
+
+def zero_after(tensors):
+    """An int32 scalar 0 that can only be computed once `tensors` exist.
+
+    Control dependencies cannot order a gather: DTensor converts the function to MLIR's
+    functional form (`CreateExecutorDialectToFunctionalConversionPass` in
+    tensorflow/dtensor/mlir/dtensor_mlir_passes.cc), which drops control edges between
+    ops without side effects, and rebuilds them at the end only between side-effecting
+    ops in program order; a variable read has no data inputs, so its gather lands at the
+    start of the program. A data dependency survives every pass. The zero is made with
+    integer bit operations (`bits & 0`), so NaN or Inf in the tensors cannot leak into the
+    weight; summing the tensors costs one read of them and a scalar all-reduce.
+    """
+    total = tf.add_n([tf.cast(tf.reduce_sum(tf.stop_gradient(t)), tf.float32)
+                      for t in tensors])
+    return tf.bitwise.bitwise_and(tf.bitcast(total, tf.int32), tf.constant(0, tf.int32))
+
+
+# Integer types of the same width, to OR a zero into a weight's bits exactly.
+_BITS = {tf.float32: tf.int32, tf.bfloat16: tf.int16, tf.float16: tf.int16,
+         tf.float64: tf.int64}
+
+
+def _after(w, zero):
+    """`w`, bit for bit, as a value that depends on `zero` (see `zero_after`)."""
+    if zero is None:
+        return w
+    bits = _BITS[w.dtype]
+    return tf.bitcast(tf.bitwise.bitwise_or(tf.bitcast(w, bits), tf.cast(zero, bits)),
+                      w.dtype)
+
+
+# Dtypes moved as float16 bits: DTensor's CollectiveGatherV2 lowering (and TF's NCCL path)
+# do not take bfloat16; a gather only copies, so the bits are exact.
+_AS_FLOAT16 = (tf.bfloat16,)
+
+
+def _gather(w, compute_layout, zero=None):
+    """`w` relayouted to `compute_layout`; not before `zero` exists (see `zero_after`)."""
+    w = _after(w, zero)
+    if w.dtype in _AS_FLOAT16:
+        bits = dtensor.relayout(tf.bitcast(w, tf.float16), compute_layout)
+        return tf.bitcast(bits, w.dtype)
+    return dtensor.relayout(w, compute_layout)
+
+
+def _gate_zero():
+    state = _current_gate()
+    return state.zero() if state is not None else None
+
+
+def _scatter(grad, shard_layout, dtype):
+    """A full weight gradient back to the shard layout, summed in float32."""
+    reduced = dtensor.relayout(tf.cast(grad, tf.float32), shard_layout)
+    return tf.cast(reduced, dtype)
+
+
+def gather(w, shard_layout, compute_layout):
+    """The weight `w` (sharded) in `compute_layout`, for consumers whose gradient does not
+    need the weight itself (embedding lookups, bias adds); its gradient comes back
+    reduced in float32 to the shard layout."""
+
+    @tf.custom_gradient
+    def op(w):
+        def grad(dy):
+            return _scatter(tf.convert_to_tensor(dy), shard_layout, w.dtype)
+        return _gather(w, compute_layout, _gate_zero()), grad
+
+    return op(tf.convert_to_tensor(w))
+
+
+def gathered_product(fn: Callable, x, w, shard_layout, compute_layout, extra=()):
+    """fn(x, gathered w, *extra) whose backward gathers `w` again instead of keeping it.
+
+    Args:
+      fn: the product, e.g. `lambda x, w: tf.einsum(eq, x, w)`; differentiable in all its
+        arguments (it may be a `tf.custom_gradient` such as the FP8 einsum, whose
+        "gradients" for `extra` pass through unchanged).
+      x: the input (its gradient is returned).
+      w: the weight's shard (a tensor in `shard_layout`).
+      shard_layout, compute_layout: `w`'s layout and the one `fn` computes with.
+      extra: more tensors `fn` takes (FP8 amax histories); gradients pass through.
+    """
+
+    @tf.custom_gradient
+    def op(x, w, *extra):
+        y = fn(x, _gather(w, compute_layout, _gate_zero()), *extra)
+
+        def grad(dy):
+            w_full = _gather(w, compute_layout, zero_after([dy]))
+            with tf.GradientTape() as tape:
+                tape.watch([x, w_full, *extra])
+                # Only this product's gradient ops run: its forward value is unused (the
+                # gradients of an einsum read its inputs, not its output) and is pruned.
+                y_again = fn(x, w_full, *extra)
+            grads = tape.gradient(y_again, [x, w_full, *extra], output_gradients=dy)
+            dw = _scatter(grads[1], shard_layout, w.dtype)
+            return (grads[0], dw, *grads[2:])
+
+        return y, grad
+
+    return op(*(tf.convert_to_tensor(t) for t in (x, w, *extra)))
