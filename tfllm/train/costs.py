@@ -165,17 +165,15 @@ class CostReport:
         return sorted(groups.values(), key=lambda t: (-t["bytes"], t["kind"], t["dtype"]))
 
     def _compiled(self) -> str:
-        if self.whole_program:
-            xla = "XLA: one program"
-        else:
-            xla = f"XLA: {self.clusters} clusters" if self.clusters else "no XLA"
-        if self.fp8_gemms is None:
-            fp8 = f"FP8 GEMMs not measured ({self.fp8_note})" if self.fp8_note else ""
-        else:
-            g = self.fp8_gemms
-            total = g["full"] + g["half"] + g["none"]
-            fp8 = f"FP8 GEMMs: {g['full']} full, {g['half']} half of {total} dots"
-        return xla + (f"; {fp8}" if fp8 else "")
+        if not self.whole_program and not self.clusters:
+            return "no XLA"
+        xla = "XLA: one program" if self.whole_program else f"XLA: {self.clusters} clusters"
+        g = self.fp8_gemms
+        if g is None:
+            return f"{xla}; FP8 GEMMs not measured ({self.fp8_note or 'no HLO'})"
+        total = g["full"] + g["half"] + g["none"]
+        return (f"{xla}; FP8 GEMMs: {g['full']} full, {g['half']} half of {total} dots"
+                + (f" ({self.fp8_note})" if self.fp8_note else ""))
 
     def line(self) -> str:
         """One line: the busiest device's collectives, the largest, XLA and FP8."""
