@@ -310,7 +310,11 @@ def _loop_nodes(graph) -> set:
 
 
 def collectives_of(graph_defs: Iterable) -> Dict[str, List[Collective]]:
-    """{device: [Collective]} of executed GraphDefs, in graph order."""
+    """{device: [Collective]} of executed GraphDefs, in graph order.
+
+    Args:
+      graph_defs: post-optimization GraphDefs (`tf_internal.collect_executed_graphs`).
+    """
     found: Dict[str, List[Collective]] = defaultdict(list)
     for graph in graph_defs:
         nodes = {n.name: n for n in graph.node}
@@ -335,7 +339,11 @@ def collectives_of(graph_defs: Iterable) -> Dict[str, List[Collective]]:
 
 
 def clusters_of(graph_defs: Iterable) -> Dict[str, List[str]]:
-    """{device: [XLA cluster function names]} of executed GraphDefs."""
+    """{device: [XLA cluster function names]} of executed GraphDefs.
+
+    Args:
+      graph_defs: post-optimization GraphDefs, whose `_XlaCompile` ops name the clusters.
+    """
     found: Dict[str, List[str]] = defaultdict(list)
     for graph in graph_defs:
         for node in graph.node:
@@ -344,16 +352,26 @@ def clusters_of(graph_defs: Iterable) -> Dict[str, List[str]]:
     return dict(found)
 
 
+def _devices(graph_defs) -> List[str]:
+    return sorted({n.device for g in graph_defs for n in g.node if n.device},
+                  key=_device_order)
+
+
+def _busiest(collectives: Dict[str, List[Collective]], devices: List[str]) -> str:
+    bytes_of = {d: sum(c.bytes for c in cs) for d, cs in collectives.items()}
+    # max() keeps the first of equals: the first device in order on a symmetric mesh.
+    return max(devices, key=lambda d: bytes_of.get(d, 0)) if devices else ""
+
+
 def busiest_device(graph_defs: Iterable) -> str:
     """The full name of the device whose collectives move the most bytes (ties: the
-    first in device order), or of the first device with a program; "" when none."""
+    first in device order), or of the first device with a program; "" when none.
+
+    Args:
+      graph_defs: post-optimization GraphDefs of one call.
+    """
     graph_defs = list(graph_defs)
-    per_device = {d: sum(c.bytes for c in cs) for d, cs in collectives_of(graph_defs).items()}
-    devices = sorted({n.device for g in graph_defs for n in g.node if n.device},
-                     key=_device_order)
-    if not devices:
-        return ""
-    return max(devices, key=lambda d: (per_device.get(d, 0), -devices.index(d)))
+    return _busiest(collectives_of(graph_defs), _devices(graph_defs))
 
 
 def report_from_graphs(graph_defs, mesh: bool = True, whole_program: bool = False,
@@ -369,10 +387,8 @@ def report_from_graphs(graph_defs, mesh: bool = True, whole_program: bool = Fals
       fp8_note: why they are missing, or what limits them.
     """
     graph_defs = list(graph_defs)
-    collectives = collectives_of(graph_defs)
-    device = busiest_device(graph_defs)
-    devices = sorted({n.device for g in graph_defs for n in g.node if n.device},
-                     key=_device_order)
+    collectives, devices = collectives_of(graph_defs), _devices(graph_defs)
+    device = _busiest(collectives, devices)
     return CostReport(
         mesh=mesh, devices=[short_device(d) for d in devices], device=short_device(device),
         collectives=collectives.get(device, []),
