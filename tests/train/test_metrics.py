@@ -55,3 +55,9 @@ def test_bench_reports_the_same_peak_as_train(monkeypatch):
     assert out["peak_flops"] == 1e9
     assert out["mfu"] == pytest.approx(out["tokens_per_s"] * out["flops_per_token"] / 1e9,
                                        rel=1e-3)
+    # The cost report of the timed step: the gradients' merged all-reduce over 8 devices,
+    # every parameter but the position rows beyond the sequence (zero gradients, never
+    # sent), padded to a multiple of 1024 elements.
+    unused = (cfg.model.max_sequence_length - cfg.data.sequence_length) * cfg.model.hidden_dim
+    assert out["costs"]["devices"] == 8 and out["costs"]["largest"]["group_size"] == 8
+    assert out["costs"]["largest"]["elements"] == -(-(out["params"] - unused) // 1024) * 1024

@@ -6,6 +6,7 @@ import statistics
 import time
 
 
+from tfllm.train import hlo_dump
 from tfllm.train.metrics import (count_params, flops_per_token, mesh_peak_flops,
                                  model_flops_utilization)
 
@@ -15,19 +16,21 @@ def benchmark(config, steps: int = 20, warmup: int = 3, repeats: int = 1) -> dic
 
     Returns:
       tokens_per_s and step_ms from the median step time over all timed steps, params,
-      flops_per_token, peak_flops (an n=2048 matmul measured in this run) and mfu.
+      flops_per_token, peak_flops (an n=2048 matmul measured in this run), mfu, what
+      XLA compiled ("xla") and the step's cost report ("costs", `CostReport.as_dict()`).
     """
     import copy
     from tfllm.train.run import Run
     config = copy.deepcopy(config)
     config.data.source = "synthetic"  # the step is timed, not the input pipeline
-    run = Run(config)
+    run = Run(config, capture_hlo=True)
     t = config.train
     tokens_per_step = t.global_batch_size * config.data.sequence_length
     batches = [run.batch(i) for i in range(4)]  # input preparation is not timed
     started = time.perf_counter()
     run.step(batches[0])  # the first call traces and compiles
     first_step_s = time.perf_counter() - started
+    hlo_dump.stop()  # the cost report has read it
     for i in range(1, warmup):
         run.step(batches[i % len(batches)])
     times = []
@@ -50,6 +53,7 @@ def benchmark(config, steps: int = 20, warmup: int = 3, repeats: int = 1) -> dic
         "jit_compile": run.jit_compile,
         "first_step_s": round(first_step_s, 2),
         "xla": run.step.xla_report.as_dict() if run.step.xla_report else None,
+        "costs": run.step.cost_report.as_dict() if run.step.cost_report else None,
         "precision": config.precision.policy,
         "mesh": config.mesh.axes,
         "steps": steps * repeats,

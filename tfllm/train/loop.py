@@ -23,13 +23,14 @@ from tfllm.parallel.coordination import any_client
 from tfllm.parallel.mesh import client_id, num_clients
 from tfllm.parallel.watchdog import PeerLost, PeerWatchdog, lost_message, peer_from_error
 from tfllm.precision import describe
+from tfllm.train import hlo_dump
 from tfllm.train.metrics import Throughput, flops_per_token, mesh_peak_flops
 from tfllm.train.preemption import NonFiniteError, Preempted, SignalWatcher
 from tfllm.train.progress import Progress
 from tfllm.train.run import Run, sample_text
 from tfllm.train.tensorboard import TensorBoard
 from tfllm.train.workdir import (check_workdir, clear_dead_run, imported_start,
-                                 truncate_metrics)
+                                 truncate_metrics, write_costs)
 
 __all__ = ["Run", "train"]
 
@@ -95,7 +96,8 @@ def _train(config, workdir, model_cls, out, signals, watchdog: list) -> dict:
     has_checkpoint = os.path.isdir(ckpt_dir) and bool(committed(ckpt_dir))
     imported = has_checkpoint and imported_start(ckpt_dir)
     check_workdir(workdir, config, has_checkpoint, imported)
-    run = Run(config, model_cls, workdir)  # bad data or tokenizer settings fail here
+    # bad data or tokenizer settings fail here
+    run = Run(config, model_cls, workdir, capture_hlo=True)
     checkpointer = Checkpointer(ckpt_dir, run.parallel, config.checkpoint)
     if num_clients() > 1 and t.peer_timeout_s > 0:  # from here a lost peer is reported
         watchdog.append(PeerWatchdog(workdir, client_id(), num_clients(), t.peer_timeout_s,
@@ -162,6 +164,7 @@ def _train(config, workdir, model_cls, out, signals, watchdog: list) -> dict:
                 first_step_s = now - start
                 if run.step.xla_report is not None:
                     progress.message("tfllm: " + run.step.xla_report.line())
+                _report_costs(run, workdir, primary, progress)
             else:
                 throughput.add_step(now - began, tokens_per_step)
             # Under fp16 an overflowing gradient is the loss scale's business: the
@@ -222,6 +225,19 @@ def _train(config, workdir, model_cls, out, signals, watchdog: list) -> dict:
         last["sample"] = text
     last["first_step_s"] = first_step_s or 0.0
     return last
+
+
+def _report_costs(run, workdir: str, primary: bool, progress) -> None:
+    """Prints the first step's cost report and writes it to WORKDIR/costs.json; ends the
+    HLO dump it was read from (later compilations are not reported)."""
+    hlo_dump.stop()
+    report = run.step.cost_report
+    if report is None:
+        return
+    for line in report.lines():
+        progress.message("tfllm: " + line)
+    if primary:
+        write_costs(workdir, report.as_dict())
 
 
 def _step_or_peer_lost(run, step: int, limit: float, checkpointer) -> dict:

@@ -14,6 +14,7 @@ from typing import Optional
 from tfllm.parallel import make_parallel
 from tfllm.parallel import rules as rules_lib
 from tfllm.parallel.mesh import check_batch
+from tfllm.train import hlo_dump
 from tfllm.train.evaluate import Evaluator
 from tfllm.train.state import build_train_state
 from tfllm.train.step import resolve_jit
@@ -28,10 +29,13 @@ class Run:
       workdir: the run directory (the trained tokenizer is saved there), or None.
       with_data: build the tokenizer and data streams (False for export or layouts).
       train_iterator: open the training data stream (eval and generate do not need it).
+      capture_hlo: dump the HLO XLA compiles (`tfllm.train.hlo_dump`) so that the step's
+        cost report counts its FP8 GEMMs; `stop()` it after the first step.
     """
 
     def __init__(self, config, model_cls=None, workdir: Optional[str] = None,
-                 with_data: bool = True, train_iterator: bool = True):
+                 with_data: bool = True, train_iterator: bool = True,
+                 capture_hlo: bool = False):
         self.config = config
         self.workdir = workdir
         t, d = config.train, config.data
@@ -60,6 +64,10 @@ class Run:
                                                      rules, shape)
         self.jit_compile = resolve_jit(t.jit_compile, self.parallel.device_type)
         packing = d.packing_mask and d.source != "synthetic"
+        if capture_hlo and self.jit_compile:
+            # Before the model: XLA reads its flags at its first compilation, which on
+            # GPU is the variables' initializers.
+            hlo_dump.start()
         state = build_train_state(config, self.parallel, self.jit_compile, model_cls, packing)
         self.model, self.optimizer = state.model, state.optimizer
         self.loss_scale, self.step = state.loss_scale, state.step

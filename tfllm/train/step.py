@@ -7,6 +7,7 @@ the rules table. Gradients are averaged over micro-batches before one update.
 
 from __future__ import annotations
 
+import time
 from typing import Optional
 
 import numpy as np
@@ -15,7 +16,7 @@ import tensorflow as tf
 from tfllm.optim.adamw import global_norm
 from tfllm.parallel import context
 from tfllm.parallel.placement import Parallel, new_variable, to_numpy
-from tfllm.train import xla
+from tfllm.train import costs, hlo_dump, tf_internal, xla
 
 
 # train.jit_compile=auto, by device type: measured in benchmarks/results/cpu_jit.md.
@@ -76,6 +77,8 @@ class TrainStep:
         self._grads = xla.compile_fn(self._loss_and_grads, parallel, jit_compile)
         #: what XLA compiled of the step (`tfllm.train.xla.XlaReport`), after the first call
         self.xla_report = None
+        #: the step's collectives and FP8 GEMMs (`tfllm.train.costs.CostReport`), likewise
+        self.cost_report = None
         self._called = False
 
     def batch_spec(self, shape):
@@ -200,14 +203,33 @@ class TrainStep:
           loss_limit: skip the update when the loss exceeds this (the spike guard).
         """
         args = (tokens, self.loss_limit_input(loss_limit))
-        if self._called:
-            out = self._step(*args)
-        else:
-            out, self.xla_report = xla.run_and_report(self._step, args, self.parallel,
-                                                      self.jit_compile)
-            self._called = True
-            xla.check_compiled(self.xla_report)
+        out = self._step(*args) if self._called else self._first_call(args)
         return {k: float(to_numpy(v)) for k, v in out.items()}
+
+    def _first_call(self, args):
+        """Runs the first step and reads the graphs TensorFlow executed: what XLA compiled
+        (`xla_report`, checked) and what the step communicates (`cost_report`)."""
+        since = time.time()
+        with tf_internal.collect_executed_graphs() as graphs:
+            out = self._step(*args)
+        self._called = True
+        graph_defs = graphs()
+        self.xla_report = xla.report_of(self._step, args, graph_defs, self.parallel,
+                                        self.jit_compile)
+        mesh = self.parallel is not None
+        if not self.jit_compile:
+            fp8, note = None, "no XLA: train.jit_compile=false"
+        else:
+            # FP8 GEMMs of the busiest device's clusters, or of the one program (no mesh).
+            names = (costs.clusters_of(graph_defs).get(costs.busiest_device(graph_defs), [])
+                     if mesh else [tf.compat.as_str(
+                         self._step.get_concrete_function(*args).name)])
+            fp8, note = hlo_dump.fp8_gemms(hlo_dump.current(), names, since)
+        self.cost_report = costs.report_from_graphs(
+            graph_defs, mesh, whole_program=self.jit_compile and not mesh, fp8_gemms=fp8,
+            fp8_note=note)
+        xla.check_compiled(self.xla_report)
+        return out
 
     def loss_and_grads(self, tokens):
         """(loss, gathered numpy gradients) without updating: for parity tests."""

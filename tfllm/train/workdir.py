@@ -23,8 +23,11 @@ RUN_DEFINING = (("model", None), ("data", None), ("optimizer", None),
                 ("precision", None), ("train", "global_batch_size"),
                 ("train", "grad_accum_steps"), ("train", "seed"))
 
+#: the cost report of the step (`tfllm.train.costs.CostReport.as_dict()`), after step one
+COSTS_FILE = "costs.json"
+
 #: files and folders a run writes; cleared when a dead run without checkpoints is reused
-RUN_OUTPUTS = ("metrics.jsonl", "tensorboard", "loss.png", "config.yaml")
+RUN_OUTPUTS = ("metrics.jsonl", "tensorboard", "loss.png", "config.yaml", COSTS_FILE)
 
 
 class WorkdirError(ConfigError):
@@ -103,3 +106,15 @@ def truncate_metrics(path: str, last_step: int) -> None:
     with open(tmp, "w", encoding="utf-8") as f:
         f.writelines(json.dumps(r) + "\n" for r in keep)
     os.replace(tmp, path)
+
+
+def write_costs(workdir: str, costs: dict) -> str:
+    """Writes the step's cost report as WORKDIR/costs.json (whole or not at all); returns
+    the path."""
+    path = os.path.join(workdir, COSTS_FILE)
+    tmp = path + ".tmp"
+    with open(tmp, "w", encoding="utf-8") as f:
+        json.dump(costs, f, indent=1)
+        f.write("\n")
+    os.replace(tmp, path)
+    return path

@@ -230,20 +230,29 @@ def count_marked_ops(concrete_function) -> int:
     return count
 
 
+def report_of(tf_fn, args, graph_defs, parallel, jit_compile: bool,
+              **kwargs) -> Optional[XlaReport]:
+    """What XLA compiled of a call of `tf_fn(*args, **kwargs)` whose executed graphs were
+    collected (`tf_internal.collect_executed_graphs`); None when `jit_compile` is off."""
+    if not jit_compile:
+        return None
+    if parallel is None:
+        return XlaReport(whole_program=True)
+    concrete = tf_fn.get_concrete_function(*args, **kwargs)
+    return report_from_graphs(graph_defs, count_marked_ops(concrete))
+
+
 def run_and_report(tf_fn, args, parallel, jit_compile: bool, **kwargs):
     """Calls `tf_fn(*args, **kwargs)` for the first time; reports what XLA compiled of it.
 
     Returns:
       (the function's outputs, `XlaReport` or None when `jit_compile` is off).
     """
-    if not jit_compile:
-        return tf_fn(*args, **kwargs), None
-    if parallel is None:
-        return tf_fn(*args, **kwargs), XlaReport(whole_program=True)
+    if not jit_compile or parallel is None:
+        return tf_fn(*args, **kwargs), report_of(tf_fn, args, [], parallel, jit_compile)
     with tf_internal.collect_executed_graphs() as graphs:
         out = tf_fn(*args, **kwargs)
-    concrete = tf_fn.get_concrete_function(*args, **kwargs)
-    return out, report_from_graphs(graphs(), count_marked_ops(concrete))
+    return out, report_of(tf_fn, args, graphs(), parallel, jit_compile, **kwargs)
 
 
 class XlaNotCompiledError(RuntimeError):
