@@ -44,6 +44,12 @@ DTENSOR_SETTINGS = {
     # the zero-padded all-reduce): gathers move the weight's bytes once, are not merged
     # by the all-reduce combining pass, and need no zero-filled full-size buffer.
     "LOWER_DTENSOR_GATHER_TO_COLLECTIVE_GATHER_V2": "1",
+    # DTensor's all-reduce combining pass merges every independent all-reduce of a group
+    # into one buffer (`DTensorAllReduceCombineOptimization`): on data=2,fsdp=4 the
+    # gradients of the whole model became one float32 all-reduce, a full copy of the model
+    # on every device. One all-reduce per tensor keeps every collective at most one
+    # weight's size, at the price of more, smaller collectives.
+    "DTENSOR_ALLREDUCE_COMBINE_OPTIMIZATION_GROUP_SIZE": "1",
 }
 
 _state = threading.local()
@@ -136,9 +142,19 @@ def _gate_zero():
 
 
 def _scatter(grad, shard_layout, dtype):
-    """A full weight gradient back to the shard layout, summed in float32."""
+    """A full weight gradient back to the shard layout, summed in float32.
+
+    Without NCCL (CPU meshes) DTensor lowers the reduce-scatter to an all-reduce of the
+    full gradient and a slice (`LowerReduceScatterOp`,
+    tensorflow/dtensor/mlir/collectives.cc), and TensorFlow's slice of the first
+    dimension aliases its input's buffer: each shard would keep the whole gradient alive
+    until the optimizer has run. A bitwise copy (OR with zero) gives the shard a buffer of
+    its own, so the full gradient is freed as soon as it is sliced.
+    """
     reduced = dtensor.relayout(tf.cast(grad, tf.float32), shard_layout)
-    return tf.cast(reduced, dtype)
+    own = tf.bitcast(tf.bitwise.bitwise_or(tf.bitcast(reduced, tf.int32),
+                                           tf.zeros((), tf.int32)), tf.float32)
+    return tf.cast(own, dtype)
 
 
 def gather(w, shard_layout, compute_layout):
