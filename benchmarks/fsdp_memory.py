@@ -1,6 +1,6 @@
 """Peak memory and collective sizes of one FSDP train step against one device.
 
-Each case runs one train step (tracing, DTensor's lowering and the step itself) in a
+Each case runs two train steps (tracing, DTensor's lowering and the step itself) in a
 fresh process under `/usr/bin/time -f %M` on a host split into 8 logical CPU devices. All
 logical devices share the host's RAM, so a sharded step's peak RSS compares directly with
 one device's: real FSDP stays near 1x, a step that gathers the whole model on every
@@ -33,6 +33,11 @@ SIZES = {
               "model.intermediate_dim": 704, "model.num_query_heads": 8,
               "model.num_key_value_heads": 8},
 }
+# glibc raises its mmap threshold up to 32 MiB after freeing a large block, and keeps
+# later freed blocks of that size in its arenas: RSS then stays at the largest amount
+# ever freed per thread, not what is alive. A fixed threshold returns every large tensor
+# to the system when freed, so peak RSS follows the live tensors.
+MMAP_THRESHOLD = "65536"
 COMMON = {"model.family": "llama", "model.max_sequence_length": 64,
           "data.sequence_length": 32, "train.global_batch_size": 8, "train.steps": 1,
           "data.source": "synthetic", "precision.policy": "float32"}
@@ -45,7 +50,6 @@ def child(size: str, mesh: str, policy: str, out_path: str) -> None:
     from tfllm.config import load_config
     from tfllm.data import SyntheticTokens
     from tfllm.parallel import make_parallel
-    from tfllm.train import tf_internal
     from tfllm.train.state import build_train_state
     values = dict(COMMON, **SIZES[size])
     values["precision.policy"] = policy
@@ -57,21 +61,20 @@ def child(size: str, mesh: str, policy: str, out_path: str) -> None:
     largest_weight = max(int(v.shape.num_elements()) for v in state.model.trainable_variables)
     data = SyntheticTokens(cfg.model.vocab_size, cfg.data.sequence_length + 1, seed=7)
     batch = state.step.to_device(data.batch(0, cfg.train.global_batch_size, 1))
-    with tf_internal.collect_executed_graphs() as graphs:
-        state.step(batch)
-    largest, count = 0, 0
-    for graph in graphs():
-        devices = sorted({n.device for n in graph.node if n.op.startswith("Collective")})
-        for node in graph.node:
-            if node.op.startswith("Collective") and node.device == devices[0]:
-                count += 1
-                shape = node.attr["_output_shapes"].list.shape[0]
-                elements = 1
-                for d in shape.dim:
-                    elements *= max(d.size, 1)
-                largest = max(largest, elements)
+    state.step(batch)
+    # The second step's peak of live tensor bytes (TF_CPU_ALLOCATOR_USE_BFC: the host's
+    # one allocator, shared by the logical devices, keeps exact statistics).
+    import tensorflow as tf
+    tf.config.experimental.reset_memory_stats("CPU:0")
+    state.step(batch)
+    tensors = tf.config.experimental.get_memory_info("CPU:0")
+    report = state.step.cost_report  # read from the first step's executed graphs
+    largest = report.largest.elements if report.largest is not None else 0
+    count = len(report.collectives)
     with open(out_path, "w") as f:
         json.dump({"params": params, "largest_weight": largest_weight,
+                   "peak_tensor_gib": tensors["peak"] / 2**30,
+                   "held_tensor_gib": tensors["current"] / 2**30,
                    "largest_collective": largest, "collectives": count}, f)
 
 
@@ -80,7 +83,9 @@ def run_case(size: str, mesh: str, policy: str) -> dict:
         out = os.path.join(tmp, "out.json")
         r = subprocess.run(["/usr/bin/time", "-f", "%M", sys.executable, __file__, "--child",
                             size, mesh, policy, out], capture_output=True, text=True,
-                           cwd=ROOT, env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3"))
+                           cwd=ROOT, env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3",
+                                              MALLOC_MMAP_THRESHOLD_=MMAP_THRESHOLD,
+                                              TF_CPU_ALLOCATOR_USE_BFC="true"))
         if r.returncode:
             raise SystemExit(f"{mesh} failed:\n{r.stderr[-3000:]}")
         result = json.load(open(out))
@@ -106,10 +111,15 @@ def main() -> None:
             runs[mesh].append(run_case(args.size, mesh, args.policy))
             print(mesh, runs[mesh][-1], flush=True)
     base = statistics.median(r["peak_rss_gib"] for r in runs[args.meshes[0]])
+    base_tensors = statistics.median(r["peak_tensor_gib"] for r in runs[args.meshes[0]])
     rows = []
     for mesh, results in runs.items():
         peak = statistics.median(r["peak_rss_gib"] for r in results)
+        tensors = statistics.median(r["peak_tensor_gib"] for r in results)
         rows.append({"mesh": mesh, "peak_rss_gib": round(peak, 2),
+                     "peak_tensor_gib": round(tensors, 2),
+                     "tensor_ratio": round(tensors / base_tensors, 2),
+                     "held_tensor_gib": round(results[0]["held_tensor_gib"], 2),
                      "peak_rss_all": [round(r["peak_rss_gib"], 2) for r in results],
                      "ratio": round(peak / base, 2), **{k: results[0][k] for k in (
                          "params", "largest_weight", "largest_collective", "collectives")}})
@@ -125,12 +135,13 @@ def main() -> None:
             json.dump({"meta": meta, "rows": rows}, f, indent=1)
         with open(args.out + ".md", "w") as f:
             f.write(f"# FSDP step memory ({args.size} llama, {args.policy}, one step)\n\n"
-                    "| mesh | peak RSS GiB (median) | runs | x first | largest collective "
-                    "(elements) | largest weight | collectives/device |\n|---|---|---|---|---|"
-                    "---|---|\n")
+                    "| mesh | peak RSS GiB (median) | runs | x first | peak live tensors GiB "
+                    "(2nd step) | x first | largest collective (elements) | largest weight "
+                    "| collectives/device |\n|---|---|---|---|---|---|---|---|---|\n")
             for r in rows:
                 f.write(f"| {r['mesh']} | {r['peak_rss_gib']} | {r['peak_rss_all']} | "
-                        f"{r['ratio']} | {r['largest_collective']:,} | "
+                        f"{r['ratio']} | {r['peak_tensor_gib']} | {r['tensor_ratio']} | "
+                        f"{r['largest_collective']:,} | "
                         f"{r['largest_weight']:,} | {r['collectives']} |\n")
 
 
