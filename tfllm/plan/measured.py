@@ -145,7 +145,15 @@ def scales(config, tiny, shape) -> dict:
     tokens = _micro_tokens(tiny, shape)
     token_scale = _micro_tokens(config, shape) / tokens
     hidden_scale = config.model.hidden_dim / tiny.model.hidden_dim
-    return {"weights": weights, "tokens": tokens, "token": token_scale,
+    # The widths an activation of the tiny program can have (a merged buffer, a multiple
+    # of 1024, can also be a multiple of the tokens: the width tells them apart).
+    m, tp = tiny.model, shape.get("model", 1)
+    seq = max(shape.values())
+    widths = {1, m.hidden_dim, m.hidden_dim // tp, m.vocab_size // tp,
+              m.intermediate_dim // tp, m.num_query_heads * m.head_dim // tp,
+              m.num_key_value_heads * m.head_dim // tp}
+    widths |= {w * s for w in widths for s in range(2, seq + 1)}
+    return {"weights": weights, "tokens": tokens, "token": token_scale, "widths": widths,
             "activation": token_scale * hidden_scale, "small": hidden_scale,
             "merged": sum(real_sizes.values()) / sum(tiny_sizes.values())}
 
@@ -157,7 +165,7 @@ def classify(elements: int, sc: dict):
         return f"weight {kind}", s
     if elements <= PADDING:
         return "small", sc["small"]
-    if elements % sc["tokens"] == 0:
+    if elements % sc["tokens"] == 0 and elements // sc["tokens"] in sc["widths"]:
         return ("activation", sc["activation"] if elements > sc["tokens"] else sc["token"])
     return "merged gradients", sc["merged"]
 
