@@ -138,11 +138,12 @@ def cmd_bench(args) -> int:
 
 
 def cmd_plan(args) -> int:
+    from tfllm.plan.measured import MeasureError
     from tfllm.plan.planner import PlanError, format_plan, plan
     config = _load(args)
     try:
-        result = plan(config, args.target, args.layers, args.devices)
-    except PlanError as e:
+        result = plan(config, args.target, args.layers, args.devices, args.collectives)
+    except (PlanError, MeasureError) as e:
         print(f"tfllm plan: error: {e}", file=sys.stderr)
         return 2
     print(json.dumps(result) if args.json else format_plan(result))
@@ -231,6 +232,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--layers", default="auto", choices=("auto", "full", "extrapolate"),
                    help="Compile every layer, or 1 and 2 layers and extrapolate "
                         "(auto: when the model would not fit this host's memory).")
+    p.add_argument("--collectives", default="measured", choices=("measured", "assumed"),
+                   help="On a sharded mesh: measure them on the executed CPU program of the "
+                        "mesh at a tiny scale (about a minute), or only assume the layout's "
+                        "formula (default measured; both are printed).")
     p.add_argument("--json", action="store_true", help="Print one JSON object.")
     p.set_defaults(fn=cmd_plan)
     p = sub.add_parser("export-step", help="Write the one-device XLA train step (HLO) and "

@@ -13,7 +13,10 @@ planned from two compiles of the same model with 1 and 2 layers: every figure is
 a + b * num_layers, exact for parameters and kernel counts, close for temporaries
 (checked against full compiles in benchmarks/results/h100_plan.md). The result says so.
 
-Sharded meshes are planned per device from the per-device shapes (`tfllm.plan.sharded`).
+Sharded meshes are planned per device from the per-device shapes (`tfllm.plan.sharded`);
+their collectives are measured on the executed CPU program of the same mesh at a tiny
+scale (`tfllm.plan.measured`), with the layout's formula beside them as the assumed
+figure. Every figure says where it comes from (`sources`): compiled, measured, assumed.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ from __future__ import annotations
 import copy
 import gc
 import json
+import math
 import os
 import subprocess
 import sys
@@ -153,7 +157,8 @@ def _with_layers(config, layers: int):
     return c
 
 
-def plan(config, target_name: str = "h100", layers: str = "auto", devices=None) -> dict:
+def plan(config, target_name: str = "h100", layers: str = "auto", devices=None,
+         collectives: str = "measured") -> dict:
     """The plan of one device of the config's mesh for the target (see module docstring).
 
     Args:
@@ -163,6 +168,8 @@ def plan(config, target_name: str = "h100", layers: str = "auto", devices=None) 
         "auto" extrapolates when the model's variables would take more than half of
         this host's memory.
       devices: the device count, for a mesh axis of -1 (default 1).
+      collectives: "measured" runs the tiny step of the mesh on CPU devices (a child
+        process, about a minute on 2 cores); "assumed" uses the layout's formula only.
     """
     from tfllm.plan import sharded
     target = get_target(target_name)
@@ -185,8 +192,29 @@ def plan(config, target_name: str = "h100", layers: str = "auto", devices=None) 
     else:
         result = plan_program(local, target)
         method = "compiled in full"
-    result = sharded.apply_mesh(config, local, result, target, mesh_note, devices)
+    if collectives not in ("measured", "assumed"):
+        raise ValueError(f"collectives must be measured or assumed, not {collectives!r}")
+    shape = sharded.mesh_shape(config, devices)
+    measured_collectives = None
+    if collectives == "measured" and math.prod(shape.values()) > 1:
+        from tfllm.plan import measured
+        measured_collectives = measured.measure(config, shape,
+                                                sharded.LINK_BANDWIDTH[target.name])
+    result = sharded.apply_mesh(config, local, result, target, mesh_note, devices,
+                                measured=measured_collectives)
+    result["sources"] = _sources(result)
     return finish(result, config, target, method)
+
+
+def _sources(result: dict) -> dict:
+    """Where each figure of a plan comes from: compiled, measured or assumed."""
+    out = {"compute": "compiled (XLA for the target, one device's program)",
+           "memory": "compiled (XLA's buffer assignment)"}
+    if result.get("devices", 1) > 1:
+        out["memory"] += ("; state: exact bytes of the layout; gather buffers: assumed "
+                          "(a model of tfllm/parallel/fsdp.py)")
+        out["collectives"] = result["collectives"]["basis"]
+    return out
 
 
 def finish(result: dict, config, target: Target, method: str) -> dict:
@@ -241,6 +269,10 @@ def format_plan(p: dict) -> str:
         ("  outputs", f"{_gib(m['outputs'])} ({_gib(m['alias'])} aliased to arguments)"),
         ("  temporaries", f"{_gib(m['temp'])} (activations and workspace, remat="
                           f"{p['model'].get('remat', 'none')})"),
+        *([("  gather buffers", f"{_gib(m['gather_buffers'])} (assumed: 2 blocks' gathered "
+            f"weights {_gib(m['gather_detail']['gathered'])} + the largest weight's float32 "
+            f"gradient {_gib(m['gather_detail']['gradient'])}, tfllm/parallel/fsdp.py)")]
+          if m.get("gather_buffers") else []),
         ("GEMMs", f"{p['gemm_calls']:.0f} cuBLAS calls, {p['fp8_gemm_calls']:.0f} FP8 "
                   f"({p['fp8_projections']:.0f} FP8 projections)"),
         ("kernels", f"{p['kernels']:.0f} ({p['fusions']:.0f} fusions)"),
@@ -248,15 +280,21 @@ def format_plan(p: dict) -> str:
                          f"(model: {p['model_flops'] / 1e9:,.1f})"),
         ("bytes / step", f"{p['bytes'] / 1e9:.1f} GB"),
         ("est. step", f"{p['estimated_step_s'] * 1e3:.3g} ms (roofline lower bound"
-                      f"{', + collectives' if p.get('collective_s') else ''}), "
+                      + (f", + {p['collectives']['basis'].split(':')[0]} collectives"
+                         if p.get('collective_s') else '') + "), "
                       f"{p['estimated_tokens_per_s']:,.0f} tokens/s"),
         ("est. MFU", f"{100 * p['estimated_mfu']:.0f}% of dense bf16 peak"),
         ("compile", f"{p['compile_s']:.1f} s"),
+        ("figures", "; ".join(f"{k}: {v}" for k, v in p.get("sources", {}).items())),
     ]
-    if p.get("collectives"):
-        c = p["collectives"]
-        rows.insert(8, ("collectives", f"{c['bytes_per_device'] / 1e9:.2f} GB/device/step "
-                                       f"({c['detail']}), {c['seconds'] * 1e3:.1f} ms at "
-                                       f"{c['link_bandwidth'] / 1e9:.0f} GB/s"))
+    at = next(i for i, r in enumerate(rows) if r[0] == "GEMMs")
+    for key in ("collectives_assumed", "collectives"):
+        c = p.get(key)
+        if not c:
+            continue
+        label = c["basis"].split(":")[0]
+        rows.insert(at, (f"collectives ({label})",
+                         f"{c['bytes_per_device'] / 1e9:.2f} GB/device/step ({c['detail']}), "
+                         f"{c['seconds'] * 1e3:.1f} ms at {c['link_bandwidth'] / 1e9:.0f} GB/s"))
     width = max(len(r[0]) for r in rows)
     return "\n".join(f"{k.ljust(width)}  {v}" for k, v in rows)

@@ -26,7 +26,8 @@ from __future__ import annotations
 
 import copy
 import math
-from typing import Dict, Tuple
+import re
+from typing import Dict, Optional, Tuple
 
 from tfllm.parallel import rules as rules_lib
 from tfllm.parallel.layouts import layout_rows, mesh_shape_from_config
@@ -114,8 +115,40 @@ def param_count(config) -> int:
     return sum(math.prod(int(d) for d in v.shape) for v in model.trainable_variables)
 
 
-def apply_mesh(config, local, result: dict, target, mesh_note: str, devices=None) -> dict:
-    """Turns the plan of `local`'s one-device program into the plan of one mesh device."""
+def gather_buffers(config, shape) -> dict:
+    """Bytes of FSDP's gather buffers on one device: a model of what
+    `tfllm.parallel.fsdp` schedules, not a measurement.
+
+    A gather waits for the input of the block one ahead, and a gathered copy is dead once
+    its product ran (the backward gathers again): at most two blocks' gathered weights
+    are alive at a time, in the compute dtype (outside the blocks, the embedding and LM
+    head count as units of their own). A weight's gradient is cast to float32 in full
+    before its reduce-scatter: one such buffer of the largest weight.
+    """
+    if shape.get("fsdp", 1) <= 1:
+        return {"bytes": 0, "gathered": 0, "gradient": 0}
+    from tfllm.plan.measured import _compute_sizes
+    sizes = _compute_sizes(config, shape)
+    units: Dict[str, int] = {}
+    for path, n in sizes.items():
+        block = re.search(r"block_\d+", path)
+        key = block.group(0) if block else path
+        units[key] = units.get(key, 0) + n
+    two = sum(sorted(units.values(), reverse=True)[:2])
+    act = _ACT_BYTES.get(config.precision.policy, 4)
+    gathered, gradient = two * act, max(sizes.values()) * 4
+    return {"bytes": gathered + gradient, "gathered": gathered, "gradient": gradient}
+
+
+def apply_mesh(config, local, result: dict, target, mesh_note: str, devices=None,
+               measured: Optional[dict] = None) -> dict:
+    """Turns the plan of `local`'s one-device program into the plan of one mesh device.
+
+    Args:
+      measured: the collectives measured on the executed CPU program
+        (`tfllm.plan.measured.measure`); when given, they time the step and the
+        layout's formula stays beside them as `collectives_assumed`.
+    """
     shape = mesh_shape(config, devices)
     devices = math.prod(shape.values())
     result["devices"] = devices
@@ -129,7 +162,11 @@ def apply_mesh(config, local, result: dict, target, mesh_note: str, devices=None
     diff = mesh_state - local_state
     for key in ("arguments", "outputs", "alias"):
         mem[key] += diff
-    mem["total"] = mem["arguments"] + mem["outputs"] - mem["alias"] + mem["temp"]
+    buffers = gather_buffers(config, shape)
+    mem["gather_buffers"] = buffers["bytes"]
+    mem["gather_detail"] = buffers
+    mem["total"] = (mem["arguments"] + mem["outputs"] - mem["alias"] + mem["temp"]
+                    + buffers["bytes"])
     # model_flops, flops and tokens_per_step stay those of the local program: one
     # device's share of the step; the devices that split the batch multiply the tokens
     result["batch_shards"] = ((config.train.global_batch_size * config.data.sequence_length)
@@ -172,10 +209,15 @@ def apply_mesh(config, local, result: dict, target, mesh_note: str, devices=None
         sent += b
         detail.append(f"model: all-reduce activations {b / 1e9:.2f} GB")
     bandwidth = LINK_BANDWIDTH[target.name]
-    result["collectives"] = {"bytes_per_device": sent, "detail": "; ".join(detail),
-                             "link_bandwidth": bandwidth, "seconds": sent / bandwidth,
-                             "basis": "theoretical minimum of the layout (ring algorithms)"}
-    result["collective_s"] = sent / bandwidth
+    assumed = {"bytes_per_device": sent, "detail": "; ".join(detail),
+               "link_bandwidth": bandwidth, "seconds": sent / bandwidth,
+               "basis": "assumed: the layout's formula (ring algorithms)"}
+    if measured is not None:
+        result["collectives"] = measured
+        result["collectives_assumed"] = assumed
+    else:
+        result["collectives"] = assumed
+    result["collective_s"] = result["collectives"]["seconds"]
     result["method_note"] = ("estimate from per-device shapes: DTensor gives XLA many "
                              "clusters per device, not one program")
     return result

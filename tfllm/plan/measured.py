@@ -1,0 +1,281 @@
+"""The collectives of a sharded plan, measured on the executed CPU program of the same mesh.
+
+`tfllm.plan.sharded` assumes what a layout should communicate; this module reads what
+DTensor really executes (`tfllm.train.costs`) and scales it to the real model:
+
+1. **Run.** The config's model is rebuilt at a tiny scale (same family, mesh axes, rules,
+   precision policy, batch rows and gradient accumulation; 1 and then 2 layers; small
+   dimensions that divide the mesh) and one train step runs on a CPU mesh with as many
+   logical devices, in a child process (the planning process may already have started
+   TensorFlow with one device). The busiest device's collectives are kept.
+2. **Classify.** Each collective's element count names what it carries. The tiny
+   dimensions are chosen so that the weight kinds have distinct sizes (hidden H = 24 x
+   devices; query and output H x H, key and value H x H or H x H/2 under grouped
+   queries, MLP 3 H x H, vocabulary 5 H x H): a count equal to a weight's compute-layout
+   size (its shard over the non-fsdp axes: what a gather yields and a gradient
+   reduction carries) is that weight; a multiple of the device's micro-batch tokens is an
+   activation (tokens x width); up to 1024 elements (DTensor's padding unit) is small
+   (scalars, norm-scale gradients); anything else is a merged gradient buffer. Op names
+   cannot do this: the backward ops of a custom gradient lose their name scope.
+3. **Scale.** Weights by the real weight's element count over the tiny one's; activations
+   by the real micro-batch tokens over the tiny ones and the real hidden width over the
+   tiny one; merged buffers by the real model's compute-layout parameters over the tiny
+   ones (both at the tiny layer count); small ones by the hidden width (an upper bound).
+   Then every figure is extrapolated over layers from the 1- and 2-layer runs
+   (a + b x layers: exact for what is per layer and what is not).
+4. **Bytes and time** with ring algorithms per kind (all-gather and reduce-scatter
+   (n-1)/n, all-reduce 2(n-1)/n of the buffer). A float32 weight-gradient all-reduce over
+   the fsdp group is counted as the reduce-scatter it is under NCCL (DTensor decomposes a
+   reduce-scatter into all-reduce + slice only without NCCL, `LowerReduceScatterOp`).
+
+Known limits: key/value gathers of a sequence split scale with the hidden width (an
+overestimate for grouped queries); collectives inside loops are counted once.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import math
+import os
+import re
+import subprocess
+import sys
+import tempfile
+from collections import defaultdict
+from typing import Dict, List, Optional
+
+from tfllm.parallel import rules as rules_lib
+from tfllm.parallel.layouts import layout_rows
+
+PADDING = 1024  # DTensor pads merged all-reduce buffers to multiples of this
+_RING = {"all-reduce": 2, "all-gather": 1, "reduce-scatter": 1, "all-to-all": 1}
+BASIS = ("measured: the executed CPU program of this mesh at a tiny scale "
+         "(tfllm.train.costs), scaled to this model")
+
+
+class MeasureError(RuntimeError):
+    """The tiny step could not be run or its collectives not mapped (the message says why)."""
+
+
+def tiny_config(config, layers: int, shape: Dict[str, int]):
+    """The config at a tiny scale on the same mesh (see the module docstring).
+
+    Args:
+      config: the real config.
+      layers: the tiny model's layer count.
+      shape: the mesh shape ({"fsdp": 8}).
+    """
+    devices = math.prod(shape.values())
+    tp = shape.get("model", 1)
+    m = config.model
+    grouped = (m.num_key_value_heads or m.num_query_heads) < m.num_query_heads
+    hidden = 24 * devices
+    kv_heads = tp
+    query_heads = kv_heads * (2 if grouped else 1)
+    t = copy.deepcopy(config)
+    t.mesh.axes = ",".join(f"{k}={v}" for k, v in shape.items())
+    tm = t.model
+    tm.num_layers = layers
+    tm.hidden_dim = hidden
+    tm.num_query_heads = query_heads
+    tm.num_key_value_heads = kv_heads
+    tm.head_dim = hidden // query_heads
+    tm.intermediate_dim = 3 * hidden
+    tm.vocab_size = 5 * hidden
+    tm.attention_chunk = 0
+    length = 16
+    tm.max_sequence_length = length
+    t.data.sequence_length = length
+    t.data.source = "synthetic"
+    t.train.jit_compile = False  # the collectives are the same; XLA on CPU is slow
+    return t
+
+
+def _compute_sizes(config, shape) -> Dict[str, int]:
+    """{variable path: elements of its compute layout} of the trainable weights: the full
+    shape divided by the non-fsdp mesh axes it is split over (what a gather yields)."""
+    from tfllm.models import build_model
+    rows = layout_rows(build_model(config, allocate=False),
+                       rules_lib.rules_from_config(config.mesh.rules), shape)
+    out = {}
+    for r in rows:
+        if not r.optimizer_bytes_per_device:
+            continue  # not trainable
+        split = 1
+        for axis in r.spec:
+            for a in (axis if isinstance(axis, tuple) else (axis,)):
+                if a and a != "fsdp":
+                    split *= shape.get(a, 1)
+        out[r.path] = math.prod(r.shape) // split
+    return out
+
+
+def _kind(path: str) -> str:
+    return re.sub(r"block_\d+", "block", path)
+
+
+def _micro_tokens(config, shape) -> int:
+    from tfllm.plan.sharded import per_device_config
+    local, _ = per_device_config(config, math.prod(shape.values()))
+    return (local.train.global_batch_size // config.train.grad_accum_steps
+            * local.data.sequence_length)
+
+
+def scales(config, tiny, shape) -> dict:
+    """How each class of the tiny program's collectives scales to the real model.
+
+    Returns {"weights": {elements: (kind, scale)}, "tokens": tiny micro tokens,
+    "activation": scale of tokens x width, "token": scale of tokens, "merged", "small"}.
+
+    Raises:
+      MeasureError: two weight kinds of the tiny model share a size but not a scale.
+    """
+    real = copy.deepcopy(config)
+    real.model.num_layers = tiny.model.num_layers
+    tiny_sizes, real_sizes = _compute_sizes(tiny, shape), _compute_sizes(real, shape)
+    weights: Dict[int, tuple] = {}
+    for path, n in tiny_sizes.items():
+        s = real_sizes[path] / n
+        kind = _kind(path)
+        if n in weights and not math.isclose(weights[n][1], s):
+            raise MeasureError(f"the tiny model's {kind} and {weights[n][0]} both have "
+                               f"{n} elements but scale differently")
+        weights.setdefault(n, (kind, s))
+    tokens = _micro_tokens(tiny, shape)
+    token_scale = _micro_tokens(config, shape) / tokens
+    hidden_scale = config.model.hidden_dim / tiny.model.hidden_dim
+    # The widths an activation of the tiny program can have (a merged buffer, a multiple
+    # of 1024, can also be a multiple of the tokens: the width tells them apart).
+    m, tp = tiny.model, shape.get("model", 1)
+    seq = max(shape.values())
+    widths = {1, m.hidden_dim, m.hidden_dim // tp, m.vocab_size // tp,
+              m.intermediate_dim // tp, m.num_query_heads * m.head_dim // tp,
+              m.num_key_value_heads * m.head_dim // tp}
+    widths |= {w * s for w in widths for s in range(2, seq + 1)}
+    return {"weights": weights, "tokens": tokens, "token": token_scale, "widths": widths,
+            "activation": token_scale * hidden_scale, "small": hidden_scale,
+            "merged": sum(real_sizes.values()) / sum(tiny_sizes.values())}
+
+
+def classify(elements: int, sc: dict):
+    """(class name, scale) of a collective of `elements` in the tiny program."""
+    if elements in sc["weights"]:
+        kind, s = sc["weights"][elements]
+        return f"weight {kind}", s
+    if elements <= PADDING:
+        return "small", sc["small"]
+    if elements % sc["tokens"] == 0 and elements // sc["tokens"] in sc["widths"]:
+        return ("activation", sc["activation"] if elements > sc["tokens"] else sc["token"])
+    return "merged gradients", sc["merged"]
+
+
+def scaled_collectives(collectives: List[dict], sc: dict, shape) -> Dict[tuple, dict]:
+    """{(kind, dtype, class): {count, elements, bytes, sent}} of one tiny run, scaled."""
+    fsdp = shape.get("fsdp", 1)
+    out: Dict[tuple, dict] = defaultdict(lambda: {"count": 0, "elements": 0.0,
+                                                  "bytes": 0.0, "sent": 0.0})
+    for c in collectives:
+        if c["elements"] is None or c["kind"] not in _RING:
+            continue
+        cls, s = classify(c["elements"], sc)
+        kind = c["kind"]
+        group = c["group_size"] or 1
+        if (kind == "all-reduce" and cls.startswith("weight") and c["dtype"] == "float32"
+                and fsdp > 1 and group == fsdp):
+            kind = "reduce-scatter"  # under NCCL (see the module docstring)
+            cls += " (all-reduce + slice on CPU)"
+        family = cls.split(" ")[0] if cls.startswith("weight") else cls.split(" (")[0]
+        t = out[(kind, c["dtype"], family + ("s" if family == "weight" else ""))]
+        n = c["elements"] * s
+        t["count"] += 1
+        t["elements"] += n
+        t["bytes"] += n * c["itemsize"]
+        t["sent"] += _RING[kind] * (group - 1) / group * n * c["itemsize"]
+    return dict(out)
+
+
+def extrapolate(one: Dict[tuple, dict], two: Dict[tuple, dict], layers: int) -> List[dict]:
+    """a + b x layers per group, from the 1- and 2-layer runs."""
+    rows = []
+    for key in sorted(set(one) | set(two)):
+        a = one.get(key, {"count": 0, "elements": 0, "bytes": 0, "sent": 0})
+        b = two.get(key, {"count": 0, "elements": 0, "bytes": 0, "sent": 0})
+        row = {"kind": key[0], "dtype": key[1], "carries": key[2]}
+        for f in ("count", "elements", "bytes", "sent"):
+            row[f] = max(0.0, a[f] + (b[f] - a[f]) * (layers - 1))
+        row["count"] = round(row["count"])
+        rows.append(row)
+    return sorted(rows, key=lambda r: -r["sent"])
+
+
+def run_tiny(config, shape, layers=(1, 2), timeout: float = 900) -> Dict[int, List[dict]]:
+    """{layers: collectives of the busiest device} of one tiny step per layer count, run in
+    a child process with as many logical CPU devices as the mesh has."""
+    from tfllm.config import to_dict
+    devices = math.prod(shape.values())
+    with tempfile.TemporaryDirectory(prefix="tfllm-measure-") as tmp:
+        job = os.path.join(tmp, "job.json")
+        with open(job, "w") as f:
+            json.dump({"devices": devices, "configs": {
+                str(n): to_dict(tiny_config(config, n, shape)) for n in layers}}, f)
+        env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2", KERAS_BACKEND="tensorflow")
+        env.pop("XLA_FLAGS", None)
+        r = subprocess.run([sys.executable, "-m", "tfllm.plan.measured", job],
+                           capture_output=True, text=True, timeout=timeout, env=env)
+        if r.returncode != 0:
+            raise MeasureError(f"the tiny step on {devices} CPU devices failed:\n"
+                               f"{r.stderr[-3000:]}")
+        with open(job + ".out") as f:
+            return {int(k): v for k, v in json.load(f).items()}
+
+
+def measure(config, shape, target_bandwidth: float) -> dict:
+    """The measured collectives of one device per step for the real config.
+
+    Args:
+      config: the real config.
+      shape: its mesh shape.
+      target_bandwidth: link bytes per second the time is computed at.
+    """
+    runs = run_tiny(config, shape)
+    scaled = {}
+    for n, collectives in runs.items():
+        tiny = tiny_config(config, n, shape)
+        scaled[n] = scaled_collectives(collectives, scales(config, tiny, shape), shape)
+    rows = extrapolate(scaled[1], scaled[2], config.model.num_layers)
+    sent = sum(r["sent"] for r in rows)
+    detail = "; ".join(f"{r['kind']} {r['dtype']} {r['carries']} {r['sent'] / 1e9:.2f} GB"
+                       for r in rows if r["sent"] >= 0.005e9)
+    return {"bytes_per_device": sent, "detail": detail, "groups": rows,
+            "count": sum(r["count"] for r in rows), "link_bandwidth": target_bandwidth,
+            "seconds": sent / target_bandwidth, "basis": BASIS,
+            "tiny_runs": {str(n): len(c) for n, c in runs.items()}}
+
+
+def _child(job_path: str) -> None:
+    """Runs one tiny step per config of the job on a CPU mesh; writes their collectives."""
+    with open(job_path) as f:
+        job = json.load(f)
+    from tfllm.parallel.mesh import setup_cpu_devices
+    if setup_cpu_devices(job["devices"]) != job["devices"]:
+        raise SystemExit(f"could not make {job['devices']} logical CPU devices")
+    import keras
+    from tfllm.config.loader import config_from_dict
+    from tfllm.data import SyntheticTokens
+    from tfllm.parallel import make_parallel
+    from tfllm.train.state import build_train_state
+    out = {}
+    for layers, data in job["configs"].items():
+        cfg = config_from_dict(data)
+        step = build_train_state(cfg, make_parallel(cfg), False).step
+        tokens = SyntheticTokens(cfg.model.vocab_size, cfg.data.sequence_length + 1, seed=0)
+        step(step.to_device(tokens.batch(0, cfg.train.global_batch_size, 1)))
+        out[layers] = [c.as_dict() for c in step.cost_report.collectives]
+        keras.backend.clear_session()
+    with open(job_path + ".out", "w") as f:
+        json.dump(out, f)
+
+
+if __name__ == "__main__":
+    _child(sys.argv[1])
