@@ -8,7 +8,8 @@ from tfllm.precision.fp8_hlo import classify_dots, dump_fp8_dot_counts, fp8_dot_
 # two dequantized operands (one through a reshape and a transpose, the scale a broadcast
 # bf16 scalar), a backward dot whose E4M3 operand is a bf16 parameter of the module (the
 # case a mesh used to produce), a dot whose E4M3 operand goes through float32 and a divide
-# by a scalar, an FP8 operand times a full tensor (not a scale), and a plain bf16 dot.
+# by a scalar, an FP8 operand times a full tensor (not a scale), a plain bf16 dot, and a
+# dead dot (its result unused: left out, as XLA removes it).
 BEFORE = """HloModule cluster_1, entry_computation_layout={()}
 
 %max (a: f32[], b: f32[]) -> f32[] {
@@ -46,13 +47,16 @@ ENTRY %cluster_1 (x: f32[4,8], w: f32[8,2], s: f32[], xdq: bf16[4,8], g: bf16[4,
   %dw2 = bf16[8,2]{1,0} dot(%xd16, %gb), lhs_contracting_dims={0}, rhs_contracting_dims={0}
   %xt = bf16[4,8]{1,0} multiply(%xb, %t)
   %mixed = bf16[4,2]{1,0} dot(%xt, %wt), lhs_contracting_dims={1}, rhs_contracting_dims={0}
-  ROOT %plain = bf16[4,2]{1,0} dot(%t, %dw), lhs_contracting_dims={1}, rhs_contracting_dims={0}
+  %dead = bf16[4,2]{1,0} dot(%xs, %wt), lhs_contracting_dims={1}, rhs_contracting_dims={0}
+  %plain = bf16[4,2]{1,0} dot(%t, %dw), lhs_contracting_dims={1}, rhs_contracting_dims={0}
+  ROOT %out = (bf16[4,2]{1,0}, bf16[4,2]{1,0}, bf16[8,2]{1,0}, bf16[4,2]{1,0}) tuple(%fwd, %plain, %dw2, %mixed)
 }
 """
 
 
 def test_before_optimizations_dots():
     by_name = {d.name: d for d in classify_dots(BEFORE)}
+    assert "dead" not in by_name
     assert (by_name["fwd"].lhs, by_name["fwd"].rhs) == ("f8e4m3fn", "f8e4m3fn")
     assert by_name["fwd"].op_name == "q/einsum/Einsum"
     assert (by_name["dw"].lhs, by_name["dw"].rhs) == (None, "f8e5m2")

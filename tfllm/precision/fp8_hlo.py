@@ -175,14 +175,34 @@ class _Tracer:
         return None
 
 
+def _live(comp: Computation, roots) -> set:
+    """Names of the instructions of `comp` its ROOT depends on."""
+    root = next((i for i in comp.instructions if i.name in roots), None)
+    live, stack = set(), [root.name] if root else []
+    while stack:
+        name = stack.pop()
+        if name in live or name not in comp.by_name:
+            continue
+        live.add(name)
+        stack.extend(comp.by_name[name].operands)
+    return live
+
+
 def classify_dots(hlo_text: str) -> List[DotOperands]:
-    """Every dot, convolution and GEMM library call of an HLO module, with its FP8 operands."""
+    """Every live dot, convolution and GEMM library call of an HLO module, with its FP8
+    operands.
+
+    Dead dots (whose results the computation's ROOT does not depend on) are left out:
+    modules before optimization still hold them, e.g. the forward einsum that a
+    gradient tape records only to differentiate it, and XLA removes them.
+    """
     comps = parse_module(hlo_text)
     tracer = _Tracer(comps, hlo_text)
     out = []
     for comp in comps.values():
+        live = _live(comp, tracer.roots)
         for inst in comp.instructions:
-            if not _is_gemm(inst) or len(inst.operands) < 2:
+            if not _is_gemm(inst) or len(inst.operands) < 2 or inst.name not in live:
                 continue
             op_name = re.search(r'op_name="([^"]*)"', inst.attrs)
             lhs, rhs = (tracer.fp8_source(comp, tracer.operand(comp, inst, i)) for i in (0, 1))
