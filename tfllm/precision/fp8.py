@@ -25,6 +25,7 @@ shards) and the optimizer never touches it.
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
@@ -35,6 +36,7 @@ E5M2 = tf.dtypes.experimental.float8_e5m2
 E4M3_MAX = 448.0
 E5M2_MAX = 57344.0
 RECIPES = ("current", "delayed")
+_CALLS = itertools.count(1)  # numbers the fp8_einsum calls traced (_this_call_only)
 
 
 @dataclass(frozen=True)
@@ -105,6 +107,22 @@ def _dequantize_again(q, scale, dtype):
     return tf.squeeze(dequantize(tf.expand_dims(q, -1), scale, dtype), -1)
 
 
+def _this_call_only(scale):
+    """`scale` (> 0) as a value of this call alone: max(scale, -n), n new for each call.
+
+    The value is `scale`; the constant makes the ops that depend on it differ from those
+    of any other call. Needed for the weight: under tf.recompute_grad (model.remat=full)
+    a projection's forward runs again in the backward pass, on an input made new by a
+    data dependency on the output gradient (`recompute_grad`, tensorflow/python/ops/
+    custom_gradient.py) but on the same weight, so DTensor's CSE (_dequantize_again)
+    merged the recomputed weight quantization into the first forward's, and the
+    recomputed forward dot got its weight as a bf16 parameter of its cluster (6 of the 7
+    dots of each llama block on mesh data=1). A dependency on the input (its amax) would
+    do too, but costs the delayed recipe an all-reduce before every forward dot.
+    """
+    return tf.maximum(scale, -float(next(_CALLS)))
+
+
 def _einsum_gradient(equation: str, wrt: int, x, w, dy):
     """The gradient of einsum(equation, x, w) w.r.t. operand `wrt` (0: x, 1: w) for `dy`.
 
@@ -149,6 +167,7 @@ def fp8_einsum(equation: str, x, w, history_x, history_w, history_g, settings: F
         else:
             scale_x = scale_from_amax(amax_x, E4M3_MAX, settings.margin)
             scale_w = scale_from_amax(amax_w, E4M3_MAX, settings.margin)
+        scale_w = _this_call_only(scale_w)
         x_q = quantize(x, scale_x, E4M3, E4M3_MAX)
         w_q = quantize(w, scale_w, E4M3, E4M3_MAX)
         y = tf.einsum(equation, dequantize(x_q, scale_x, dtype), dequantize(w_q, scale_w, dtype))
