@@ -8,7 +8,8 @@ from tfllm.precision.fp8_hlo import classify_dots, dump_fp8_dot_counts, fp8_dot_
 # two dequantized operands (one through a reshape and a transpose, the scale a broadcast
 # bf16 scalar), a backward dot whose E4M3 operand is a bf16 parameter of the module (the
 # case a mesh used to produce), a dot whose E4M3 operand goes through float32 and a divide
-# by a scalar, an FP8 operand times a full tensor (not a scale), and a plain bf16 dot.
+# by a scalar, an FP8 operand times a full tensor (not a scale), a plain bf16 dot, and a
+# dead dot (its result unused: left out, as XLA removes it).
 BEFORE = """HloModule cluster_1, entry_computation_layout={()}
 
 %max (a: f32[], b: f32[]) -> f32[] {
@@ -46,22 +47,29 @@ ENTRY %cluster_1 (x: f32[4,8], w: f32[8,2], s: f32[], xdq: bf16[4,8], g: bf16[4,
   %dw2 = bf16[8,2]{1,0} dot(%xd16, %gb), lhs_contracting_dims={0}, rhs_contracting_dims={0}
   %xt = bf16[4,8]{1,0} multiply(%xb, %t)
   %mixed = bf16[4,2]{1,0} dot(%xt, %wt), lhs_contracting_dims={1}, rhs_contracting_dims={0}
-  ROOT %plain = bf16[4,2]{1,0} dot(%t, %dw), lhs_contracting_dims={1}, rhs_contracting_dims={0}
+  %dead = bf16[4,2]{1,0} dot(%xs, %wt), lhs_contracting_dims={1}, rhs_contracting_dims={0}
+  %plain = bf16[4,2]{1,0} dot(%t, %dw), lhs_contracting_dims={1}, rhs_contracting_dims={0}
+  ROOT %out = (bf16[4,2]{1,0}, bf16[4,2]{1,0}, bf16[8,2]{1,0}, bf16[4,2]{1,0}) tuple(%fwd, %plain, %dw2, %mixed)
 }
 """
 
 
 def test_before_optimizations_dots():
     by_name = {d.name: d for d in classify_dots(BEFORE)}
+    assert "dead" not in by_name
     assert (by_name["fwd"].lhs, by_name["fwd"].rhs) == ("f8e4m3fn", "f8e4m3fn")
     assert by_name["fwd"].op_name == "q/einsum/Einsum"
     assert (by_name["dw"].lhs, by_name["dw"].rhs) == (None, "f8e5m2")
     assert (by_name["dw2"].lhs, by_name["dw2"].rhs) == ("f8e4m3fn", "f8e5m2")
+    # ... but XLA's GPU rewriter wants the f8 convert right under the scale multiply:
+    # through float32 it is a bf16 GEMM on H100.
+    assert by_name["fwd"].gpu and not by_name["dw2"].gpu and not by_name["dw"].gpu
     # times a tensor that is not a scalar scale: not a dequantization
     assert (by_name["mixed"].lhs, by_name["mixed"].rhs) == (None, "f8e4m3fn")
     assert by_name["plain"].kind == "none"  # a dot's output is no dequantization
     counts = fp8_dot_counts(BEFORE)
-    assert {k: counts[k] for k in ("full", "half", "none")} == {"full": 2, "half": 2, "none": 1}
+    assert {k: counts[k] for k in ("full", "half", "none", "gpu_full")} == {
+        "full": 2, "half": 2, "none": 1, "gpu_full": 1}
     assert counts["pairs"] == {"f8e4m3fn x f8e4m3fn": 1, "f8e4m3fn x f8e5m2": 1}
     assert "grad/einsum/Einsum_1" in counts["half_ops"]
 
@@ -126,6 +134,7 @@ def test_optimized_module_fusions_and_cublaslt_calls():
     assert set(by_name) == {"d", "lt"}
     assert (by_name["d"].lhs, by_name["d"].rhs) == ("f8e4m3fn", "f8e5m2")
     assert (by_name["lt"].lhs, by_name["lt"].rhs) == ("f8e4m3fn", "f8e4m3fn")
+    assert by_name["d"].gpu and by_name["lt"].gpu
 
 
 def test_dump_directory_counts_per_device(tmp_path):
@@ -133,7 +142,28 @@ def test_dump_directory_counts_per_device(tmp_path):
         (tmp_path / f"module_000{i}.cluster_{i}.before_optimizations.txt").write_text(BEFORE)
     (tmp_path / "module_0000.cluster_0.cpu_after_optimizations.txt").write_text(OPTIMIZED)
     counts = dump_fp8_dot_counts(str(tmp_path), devices=2)
-    assert (counts["full"], counts["half"], counts["none"], counts["modules"]) == (2, 2, 1, 2)
+    assert (counts["full"], counts["half"], counts["none"], counts["gpu_full"],
+            counts["modules"]) == (2, 2, 1, 1, 2)
     assert counts["pairs"] == {"f8e4m3fn x f8e4m3fn": 1, "f8e4m3fn x f8e5m2": 1}
     with pytest.raises(ValueError, match="do not divide over 4 devices"):
         dump_fp8_dot_counts(str(tmp_path), devices=4)
+
+
+def test_strict_reading_wants_the_scale_right_over_the_convert():
+    text = """HloModule m
+
+ENTRY %e (a: f8e4m3fn[4,8], s: bf16[]) -> bf16[4,4] {
+  %a = f8e4m3fn[4,8]{1,0} parameter(0)
+  %s = bf16[] parameter(1)
+  %c = bf16[4,8]{1,0} convert(%a)
+  %r = bf16[4,8]{1,0} reshape(%c)
+  %b = bf16[4,8]{1,0} broadcast(%s), dimensions={}
+  %m = bf16[4,8]{1,0} multiply(%r, %b)
+  %ok = bf16[4,8]{1,0} multiply(%b, %c)
+  %t = bf16[8,4]{0,1} transpose(%ok), dimensions={1,0}
+  ROOT %d = bf16[4,4]{1,0} dot(%m, %t), lhs_contracting_dims={1}, rhs_contracting_dims={0}
+}
+"""
+    (dot,) = classify_dots(text)
+    assert (dot.lhs, dot.rhs) == ("f8e4m3fn", "f8e4m3fn")  # generous: both
+    assert not dot.gpu  # a reshape between the convert and its scale: not rewritten

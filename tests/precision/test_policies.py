@@ -10,6 +10,7 @@ from tfllm.data import SyntheticTokens
 from tfllm.models import build_model
 from tfllm.models.common import Projection
 from tfllm.parallel.placement import to_numpy
+from tfllm.precision.fp8_hlo import classify_dots
 from tfllm.train.loop import Run
 from tfllm.train.state import build_train_state
 from tests.conftest import tiny_overrides
@@ -105,29 +106,6 @@ def test_float16_overflow_skips_the_step_and_halves_the_scale():
     assert int(to_numpy(run.optimizer.iterations)) == 1
 
 
-def _parse_hlo(text):
-    table = {}
-    for line in text.splitlines():
-        m = re.match(r"\s*(?:ROOT\s+)?%([\w.\-]+)\s*=\s*(\S+)\s+([\w\-]+)\((.*)", line)
-        if m:
-            args = m.group(4).split("), ")[0]
-            name_m = re.search(r'op_name="([^"]*)"', line)
-            table[m.group(1)] = (m.group(3), args, re.findall(r"%([\w.\-]+)", args),
-                                 name_m.group(1) if name_m else "")
-    return table
-
-
-def _fed_by_fp8(table, name, depth=0):
-    """Whether `name` is (a pass-through op chain over) a convert from an f8 type."""
-    opcode, args, operands, _ = table[name]
-    if opcode == "convert" and "f8e" in args:
-        return True
-    if depth < 6 and opcode in ("multiply", "broadcast", "reshape", "transpose", "copy",
-                                "bitcast", "convert"):
-        return any(_fed_by_fp8(table, op, depth + 1) for op in operands if op in table)
-    return False
-
-
 def test_fp8_matmuls_lower_to_f8_dots_and_only_those():
     # One device without DTensor: get_compiler_ir needs plain tensors.
     cfg = load_config(None, tiny_overrides("gpt", **{"precision.policy": "fp8",
@@ -137,19 +115,18 @@ def test_fp8_matmuls_lower_to_f8_dots_and_only_those():
     batch = step.to_device(data.batch(0, cfg.train.global_batch_size))
     hlo = step._step.experimental_get_compiler_ir(
         batch, step.loss_limit_input(float("inf")))(stage="hlo")
-    table = _parse_hlo(hlo)
-    dots = {n: v for n, v in table.items() if v[0] == "dot"}
-    fp8_dots, plain_dots = [], []
-    for name, (_, _, operands, op_name) in dots.items():
-        fed = [_fed_by_fp8(table, op) for op in operands]
-        assert all(fed) or not any(fed), f"{name} ({op_name}) mixes FP8 and other operands"
-        (fp8_dots if all(fed) else plain_dots).append(op_name)
+    dots = classify_dots(hlo)
+    assert not [d.op_name for d in dots if d.kind == "half"], "dots mix FP8 and other operands"
+    fp8_dots = [d.op_name for d in dots if d.kind == "full"]
+    plain_dots = [d.op_name for d in dots if d.kind == "none"]
     # Every FP8 projection of gpt has its forward dot on convert(f8) * scale operands:
     # the pattern XLA's GPU gemm rewriter turns into a cuBLASLt FP8 GEMM.
     forward = {p for p in FP8_PROJECTIONS for op in fp8_dots if f"/{p}_1/" in op}
     assert forward == {"query", "key", "value", "output", "up", "down"}
-    # ... and its two backward dots (dx, dw): at least 3 FP8 dots per projection.
-    assert len(fp8_dots) >= 3 * 6, fp8_dots
+    # ... and its two backward dots (dx, dw): 3 FP8 dots per projection, each in the
+    # pattern XLA's GPU compiler rewrites.
+    assert len(fp8_dots) == 3 * 6, fp8_dots
+    assert all(d.gpu for d in dots if d.kind == "full")
     # None elsewhere: attention's own einsums and the (tied) LM head stay bf16.
     attention = [op for op in fp8_dots + plain_dots
                  if re.search(r"(attention_1|gpt_1)/einsum(_[0-9]+)?/Einsum", op)]

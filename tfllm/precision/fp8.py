@@ -25,6 +25,7 @@ shards) and the optimizer never touches it.
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
@@ -35,6 +36,7 @@ E5M2 = tf.dtypes.experimental.float8_e5m2
 E4M3_MAX = 448.0
 E5M2_MAX = 57344.0
 RECIPES = ("current", "delayed")
+_CALLS = itertools.count(1)  # numbers the fp8_einsum calls traced (_this_call_only)
 
 
 @dataclass(frozen=True)
@@ -77,6 +79,61 @@ def dequantize(q, scale, dtype):
     return tf.cast(q, dtype) * tf.cast(1.0 / scale, dtype)
 
 
+def _dequantize_again(q, scale, dtype):
+    """dequantize(q, scale, dtype) bit for bit, as ops that cannot be merged with it.
+
+    For the backward pass. XLA's GPU compiler turns a dot into a cuBLASLt FP8 GEMM only
+    when both operands are `convert(f8)` (times a broadcast scalar, through layout ops)
+    in the module that holds the dot (`MatchFp8Param`, xla/service/gpu/transforms/
+    gemm_rewriter.cc). On a DTensor mesh the step is not one XLA program: TensorFlow's
+    clustering of the jit_scope-marked ops (tfllm.train.xla) cuts it at DTensor's
+    collectives, so the backward dots of a projection sit in other clusters than its
+    forward dot, and the tensors that cross are cluster parameters. A backward that
+    reuses the forward's dequantized operands gets bf16 parameters; so does one that
+    dequantizes again with the SAME ops: DTensor's MLIR pipeline inlines the gradient
+    function and runs `mlir::createCSEPass()` right after `CreateDTensorSPMDExpansion()`
+    (`CreateDTensorMLIRPass`, tensorflow/dtensor/mlir/dtensor_mlir_passes.cc), which
+    merges the identical `Cast(q) -> Mul` chain into the forward's, in the forward's
+    cluster.
+
+    Here the cast reads `q` through a trailing unit dimension (ExpandDims, Squeeze after
+    the scale): other ops, so CSE keeps them, that XLA lowers to reshapes (bitcasts, no
+    data movement) which the GEMM rewriter looks through. The values are computed by
+    `dequantize` itself, so they are those of the forward. The backward keeps only the
+    FP8 bytes and the scale of each operand alive, never a bf16 copy. (An attribute
+    change does not do: `Cast(Truncate=True)` is the same HLO convert but tf2xla refuses
+    it for widening casts, tensorflow/compiler/tf2xla/kernels/cast_op.cc.)
+    """
+    return tf.squeeze(dequantize(tf.expand_dims(q, -1), scale, dtype), -1)
+
+
+def _this_call_only(scale):
+    """`scale` (> 0) as a value of this call alone: max(scale, -n), n new for each call.
+
+    The value is `scale`; the constant makes the ops that depend on it differ from those
+    of any other call. Needed for the weight: under tf.recompute_grad (model.remat=full)
+    a projection's forward runs again in the backward pass, on an input made new by a
+    data dependency on the output gradient (`recompute_grad`, tensorflow/python/ops/
+    custom_gradient.py) but on the same weight, so DTensor's CSE (_dequantize_again)
+    merged the recomputed weight quantization into the first forward's, and the
+    recomputed forward dot got its weight as a bf16 parameter of its cluster (6 of the 7
+    dots of each llama block on mesh data=1). A dependency on the input (its amax) would
+    do too, but costs the delayed recipe an all-reduce before every forward dot.
+    """
+    return tf.maximum(scale, -float(next(_CALLS)))
+
+
+def _einsum_gradient(equation: str, wrt: int, x, w, dy):
+    """The gradient of einsum(equation, x, w) w.r.t. operand `wrt` (0: x, 1: w) for `dy`.
+
+    The einsum is only recorded for its gradient (graphs and XLA drop it as dead code).
+    """
+    with tf.GradientTape() as tape:
+        tape.watch((x, w)[wrt])
+        y = tf.einsum(equation, x, w)
+    return tape.gradient(y, (x, w)[wrt], output_gradients=dy)
+
+
 def amax(x):
     return tf.reduce_max(tf.abs(tf.cast(x, tf.float32)))
 
@@ -110,9 +167,10 @@ def fp8_einsum(equation: str, x, w, history_x, history_w, history_g, settings: F
         else:
             scale_x = scale_from_amax(amax_x, E4M3_MAX, settings.margin)
             scale_w = scale_from_amax(amax_w, E4M3_MAX, settings.margin)
-        x_dq = dequantize(quantize(x, scale_x, E4M3, E4M3_MAX), scale_x, dtype)
-        w_dq = dequantize(quantize(w, scale_w, E4M3, E4M3_MAX), scale_w, dtype)
-        y = tf.einsum(equation, x_dq, w_dq)
+        scale_w = _this_call_only(scale_w)
+        x_q = quantize(x, scale_x, E4M3, E4M3_MAX)
+        w_q = quantize(w, scale_w, E4M3, E4M3_MAX)
+        y = tf.einsum(equation, dequantize(x_q, scale_x, dtype), dequantize(w_q, scale_w, dtype))
         new_history_x = roll_history(history_x, amax_x)
         new_history_w = roll_history(history_w, amax_w)
 
@@ -122,12 +180,19 @@ def fp8_einsum(equation: str, x, w, history_x, history_w, history_g, settings: F
                 scale_g = scale_from_amax(tf.reduce_max(history_g), E5M2_MAX, settings.margin)
             else:
                 scale_g = scale_from_amax(amax_g, E5M2_MAX, settings.margin)
-            dy_dq = dequantize(quantize(dy, scale_g, E5M2, E5M2_MAX), scale_g, dy.dtype)
+            dy_q = quantize(dy, scale_g, E5M2, E5M2_MAX)
             # Straight-through: gradients of the dot on the dequantized FP8 operands.
-            with tf.GradientTape() as tape:
-                tape.watch([x_dq, w_dq])
-                y_again = tf.einsum(equation, x_dq, w_dq)
-            dx, dw = tape.gradient(y_again, [x_dq, w_dq], output_gradients=dy_dq)
+            # Each gradient dot dequantizes its own two operands from the FP8 bytes
+            # (_dequantize_again says why): dx from w and dy, dw from x and dy. dy gets
+            # two chains because dx and dw need not share a cluster (on mesh data=1 the
+            # dw dots of all projections form one cluster of their own, and a shared
+            # dy dequantization reached them as a bf16 parameter).
+            x_again = _dequantize_again(x_q, scale_x, dtype)
+            w_again = _dequantize_again(w_q, scale_w, dtype)
+            dx = _einsum_gradient(equation, 0, x_again, w_again,
+                                  dequantize(dy_q, scale_g, dy.dtype))
+            dw = _einsum_gradient(equation, 1, x_again, w_again,
+                                  _dequantize_again(dy_q, scale_g, dy.dtype))
             return (tf.cast(dx, x.dtype), tf.cast(dw, w.dtype), new_history_x, new_history_w,
                     roll_history(history_g, amax_g))
 

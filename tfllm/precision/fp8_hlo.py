@@ -18,6 +18,14 @@ itself (the operands of a cuBLASLt FP8 custom call in an optimized GPU module). 
 main input is the `*before_optimizations.txt` modules of an `--xla_dump_to` dump; the
 same tracing reads optimized modules (fusions, `__cublas$lt$matmul$f8` calls).
 
+That is a generous reading. XLA's GPU compiler is stricter (`MatchFp8Param`,
+xla/service/gpu/transforms/gemm_rewriter.cc): going back from the dot, only reshape,
+transpose, copy, bitcast, broadcast, slice, dynamic-slice, pad; then at most one
+multiply (or divide) by a broadcast scalar; then the convert from f8, with nothing in
+between: `convert(convert(f8) -> f32) -> bf16` is a bf16 GEMM on H100 (measured with the
+deviceless H100 compile of `tfllm.plan.gpu_compile`). Each dot is read both ways
+(`DotOperands.gpu`, "gpu_full").
+
 Pure Python, no TensorFlow: the HLO text parser is `tfllm.plan.hlo_stats`'s.
 """
 
@@ -35,6 +43,10 @@ from tfllm.plan.hlo_stats import Computation, Instruction, arrays, parse_module
 # Ops a dequantized value may pass through on its way to a dot, unchanged in value
 # (layout and shape only).
 _LAYOUT_OPS = {"reshape", "transpose", "copy", "bitcast", "broadcast"}
+# The ops XLA's GPU GEMM rewriter lets stand between a dequantization and its dot
+# (MatchFp8Param, xla/service/gpu/transforms/gemm_rewriter.cc; select left out).
+_GPU_LAYOUT_OPS = {"reshape", "transpose", "copy", "bitcast", "broadcast", "slice",
+                   "dynamic-slice", "pad"}
 _FLOAT = re.compile(r"^(f8|f16|bf16|f32|f64)")
 _MAX_DEPTH = 64  # HLO chains between a convert and its dot are a few ops long
 
@@ -48,6 +60,8 @@ class DotOperands:
       name: the instruction's name.
       op_name: TensorFlow's op name from the metadata ("" when absent).
       lhs, rhs: the f8 type each operand is dequantized from (e.g. "f8e4m3fn"), or None.
+      gpu: both operands match the pattern XLA's GPU compiler rewrites into a cuBLASLt
+        FP8 GEMM (module docstring).
     """
 
     computation: str
@@ -55,6 +69,7 @@ class DotOperands:
     op_name: str
     lhs: Optional[str]
     rhs: Optional[str]
+    gpu: bool = False
 
     @property
     def kind(self) -> str:
@@ -124,11 +139,14 @@ class _Tracer:
             return self.scalar(comp, self.operand(comp, inst, 0), depth + 1)
         return False
 
-    def fp8_source(self, comp: Computation, inst: Optional[Instruction], depth: int = 0,
-                   index: Optional[int] = None) -> Optional[str]:
+    def fp8_source(self, comp: Computation, inst: Optional[Instruction], strict: bool = False,
+                   depth: int = 0, index: Optional[int] = None,
+                   scaled: bool = False) -> Optional[str]:
         """The f8 type `inst` is dequantized from, or None.
 
-        `index` selects a tuple element (get-tuple-element of a multi-output fusion).
+        strict: only XLA's GPU pattern (module docstring). `index` selects a tuple element
+        (get-tuple-element of a multi-output fusion); `scaled`: a strict walk has passed
+        the scale multiply, so the convert must come next.
         """
         if inst is None or depth > _MAX_DEPTH:
             return None
@@ -136,71 +154,111 @@ class _Tracer:
         if dtype.startswith("f8"):
             return dtype
         op = inst.opcode
-        nxt = lambda i: self.fp8_source(comp, self.operand(comp, inst, i), depth + 1)
-        if op == "convert":
-            source = self.operand(comp, inst, 0)
-            if _FLOAT.match(dtype) and _FLOAT.match(_element_type(source)):
-                return nxt(0)
-            return None
-        if op in _LAYOUT_OPS:
-            return nxt(0)
-        if op in ("multiply", "divide") and len(inst.operands) == 2:
-            lhs, rhs = self.operand(comp, inst, 0), self.operand(comp, inst, 1)
-            if self.scalar(comp, rhs):
-                return nxt(0)
-            if op == "multiply" and self.scalar(comp, lhs):
-                return nxt(1)
-            return None
+
+        def nxt(i, now_scaled=scaled):
+            return self.fp8_source(comp, self.operand(comp, inst, i), strict, depth + 1,
+                                   scaled=now_scaled)
+
+        # Boundaries of fused and called computations: not ops, crossed in both modes.
         if op == "get-tuple-element":
             m = re.search(r"index=(\d+)", inst.attrs)
             source = self.operand(comp, inst, 0)
-            return self.fp8_source(comp, source, depth + 1, int(m.group(1))) if m else None
-        if op == "tuple" and index is not None:
-            return nxt(index)
+            return (self.fp8_source(comp, source, strict, depth + 1, int(m.group(1)), scaled)
+                    if m else None)
+        if op == "tuple":
+            return nxt(index) if index is not None else None
         if op in ("fusion", "call"):
-            for name in _called(inst.attrs):
-                sub = self.comps.get(name)
-                if sub is not None:
-                    root = next((i for i in sub.instructions if i.name in self.roots), None)
-                    return self.fp8_source(sub, root, depth + 1, index)
-            return None
+            sub = next((self.comps[n] for n in _called(inst.attrs) if n in self.comps), None)
+            if sub is None:
+                return None
+            root = next((i for i in sub.instructions if i.name in self.roots), None)
+            return self.fp8_source(sub, root, strict, depth + 1, index, scaled)
         if op == "parameter":
             number = self.param_index.get(inst.name)
             callers = self.callers.get(comp.name, [])
             if number is None or not callers:
                 return None  # an argument of the module: not traceable inside it
-            found = {self.fp8_source(c, self.operand(c, call, number), depth + 1)
-                     for c, call in callers}
+            found = {self.fp8_source(c, self.operand(c, call, number), strict, depth + 1,
+                                     scaled=scaled) for c, call in callers}
             return found.pop() if len(found) == 1 else None
+
+        source = self.operand(comp, inst, 0)
+        if op == "convert":
+            if strict:  # the convert from f8 itself, nothing else
+                return _element_type(source) if _element_type(source).startswith("f8") else None
+            return nxt(0) if _FLOAT.match(dtype) and _FLOAT.match(_element_type(source)) else None
+        if strict and scaled:
+            return None
+        if op in (_GPU_LAYOUT_OPS if strict else _LAYOUT_OPS):
+            return nxt(0)
+        if op in ("multiply", "divide") and len(inst.operands) == 2:
+            operands = (source, self.operand(comp, inst, 1))
+            scale = (lambda i: self.scale(comp, operands[i], strict))
+            if scale(1):
+                return nxt(0, True)
+            if op == "multiply" and scale(0):
+                return nxt(1, True)
         return None
+
+    def scale(self, comp: Computation, inst: Optional[Instruction], strict: bool) -> bool:
+        """A scalar scale: a broadcast of one element (strict), or any value of one element
+        or layout op or convert of one."""
+        if strict:
+            return (inst is not None and inst.opcode == "broadcast"
+                    and self.scalar(comp, self.operand(comp, inst, 0)))
+        return self.scalar(comp, inst)
+
+
+def _live(comp: Computation, roots) -> set:
+    """Names of the instructions of `comp` its ROOT depends on."""
+    root = next((i for i in comp.instructions if i.name in roots), None)
+    live, stack = set(), [root.name] if root else []
+    while stack:
+        name = stack.pop()
+        if name in live or name not in comp.by_name:
+            continue
+        live.add(name)
+        stack.extend(comp.by_name[name].operands)
+    return live
 
 
 def classify_dots(hlo_text: str) -> List[DotOperands]:
-    """Every dot, convolution and GEMM library call of an HLO module, with its FP8 operands."""
+    """Every live dot, convolution and GEMM library call of an HLO module, with its FP8
+    operands.
+
+    Dead dots (whose results the computation's ROOT does not depend on) are left out:
+    modules before optimization still hold them, e.g. the forward einsum that a
+    gradient tape records only to differentiate it, and XLA removes them.
+    """
     comps = parse_module(hlo_text)
     tracer = _Tracer(comps, hlo_text)
     out = []
     for comp in comps.values():
+        live = _live(comp, tracer.roots)
         for inst in comp.instructions:
-            if not _is_gemm(inst) or len(inst.operands) < 2:
+            if not _is_gemm(inst) or len(inst.operands) < 2 or inst.name not in live:
                 continue
             op_name = re.search(r'op_name="([^"]*)"', inst.attrs)
             lhs, rhs = (tracer.fp8_source(comp, tracer.operand(comp, inst, i)) for i in (0, 1))
+            gpu = all(tracer.fp8_source(comp, tracer.operand(comp, inst, i), strict=True)
+                      for i in (0, 1))
             out.append(DotOperands(comp.name, inst.name, op_name.group(1) if op_name else "",
-                                   lhs, rhs))
+                                   lhs, rhs, gpu))
     return out
 
 
 def summarize(dots: Sequence[DotOperands]) -> dict:
     """{"full", "half", "none"} counts, the operand types of the FP8 dots, the half ones.
 
-    "pairs" counts the full dots by their operand types ("f8e4m3fn x f8e5m2", sorted);
-    "half_ops" lists the op names of the half ones (for error messages).
+    "gpu_full" counts the dots XLA's GPU compiler can rewrite into FP8 GEMMs (both
+    operands in its exact pattern; at most "full"); "pairs" counts the full dots by their
+    operand types ("f8e4m3fn x f8e5m2", sorted); "half_ops" lists the op names of the
+    half ones (for error messages).
     """
     kinds = Counter(d.kind for d in dots)
     pairs = Counter(" x ".join(sorted((d.lhs, d.rhs))) for d in dots if d.kind == "full")
     return {"full": kinds["full"], "half": kinds["half"], "none": kinds["none"],
-            "pairs": dict(pairs),
+            "gpu_full": sum(d.gpu for d in dots), "pairs": dict(pairs),
             "half_ops": [d.op_name or d.name for d in dots if d.kind == "half"]}
 
 
@@ -211,7 +269,8 @@ def fp8_dot_counts(hlo_text: str) -> dict:
       hlo_text: an HLO module's text (`*before_optimizations.txt`, or optimized).
 
     Returns:
-      {"full": n, "half": m, "none": k, "pairs": {types: n}, "half_ops": [op names]}.
+      {"full": n, "half": m, "none": k, "gpu_full": g, "pairs": {types: n},
+       "half_ops": [op names]}.
     """
     return summarize(classify_dots(hlo_text))
 
@@ -240,7 +299,7 @@ def dump_fp8_dot_counts(directory: str, devices: int = 1,
             dots.extend(classify_dots(f.read()))
     total = summarize(dots)
     out = {"modules": len(paths), "half_ops": total["half_ops"]}
-    for key in ("full", "half", "none"):
+    for key in ("full", "half", "none", "gpu_full"):
         if total[key] % devices:
             raise ValueError(f"{total[key]} {key} dots in {directory} do not divide over "
                              f"{devices} devices: were several programs dumped there?")

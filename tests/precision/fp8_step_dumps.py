@@ -1,0 +1,53 @@
+"""Child process of test_fp8_gemms.py: one XLA-compiled fp8 train step per case, dumped.
+
+    XLA_FLAGS="--xla_dump_to=DIR/all --xla_dump_hlo_as_text" \
+        python -m tests.precision.fp8_step_dumps DIR CASES_JSON
+
+CASES_JSON maps a case name to [mesh axes or null (no mesh), recipe, remat]. XLA writes
+every module it compiles into one directory per process; after each case's step the
+modules written since the previous case are moved into DIR/<case>. DIR/cases.json then
+gives, per case, the devices that compiled the step and the model's FP8 projections.
+"""
+
+import glob
+import json
+import os
+import shutil
+import sys
+
+from tests.conftest import tiny_overrides  # first: splits the CPU into 8 devices
+from tfllm.config import load_config
+from tfllm.data import SyntheticTokens
+from tfllm.parallel import make_parallel
+from tfllm.train.state import build_train_state
+
+
+def run_case(axes, recipe, remat) -> dict:
+    # One block: 7 FP8 projections are enough to see every kind of GEMM, at half the
+    # compile time of the usual two.
+    cfg = load_config(None, tiny_overrides("llama", axes or "data=1", **{
+        "precision.policy": "fp8", "precision.fp8_recipe": recipe, "model.remat": remat,
+        "model.num_layers": 1, "train.jit_compile": "true"}))
+    parallel = make_parallel(cfg) if axes else None
+    step = build_train_state(cfg, parallel, jit_compile=True).step
+    data = SyntheticTokens(cfg.model.vocab_size, cfg.data.sequence_length + 1, seed=3)
+    step(step.to_device(data.batch(0, cfg.train.global_batch_size, 1)))  # returns numpy
+    devices = 1 if parallel is None else parallel.mesh.num_local_devices()
+    # Three amax histories (x, w, output gradient) per FP8 projection.
+    return {"devices": devices, "projections": len(step.model.fp8_state_variables()) // 3}
+
+
+def main(out_dir: str, cases_json: str) -> None:
+    dump = os.path.join(out_dir, "all")
+    summary = {}
+    for name, (axes, recipe, remat) in json.loads(cases_json).items():
+        summary[name] = run_case(axes, recipe, remat)
+        os.makedirs(os.path.join(out_dir, name))
+        for path in glob.glob(os.path.join(dump, "*")):
+            shutil.move(path, os.path.join(out_dir, name))
+    with open(os.path.join(out_dir, "cases.json"), "w") as f:
+        json.dump(summary, f)
+
+
+if __name__ == "__main__":
+    main(*sys.argv[1:3])
