@@ -55,12 +55,38 @@ DTENSOR_SETTINGS = {
 _state = threading.local()
 
 
-def configure_dtensor() -> dict:
+_GATHER_V2 = "LOWER_DTENSOR_GATHER_TO_COLLECTIVE_GATHER_V2"
+_USER_SET = {name for name in DTENSOR_SETTINGS if name in os.environ}
+
+
+def configure_dtensor(mesh_shape=None) -> dict:
     """Sets the DTensor lowering settings FSDP needs, unless the user set them; returns
-    the values in effect."""
+    the values in effect.
+
+    Args:
+      mesh_shape: {axis: size} of the mesh about to be used. DTensor's CollectiveGatherV2
+        lowering fails on a gather over two mesh axes at once (TF 2.21,
+        `LowerAllGatherOpToCollective` in tensorflow/dtensor/mlir/collectives.cc: a
+        Reshape to the wrong element count), which attention's keys and values need
+        when the sequence is split over fsdp and heads over model (data, fsdp and model
+        all > 1, under remat=attention). There the gather lowering stays DTensor's
+        default (zero-padded all-reduce; bfloat16 weights then travel upcast to float32).
+    """
+    sizes = mesh_shape or {}
+    multi_axis_gathers = all(sizes.get(a, 1) > 1 for a in ("data", "fsdp", "model"))
     for name, value in DTENSOR_SETTINGS.items():
-        os.environ.setdefault(name, value)
-    return {name: os.environ[name] for name in DTENSOR_SETTINGS}
+        if name in _USER_SET:
+            continue
+        if name == _GATHER_V2 and multi_axis_gathers:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = value
+    return {name: os.environ.get(name) for name in DTENSOR_SETTINGS}
+
+
+def gathers_as_collective() -> bool:
+    """Whether gathers lower to CollectiveGatherV2 (else to DTensor's all-reduce)."""
+    return _GATHER_V2 in os.environ
 
 
 class _Gate:
@@ -130,7 +156,9 @@ _AS_FLOAT16 = (tf.bfloat16,)
 def _gather(w, compute_layout, zero=None):
     """`w` relayouted to `compute_layout`; not before `zero` exists (see `zero_after`)."""
     w = _after(w, zero)
-    if w.dtype in _AS_FLOAT16:
+    # Only a real gather copies bits; the all-reduce lowering adds zeros in float32,
+    # which would not carry float16 bit patterns of bfloat16 values exactly.
+    if w.dtype in _AS_FLOAT16 and gathers_as_collective():
         bits = dtensor.relayout(tf.bitcast(w, tf.float16), compute_layout)
         return tf.bitcast(bits, w.dtype)
     return dtensor.relayout(w, compute_layout)

@@ -41,7 +41,7 @@ class Parallel:
         self.shape: Dict[str, int] = mesh_shape(mesh)
         self.shard_optimizer_state = shard_optimizer_state
         self.device_type = mesh.device_type()
-        fsdp.configure_dtensor()
+        fsdp.configure_dtensor(self.shape)
 
     # ---- specs and layouts ---------------------------------------------------------------
     def spec(self, path: str, shape: Sequence[int], logical_axes) -> rules_lib.Spec:
