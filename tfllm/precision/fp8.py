@@ -26,6 +26,7 @@ shards) and the optimizer never touches it.
 from __future__ import annotations
 
 import itertools
+import weakref
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
@@ -36,7 +37,8 @@ E5M2 = tf.dtypes.experimental.float8_e5m2
 E4M3_MAX = 448.0
 E5M2_MAX = 57344.0
 RECIPES = ("current", "delayed")
-_CALLS = itertools.count(1)  # numbers the fp8_einsum calls traced (_this_call_only)
+# graph -> numbers of the fp8_einsum calls traced into it (_this_call_only)
+_CALLS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
 
 @dataclass(frozen=True)
@@ -119,8 +121,12 @@ def _this_call_only(scale):
     recomputed forward dot got its weight as a bf16 parameter of its cluster (6 of the 7
     dots of each llama block on mesh data=1). A dependency on the input (its amax) would
     do too, but costs the delayed recipe an all-reduce before every forward dot.
+
+    n counts the calls traced into the current graph: a program traced again, or by each
+    client of a multi-client mesh, gets the same constants whatever else was traced.
     """
-    return tf.maximum(scale, -float(next(_CALLS)))
+    calls = _CALLS.setdefault(tf.compat.v1.get_default_graph(), itertools.count(1))
+    return tf.maximum(scale, -float(next(calls)))
 
 
 def _einsum_gradient(equation: str, wrt: int, x, w, dy):
