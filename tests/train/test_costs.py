@@ -128,10 +128,11 @@ def test_without_a_mesh_there_is_nothing_to_report_but_the_program():
     assert report.as_dict()["largest"] is None
 
 
-# One dot of two FP8 operands, one with a single FP8 operand.
+# One dot of two FP8 operands, one with a single FP8 operand; both are live (fp8_hlo
+# leaves out dots whose value nothing uses).
 _HLO = """HloModule cluster_5, entry_computation_layout={()}
 
-ENTRY %cluster_5 (x: f32[4,8], w: f32[8,2]) -> bf16[4,2] {
+ENTRY %cluster_5 (x: f32[4,8], w: f32[8,2]) -> (bf16[4,2], bf16[4,2]) {
   %x = f32[4,8]{1,0} parameter(0)
   %w = f32[8,2]{1,0} parameter(1)
   %xq = f8e4m3fn[4,8]{1,0} convert(%x)
@@ -140,7 +141,8 @@ ENTRY %cluster_5 (x: f32[4,8], w: f32[8,2]) -> bf16[4,2] {
   %wb = bf16[8,2]{1,0} convert(%wq)
   %wp = bf16[8,2]{1,0} convert(%w)
   %full = bf16[4,2]{1,0} dot(%xb, %wb), lhs_contracting_dims={1}, rhs_contracting_dims={0}
-  ROOT %half = bf16[4,2]{1,0} dot(%xb, %wp), lhs_contracting_dims={1}, rhs_contracting_dims={0}
+  %half = bf16[4,2]{1,0} dot(%xb, %wp), lhs_contracting_dims={1}, rhs_contracting_dims={0}
+  ROOT %out = (bf16[4,2]{1,0}, bf16[4,2]{1,0}) tuple(%full, %half)
 }
 """
 
