@@ -125,10 +125,10 @@ def test_gathers_wait_for_the_block_ahead_and_backward_regathers_for_gradients()
         assert any("gradient_tape" in a for a in _ancestors(graph, node.name)), node.name
 
 
-def test_fsdp_gradients_match_one_device_in_bf16_bit_gathers():
-    # The float16-bits route must carry bfloat16 weights exactly: a bf16 sharded step's
-    # loss equals the same step with plain replicated weights (data=8) to the last bit
-    # of the bf16 forward (both gather nothing lossy; sums differ only in order).
+def test_bf16_fsdp_loss_matches_data_parallel_through_float16_bit_gathers():
+    # The float16-bits route must carry bfloat16 weights exactly: a bf16 fsdp=8 step's loss
+    # equals the same step with replicated weights (data=8), which gathers nothing; the
+    # two differ only in the order of their sums, and all gradients stay finite.
     losses = []
     for axes in ("fsdp=8", "data=8"):
         cfg = load_config(None, tiny_overrides("llama", axes, **{"precision.policy": "bfloat16"}))

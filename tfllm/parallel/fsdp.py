@@ -7,11 +7,12 @@ weights is alive on every device at once (measured: one float32 all-reduce of ev
 sharded parameter at the start of the step, `../shared/notes/dtensor-costs.md`). Three
 things change that here:
 
-* **Order.** A gather is created under a control dependency on the tensors the layer is
-  about to consume (its input `x`) and on the model's *gate* (`gate`: the input of the
-  block one ahead, so block i+1's weights travel while block i computes). TensorFlow's
-  executor runs an op as soon as its inputs are ready; without the dependency every
-  gather, which only reads a variable, is ready at the start of the step.
+* **Order.** A forward gather takes a data dependency on the model's *gate* (`gate`:
+  the input of the block one ahead, so block i+1's weights travel while block i
+  computes); a backward re-gather on the layer's incoming gradient (`zero_after`).
+  TensorFlow's executor runs an op as soon as its inputs are ready; without the
+  dependency every gather, which only reads a variable, is ready at the start of the
+  step (and control dependencies do not survive DTensor's lowering).
 * **Lifetime.** `gathered_product` runs a layer's product (an einsum, an FP8 einsum) on
   the gathered weight under one `tf.custom_gradient` whose backward pass gathers the weight
   again (after the incoming gradient, so it happens when that layer's backward runs) and
@@ -39,11 +40,12 @@ from tensorflow.experimental import dtensor
 
 # DTensor reads these at every lowering (tensorflow/dtensor/cc/dtensor_utils.cc), so they
 # take effect for any function traced after `configure_dtensor`.
+_GATHER_V2 = "LOWER_DTENSOR_GATHER_TO_COLLECTIVE_GATHER_V2"
 DTENSOR_SETTINGS = {
     # DTensorAllGather -> CollectiveGatherV2 (int32/int64/f16/f32/f64; other dtypes keep
     # the zero-padded all-reduce): gathers move the weight's bytes once, are not merged
     # by the all-reduce combining pass, and need no zero-filled full-size buffer.
-    "LOWER_DTENSOR_GATHER_TO_COLLECTIVE_GATHER_V2": "1",
+    _GATHER_V2: "1",
     # DTensor's all-reduce combining pass merges every independent all-reduce of a group
     # into one buffer (`DTensorAllReduceCombineOptimization`): on data=2,fsdp=4 the
     # gradients of the whole model became one float32 all-reduce, a full copy of the model
@@ -52,10 +54,6 @@ DTENSOR_SETTINGS = {
     "DTENSOR_ALLREDUCE_COMBINE_OPTIMIZATION_GROUP_SIZE": "1",
 }
 
-_state = threading.local()
-
-
-_GATHER_V2 = "LOWER_DTENSOR_GATHER_TO_COLLECTIVE_GATHER_V2"
 _USER_SET = {name for name in DTENSOR_SETTINGS if name in os.environ}
 
 
@@ -87,6 +85,9 @@ def configure_dtensor(mesh_shape=None) -> dict:
 def gathers_as_collective() -> bool:
     """Whether gathers lower to CollectiveGatherV2 (else to DTensor's all-reduce)."""
     return _GATHER_V2 in os.environ
+
+
+_state = threading.local()  # the active gate, per thread
 
 
 class _Gate:
@@ -177,7 +178,9 @@ def _scatter(grad, shard_layout, dtype):
     tensorflow/dtensor/mlir/collectives.cc), and TensorFlow's slice of the first
     dimension aliases its input's buffer: each shard would keep the whole gradient alive
     until the optimizer has run. A bitwise copy (OR with zero) gives the shard a buffer of
-    its own, so the full gradient is freed as soon as it is sliced.
+    its own, so the full gradient can be freed once it is sliced. (Measured on the 120M
+    llama, fsdp=8, peak RSS did not change with or without the copy, 9.3 against 9.0 GiB
+    in single runs: the aliasing is a guard here, not the measured cause of any excess.)
     """
     reduced = dtensor.relayout(tf.cast(grad, tf.float32), shard_layout)
     own = tf.bitcast(tf.bitwise.bitwise_or(tf.bitcast(reduced, tf.int32),

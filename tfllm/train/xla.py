@@ -28,17 +28,13 @@ from typing import Callable, Dict, List, Optional
 
 import tensorflow as tf
 
-from tfllm.train import tf_internal
+from tfllm.train import costs, tf_internal
 
 # Ops of the executed graph that are plumbing, not computation.
 _PLUMBING = {"_Arg", "_Retval", "_DeviceArg", "_DeviceRetval", "Const", "NoOp", "Identity",
              "IdentityN", "_XlaCompile", "_XlaRun", "_XlaMerge", "Switch", "Merge",
              "StatefulPartitionedCall", "PartitionedCall", "_Send", "_Recv", "_HostSend",
              "_HostRecv", "Placeholder", "VarHandleOp"}
-# Communication that XLA's TensorFlow bridge cannot compile inside a cluster.
-_COLLECTIVES = {"CollectiveReduceV2", "CollectiveGatherV2", "CollectiveAllToAllV2",
-                "CollectiveReduceScatterV2", "CollectiveBcastSendV2", "CollectiveBcastRecvV2",
-                "CollectiveReduce", "CollectiveGather", "NcclAllReduce", "NcclReduce"}
 # Names of the ops DTensor's SPMD expansion inserts: the reshapes and slices around its
 # collectives and relayouts, and ops it rewrites (an AssignAdd into read, add and assign;
 # one_hot into slices). TF 2.21 suffixes every op it creates with "_968192538".
@@ -149,10 +145,6 @@ class XlaReport:
                 "outside": dict(self.outside), "communication": self.communication}
 
 
-def _short_device(name: str) -> str:
-    return name.split("/")[-1].replace("device:", "") if name else ""
-
-
 def _device_coordinate_nodes(graph) -> set:
     """Names of the nodes computed from the device id and constants only.
 
@@ -197,7 +189,7 @@ def report_from_graphs(graph_defs, marked_ops: int) -> XlaReport:
                 continue
             if node.op in _PLUMBING:
                 continue
-            if node.op in _COLLECTIVES or _DTENSOR_NAME.search(node.name):
+            if node.op in costs.KINDS or _DTENSOR_NAME.search(node.name):
                 communication[device] += 1
                 continue
             outside.setdefault(device, Counter())[node.op] += 1
@@ -209,7 +201,7 @@ def report_from_graphs(graph_defs, marked_ops: int) -> XlaReport:
         return XlaReport(marked_ops=marked_ops)
     # Report the device with the most ops left outside (every device runs the same program).
     worst = max(devices, key=lambda d: (sum(outside.get(d, Counter()).values()), d))
-    return XlaReport(devices=[_short_device(d) for d in devices],
+    return XlaReport(devices=[costs.short_device(d) for d in devices],
                      clusters=max(clusters.values()) if clusters else 0,
                      outside=dict(outside.get(worst, Counter())),
                      communication=max(communication.values()) if communication else 0,
