@@ -9,7 +9,7 @@ from tfllm.models import build_model
 from tfllm.parallel import context, make_parallel
 from tfllm.parallel.placement import to_numpy
 from tfllm.train.tf_internal import collect_executed_graphs
-from tfllm.train.xla import _COLLECTIVES
+from tfllm.train.costs import KINDS
 from tests.conftest import tiny_overrides
 from tests.train.test_parity import _run, assert_matches, reference
 
@@ -112,7 +112,7 @@ def _forward_collectives(chunk):
 
     with collect_executed_graphs() as graphs:
         forward(tokens)
-    return sum(n.op in _COLLECTIVES for g in graphs() for n in g.node)
+    return sum(n.op in KINDS for g in graphs() for n in g.node)
 
 
 def test_chunks_do_not_gather_the_queries():
