@@ -1,11 +1,17 @@
 """Peak memory and collective sizes of one FSDP train step against one device.
 
-Each case runs two train steps (tracing, DTensor's lowering and the step itself) in a
-fresh process under `/usr/bin/time -f %M` on a host split into 8 logical CPU devices. All
-logical devices share the host's RAM, so a sharded step's peak RSS compares directly with
-one device's: real FSDP stays near 1x, a step that gathers the whole model on every
-device is many times larger. The largest collective of a device's executed program is
-read from the run metadata (`tfllm.train.tf_internal.collect_executed_graphs`).
+Each case runs two train steps in a fresh process on a host split into 8 logical CPU
+devices. All logical devices share the host's RAM, so a sharded step's peak RSS compares
+directly with one device's: real FSDP stays near 1x, a step that gathers the whole model
+on every device is many times larger. Two peaks are measured per step:
+
+* live tensor bytes (`TF_CPU_ALLOCATOR_USE_BFC=true`: the host's one allocator, shared by
+  the logical devices, keeps exact statistics; `reset_memory_stats` before each step);
+* peak RSS (VmHWM, reset with `/proc/self/clear_refs` before the second step).
+
+The first step also traces the step and runs DTensor's lowering (host memory spent once
+per program); the second step is what every later step costs. The largest collective
+of a device's executed program is read from the run metadata of the first step.
 
     python benchmarks/fsdp_memory.py --out benchmarks/results/fsdp_memory
     python benchmarks/fsdp_memory.py --size small --meshes none fsdp=8   # a quick check
@@ -61,13 +67,18 @@ def child(size: str, mesh: str, policy: str, out_path: str) -> None:
     largest_weight = max(int(v.shape.num_elements()) for v in state.model.trainable_variables)
     data = SyntheticTokens(cfg.model.vocab_size, cfg.data.sequence_length + 1, seed=7)
     batch = state.step.to_device(data.batch(0, cfg.train.global_batch_size, 1))
-    state.step(batch)
-    # The second step's peak of live tensor bytes (TF_CPU_ALLOCATOR_USE_BFC: the host's
-    # one allocator, shared by the logical devices, keeps exact statistics).
     import tensorflow as tf
     tf.config.experimental.reset_memory_stats("CPU:0")
     state.step(batch)
+    rss_first = _peak_rss_gib()
+    tensors_first = tf.config.experimental.get_memory_info("CPU:0")["peak"] / 2**30
+    # The second step's peak of live tensor bytes (TF_CPU_ALLOCATOR_USE_BFC: the host's
+    # one allocator, shared by the logical devices, keeps exact statistics).
+    tf.config.experimental.reset_memory_stats("CPU:0")
+    _reset_peak_rss()
+    state.step(batch)
     tensors = tf.config.experimental.get_memory_info("CPU:0")
+    rss_second = _peak_rss_gib()
     report = state.step.cost_report  # read from the first step's executed graphs
     largest = report.largest.elements if report.largest is not None else 0
     count = len(report.collectives)
@@ -75,22 +86,37 @@ def child(size: str, mesh: str, policy: str, out_path: str) -> None:
         json.dump({"params": params, "largest_weight": largest_weight,
                    "peak_tensor_gib": tensors["peak"] / 2**30,
                    "held_tensor_gib": tensors["current"] / 2**30,
-                   "largest_collective": largest, "collectives": count}, f)
+                   "largest_collective": largest, "collectives": count,
+                   "first_rss_gib": rss_first, "first_tensor_gib": tensors_first,
+                   "peak_rss_gib": rss_second}, f)
+
+
+def _reset_peak_rss() -> None:
+    """Resets the kernel's peak RSS of this process (Linux 4.0+: `clear_refs` 5)."""
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+
+
+def _peak_rss_gib() -> float:
+    """Peak RSS since the last reset (VmHWM), GiB."""
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) / 2**20
+    raise OSError("no VmHWM in /proc/self/status")
 
 
 def run_case(size: str, mesh: str, policy: str) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "out.json")
-        r = subprocess.run(["/usr/bin/time", "-f", "%M", sys.executable, __file__, "--child",
+        r = subprocess.run([sys.executable, __file__, "--child",
                             size, mesh, policy, out], capture_output=True, text=True,
                            cwd=ROOT, env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3",
                                               MALLOC_MMAP_THRESHOLD_=MMAP_THRESHOLD,
                                               TF_CPU_ALLOCATOR_USE_BFC="true"))
         if r.returncode:
             raise SystemExit(f"{mesh} failed:\n{r.stderr[-3000:]}")
-        result = json.load(open(out))
-    result["peak_rss_gib"] = int(r.stderr.strip().splitlines()[-1]) / 2**20
-    return result
+        return json.load(open(out))
 
 
 def main() -> None:
@@ -110,19 +136,20 @@ def main() -> None:
         for mesh in args.meshes:
             runs[mesh].append(run_case(args.size, mesh, args.policy))
             print(mesh, runs[mesh][-1], flush=True)
-    base = statistics.median(r["peak_rss_gib"] for r in runs[args.meshes[0]])
-    base_tensors = statistics.median(r["peak_tensor_gib"] for r in runs[args.meshes[0]])
+    keys = ("peak_rss_gib", "peak_tensor_gib", "first_rss_gib", "first_tensor_gib")
+    base = {k: statistics.median(r[k] for r in runs[args.meshes[0]]) for k in keys}
     rows = []
     for mesh, results in runs.items():
-        peak = statistics.median(r["peak_rss_gib"] for r in results)
-        tensors = statistics.median(r["peak_tensor_gib"] for r in results)
-        rows.append({"mesh": mesh, "peak_rss_gib": round(peak, 2),
-                     "peak_tensor_gib": round(tensors, 2),
-                     "tensor_ratio": round(tensors / base_tensors, 2),
-                     "held_tensor_gib": round(results[0]["held_tensor_gib"], 2),
-                     "peak_rss_all": [round(r["peak_rss_gib"], 2) for r in results],
-                     "ratio": round(peak / base, 2), **{k: results[0][k] for k in (
-                         "params", "largest_weight", "largest_collective", "collectives")}})
+        row = {"mesh": mesh}
+        for k in keys:
+            value = statistics.median(r[k] for r in results)
+            row[k] = round(value, 2)
+            row[k.replace("_gib", "_ratio")] = round(value / base[k], 2)
+        row["peak_rss_all"] = [round(r["peak_rss_gib"], 2) for r in results]
+        row["held_tensor_gib"] = round(results[0]["held_tensor_gib"], 2)
+        row.update({k: results[0][k] for k in (
+            "params", "largest_weight", "largest_collective", "collectives")})
+        rows.append(row)
     for row in rows:
         print(json.dumps(row))
     if args.out:
@@ -134,16 +161,19 @@ def main() -> None:
         with open(args.out + ".json", "w") as f:
             json.dump({"meta": meta, "rows": rows}, f, indent=1)
         with open(args.out + ".md", "w") as f:
-            f.write(f"# FSDP step memory ({args.size} llama, {args.policy}, one step)\n\n"
-                    "| mesh | peak RSS GiB (median) | runs | x first | peak live tensors GiB "
-                    "(2nd step) | x first | largest collective (elements) | largest weight "
-                    "| collectives/device |\n|---|---|---|---|---|---|---|---|---|\n")
+            f.write(f"# FSDP step memory ({args.size} llama, {args.policy}; medians of "
+                    f"{args.repeats} runs; x = ratio to `{args.meshes[0]}`)\n\n"
+                    "| mesh | step: peak RSS GiB | runs | x | step: peak live tensors "
+                    "GiB | x | first step (traces, lowers): peak RSS GiB | x | live "
+                    "tensors GiB | x | largest collective (elements) | largest weight | "
+                    "collectives/device |\n|" + "---|" * 13 + "\n")
             for r in rows:
                 f.write(f"| {r['mesh']} | {r['peak_rss_gib']} | {r['peak_rss_all']} | "
-                        f"{r['ratio']} | {r['peak_tensor_gib']} | {r['tensor_ratio']} | "
-                        f"{r['largest_collective']:,} | "
+                        f"{r['peak_rss_ratio']} | {r['peak_tensor_gib']} | "
+                        f"{r['peak_tensor_ratio']} | {r['first_rss_gib']} | "
+                        f"{r['first_rss_ratio']} | {r['first_tensor_gib']} | "
+                        f"{r['first_tensor_ratio']} | {r['largest_collective']:,} | "
                         f"{r['largest_weight']:,} | {r['collectives']} |\n")
-
 
 if __name__ == "__main__":
     main()

@@ -9,10 +9,16 @@ step moves and check the order that keeps gathered weights from piling up:
   as float16 bits: 2 bytes per element, not a float32 all-reduce), once in the forward
   pass and once more in the backward pass (re-gathered, not kept);
 * a block's forward gathers wait for the previous block's input, and the backward
-  re-gathers for a gradient: their inputs depend on those tensors in the executed graph.
+  re-gathers for a gradient: their inputs depend on those tensors in the executed graph;
+* a reduced gradient shard owns its buffer (it does not keep the full-size all-reduce
+  result alive through a slice), and a whole step's live tensors stay near one device's.
 """
 
+import os
 import re
+import subprocess
+import sys
+import textwrap
 from unittest import mock
 
 import numpy as np
@@ -145,15 +151,53 @@ def test_bf16_fsdp_loss_matches_data_parallel_through_float16_bit_gathers():
     np.testing.assert_allclose(losses[0][0], losses[1][0], rtol=2e-3)
 
 
+_ALIAS_PROBE = textwrap.dedent("""
+    import tensorflow as tf
+    from tfllm.parallel import fsdp
+    N = 1 << 22
+    def bitwise_or_zero(s):
+        return tf.bitcast(tf.bitwise.bitwise_or(tf.bitcast(s, tf.int32), 0), tf.float32)
+    for name, op in (("copy", fsdp._copy), ("or_zero", bitwise_or_zero)):
+        @tf.function
+        def shard_of_full(x):
+            full = x * 2.0  # a buffer of the function's own, like an all-reduce result
+            return op(tf.slice(full, [0], [N // 8]))  # aliases `full` (dimension 0)
+        x = tf.ones([N])
+        shard_of_full.get_concrete_function(x)
+        before = tf.config.experimental.get_memory_info("CPU:0")["current"]
+        shard = shard_of_full(x)
+        held = tf.config.experimental.get_memory_info("CPU:0")["current"] - before
+        assert float(tf.reduce_sum(shard)) == 2.0 * (N // 8)
+        print(name, held / (4 * N))
+        del shard
+""")
+
+
+def test_a_reduced_gradient_shard_does_not_keep_the_full_gradient_alive():
+    # Without NCCL DTensor reduce-scatters as an all-reduce (in place) plus a slice, and a
+    # slice of dimension 0 aliases the full buffer; elementwise ops forward it (the
+    # control: `x | 0` keeps the whole buffer). `fsdp._copy` must hold only the shard.
+    # Exact bytes need the BFC allocator, chosen when TensorFlow starts: a fresh process.
+    r = subprocess.run([sys.executable, "-c", _ALIAS_PROBE], capture_output=True, text=True,
+                       timeout=300, env=dict(os.environ, TF_CPU_ALLOCATOR_USE_BFC="true",
+                                             TF_CPP_MIN_LOG_LEVEL="3"))
+    assert r.returncode == 0, r.stderr[-2000:]
+    held = dict(line.split() for line in r.stdout.splitlines())
+    assert float(held["or_zero"]) > 0.9, held  # the probe sees aliasing
+    assert float(held["copy"]) <= 0.13, held  # 1/8 of the full buffer: the shard only
+
+
 @pytest.mark.slow
 def test_fsdp_step_holds_little_more_than_one_device():
     # Exact live tensor bytes (TensorFlow's BFC allocator on the host, in a fresh process
     # per case: benchmarks/fsdp_memory.py) of a second train step of a 4M-parameter
-    # llama in float32: the 8 fsdp devices together against one device. Measured 1.67x
-    # (0.25 / 0.15 GiB); before tfllm.parallel.fsdp, 3.68x (DTensor gathered every weight
-    # at the start of the step and kept it for the backward pass on every device).
-    # The bound leaves 20% for allocator and scheduling noise.
+    # llama in float32: the 8 fsdp devices together against one device. Measured 1.06x
+    # (0.17 / 0.16 GiB). Before tfllm.parallel.fsdp, 3.68x (DTensor gathered every weight
+    # at the start of the step and kept it for the backward pass on every device); with
+    # gradient shards that aliased their full all-reduce buffers (before `fsdp._copy`),
+    # 1.67x. The bound is the issue's goal, 1.3x: 20% above the measured ratio for
+    # allocator and scheduling noise, well below either regression.
     one = bench.run_case("small", "none", "float32")
     fsdp = bench.run_case("small", "fsdp=8", "float32")
-    assert fsdp["peak_tensor_gib"] <= 2.0 * one["peak_tensor_gib"], (fsdp, one)
+    assert fsdp["peak_tensor_gib"] <= 1.3 * one["peak_tensor_gib"], (fsdp, one)
     assert 0 < fsdp["largest_collective"] <= fsdp["largest_weight"]

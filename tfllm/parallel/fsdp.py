@@ -170,22 +170,37 @@ def _gate_zero():
     return state.zero() if state is not None else None
 
 
+def _sliced_reduction(layout) -> bool:
+    """Whether DTensor reduce-scatters to `layout` as an all-reduce plus a slice."""
+    return not (layout.mesh.device_type().upper() == "GPU"
+                and os.environ.get("DTENSOR_GPU_USE_NCCL_COMMUNICATION") == "1")
+
+
+def _copy(x):
+    """`x`, bit for bit, in a buffer of its own.
+
+    Elementwise ops (even `x | 0`, `x * 1`) forward their input's buffer, a slice's
+    alias included, and DTensor has no layout rule for `DeepCopy`; a cast allocates.
+    Through int64 every float32 bit pattern survives (a float64 round trip would
+    flush denormals on CPU).
+    """
+    bits = tf.cast(tf.bitcast(x, tf.int32), tf.int64)
+    return tf.bitcast(tf.cast(bits, tf.int32), tf.float32)
+
+
 def _scatter(grad, shard_layout, dtype):
     """A full weight gradient back to the shard layout, summed in float32.
 
-    Without NCCL (CPU meshes) DTensor lowers the reduce-scatter to an all-reduce of the
-    full gradient and a slice (`LowerReduceScatterOp`,
-    tensorflow/dtensor/mlir/collectives.cc), and TensorFlow's slice of the first
-    dimension aliases its input's buffer: each shard would keep the whole gradient alive
-    until the optimizer has run. A bitwise copy (OR with zero) gives the shard a buffer of
-    its own, so the full gradient can be freed once it is sliced. (Measured on the 120M
-    llama, fsdp=8, peak RSS did not change with or without the copy, 9.3 against 9.0 GiB
-    in single runs: the aliasing is a guard here, not the measured cause of any excess.)
+    Without NCCL (CPU meshes, GPU meshes without `DTENSOR_GPU_USE_NCCL_COMMUNICATION`)
+    DTensor lowers the reduce-scatter to an all-reduce of the full gradient and a slice
+    (`LowerReduceScatterOp`, tensorflow/dtensor/mlir/collectives.cc). The all-reduce
+    works in place in the gradient's buffer and TensorFlow's slice of the first
+    dimension aliases it, so each shard would keep its whole full-size gradient alive
+    until the optimizer has run: on fsdp=8 every device then holds the full gradient
+    of the model at the global-norm step. `_copy` gives the shard a buffer of its own.
     """
     reduced = dtensor.relayout(tf.cast(grad, tf.float32), shard_layout)
-    own = tf.bitcast(tf.bitwise.bitwise_or(tf.bitcast(reduced, tf.int32),
-                                           tf.zeros((), tf.int32)), tf.float32)
-    return tf.cast(own, dtype)
+    return tf.cast(_copy(reduced) if _sliced_reduction(shard_layout) else reduced, dtype)
 
 
 def gather(w, shard_layout, compute_layout):
