@@ -27,9 +27,6 @@ CASES = {
     "no_mesh": (None, "delayed", "none"),
     "data2_model2_delayed": ("data=2,model=2", "delayed", "none"),
     "data1_current_remat_full": ("data=1", "current", "full"),
-    # FSDP (gathered weights, re-gathered in the backward) with data parallelism: q, k
-    # and v (gate and up) share an input whose re-dequantization CSE merged (3 half dots).
-    "data2_fsdp4_current_remat_full": ("data=2,fsdp=4", "current", "full"),
 }
 TIMEOUT_S = 600
 # CPU code generation at LLVM -O0: the HLO read here is XLA's input, which this does not

@@ -193,12 +193,7 @@ def fp8_einsum(equation: str, x, w, history_x, history_w, history_g, settings: F
             # two chains because dx and dw need not share a cluster (on mesh data=1 the
             # dw dots of all projections form one cluster of their own, and a shared
             # dy dequantization reached them as a bf16 parameter).
-            # The input's chain is made this call's own too: projections that read the
-            # same input (q, k and v; gate and up) quantize it identically under current
-            # scaling, and CSE merged their re-dequantizations into one, in one cluster,
-            # which the other projections' weight-gradient dots got as a bf16 parameter
-            # (3 of 21 backward dots on fsdp=8 and data=2,fsdp=4 under remat=full).
-            x_again = _dequantize_again(x_q, _this_call_only(scale_x), dtype)
+            x_again = _dequantize_again(x_q, scale_x, dtype)
             w_again = _dequantize_again(w_q, scale_w, dtype)
             dx = _einsum_gradient(equation, 0, x_again, w_again,
                                   dequantize(dy_q, scale_g, dy.dtype))
