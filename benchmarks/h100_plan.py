@@ -50,6 +50,13 @@ def plan(model, policy, batch, mesh="data=1", layers="auto"):
     return json.loads(r.stdout)
 
 
+def _basis(r) -> str:
+    basis = (r.get("collectives_basis") or "assumed").split(":")[0]
+    if basis == "measured" and r.get("collectives_assumed_gb"):
+        return f"{basis} ({r['collectives_assumed_gb']:.1f})"
+    return basis
+
+
 def row(model, policy, batch, p):
     m = p["memory"]
     return {"model": model, "policy": policy, "batch": batch, "mesh": p.get("mesh"),
@@ -194,12 +201,16 @@ def write_markdown(results, path):
         out += ["", "## llama-7b on 8 H100s (per device; sharded plans are estimates)", "",
                 "Memory: the "
                 "per-device program compiled for the H100 with its state replaced by the "
-                "layout's exact bytes; collectives: the layout's theoretical bytes at "
-                "450 GB/s NVLink, not overlapped.", "",
+                "layout's exact bytes, plus FSDP's gather buffers where measured; "
+                "collectives at 450 GB/s NVLink, not overlapped: *measured* rows take "
+                "their kinds, dtypes and sizes from the executed CPU program of the same "
+                "mesh scaled to the model (`tfllm.plan.measured`), *assumed* rows the "
+                "ring formula (shown beside the measured figure).", "",
                 "| mesh | policy | global batch (sequences per device) | memory GiB | fits | "
                 "state GiB (args) | temp GiB | "
-                "collectives GB/device/step | est. step ms | est. tokens/s (8 GPUs) | "
-                "est. MFU |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+                "collectives GB/device/step | basis (assumed GB) | est. step ms | "
+                "est. tokens/s (8 GPUs) | est. MFU |",
+                "|---|---|---|---|---|---|---|---|---|---|---|---|"]
         for r in results["mesh_rows"]:
             shards = 8 // (2 if "model=2" in r["mesh"] else 8 if "model=8" in r["mesh"]
                            else 1)
@@ -207,7 +218,8 @@ def write_markdown(results, path):
                        f"{r['batch']} ({r['batch'] // shards}) | "
                        f"{gib(r['total_gib'])} | {'yes' if r['fits'] else 'no'} | "
                        f"{gib(r['arguments_gib'])} | {gib(r['temp_gib'])} | "
-                       f"{r['collectives_gb']:.1f} | {1e3 * r['estimated_step_s']:.0f} | "
+                       f"{r['collectives_gb']:.1f} | {_basis(r)} | "
+                       f"{1e3 * r['estimated_step_s']:.0f} | "
                        f"{r['estimated_tokens_per_s']:,.0f} | "
                        f"{100 * r['estimated_mfu']:.0f}% |")
     if results.get("state_only"):
