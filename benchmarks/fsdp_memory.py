@@ -50,7 +50,8 @@ COMMON = {"model.family": "llama", "model.max_sequence_length": 64,
 
 
 def child(size: str, mesh: str, policy: str, out_path: str) -> None:
-    """One step; writes the largest collective of device 0's program to `out_path`."""
+    """Two steps; writes their peaks (RSS, live tensors), the tensors held after them and
+    the first step's largest collective to `out_path` (JSON)."""
     from tfllm.parallel.mesh import setup_cpu_devices
     setup_cpu_devices(8)
     from tfllm.config import load_config
@@ -68,12 +69,12 @@ def child(size: str, mesh: str, policy: str, out_path: str) -> None:
     data = SyntheticTokens(cfg.model.vocab_size, cfg.data.sequence_length + 1, seed=7)
     batch = state.step.to_device(data.batch(0, cfg.train.global_batch_size, 1))
     import tensorflow as tf
+    # Peaks of live tensor bytes per step (TF_CPU_ALLOCATOR_USE_BFC: the host's one
+    # allocator, shared by the logical devices, keeps exact statistics).
     tf.config.experimental.reset_memory_stats("CPU:0")
     state.step(batch)
     rss_first = _peak_rss_gib()
     tensors_first = tf.config.experimental.get_memory_info("CPU:0")["peak"] / 2**30
-    # The second step's peak of live tensor bytes (TF_CPU_ALLOCATOR_USE_BFC: the host's
-    # one allocator, shared by the logical devices, keeps exact statistics).
     tf.config.experimental.reset_memory_stats("CPU:0")
     _reset_peak_rss()
     state.step(batch)

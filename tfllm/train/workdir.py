@@ -111,10 +111,7 @@ def truncate_metrics(path: str, last_step: int) -> None:
 def write_costs(workdir: str, costs: dict) -> str:
     """Writes the step's cost report as WORKDIR/costs.json (whole or not at all); returns
     the path."""
+    from tfllm.checkpoint.storage import write_json_atomic
     path = os.path.join(workdir, COSTS_FILE)
-    tmp = path + ".tmp"
-    with open(tmp, "w", encoding="utf-8") as f:
-        json.dump(costs, f, indent=1)
-        f.write("\n")
-    os.replace(tmp, path)
+    write_json_atomic(path, costs)
     return path
