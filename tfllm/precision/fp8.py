@@ -113,7 +113,13 @@ def _this_call_only(scale):
     """`scale` (> 0) as a value of this call alone: max(scale, -n), n new for each call.
 
     The value is `scale`; the constant makes the ops that depend on it differ from those
-    of any other call. Needed for the weight: under tf.recompute_grad (model.remat=full)
+    of any other call. Needed for the input: under current scaling the projections that
+    read the same tensor (q, k and v; gate and up) compute the same amax, scale and FP8
+    bytes, CSE merged their quantizations, and the one `_dequantize_again` left fed
+    several weight-gradient dots, which need not share its cluster (3 of the 14 backward
+    dots of a llama block got a bf16 parameter on fsdp=8 under remat=full). The forward
+    quantizes such an input once per projection instead, an elementwise pass each.
+    Needed for the weight: under tf.recompute_grad (model.remat=full)
     a projection's forward runs again in the backward pass, on an input made new by a
     data dependency on the output gradient (`recompute_grad`, tensorflow/python/ops/
     custom_gradient.py) but on the same weight, so DTensor's CSE (_dequantize_again)
@@ -173,7 +179,12 @@ def fp8_einsum(equation: str, x, w, history_x, history_w, history_g, settings: F
         else:
             scale_x = scale_from_amax(amax_x, E4M3_MAX, settings.margin)
             scale_w = scale_from_amax(amax_w, E4M3_MAX, settings.margin)
-        scale_w = _this_call_only(scale_w)
+        # Both scales are made this call's own (_this_call_only): under current scaling
+        # the projections that read the same input (q, k, v; gate, up) compute the same
+        # amax, scale and FP8 bytes, and CSE would merge their quantizations, so that
+        # one dequantization in the backward fed several weight-gradient dots, which
+        # need not share its cluster.
+        scale_x, scale_w = _this_call_only(scale_x), _this_call_only(scale_w)
         x_q = quantize(x, scale_x, E4M3, E4M3_MAX)
         w_q = quantize(w, scale_w, E4M3, E4M3_MAX)
         y = tf.einsum(equation, dequantize(x_q, scale_x, dtype), dequantize(w_q, scale_w, dtype))
