@@ -1,4 +1,8 @@
+import os
+
 import pytest
+
+from tfllm.parallel import mesh
 
 from tfllm.parallel.mesh import MeshError, check_batch, num_clients, parse_axes, resolve_axes
 from tfllm.parallel.rules import DEFAULT_RULES, candidate_axis
@@ -66,3 +70,58 @@ def test_keras_version_is_checked_before_the_bridge_uses_internals():
     for bad in ("4.0.0", "3.4.1", "2.15.0"):
         with pytest.raises(RuntimeError, match=r"keras>=3.5,<4"):
             check_keras(bad)
+
+
+class _FakeDTensor:
+    """Records what build_mesh asks of DTensor on a host with (faked) GPUs."""
+
+    def __init__(self, already_initialized=None):
+        self.calls, self.already = [], already_initialized
+
+    def initialize_accelerator_system(self, kind, **kwargs):
+        self.calls.append(("init", kind, os.environ.get(mesh.NCCL_ENV)))
+        if self.already:
+            raise ValueError(self.already)
+        return kind
+
+    def create_mesh(self, axes, devices, device_type):
+        self.calls.append(("mesh", axes, len(devices), device_type))
+        return "mesh"
+
+
+def _build_on_fake_gpus(monkeypatch, fake, gpus=8):
+    import tensorflow.experimental
+    monkeypatch.setattr(mesh, "_gpu_count", lambda: gpus)
+    monkeypatch.setattr(tensorflow.experimental, "dtensor", fake)
+    return mesh.build_mesh("data=2,fsdp=4", "GPU")
+
+
+def test_a_single_process_gpu_mesh_uses_nccl(monkeypatch):
+    monkeypatch.delenv(mesh.NCCL_ENV, raising=False)
+    fake = _FakeDTensor()
+    assert _build_on_fake_gpus(monkeypatch, fake) == "mesh"
+    # NCCL is asked for before DTensor initializes the GPUs (which reads the variable).
+    assert fake.calls == [("init", "GPU", "1"), ("mesh", [("data", 2), ("fsdp", 4)], 8, "GPU")]
+    assert os.environ[mesh.NCCL_ENV] == "1"
+
+
+def test_an_explicit_no_to_nccl_is_kept(monkeypatch):
+    monkeypatch.setenv(mesh.NCCL_ENV, "0")
+    fake = _FakeDTensor()
+    _build_on_fake_gpus(monkeypatch, fake)
+    assert [c[0] for c in fake.calls] == ["mesh"] and os.environ[mesh.NCCL_ENV] == "0"
+
+
+def test_nccl_is_taken_back_with_a_warning_when_tensorflow_started_first(monkeypatch):
+    monkeypatch.delenv(mesh.NCCL_ENV, raising=False)
+    fake = _FakeDTensor("TensorFlow has already been initialized. ...")
+    with pytest.warns(UserWarning, match="without NCCL"):
+        _build_on_fake_gpus(monkeypatch, fake)
+    # fsdp._sliced_reduction reads the variable: it must say what DTensor really does.
+    assert os.environ[mesh.NCCL_ENV] == "0"
+
+
+def test_cpu_meshes_leave_nccl_alone(monkeypatch):
+    monkeypatch.delenv(mesh.NCCL_ENV, raising=False)
+    mesh.build_mesh("data=2", "CPU")
+    assert mesh.NCCL_ENV not in os.environ

@@ -88,6 +88,49 @@ def _gpu_count() -> int:
     return len(tf.config.list_physical_devices("GPU"))
 
 
+NCCL_ENV = "DTENSOR_GPU_USE_NCCL_COMMUNICATION"
+
+
+def use_nccl(environ=os.environ) -> bool:
+    """Asks DTensor for NCCL collectives on a GPU mesh, unless the user said no.
+
+    DTensor reads `DTENSOR_GPU_USE_NCCL_COMMUNICATION` when it lowers collectives: without
+    it a GPU mesh runs TensorFlow's own ring collectives and splits every reduce-scatter
+    into an all-reduce of the full tensor plus a slice (`LowerReduceScatterOp`,
+    tensorflow/dtensor/mlir/collectives.cc). Nothing set it for a single process, so an
+    8-GPU `tfllm train` ran without NCCL. An explicit `=0` is kept (a way to rule NCCL
+    out when debugging a hang). Must run before `initialize_accelerator_system`, which
+    reads it too.
+
+    Returns:
+      Whether NCCL is asked for.
+    """
+    if environ.get(NCCL_ENV, "") == "0":
+        return False
+    environ[NCCL_ENV] = "1"
+    return True
+
+
+def _initialize_gpus_single_client(dtensor) -> None:
+    """DTensor's GPU initialization in one process: it turns NCCL on in TensorFlow's
+    context (`collective_nccl`), which only takes effect before TensorFlow initializes.
+    If something initialized TensorFlow first (a notebook that ran TensorFlow before the
+    mesh), the mesh still works with TensorFlow's ring collectives: NCCL is taken back so
+    that tfllm's own lowering choices (`fsdp._sliced_reduction`) match, and a warning
+    says how to get it."""
+    import warnings
+    try:
+        dtensor.initialize_accelerator_system("GPU")
+    except ValueError as e:
+        if "already been initialized" in str(e) and "Accelerator" in str(e):
+            return  # an earlier mesh of this process did it
+        os.environ[NCCL_ENV] = "0"
+        warnings.warn("tfllm: TensorFlow was initialized before the GPU mesh, so DTensor "
+                      "runs without NCCL collectives; build the mesh (tfllm.parallel."
+                      "make_parallel) before any other TensorFlow call to use NCCL.",
+                      stacklevel=3)
+
+
 def device_type(requested: str = "auto") -> str:
     """GPU when present (or asked for), else CPU."""
     if requested == "auto":
@@ -136,6 +179,8 @@ def build_mesh(axes_text: str, requested_device_type: str = "auto", num_cpu_devi
         # A -1 axis on CPU: one logical device per core (at most 8). More logical
         # devices than cores only add overhead (benchmarks/results/cpu_devices.md).
         wanted = num_cpu_devices or max((need or min(os.cpu_count() or 1, 8)) // clients, 1)
+    if kind == "GPU":
+        nccl = use_nccl()
     if clients > 1:
         # Multi-client: DTensor's own initialization (coordination service over gRPC,
         # NCCL on GPU when DTENSOR_GPU_USE_NCCL_COMMUNICATION=1) must come before
@@ -146,6 +191,8 @@ def build_mesh(axes_text: str, requested_device_type: str = "auto", num_cpu_devi
         axes = resolve_axes(axes, local * clients)
         return dtensor.create_distributed_mesh(axes, device_type=kind)
     if kind == "GPU":
+        if nccl:
+            _initialize_gpus_single_client(dtensor)
         total = _gpu_count()
     else:
         total = setup_cpu_devices(wanted)
