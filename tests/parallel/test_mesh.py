@@ -125,3 +125,30 @@ def test_cpu_meshes_leave_nccl_alone(monkeypatch):
     monkeypatch.delenv(mesh.NCCL_ENV, raising=False)
     mesh.build_mesh("data=2", "CPU")
     assert mesh.NCCL_ENV not in os.environ
+
+
+_SPY = """
+import sys
+import tfllm.parallel.mesh as m
+from tensorflow.python.eager import context
+
+def spy(*args, **kwargs):
+    print("initialized before the mesh:", context.context()._initialized, flush=True)
+    raise SystemExit(0)
+
+m.build_mesh = spy
+from tfllm.cli.main import main
+main(sys.argv[1:])
+"""
+
+
+def test_tfllm_train_builds_the_mesh_before_tensorflow_starts(tmp_path):
+    # NCCL can only be turned on before TensorFlow initializes (see
+    # _initialize_gpus_single_client): nothing on `tfllm train`'s path may start it first.
+    import subprocess
+    import sys
+    from tests.launch.helpers import ROOT
+    run = subprocess.run([sys.executable, "-c", _SPY, "train", "--config", "configs/tiny.yaml",
+                          "--workdir", str(tmp_path / "run")], cwd=ROOT, capture_output=True,
+                         text=True, timeout=300, env=dict(os.environ, PYTHONPATH=ROOT))
+    assert "initialized before the mesh: False" in run.stdout, run.stdout + run.stderr[-2000:]
