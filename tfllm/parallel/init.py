@@ -37,8 +37,9 @@ def _fmix(h):
     return tf.bitwise.bitwise_xor(h, tf.bitwise.right_shift(h, _u32(16)))
 
 
-def _hash(lo, hi, key: int):
-    return _fmix(tf.bitwise.bitwise_xor(lo, _fmix(tf.bitwise.bitwise_xor(hi, _u32(key)))))
+def _hash(lo, hi, key):
+    """`key`: a uint32 scalar tensor."""
+    return _fmix(tf.bitwise.bitwise_xor(lo, _fmix(tf.bitwise.bitwise_xor(hi, key))))
 
 
 def _flat_index(global_shape: Sequence[int], start, size: Sequence[int]):
@@ -55,9 +56,13 @@ def _flat_index(global_shape: Sequence[int], start, size: Sequence[int]):
 
 
 @functools.lru_cache(maxsize=None)
-def _block_fn(kind: str, global_shape: Tuple[int, ...], size: Tuple[int, ...], key: int,
-              std: float, dtype: str, jit: bool):
-    def fn(start):
+def _block_fn(kind: str, global_shape: Tuple[int, ...], size: Tuple[int, ...], dtype: str,
+              jit: bool):
+    """The generator of one block shape. The variable's key and std are arguments, not
+    constants: on GPU each generator is an XLA program compiled per device, and a
+    program per variable (llama-7b: ~300 variables x 8 GPUs) was a compile storm at
+    start-up; every layer's same-shaped weights now share one."""
+    def fn(start, key, std):
         if kind == "zeros":
             return tf.zeros(size, dtype)
         if kind == "ones":
@@ -65,7 +70,8 @@ def _block_fn(kind: str, global_shape: Tuple[int, ...], size: Tuple[int, ...], k
         index = _flat_index(global_shape, start, size)
         lo = tf.cast(tf.bitwise.bitwise_and(index, 0xFFFFFFFF), tf.uint32)
         hi = tf.cast(tf.bitwise.right_shift(index, 32), tf.uint32)
-        h1, h2 = _hash(lo, hi, key), _hash(lo, hi, key ^ 0x9E3779B9)
+        h1 = _hash(lo, hi, key)
+        h2 = _hash(lo, hi, tf.bitwise.bitwise_xor(key, _u32(0x9E3779B9)))
         scale = 1.0 / (1 << 24)
         # u1 in (0, 1] so that log(u1) is finite; u2 in [0, 1).
         u1 = (tf.cast(tf.bitwise.right_shift(h1, _u32(8)), tf.float32) + 1.0) * scale
@@ -91,5 +97,12 @@ def initial_block(init: Tuple, global_shape: Sequence[int], key: int, start: Seq
     """
     std = float(init[1]) if init[0] == "normal" else 0.0
     fn = _block_fn(init[0], tuple(int(s) for s in global_shape), tuple(int(s) for s in size),
-                   int(key), std, str(dtype), bool(jit))
-    return fn(tf.constant(list(start) or [0], tf.int64))
+                   str(dtype), bool(jit))
+    return fn(tf.constant(list(start) or [0], tf.int64), _u32(int(key)),
+              tf.constant(std, tf.float32))
+
+
+def generator_count() -> int:
+    """Block generators made so far in this process: one per kind, block shape, dtype and
+    jit setting (on GPU, each is one XLA program per device)."""
+    return _block_fn.cache_info().currsize
