@@ -89,6 +89,18 @@ class _FakeDTensor:
         return "mesh"
 
 
+_GPU_ENV = (mesh.NCCL_ENV, "TF_DEVICE_MIN_SYS_MEMORY_IN_MB", "TF_GPU_ALLOCATOR")
+
+
+@pytest.fixture(autouse=True)
+def _restore_gpu_env(monkeypatch):
+    """build_mesh sets these in os.environ; monkeypatch undoes only what it recorded, so
+    record each (a leaked NCCL setting would reach the multi-client tests' workers)."""
+    for name in _GPU_ENV:
+        monkeypatch.setenv(name, "placeholder")
+        monkeypatch.delenv(name)
+
+
 def _build_on_fake_gpus(monkeypatch, fake, gpus=8):
     import tensorflow.experimental
     monkeypatch.setattr(mesh, "_gpu_count", lambda: gpus)
@@ -97,7 +109,6 @@ def _build_on_fake_gpus(monkeypatch, fake, gpus=8):
 
 
 def test_a_single_process_gpu_mesh_uses_nccl(monkeypatch):
-    monkeypatch.delenv(mesh.NCCL_ENV, raising=False)
     fake = _FakeDTensor()
     assert _build_on_fake_gpus(monkeypatch, fake) == "mesh"
     # NCCL is asked for before DTensor initializes the GPUs (which reads the variable).
@@ -113,7 +124,6 @@ def test_an_explicit_no_to_nccl_is_kept(monkeypatch):
 
 
 def test_nccl_is_taken_back_with_a_warning_when_tensorflow_started_first(monkeypatch):
-    monkeypatch.delenv(mesh.NCCL_ENV, raising=False)
     fake = _FakeDTensor("TensorFlow has already been initialized. ...")
     with pytest.warns(UserWarning, match="without NCCL"):
         _build_on_fake_gpus(monkeypatch, fake)
@@ -122,7 +132,6 @@ def test_nccl_is_taken_back_with_a_warning_when_tensorflow_started_first(monkeyp
 
 
 def test_cpu_meshes_leave_nccl_alone(monkeypatch):
-    monkeypatch.delenv(mesh.NCCL_ENV, raising=False)
     mesh.build_mesh("data=2", "CPU")
     assert mesh.NCCL_ENV not in os.environ
 
@@ -152,3 +161,14 @@ def test_tfllm_train_builds_the_mesh_before_tensorflow_starts(tmp_path):
                           "--workdir", str(tmp_path / "run")], cwd=ROOT, capture_output=True,
                          text=True, timeout=300, env=dict(os.environ, PYTHONPATH=ROOT))
     assert "initialized before the mesh: False" in run.stdout, run.stdout + run.stderr[-2000:]
+
+
+def test_a_gpu_mesh_sets_the_memory_reserve_before_tensorflow_makes_its_devices(monkeypatch):
+    fake = _FakeDTensor()
+    import tensorflow.experimental
+    monkeypatch.setattr(mesh, "_gpu_count", lambda: 8)
+    monkeypatch.setattr(tensorflow.experimental, "dtensor", fake)
+    mesh.build_mesh("fsdp=8", "GPU", gpu_memory_reserve_mb=6144,
+                    gpu_allocator="cuda_malloc_async")
+    assert os.environ["TF_DEVICE_MIN_SYS_MEMORY_IN_MB"] == "6144"
+    assert os.environ["TF_GPU_ALLOCATOR"] == "cuda_malloc_async"

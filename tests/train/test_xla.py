@@ -214,3 +214,31 @@ def test_each_client_of_a_two_process_run_compiles_its_step(tmp_path, policy):
     for log in logs:
         assert re.search(r"XLA: \d+ clusters per device on 1 device", log), log[-2000:]
     assert_no_leftovers(tmp_path)
+
+
+# ---- a restart reuses the compiled programs (train.xla_cache) ----------------------------
+@pytest.mark.slow
+def test_a_resumed_run_loads_its_compiled_step_instead_of_compiling(tmp_path):
+    run = tmp_path / "run"
+
+    def train(steps, dump):
+        env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3", PYTHONPATH=ROOT,
+                   XLA_FLAGS=f"--xla_dump_to={dump}")
+        env.pop("TF_XLA_FLAGS", None)
+        cmd = [PY, "-m", "tfllm.cli.main", "train", "--config", "configs/tiny.yaml",
+               "--workdir", str(run), "--set", "train.jit_compile=true",
+               "--set", "mesh.axes=data=1", "--set", "model.num_layers=1",
+               "--set", f"train.steps={steps}", "--set", "checkpoint.every=2",
+               "--set", "train.sample_tokens=0", "--set", "train.eval_steps=1"]
+        out = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True,
+                             timeout=TIMEOUT_S)
+        assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
+        compiled = glob.glob(str(dump / "*cluster_*before_optimizations.txt"))
+        return compiled, sorted(os.listdir(run / "xla_cache" / "client_0"))
+
+    compiled, cached = train(2, tmp_path / "dump1")
+    assert compiled and len([c for c in cached if c.endswith(".pb")]) >= len(compiled) > 0
+    # The resume (steps 3-4: the same step, evaluation and save) compiles no cluster: XLA
+    # dumps only what it compiles, and the cache gained no program.
+    compiled_again, cached_again = train(4, tmp_path / "dump2")
+    assert compiled_again == [] and cached_again == cached

@@ -21,12 +21,23 @@ def _load(args):
     return load_config(args.config, args.overrides)
 
 
+def _persist_compiles(config, workdir) -> None:
+    """train.xla_cache, set as the process starts: TensorFlow parses TF_XLA_FLAGS at its
+    first device query, and a library call (a Run inside pytest or a notebook) would only
+    leak the setting into child processes, so only the command sets it."""
+    from tfllm.parallel import runtime_env
+    from tfllm.parallel.mesh import client_id
+    runtime_env.xla_cache(runtime_env.xla_cache_dir(config.train.xla_cache, workdir,
+                                                    client_id()))
+
+
 def cmd_train(args) -> int:
     from tfllm.train.loop import train
     from tfllm.parallel.watchdog import PeerLost
     from tfllm.train.preemption import (NONFINITE_EXIT_CODE, PEER_LOST_EXIT_CODE,
                                         PREEMPTED_EXIT_CODE, NonFiniteError, Preempted)
     config = _load_for_workdir(args)
+    _persist_compiles(config, args.workdir)
     try:
         last = train(config, args.workdir)
     except Preempted as e:
@@ -73,6 +84,7 @@ def _restored_run(args):
     from tfllm.checkpoint import Checkpointer, run_state_variables
     from tfllm.train.run import Run
     config = _saved_config(args)
+    _persist_compiles(config, args.workdir)
     run = Run(config, workdir=args.workdir, train_iterator=False)
     checkpointer = Checkpointer(os.path.join(args.workdir, "checkpoints"), run.parallel,
                                 config.checkpoint)
@@ -133,6 +145,7 @@ def cmd_layouts(args) -> int:
 def cmd_bench(args) -> int:
     from tfllm.train.bench import benchmark
     config = _load(args)
+    _persist_compiles(config, None)  # no workdir: only an explicit train.xla_cache
     print(json.dumps(benchmark(config, args.steps, args.warmup, args.repeats)))
     return 0
 

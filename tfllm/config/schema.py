@@ -87,6 +87,16 @@ class MeshConfig:
     rules: List[List[str]] = _f([], "Ordered [logical_axis, mesh_axis] pairs that replace "
                                 "the default rules table (tfllm.parallel.rules."
                                 "DEFAULT_RULES); mesh_axis 'null' means replicated.")
+    gpu_memory_reserve_mb: int = _f(4096, "GPU memory (MiB) TensorFlow leaves outside its "
+                                    "allocator's pool for NCCL's buffers (NVLS on HGX H100) "
+                                    "and CUDA library workspaces, which allocate outside it "
+                                    "(sets TF_DEVICE_MIN_SYS_MEMORY_IN_MB unless it is set).",
+                                    min=0)
+    gpu_allocator: str = _f("bfc", "TensorFlow's GPU allocator: bfc (its default: one pool "
+                            "taken at start-up) or cuda_malloc_async (CUDA's stream-ordered "
+                            "allocator, which gives freed memory back so NCCL can use it; "
+                            "sets TF_GPU_ALLOCATOR unless it is set).",
+                            choices=("bfc", "cuda_malloc_async"))
 
 
 @dataclass
@@ -191,6 +201,9 @@ class TrainConfig:
                           "auto (XLA on GPU, graphs on CPU where XLA measured slower; see "
                           "benchmarks/results/cpu_jit.md).",
                           choices=("auto", "true", "false"))
+    xla_cache: str = _f("auto", "Persistent cache of compiled XLA programs and GPU "
+                        "autotuning, so a restart does not compile again: auto (WORKDIR/"
+                        "xla_cache/client_N), off, or a directory.")
     log_every: int = _f(50, "Write metrics every N steps.", min=1)
     eval_every: int = _f(300, "Evaluate on the validation data every N steps (0: only at "
                          "the end).", min=0)

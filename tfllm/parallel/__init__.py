@@ -11,6 +11,8 @@ def make_parallel(config):
     from tfllm.parallel.rules import mesh_axes_of, rules_from_config
     rules = rules_from_config(config.mesh.rules)
     mesh = build_mesh(config.mesh.axes, config.mesh.device_type, config.mesh.num_cpu_devices,
-                      known=mesh_axes_of(rules))
+                      known=mesh_axes_of(rules),
+                      gpu_memory_reserve_mb=config.mesh.gpu_memory_reserve_mb,
+                      gpu_allocator=config.mesh.gpu_allocator)
     return Parallel(mesh, rules,
                     config.optimizer.shard_optimizer_state)

@@ -14,6 +14,7 @@ import os
 import re
 from typing import List, Optional, Sequence, Tuple
 
+from tfllm.parallel import runtime_env
 from tfllm.parallel.rules import KNOWN_MESH_AXES
 
 
@@ -157,7 +158,8 @@ def setup_cpu_devices(count: int) -> int:
 
 
 def build_mesh(axes_text: str, requested_device_type: str = "auto", num_cpu_devices: int = 0,
-               known: Sequence[str] = KNOWN_MESH_AXES):
+               known: Sequence[str] = KNOWN_MESH_AXES, gpu_memory_reserve_mb: int = 4096,
+               gpu_allocator: str = "bfc"):
     """Creates the DTensor mesh for `mesh.axes` (single- or multi-client).
 
     Args:
@@ -165,6 +167,8 @@ def build_mesh(axes_text: str, requested_device_type: str = "auto", num_cpu_devi
       requested_device_type: auto, CPU or GPU.
       num_cpu_devices: logical CPU devices per client; 0 means as many as the mesh needs.
       known: mesh axis names the rules table uses.
+      gpu_memory_reserve_mb, gpu_allocator: GPU memory left outside TensorFlow's pool,
+        and its allocator (`tfllm.parallel.runtime_env.gpu_memory`).
 
     Returns:
       A `tf.experimental.dtensor.Mesh`.
@@ -181,6 +185,7 @@ def build_mesh(axes_text: str, requested_device_type: str = "auto", num_cpu_devi
         wanted = num_cpu_devices or max((need or min(os.cpu_count() or 1, 8)) // clients, 1)
     if kind == "GPU":
         nccl = use_nccl()
+        runtime_env.gpu_memory(gpu_memory_reserve_mb, gpu_allocator)
     if clients > 1:
         # Multi-client: DTensor's own initialization (coordination service over gRPC,
         # NCCL on GPU when DTENSOR_GPU_USE_NCCL_COMMUNICATION=1) must come before

@@ -1,0 +1,104 @@
+"""Process settings that TensorFlow and XLA read once, at start-up or at the first compile.
+
+Each function returns the environment changes it wants and applies them to `environ`,
+never overriding a variable the user set (the user's value wins, so every setting can be
+tuned from the shell or a cluster template). They must run before TensorFlow creates its
+GPU devices (`gpu_memory`) or before XLA's first compilation (`xla_cache`): `tfllm
+train`, `eval`, `generate` and `bench` build the mesh before anything else starts
+TensorFlow (tests/parallel/test_mesh.py checks this for `train`).
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Dict, MutableMapping, Optional
+
+# TensorFlow's GPU device keeps this much memory out of its allocator's pool
+# (`MinSystemMemory`, tensorflow/core/common_runtime/gpu/gpu_device.cc reads it).
+RESERVE_ENV = "TF_DEVICE_MIN_SYS_MEMORY_IN_MB"
+ALLOCATOR_ENV = "TF_GPU_ALLOCATOR"
+
+
+def _set_default(environ: MutableMapping[str, str], name: str, value: str,
+                 changes: Dict[str, str]) -> None:
+    if name not in environ:
+        environ[name] = value
+        changes[name] = value
+
+
+def gpu_memory(reserve_mb: int, allocator: str,
+               environ: MutableMapping[str, str] = os.environ) -> Dict[str, str]:
+    """Leaves GPU memory to NCCL and CUDA libraries that allocate outside TensorFlow.
+
+    TensorFlow's BFC allocator takes nearly all device memory when it starts, leaving a
+    reserve sized for a display and the CUDA context, not for collectives. NCCL allocates its buffers outside it when a communicator is first used (on HGX H100
+    with NVLink SHARP, NVLS buffers of several GiB), and so do cuBLAS/cuDNN workspaces: a
+    run that fits TensorFlow's pool can then fail with an NCCL or CUDA out-of-memory error
+    at the first collective.
+
+    Args:
+      reserve_mb: MiB TensorFlow leaves outside its pool (`mesh.gpu_memory_reserve_mb`).
+      allocator: `bfc` (TensorFlow's default) or `cuda_malloc_async` (CUDA's stream-
+        ordered allocator, which returns freed memory to the driver, so NCCL can get it).
+      environ: the process environment.
+
+    Returns:
+      The variables set (those the user had set are left as they were).
+    """
+    changes: Dict[str, str] = {}
+    _set_default(environ, RESERVE_ENV, str(int(reserve_mb)), changes)
+    if allocator == "cuda_malloc_async":
+        _set_default(environ, ALLOCATOR_ENV, "cuda_malloc_async", changes)
+    return changes
+
+
+def _add_flag(environ: MutableMapping[str, str], name: str, flag: str, value: str,
+              changes: Dict[str, str]) -> None:
+    current = environ.get(name, "")
+    if flag + "=" in current:
+        return  # the user's own value wins
+    environ[name] = (current + " " if current else "") + f"{flag}={value}"
+    changes[name] = environ[name]
+
+
+def xla_cache_dir(setting: str, workdir: Optional[str], client: int = 0) -> Optional[str]:
+    """The directory `train.xla_cache` names, or None for no cache.
+
+    Args:
+      setting: `auto` (WORKDIR/xla_cache/client_N: compiling and autotuning the step's
+        clusters takes minutes per GPU at every restart; a client of its own, so that
+        clients sharing a file system never write the same file), `off`, or a directory.
+      workdir: the run's workdir (None: no run directory, so `auto` means no cache).
+      client: this process's DTensor client id.
+    """
+    if setting == "off":
+        return None
+    if setting == "auto":
+        return os.path.join(workdir, "xla_cache", f"client_{client}") if workdir else None
+    return setting
+
+
+def xla_cache(directory: Optional[str],
+              environ: MutableMapping[str, str] = os.environ) -> Dict[str, str]:
+    """Persists compiled XLA programs (and GPU autotuning results) in `directory`.
+
+    TensorFlow saves each compiled cluster there and loads it at the next start
+    (`--tf_xla_persistent_cache_directory` in TF_XLA_FLAGS, keyed by the cluster's
+    fingerprint and device type); XLA's GPU compiler keeps its per-fusion autotuning
+    results in `directory`/autotune. TensorFlow parses TF_XLA_FLAGS once, at its first
+    device query (even `tf.config.list_physical_devices`): this must run before anything
+    asks TensorFlow about devices, so it cannot wait for the mesh's device type.
+
+    Returns:
+      The variables changed.
+    """
+    changes: Dict[str, str] = {}
+    if not directory:
+        return changes
+    autotune = os.path.join(directory, "autotune")
+    os.makedirs(autotune, exist_ok=True)
+    _add_flag(environ, "TF_XLA_FLAGS", "--tf_xla_persistent_cache_directory", directory,
+              changes)
+    _add_flag(environ, "XLA_FLAGS", "--xla_gpu_per_fusion_autotune_cache_dir", autotune,
+              changes)
+    return changes
