@@ -172,3 +172,20 @@ def test_a_gpu_mesh_sets_the_memory_reserve_before_tensorflow_makes_its_devices(
                     gpu_allocator="cuda_malloc_async")
     assert os.environ["TF_DEVICE_MIN_SYS_MEMORY_IN_MB"] == "6144"
     assert os.environ["TF_GPU_ALLOCATOR"] == "cuda_malloc_async"
+
+
+def test_a_mesh_smaller_than_the_host_uses_and_shows_only_its_gpus(monkeypatch):
+    import tensorflow as tf
+    shown = []
+    monkeypatch.setattr(tf.config, "list_physical_devices",
+                        lambda kind=None: [f"GPU:{i}" for i in range(8)] if kind == "GPU"
+                        else [])
+    monkeypatch.setattr(tf.config, "set_visible_devices",
+                        lambda devices, kind: shown.append((list(devices), kind)))
+    fake = _FakeDTensor()
+    import tensorflow.experimental
+    monkeypatch.setattr(tensorflow.experimental, "dtensor", fake)
+    mesh.build_mesh("data=2", "GPU")
+    # Hidden before DTensor initializes (TensorFlow claims the memory of every visible GPU).
+    assert shown == [(["GPU:0", "GPU:1"], "GPU")]
+    assert fake.calls[-1] == ("mesh", [("data", 2)], 2, "GPU")

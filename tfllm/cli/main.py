@@ -85,7 +85,7 @@ def _restored_run(args):
     from tfllm.train.run import Run
     config = _saved_config(args)
     _persist_compiles(config, args.workdir)
-    run = Run(config, workdir=args.workdir, train_iterator=False)
+    run = Run(config, workdir=args.workdir, train_iterator=False, inference=True)
     checkpointer = Checkpointer(os.path.join(args.workdir, "checkpoints"), run.parallel,
                                 config.checkpoint)
     meta = checkpointer.restore_latest(run_state_variables(run.model), strict=False)

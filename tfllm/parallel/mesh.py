@@ -112,6 +112,22 @@ def use_nccl(environ=os.environ) -> bool:
     return True
 
 
+def _use_first_gpus(count: int) -> int:
+    """Makes only the first `count` GPUs visible to TensorFlow (before it starts), so that a
+    mesh smaller than the host (`tfllm generate --set mesh.axes=data=1` on an 8-GPU host)
+    neither needs the others nor takes their memory: TensorFlow's allocator claims every
+    visible GPU when it starts. Returns `count`."""
+    import tensorflow as tf
+    gpus = tf.config.list_physical_devices("GPU")
+    try:
+        tf.config.set_visible_devices(gpus[:count], "GPU")
+    except RuntimeError:
+        raise MeshError(f"mesh.axes: the mesh uses {count} of {len(gpus)} GPUs, but "
+                        "TensorFlow was started before the mesh and uses all of them; set "
+                        f"CUDA_VISIBLE_DEVICES to {count} GPUs or build the mesh first.") from None
+    return count
+
+
 def _initialize_gpus_single_client(dtensor) -> None:
     """DTensor's GPU initialization in one process: it turns NCCL on in TensorFlow's
     context (`collective_nccl`), which only takes effect before TensorFlow initializes.
@@ -196,9 +212,11 @@ def build_mesh(axes_text: str, requested_device_type: str = "auto", num_cpu_devi
         axes = resolve_axes(axes, local * clients)
         return dtensor.create_distributed_mesh(axes, device_type=kind)
     if kind == "GPU":
+        total = _gpu_count()
+        if need is not None and need < total:
+            total = _use_first_gpus(need)
         if nccl:
             _initialize_gpus_single_client(dtensor)
-        total = _gpu_count()
     else:
         total = setup_cpu_devices(wanted)
         if need is not None and need < total:

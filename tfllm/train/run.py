@@ -31,11 +31,13 @@ class Run:
       train_iterator: open the training data stream (eval and generate do not need it).
       capture_hlo: dump the HLO XLA compiles (`tfllm.train.hlo_dump`) so that the step's
         cost report counts its FP8 GEMMs; `stop()` it after the first step.
+      inference: the model without optimizer state (`tfllm generate`, `eval`):
+        `evaluate` and generation work, `step` only places batches.
     """
 
     def __init__(self, config, model_cls=None, workdir: Optional[str] = None,
                  with_data: bool = True, train_iterator: bool = True,
-                 capture_hlo: bool = False):
+                 capture_hlo: bool = False, inference: bool = False):
         self.config = config
         self.workdir = workdir
         t, d = config.train, config.data
@@ -68,7 +70,8 @@ class Run:
             # Before the model: XLA reads its flags at its first compilation, which on
             # GPU is the variables' initializers.
             hlo_dump.start()
-        state = build_train_state(config, self.parallel, self.jit_compile, model_cls, packing)
+        state = build_train_state(config, self.parallel, self.jit_compile, model_cls, packing,
+                                  optimizer=not inference)
         self.model, self.optimizer = state.model, state.optimizer
         self.loss_scale, self.step = state.loss_scale, state.step
         self.evaluator = Evaluator(self.model, self.parallel, self.jit_compile, packing)

@@ -20,7 +20,7 @@ class TrainState:
 
     Args:
       model: the placed `CausalLM`.
-      optimizer: AdamW, built over the model's trainable variables.
+      optimizer: AdamW, built over the model's trainable variables (None: inference).
       loss_scale: a `DynamicLossScale` under float16, else None.
       step: the `TrainStep` over them.
     """
@@ -32,7 +32,7 @@ class TrainState:
 
 
 def build_train_state(config, parallel, jit_compile: bool, model_cls=None,
-                      packing_mask: bool = False) -> TrainState:
+                      packing_mask: bool = False, optimizer: bool = True) -> TrainState:
     """Builds the run's model (in its layouts on `parallel`, or on one device when None),
     optimizer, loss scale (float16 only) and train step.
 
@@ -42,8 +42,14 @@ def build_train_state(config, parallel, jit_compile: bool, model_cls=None,
       jit_compile: XLA-compile the step.
       model_cls: a `CausalLM` subclass to use instead of the config's family.
       packing_mask: the step masks attention to each packed document.
+      optimizer: False for inference (`tfllm generate`, `eval`): no AdamW and no loss
+        scale, whose moments alone are twice the float32 weights; the step can then
+        place batches but not train.
     """
     model = build_model(config, parallel, model_cls=model_cls)
+    if not optimizer:
+        return TrainState(model, None, None, TrainStep(model, None, parallel, jit_compile,
+                                                       None, packing_mask=packing_mask))
     optimizer = AdamW(config.optimizer, config.train.steps, parallel)
     optimizer.build(model.trainable_variables)
     loss_scale = None
