@@ -36,6 +36,7 @@ def test_cli_surface_is_frozen():
         "eval": ["--help", "--set", "--steps", "--workdir", "-h"],
         "export": ["--format", "--help", "--out", "--set", "--workdir", "-h"],
         "import": ["--help", "--preset", "--set", "--tokenizer", "--workdir", "-h"],
+        "doctor": ["--config", "--help", "--set", "-h"],
         "launch": [],  # its own options: tests/launch/test_arguments.py freezes them
     }
 

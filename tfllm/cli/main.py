@@ -150,6 +150,17 @@ def cmd_bench(args) -> int:
     return 0
 
 
+def cmd_doctor(args) -> int:
+    """Prints every GPU start-up check of this host; exit 2 when one fails."""
+    from tfllm.parallel import gpu_checks
+    config = _load(args)
+    findings = gpu_checks.check(gpu_checks.gather(), config.precision.policy,
+                                config.mesh.device_type)
+    for f in findings:
+        print(f"{f.level}: {f.message}")
+    return 2 if gpu_checks.first_error(findings) else 0
+
+
 def cmd_plan(args) -> int:
     from tfllm.plan.measured import MeasureError
     from tfllm.plan.planner import PlanError, format_plan, plan
@@ -235,6 +246,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--warmup", type=int, default=3, help="Untimed steps first.")
     p.add_argument("--repeats", type=int, default=1, help="Repeat the timed steps.")
     p.set_defaults(fn=cmd_bench)
+    p = sub.add_parser("doctor", help="Check this host's GPUs, driver, CUDA libraries and "
+                       "TensorFlow build for a run of --config (exit 2 on an error).")
+    _common(p)
+    p.set_defaults(fn=cmd_doctor)
     p = sub.add_parser("plan", help="Compile the train step for a GPU target (no GPU "
                        "needed); print memory, kernels and a step-time estimate.")
     _common(p)

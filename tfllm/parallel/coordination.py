@@ -50,6 +50,24 @@ def check_same_config(config_dict: dict) -> None:
             "start every worker with the same --config and --set arguments.")
 
 
+def check_same_devices(device_type: str, local_devices: int) -> None:
+    """Raises `ClientMismatchError` unless every client has client 0's kind and number of
+    devices: a client that fell back to the CPU (its CUDA libraries failed to load) or
+    sees fewer GPUs would otherwise build a mesh that hangs at the first collective."""
+    if num_clients() == 1:
+        return
+    ctx = _context()
+    mine = f"{device_type}:{local_devices}"
+    ctx.set_config_key_value(f"tfllm/devices/{client_id()}", mine)
+    theirs = ctx.get_config_key_value("tfllm/devices/0")
+    if theirs != mine:
+        kind, count = theirs.split(":")
+        raise ClientMismatchError(
+            f"client 0 has {count} {kind} device(s), client {client_id()} has "
+            f"{local_devices} {device_type} device(s); run `tfllm doctor` on client "
+            f"{client_id()}'s host (and give every worker the same GPUs).")
+
+
 def any_client(flag: bool, step: int) -> bool:
     """Whether `flag` is set on any client at `step` (a blocking exchange).
 

@@ -158,6 +158,33 @@ def device_type(requested: str = "auto") -> str:
     return requested
 
 
+def check_gpus(requested: str, precision_policy: str, facts=None, out=None) -> list:
+    """The GPU start-up checks (`tfllm.parallel.gpu_checks`) for a run: raises `MeshError`
+    with the first error's line, prints warnings, returns the findings. Skipped (returns
+    []) on CPU meshes and on `auto` hosts without nvidia-smi.
+
+    Args:
+      requested: mesh.device_type.
+      precision_policy: precision.policy (FP8 needs compute capability 8.9+).
+      facts: `gpu_checks.HostFacts` (default: read from this host).
+      out: where warnings go (default stderr).
+    """
+    import sys
+    from tfllm.parallel import gpu_checks
+    if facts is None:
+        if not gpu_checks.wanted(requested):
+            return []
+        facts = gpu_checks.gather()
+    findings = gpu_checks.check(facts, precision_policy, requested)
+    error = gpu_checks.first_error(findings)
+    if error:
+        raise MeshError(error + " (`tfllm doctor` checks the host)")
+    for f in findings:
+        if f.level == "warning":
+            print(f"tfllm: warning: {f.message}", file=out or sys.stderr, flush=True)
+    return findings
+
+
 def setup_cpu_devices(count: int) -> int:
     """Splits the host CPU into `count` logical devices if TF is not yet initialized.
 

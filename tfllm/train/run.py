@@ -13,7 +13,7 @@ from typing import Optional
 
 from tfllm.parallel import make_parallel
 from tfllm.parallel import rules as rules_lib
-from tfllm.parallel.mesh import check_batch
+from tfllm.parallel.mesh import check_batch, check_gpus
 from tfllm.train import hlo_dump
 from tfllm.train.evaluate import Evaluator
 from tfllm.train.state import build_train_state
@@ -41,13 +41,19 @@ class Run:
         self.config = config
         self.workdir = workdir
         t, d = config.train, config.data
+        # A GPU host is checked first: a driver too old for TensorFlow's PTX, CUDA
+        # libraries that fail to load (TensorFlow would fall back to the CPU without a
+        # word), FP8 without FP8 tensor cores (tfllm.parallel.gpu_checks).
+        check_gpus(config.mesh.device_type, config.precision.policy)
         # The mesh first: splitting the CPU into logical devices must happen before
         # anything (tf.data, tokenizer ops) initializes TensorFlow.
         self.parallel = make_parallel(config)
         self._announce_ready()
         from tfllm.config.loader import to_dict
-        from tfllm.parallel.coordination import check_same_config
+        from tfllm.parallel.coordination import check_same_config, check_same_devices
         check_same_config(to_dict(config))  # before any collective can hang on a mismatch
+        check_same_devices(self.parallel.device_type,
+                           len(self.parallel.mesh.local_devices()))
         self.tokenizer = None
         if with_data and d.source != "synthetic":
             from tfllm.data.tokenizer import load_tokenizer
