@@ -63,3 +63,23 @@ def test_collective_errors_name_the_peer():
     assert line == ("client 1 stopped responding (its connection failed in a collective) "
                     "while client 0 was at step 41; the latest committed checkpoint is step "
                     "40. Exiting with code 76: restart the job to resume.")
+
+
+def test_reads_grow_with_the_client_count_and_client_0_hands_on_its_verdict(tmp_path):
+    (tmp_path / "logs").mkdir()
+    # Client 0 reads the 63 others; every other client reads client 0 alone: 126 reads per
+    # interval for 64 clients instead of 64 * 63.
+    assert PeerWatchdog(str(tmp_path), 0, 64, 10.0).watched() == list(range(1, 64))
+    assert PeerWatchdog(str(tmp_path), 5, 64, 10.0).watched() == [0]
+    # A stale verdict from an earlier attempt (there when client 3 starts) is ignored ...
+    with open(heartbeat_path(str(tmp_path), 0), "w") as f:
+        json.dump({"client": 0, "beat": 9, "done": False, "lost": {"peer": 1, "silent_s": 30}}, f)
+    w = PeerWatchdog(str(tmp_path), 3, 4, timeout_s=10.0)
+    w._seen = {0: (open(heartbeat_path(str(tmp_path), 0)).read(), 0.0)}
+    assert w.lost_peer(1.0) is None
+    # ... a new one is taken at once: every client names the peer client 0 found.
+    exits, out = [], io.StringIO()
+    zero = PeerWatchdog(str(tmp_path), 0, 4, timeout_s=10.0, exit=exits.append, out=out)
+    zero._verdict = (2, 12.5)
+    zero._write(done=False)
+    assert w.lost_peer(2.0) == (2, 12.5)

@@ -4,9 +4,13 @@ When a client of a DTensor multi-client job dies (crash, SIGKILL, a lost host) o
 (SIGSTOP, a wedged driver), the others block in their next collective, on CPU for ever
 (measured: a survivor still waiting 9 minutes after its peer was SIGKILLed). Each client
 therefore writes a heartbeat, `WORKDIR/logs/heartbeat.N` (the workdir is shared, as the
-checkpoints require), every few seconds from a thread, and watches the others': a peer
-whose heartbeat has not changed for `train.peer_timeout_s` seconds, as seen by this
-client's own clock (hosts' clocks may disagree), is lost. The client then prints one line
+checkpoints require), every few seconds from a thread. Client 0 watches every other
+client's heartbeat; the others watch client 0's only, so the reads per interval grow with
+the client count, not with its square. A peer whose heartbeat has not changed for
+`train.peer_timeout_s` seconds, as seen by the watcher's own clock (hosts' clocks may
+disagree), is lost. Client 0 then writes the verdict into its own heartbeat ("lost":
+peer and silence) before it leaves, so every client names the same lost peer within one
+interval; a lost client 0 is seen by all the others. The client then prints one line
 naming the peer, its own step and the latest committed checkpoint, and exits with
 `PEER_LOST_EXIT_CODE` at once: its main thread is blocked inside a collective, where no
 exception could reach it.
@@ -85,6 +89,7 @@ class PeerWatchdog:
         self.step = 0
         self._beat = 0
         self._stop = threading.Event()
+        self._verdict: Optional[Tuple[int, float]] = None
         self._thread = threading.Thread(target=self._run, name="tfllm-peer-watchdog",
                                         daemon=True)
         # peer -> (last heartbeat content seen, our monotonic time when it last changed)
@@ -93,10 +98,16 @@ class PeerWatchdog:
     def start(self) -> "PeerWatchdog":
         os.makedirs(os.path.join(self.workdir, "logs"), exist_ok=True)
         now = time.monotonic()
-        self._seen = {p: (self._read(p), now) for p in range(self.clients) if p != self.client}
+        self._seen = {p: (self._read(p), now) for p in self.watched()}
         self._write(done=False)
         self._thread.start()
         return self
+
+    def watched(self) -> list:
+        """The clients whose heartbeats this one reads: all others on client 0, else 0."""
+        if self.client == 0:
+            return [p for p in range(1, self.clients)]
+        return [0]
 
     def stop(self) -> None:
         """This client is finishing normally: peers must not take its silence for a loss."""
@@ -111,6 +122,8 @@ class PeerWatchdog:
         path = heartbeat_path(self.workdir, self.client)
         record = {"client": self.client, "beat": self._beat, "step": self.step, "done": done,
                   "pid": os.getpid()}
+        if self._verdict is not None:
+            record["lost"] = {"peer": self._verdict[0], "silent_s": self._verdict[1]}
         try:
             with open(path + ".tmp", "w") as f:
                 json.dump(record, f)
@@ -130,6 +143,9 @@ class PeerWatchdog:
             self._write(done=False)
             lost = self.lost_peer(time.monotonic())
             if lost is not None:
+                if self.client == 0:
+                    self._verdict = lost
+                    self._write(done=False)  # the others read the verdict from here
                 self._report(*lost)
                 return
 
@@ -141,6 +157,9 @@ class PeerWatchdog:
             if current != content:
                 self._seen[peer] = (current, now)
                 changed = now
+                verdict = _verdict(current)
+                if verdict is not None:  # client 0 found a lost peer (since we started)
+                    return verdict
             if current is not None and _done(current):
                 continue  # it finished (or stopped after a checkpoint): not lost
             silent = now - changed
@@ -167,3 +186,12 @@ def _done(content: str) -> bool:
         return bool(json.loads(content).get("done"))
     except (ValueError, AttributeError):
         return False
+
+
+def _verdict(content: Optional[str]) -> Optional[Tuple[int, float]]:
+    """(peer, silence) of the loss client 0 wrote into its heartbeat, or None."""
+    try:
+        lost = json.loads(content or "").get("lost")
+        return (int(lost["peer"]), float(lost["silent_s"])) if lost else None
+    except (ValueError, AttributeError, KeyError, TypeError):
+        return None
