@@ -1,6 +1,7 @@
 """Inside tfllm under the launcher: restart-and-resume, and mismatched client configs."""
 
 import json
+import re
 import os
 import signal
 import subprocess
@@ -80,3 +81,30 @@ def test_clients_with_different_configs_are_reported(tmp_path):
             kill_group(p)
     assert procs[1].returncode == 2, out1[-3000:]
     assert "train.steps: client 0 has 10, client 1 has 11" in out1
+
+
+@pytest.mark.multiprocess
+@pytest.mark.slow
+def test_a_signal_to_one_client_stops_every_client_at_the_same_step(tmp_path):
+    # Only rank 1 gets SIGTERM (not through the launcher): the clients' vote at each step
+    # boundary (one all-reduce over the mesh) makes both save the same step and exit 75.
+    workdir = tmp_path / "run"
+    proc = start(["--mode", "local", "--num-workers", "2", "--kill-timeout", "5",
+                  "--startup-timeout", str(TIMEOUT_S), "--", *_train_cmd(workdir)])
+    try:
+        deadline = time.monotonic() + TIMEOUT_S
+        while time.monotonic() < deadline and max(_steps(workdir), default=0) < 3:
+            assert proc.poll() is None, proc.communicate()
+            time.sleep(0.1)
+        pids = dict(line.split() for line in (workdir / "logs" / "pids").read_text().splitlines())
+        os.kill(int(pids["1"]), signal.SIGTERM)
+        out, err = proc.communicate(timeout=TIMEOUT_S)
+    finally:
+        kill_group(proc)
+        kill_workers(workdir / "logs")
+    assert_no_leftovers(tmp_path)
+    assert proc.returncode == 75, (out[-3000:], err[-3000:])
+    logs = [(workdir / "logs" / "rank_0.log").read_text(),
+            (workdir / "logs" / "rank_1.log").read_text()]
+    stopped = [re.findall(r"checkpoint of step (\d+) is saved", log) for log in logs]
+    assert stopped[0] and stopped[0] == stopped[1], logs

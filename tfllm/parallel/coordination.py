@@ -68,15 +68,25 @@ def check_same_devices(device_type: str, local_devices: int) -> None:
             f"{client_id()}'s host (and give every worker the same GPUs).")
 
 
-def any_client(flag: bool, step: int) -> bool:
+def any_client(flag: bool, step: int, mesh=None) -> bool:
     """Whether `flag` is set on any client at `step` (a blocking exchange).
 
     Used for preemption: a signal may reach the clients at different steps, so they
     agree at each step boundary whether anyone wants to stop, and all stop together.
+
+    Args:
+      flag: this client's vote.
+      step: the step boundary (names the key-value exchange).
+      mesh: the run's DTensor mesh: the vote is then one all-reduce (max) of one value
+        per device over the mesh, NCCL's on GPUs. Without it, every client writes a key
+        and reads every other client's from the coordination service: clients-squared
+        requests to one server per step.
     """
     n = num_clients()
     if n == 1:
         return flag
+    if mesh is not None:
+        return _any_on_mesh(flag, mesh)
     ctx = _context()
     ctx.set_config_key_value(f"tfllm/stop/{step}/{client_id()}", "1" if flag else "0")
     votes = [ctx.get_config_key_value(f"tfllm/stop/{step}/{i}") for i in range(n)]
@@ -86,6 +96,24 @@ def any_client(flag: bool, step: int) -> bool:
         except Exception:  # noqa: BLE001  (a missing key is harmless)
             pass
     return "1" in votes
+
+
+_VOTES = {}
+
+
+def _any_on_mesh(flag: bool, mesh) -> bool:
+    import tensorflow as tf
+    from tensorflow.experimental import dtensor
+    if mesh not in _VOTES:
+        # One value per device: a tensor with a dimension per mesh axis, each split over
+        # its axis (DTensor allows one mesh axis per dimension); the max over it is one
+        # all-reduce, the same compiled function at every step.
+        layout = dtensor.Layout(list(mesh.dim_names), mesh)
+        _VOTES[mesh] = (layout, tf.function(tf.reduce_max))
+    layout, vote = _VOTES[mesh]
+    local = tf.fill([1] * layout.rank, 1.0 if flag else 0.0)
+    votes = dtensor.pack([local] * len(mesh.local_devices()), layout)
+    return bool(dtensor.unpack(vote(votes))[0].numpy() > 0.5)
 
 
 def barrier(name: str) -> None:

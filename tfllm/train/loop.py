@@ -98,6 +98,7 @@ def _train(config, workdir, model_cls, out, signals, watchdog: list) -> dict:
     check_workdir(workdir, config, has_checkpoint, imported)
     # bad data or tokenizer settings fail here
     run = Run(config, model_cls, workdir, capture_hlo=True)
+    signals.reinstall()  # after the mesh: TensorFlow's multi-client start takes SIGTERM
     checkpointer = Checkpointer(ckpt_dir, run.parallel, config.checkpoint)
     if num_clients() > 1 and t.peer_timeout_s > 0:  # from here a lost peer is reported
         watchdog.append(PeerWatchdog(workdir, client_id(), num_clients(), t.peer_timeout_s,
@@ -196,7 +197,7 @@ def _train(config, workdir, model_cls, out, signals, watchdog: list) -> dict:
                 outputs.record(record, run.model)
                 last = record
             progress.update(number, {**values, **(record or {})}, tps, eta, logged)
-            stop = any_client(signals.requested, number)
+            stop = any_client(signals.requested, number, run.parallel.mesh)
             if stop or (config.checkpoint.every and number % config.checkpoint.every == 0
                         and number != t.steps):
                 checkpointer.save(number, run.state_variables(), _meta(config, number),

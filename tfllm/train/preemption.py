@@ -60,6 +60,14 @@ class SignalWatcher:
                 pass
         return self
 
+    def reinstall(self) -> None:
+        """Takes SIGTERM back after TensorFlow's multi-client start-up: its coordination
+        service installs its own SIGTERM handler (the preemption notifier of
+        tsl/distributed_runtime/preemption), which swallowed the signal, so a client
+        that alone was asked to stop trained on to the end."""
+        for sig in self._previous:
+            signal.signal(sig, self._handle)
+
     def __exit__(self, *exc):
         for sig, handler in self._previous.items():
             signal.signal(sig, handler)
