@@ -104,3 +104,23 @@ def test_indivisible_heads_fail_before_allocating():
                                             r"\('kv_heads', size 4\) is not divisible by mesh "
                                             r"axis 'model' \(size 8\)"):
         build_model(cfg, make_parallel(cfg))
+
+
+def test_a_replicated_value_is_copied_to_the_host_from_one_device(monkeypatch):
+    # A step's metrics are replicated scalars: reading every local device's copy cost one
+    # device-to-host transfer per metric per device at every step.
+    from types import SimpleNamespace
+    from tfllm.parallel import placement
+    copies = []
+
+    class Part:
+        def numpy(self):
+            copies.append(1)
+            return np.float32(2.5)
+
+    fake = SimpleNamespace(
+        is_dtensor=lambda x: True, UNSHARDED=placement.dtensor.UNSHARDED,
+        fetch_layout=lambda x: SimpleNamespace(sharding_specs=[]),
+        unpack=lambda x: [Part() for _ in range(8)])
+    monkeypatch.setattr(placement, "dtensor", fake)
+    assert placement.to_numpy(object()) == 2.5 and copies == [1]
