@@ -42,7 +42,10 @@ def test_export_describes_every_parameter_and_output(tmp_path, policy):
 
 @pytest.mark.slow
 @pytest.mark.skipif(not HAVE_JAX, reason="jax/jaxlib not installed (pip install jax)")
-@pytest.mark.parametrize("policy", ["float32", "bfloat16"])
+# float32 only: it compares every output to 1e-3. A bfloat16 case compared only the loss,
+# to 1e-2, and was CI's slowest test (176 s: bf16 is emulated on CPU); the bf16 export is
+# what benchmarks/gpu/run_step.py times whenever a GPU is lent.
+@pytest.mark.parametrize("policy", ["float32"])
 def test_jaxlib_runs_the_exported_step_like_tensorflow(tmp_path, policy):
     cfg = load_config(None, tiny_overrides("gpt", **{"precision.policy": policy,
                                                      "model.num_layers": 1}))
