@@ -155,6 +155,19 @@ def state_only(model, mesh, devices):
             "gather_buffers_gib": buffers / 2**30}
 
 
+def _axis(mesh: str, name: str) -> int:
+    """The size of axis `name` in a mesh string such as 'fsdp=4, model=2 (...)'."""
+    for part in mesh.split(" (")[0].split(","):
+        key, _, size = part.strip().partition("=")
+        if key == name:
+            return int(size)
+    return 1
+
+
+def _devices(mesh: str) -> int:
+    return _axis(mesh, "data") * _axis(mesh, "fsdp") * _axis(mesh, "model")
+
+
 def write_markdown(results, path):
     """The tables of h100_plan.md from the results JSON."""
     gib = lambda x: f"{x:.1f}"
@@ -197,8 +210,12 @@ def write_markdown(results, path):
                    f"{'yes' if r['fits'] else 'no'} | {r['gemm_calls']:.0f} | "
                    f"{r['fp8_gemm_calls']:.0f} | {1e3 * r['estimated_step_s']:.1f} | "
                    f"{100 * r['estimated_mfu']:.0f}% | {r['compile_s']:.0f} |")
-    if results.get("mesh_rows"):
-        out += ["", "## llama-7b on 8 H100s (per device; sharded plans are estimates)", "",
+    for model in sorted({r.get("model", "llama-7b") for r in results.get("mesh_rows", [])},
+                        key=lambda m: (len(m), m)):
+        rows = [r for r in results["mesh_rows"] if r.get("model", "llama-7b") == model]
+        gpus = sorted({_devices(r["mesh"]) for r in rows})
+        out += ["", f"## {model} on {' or '.join(map(str, gpus))} H100s (per device; sharded "
+                "plans are estimates)", "",
                 "Memory: the "
                 "per-device program compiled for the H100 with its state replaced by the "
                 "layout's exact bytes, plus FSDP's gather buffers where measured; "
@@ -209,11 +226,10 @@ def write_markdown(results, path):
                 "| mesh | policy | global batch (sequences per device) | memory GiB | fits | "
                 "state GiB (args) | temp GiB | "
                 "collectives GB/device/step | basis (assumed GB) | est. step ms | "
-                "est. tokens/s (8 GPUs) | est. MFU |",
+                "est. tokens/s (all GPUs) | est. MFU |",
                 "|---|---|---|---|---|---|---|---|---|---|---|---|"]
-        for r in results["mesh_rows"]:
-            shards = 8 // (2 if "model=2" in r["mesh"] else 8 if "model=8" in r["mesh"]
-                           else 1)
+        for r in rows:
+            shards = _devices(r["mesh"]) // _axis(r["mesh"], "model")
             out.append(f"| {r['mesh'].split(' (')[0]} | {r['policy']} | "
                        f"{r['batch']} ({r['batch'] // shards}) | "
                        f"{gib(r['total_gib'])} | {'yes' if r['fits'] else 'no'} | "
@@ -265,6 +281,9 @@ def main():
                         help="Keep the model/policy results already in OUT.json.")
     parser.add_argument("--seq-sweep-only", action="store_true",
                         help="Add the gpt2-small sequence sweep to OUT.json and OUT.md.")
+    parser.add_argument("--replan-assumed", action="store_true",
+                        help="With --resume: plan again the mesh rows whose collectives "
+                             "were assumed (the ring formula), measuring them.")
     parser.add_argument("--markdown-only", action="store_true",
                         help="Rewrite OUT.md from OUT.json without compiling.")
     args = parser.parse_args()
@@ -302,23 +321,30 @@ def main():
             results["rows"] += rows
             results["largest_batch"][f"{model}/{policy}"] = best
             save()
-    # MESH or MESH@GLOBAL_BATCH (default 32: 4 sequences per device over 8)
-    done_meshes = {(r["mesh"].split(" (")[0].replace(" ", ""), r["policy"], r["batch"])
-                   for r in results["mesh_rows"]}
+    if args.replan_assumed:  # rows planned before collectives could be measured
+        results["mesh_rows"] = [r for r in results["mesh_rows"]
+                                if r.get("collectives_basis", "").startswith("measured")]
+    # [MODEL:]MESH[@GLOBAL_BATCH] (default llama-7b; batch 32: 4 sequences per device over 8)
+    done_meshes = {(r.get("model", "llama-7b"), r["mesh"].split(" (")[0].replace(" ", ""),
+                    r["policy"], r["batch"]) for r in results["mesh_rows"]}
     for entry in filter(None, args.meshes.split(";")):
+        model, _, entry = entry.rpartition(":")
+        model = model or "llama-7b"
         mesh, _, batch = entry.partition("@")
         batch = int(batch or 32)
         for policy in args.policies.split(","):
-            if (mesh, policy, batch) in done_meshes:
+            if (model, mesh, policy, batch) in done_meshes:
                 continue
-            p = plan("llama-7b", policy, batch, mesh)
-            results["mesh_rows"].append(row("llama-7b", policy, batch, p))
+            p = plan(model, policy, batch, mesh)
+            results["mesh_rows"].append(row(model, policy, batch, p))
             log(results["mesh_rows"][-1])
             save()
     if not results.get("extrapolation"):
         results["extrapolation"] = [extrapolation_check(m, log) for m in
                                     filter(None, args.check_extrapolation.split(","))]
-    meshes = sorted({e.partition("@")[0] for e in filter(None, args.meshes.split(";"))})
+    meshes = sorted({e.rpartition(":")[2].partition("@")[0]
+                     for e in filter(None, args.meshes.split(";"))
+                     if _devices(e.rpartition(":")[2].partition("@")[0]) == 8})
     results["state_only"] = [state_only(m, mesh, 8) for m in ("llama-7b", "llama-70b")
                              for mesh in meshes]
     results["jax"] = importlib.metadata.version("jax")
