@@ -1,6 +1,7 @@
 """Running launch/multiworker.sh from tests: hard timeouts, process-group cleanup."""
 
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -75,3 +76,37 @@ def kill_workers(log_dir):
             os.killpg(int(line.split()[1]), signal.SIGKILL)
         except (ProcessLookupError, PermissionError, ValueError, IndexError):
             pass
+
+
+FAKE_NVIDIA_SMI = """#!/bin/sh
+# A stand-in for nvidia-smi: records who asked (a remote worker has its DTENSOR_CLIENT_ID
+# exported before its host's setup runs; the launcher has none), lists {gpus} GPUs
+# (FAKE_GPUS, when a test's host sets it, instead).
+echo "${{DTENSOR_CLIENT_ID-launcher}}" >> "$(dirname "$0")/nvidia-smi.calls"
+[ "$1" = "-L" ] || exit 1
+[ "${{FAKE_GPUS:-{gpus}}}" -gt 0 ] || {{ echo "No devices were found"; exit 6; }}
+i=0
+while [ "$i" -lt "${{FAKE_GPUS:-{gpus}}}" ]; do
+  echo "GPU $i: NVIDIA H100 80GB HBM3 (UUID: GPU-fake-$i)"
+  echo "  MIG 1g.10gb     Device  0: (UUID: MIG-fake-$i)"
+  i=$((i + 1))
+done
+"""
+
+
+def fake_gpu_host(directory, gpus=None):
+    """A bin directory for PATH with `nvidia-smi` listing `gpus` GPUs (None: no nvidia-smi)
+    and the few tools the launcher's host-side shell uses, so that the real host's
+    nvidia-smi (on a GPU machine) cannot leak in. Returns (bin dir, calls file)."""
+    bin_dir = os.path.join(str(directory), f"bin-{gpus}")
+    os.makedirs(bin_dir, exist_ok=True)
+    for tool in ("grep", "uname", "dirname", "sh"):
+        link = os.path.join(bin_dir, tool)
+        if not os.path.exists(link):
+            os.symlink(shutil.which(tool), link)
+    if gpus is not None:
+        path = os.path.join(bin_dir, "nvidia-smi")
+        with open(path, "w") as f:
+            f.write(FAKE_NVIDIA_SMI.format(gpus=gpus))
+        os.chmod(path, 0o755)
+    return bin_dir, os.path.join(bin_dir, "nvidia-smi.calls")

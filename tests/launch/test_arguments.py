@@ -53,6 +53,18 @@ def _hostfile(tmp_path, text):
     (["--mode", "env", "--rank", "0", "--world-size", "2", *CMD], {}, "--mode env needs the hosts"),
     (["--mode", "env", "--rank", "0", "--world-size", "4", "--hosts", "a,b,c", *CMD], {},
      "--hosts has 3 entries"),
+    (["--mode", "local", "--num-workers", "2", "--device", "tpu", *CMD], {},
+     "--device 'tpu' is unknown"),
+    # --per-gpu never leaves an inherited CUDA_VISIBLE_DEVICES.
+    (["--mode", "local", "--num-workers", "3", "--per-gpu", *CMD],
+     {"CUDA_VISIBLE_DEVICES": "3,5"}, "--per-gpu: 3 workers per host but "
+     "CUDA_VISIBLE_DEVICES='3,5' lists 2 GPU(s); start at most 2 per host (--num-workers)"),
+    (["--mode", "local", "--per-gpu", *CMD], {"CUDA_VISIBLE_DEVICES": ""},
+     "--num-workers is required"),  # an empty list hides every GPU: none to count
+    (["--mode", "slurm", "--per-gpu", *CMD], {"SLURM_PROCID": "0", "SLURM_NTASKS": "4",
+                                              "SLURM_JOB_NODELIST": "n1",
+                                              "CUDA_VISIBLE_DEVICES": "0,1"},
+     "start at most 2 per host (srun --ntasks-per-node)"),
 ])
 def test_bad_arguments_exit_2_naming_the_option(tmp_path, args, env, expected):
     log_dir = tmp_path / "logs"

@@ -5,7 +5,10 @@ import re
 
 import pytest
 
-from tests.launch.helpers import PY, assert_no_leftovers, kill_workers, launcher_env, run
+import os
+
+from tests.launch.helpers import (PY, assert_no_leftovers, fake_gpu_host, kill_workers,
+                                  launcher_env, run)
 
 
 def _dry_run(args, **env):
@@ -16,7 +19,14 @@ def _dry_run(args, **env):
     for block in re.split(r"^rank ", out, flags=re.M)[1:]:
         rank = int(block.split()[0])
         ranks[rank] = dict(re.findall(r"^  ([A-Z_]+)=(.*)$", block, re.M))
+        ranks[rank]["on host"] = re.findall(r"^  on \S+: (.*)$", block, re.M)
     return ranks
+
+
+def _gpu_path(tmp_path, gpus):
+    """PATH with a fake nvidia-smi listing `gpus` GPUs first; and its calls file."""
+    bin_dir, calls = fake_gpu_host(tmp_path, gpus)
+    return f"{bin_dir}:{os.environ['PATH']}", calls
 
 
 def test_expand_nodelist_without_scontrol():
@@ -44,7 +54,53 @@ def test_slurm_one_task_per_node_uses_job_nodelist():
                      SLURM_PROCID="2", SLURM_NTASKS="3", SLURM_JOB_NODELIST="c[7-9]")
     assert ranks[2]["DTENSOR_JOBS"] == "c7:4000,c8:4000,c9:4000"
     assert "CUDA_VISIBLE_DEVICES" not in ranks[2]
-    assert "DTENSOR_GPU_USE_NCCL_COMMUNICATION" not in ranks[2]
+    assert ranks[2]["DTENSOR_GPU_USE_NCCL_COMMUNICATION"] == "0"  # --device cpu: NCCL off
+
+
+@pytest.mark.parametrize("mode_args, env", [
+    (["--mode", "local", "--num-workers", "2"], {}),
+    (["--mode", "slurm"], {"SLURM_PROCID": "1", "SLURM_NTASKS": "2",
+                           "SLURM_JOB_NODELIST": "n[1-2]"}),
+    (["--mode", "env", "--rank", "0", "--world-size", "2", "--hosts", "a,b"], {}),
+], ids=["local", "slurm", "env"])
+@pytest.mark.parametrize("gpus", [0, 2])
+def test_auto_counts_gpus_where_the_workers_run(tmp_path, mode_args, env, gpus):
+    # local/slurm/env: the launcher runs on its workers' host (an srun task, a pod).
+    path, calls = _gpu_path(tmp_path, gpus)
+    ranks = _dry_run(mode_args, PATH=path, **env)
+    for e in ranks.values():
+        assert e["TFLLM_DEVICE"] == "auto"
+        assert e.get("DTENSOR_GPU_USE_NCCL_COMMUNICATION") == ("1" if gpus else None)
+    assert open(calls).read().split() == ["launcher"]  # asked once, whatever the ranks
+
+
+@pytest.mark.parametrize("gpus", [0, 8])
+def test_hostfile_auto_never_asks_the_launchers_host(tmp_path, gpus):
+    path, calls = _gpu_path(tmp_path, gpus)
+    hosts = tmp_path / "hosts"
+    hosts.write_text("nodeA\nnodeB\n")
+    ranks = _dry_run(["--mode", "hostfile", "--hostfile", str(hosts)], PATH=path)
+    for e in ranks.values():
+        # Neither a GPU login node nor one without GPUs decides for the workers: each
+        # remote host runs the probe before the command.
+        assert "DTENSOR_GPU_USE_NCCL_COMMUNICATION" not in e and e["TFLLM_DEVICE"] == "auto"
+        assert len(e["on host"]) == 1 and "nvidia-smi -L" in e["on host"][0]
+    assert not os.path.exists(calls)
+
+
+def test_local_per_gpu_counts_the_visible_gpus(tmp_path):
+    path, _ = _gpu_path(tmp_path, 8)
+    ranks = _dry_run(["--mode", "local", "--per-gpu"], PATH=path, CUDA_VISIBLE_DEVICES="3,5")
+    assert [ranks[r]["CUDA_VISIBLE_DEVICES"] for r in sorted(ranks)] == ["3", "5"]
+    assert all(e["DTENSOR_GPU_USE_NCCL_COMMUNICATION"] == "1" for e in ranks.values())
+
+
+def test_the_users_nccl_setting_is_kept(tmp_path):
+    path, calls = _gpu_path(tmp_path, 8)
+    ranks = _dry_run(["--mode", "local", "--num-workers", "1", "--device", "gpu"], PATH=path,
+                     DTENSOR_GPU_USE_NCCL_COMMUNICATION="0")
+    assert ranks[0]["DTENSOR_GPU_USE_NCCL_COMMUNICATION"] == "0"
+    assert not os.path.exists(calls)
 
 
 @pytest.mark.parametrize("args, env, rank, jobs", [
@@ -67,15 +123,23 @@ def test_hostfile_per_gpu_dry_run(tmp_path):
     hosts = tmp_path / "hosts"
     hosts.write_text("# two nodes\nnodeA\n\nnodeB slots=2  # trailing comment\n")
     ranks = _dry_run(["--mode", "hostfile", "--hostfile", str(hosts), "--per-gpu",
-                      "--gpus-per-host", "2"])
+                      "--gpus-per-host", "2"], CUDA_VISIBLE_DEVICES="6,7")
     assert sorted(ranks) == [0, 1, 2, 3]
     assert ranks[3]["DTENSOR_JOBS"] == "nodeA:9991,nodeA:9992,nodeB:9991,nodeB:9992"
-    assert [ranks[r]["CUDA_VISIBLE_DEVICES"] for r in range(4)] == ["0", "1", "0", "1"]
+    # Each remote host picks its GPU (from its own CUDA_VISIBLE_DEVICES, else the slot);
+    # this host's "6,7" is not theirs.
+    for rank, slot in enumerate([0, 1, 0, 1]):
+        assert "CUDA_VISIBLE_DEVICES" not in ranks[rank]
+        assert ranks[rank]["DTENSOR_GPU_USE_NCCL_COMMUNICATION"] == "1"  # --per-gpu: gpu
+        (setup,) = ranks[rank]["on host"]
+        assert f"shift {slot}; g=$1;" in setup and "6,7" not in setup
 
 
 FAKE_SSH = """#!/bin/bash
-# A stand-in for ssh: records the host, runs the remote script here.
+# A stand-in for ssh: records the host, runs the remote script here, in the host's own
+# environment when the test wrote one (env.HOST, e.g. its CUDA_VISIBLE_DEVICES).
 echo "$1" >> "$(dirname "$0")/ssh_hosts"
+if [ -f "$(dirname "$0")/env.$1" ]; then set -a; . "$(dirname "$0")/env.$1"; set +a; fi
 exec bash -c "$2"
 """
 
@@ -147,4 +211,66 @@ def test_hostfile_readiness_by_key(tmp_path):
         assert "workers ready after" in err
     finally:
         kill_workers(log_dir)
+    assert_no_leftovers(tmp_path)
+
+
+GPU_ENV = ("import os; e = os.environ; print('on mesh [x]', e['DTENSOR_CLIENT_ID'], "
+           "e.get('DTENSOR_GPU_USE_NCCL_COMMUNICATION'), e.get('CUDA_VISIBLE_DEVICES'))")
+
+
+def _fake_cluster(tmp_path, host_envs):
+    ssh = tmp_path / "fake_ssh"
+    ssh.write_text(FAKE_SSH)
+    ssh.chmod(0o755)
+    for host, text in host_envs.items():
+        (tmp_path / f"env.{host}").write_text(text)
+    hosts = tmp_path / "hosts"
+    hosts.write_text("".join(f"{h}\n" for h in host_envs))
+    return ["--mode", "hostfile", "--hostfile", str(hosts), "--ssh", f"bash {ssh}",
+            "--log-dir", str(tmp_path / "logs"), "--port", "20000"]
+
+
+@pytest.mark.multiprocess
+def test_hostfile_auto_probes_each_remote_host(tmp_path):
+    """A GPU host gets NCCL and a CPU host does not, whatever the launcher's host has."""
+    path, calls = _gpu_path(tmp_path, 2)  # the launcher's host: 2 GPUs, never asked
+    args = _fake_cluster(tmp_path, {"gpuhost": "", "cpuhost": "FAKE_GPUS=0\n"})
+    try:
+        code, out, err = run([*args, "--", PY, "-c", GPU_ENV], timeout=60,
+                             env=launcher_env(PATH=path), cwd=str(tmp_path))
+        assert code == 0, err
+        assert "[rank 0] on mesh [x] 0 1 None" in out, out
+        assert "[rank 1] on mesh [x] 1 None None" in out, out
+        assert sorted(open(calls).read().split()) == ["0", "1"]  # the workers', not ours
+    finally:
+        kill_workers(tmp_path / "logs")
+    assert_no_leftovers(tmp_path)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("host_envs, gpus", [
+    ({"listed": "CUDA_VISIBLE_DEVICES=2,3\n", "unlisted": "unset CUDA_VISIBLE_DEVICES\n"},
+     ["2", "3", "0", "1"]),
+    ({"small": "CUDA_VISIBLE_DEVICES=4\n"}, None),  # one GPU for two workers
+])
+def test_hostfile_per_gpu_picks_within_each_hosts_list(tmp_path, host_envs, gpus):
+    path, _ = _gpu_path(tmp_path, 2)
+    args = _fake_cluster(tmp_path, host_envs)
+    try:
+        # The launcher's own list (6,7) belongs to this host and is used nowhere.
+        code, out, err = run([*args, "--per-gpu", "--gpus-per-host", "2", "--", PY, "-c",
+                              GPU_ENV], timeout=60, cwd=str(tmp_path),
+                             env=launcher_env(PATH=path, CUDA_VISIBLE_DEVICES="6,7"))
+        if gpus is None:
+            assert code == 2, err  # the host's one-line error, passed on
+            assert re.search(r"\[rank [01]\] --per-gpu: 2 workers per host "
+                             r"\(--gpus-per-host\) but CUDA_VISIBLE_DEVICES=4 on \S+ lists "
+                             r"1 GPU\(s\); lower --gpus-per-host", out), out
+            assert "on mesh" not in out  # nothing started there
+            return
+        assert code == 0, err
+        for rank, gpu in enumerate(gpus):
+            assert f"[rank {rank}] on mesh [x] {rank} 1 {gpu}" in out, out
+    finally:
+        kill_workers(tmp_path / "logs")
     assert_no_leftovers(tmp_path)

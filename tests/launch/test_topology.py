@@ -1,10 +1,13 @@
 """Who runs where, as pure functions: no processes, no TF (tfllm.launch.topology)."""
 
 import io
+import re
+import shlex
 
 import pytest
 
 from tfllm.launch import topology as topo
+from tfllm.launch.device import NCCL_ENV as NCCL, NCCL_PROBE_SH
 from tfllm.launch.main import make_plan, parse
 from tfllm.launch.topology import LaunchError
 
@@ -31,6 +34,10 @@ def test_tasks_per_node():
         topo.expand_tasks_per_node("2x3")
 
 
+def _never():
+    raise AssertionError("counted GPUs on the launcher's host")
+
+
 SLURM = {"SLURM_NTASKS": "4", "SLURM_STEP_NODELIST": "n[1-2]",
          "SLURM_STEP_TASKS_PER_NODE": "2(x2)"}
 
@@ -54,6 +61,8 @@ def test_slurm_job_nodelist_one_task_per_node():
     (spec,) = topo.worker_specs(t, topo.fixed_ports(t, 4000))
     assert spec.env["DTENSOR_JOBS"] == "c7:4000,c8:4000,c9:4000"
     assert "CUDA_VISIBLE_DEVICES" not in spec.env
+    # The default gpu_count (0) is a host without GPUs: auto leaves NCCL unset.
+    assert spec.env["TFLLM_DEVICE"] == "auto" and NCCL not in spec.env
 
 
 @pytest.mark.parametrize("env, message", [
@@ -74,9 +83,13 @@ def test_hostfile():
     assert hosts == ["nodeA", "nodeB"]
     t = topo.hostfile_topology(hosts, slots_per_host=2)
     assert t.own_ranks == [0, 1, 2, 3] and t.local_ranks == [0, 1, 0, 1]
-    specs = topo.worker_specs(t, topo.fixed_ports(t, None), per_gpu=True,
-                              visible_gpus="6,7")  # hostfile: remote GPUs, not ours
-    assert [s.env["CUDA_VISIBLE_DEVICES"] for s in specs] == ["0", "1", "0", "1"]
+    specs = topo.worker_specs(t, topo.fixed_ports(t, None), device="gpu", per_gpu=True,
+                              visible_gpus="6,7", gpu_count=_never)
+    # The launcher's "6,7" says nothing about nodeA and nodeB: each remote host picks its
+    # GPU from its own list (or its slot) before the command, for 2 workers per host.
+    assert all("CUDA_VISIBLE_DEVICES" not in s.env for s in specs)
+    assert [s.host_setup for s in specs] == [[topo.pick_gpu_sh(slot, 2)]
+                                             for slot in (0, 1, 0, 1)]
     with pytest.raises(LaunchError, match="lists no hosts"):
         topo.parse_hostfile("# nothing\n\n", "hosts.txt")
 
@@ -141,11 +154,15 @@ def test_announce_ready_creates_the_file_and_prints_the_key(tmp_path):
 
 
 def test_remote_script_quotes_and_watches_stdin():
-    spec = topo.WorkerSpec(0, "h", 1, {"DTENSOR_CLIENT_ID": "0"})
-    script = topo.remote_script(spec, ["tfllm", "train", "--set", "a=it's"], "/work dir",
-                                {"PATH": "/bin"})
-    assert script.startswith("cd '/work dir' || exit 2; exec 3<&0; env PATH=/bin "
-                             "DTENSOR_CLIENT_ID=0 tfllm train --set 'a=it'\"'\"'s'")
+    spec = topo.WorkerSpec(0, "h", 1, {"DTENSOR_CLIENT_ID": "0"}, ["echo setup"])
+    command = topo.remote_script(spec, ["tfllm", "train", "--set", "a=it's"], "/work dir",
+                                 {"PATH": "/bin"})
+    # POSIX sh whatever the login shell (zsh does not split words, csh is not sh).
+    shell, flag, script = shlex.split(command)
+    assert (shell, flag) == ("sh", "-c")
+    # Exported first, so that the host's setup sees the worker's whole environment.
+    assert script.startswith("cd '/work dir' || exit 2; export PATH=/bin DTENSOR_CLIENT_ID=0; "
+                             "echo setup; exec 3<&0; tfllm train --set 'a=it'\"'\"'s'")
     assert "read -r _ <&3; kill -TERM $p" in script  # the watcher of a dropped connection
 
 
@@ -187,3 +204,103 @@ def test_no_lone_restarts_in_per_rank_modes(mode_args):
     slurm = {"SLURM_PROCID": "0", "SLURM_NTASKS": "1", "SLURM_JOB_NODELIST": "n1"}
     with pytest.raises(LaunchError, match="--mode slurm, which would rejoin a dead mesh"):
         make_plan(parse(["--mode", "slurm", "--max-restarts", "2", "--", "true"]), slurm)
+
+
+# ---- NCCL and GPUs, decided on each worker's host ------------------------------------------
+def _gpus(count):
+    return lambda: count
+
+
+def _hostfile_topology(slots=1):
+    return topo.hostfile_topology(["nodeA", "nodeB"], slots)
+
+
+def _slurm_rank(rank, tasks_per_node=2):
+    return topo.slurm_topology({"SLURM_PROCID": str(rank), "SLURM_NTASKS": str(2 * tasks_per_node),
+                                "SLURM_STEP_NODELIST": "n[1-2]",
+                                "SLURM_STEP_TASKS_PER_NODE": f"{tasks_per_node}(x2)"})
+
+
+@pytest.mark.parametrize("topology", [topo.local_topology(2), _slurm_rank(1),
+                                      topo.env_topology({}, "1", "2", "a,b")],
+                         ids=["local", "slurm", "env"])
+@pytest.mark.parametrize("gpus, nccl", [(2, "1"), (0, None)])
+def test_auto_nccl_where_the_launcher_runs_on_the_workers_host(topology, gpus, nccl):
+    # local/slurm/env: this launcher runs on its workers' host, so its nvidia-smi counts.
+    for spec in topo.worker_specs(topology, [1, 2, 3, 4], device="auto", gpu_count=_gpus(gpus)):
+        assert spec.env["TFLLM_DEVICE"] == "auto"
+        assert spec.env.get(NCCL) == nccl and spec.host_setup == []
+
+
+def test_hostfile_auto_is_decided_on_each_remote_host():
+    # A GPU login node (or one without GPUs) says nothing about the workers: never counted.
+    specs = topo.worker_specs(_hostfile_topology(), [1, 2], device="auto", gpu_count=_never)
+    for spec in specs:
+        assert NCCL not in spec.env and spec.env["TFLLM_DEVICE"] == "auto"
+        assert spec.host_setup == [NCCL_PROBE_SH]
+
+
+@pytest.mark.parametrize("topology", [topo.local_topology(2), _hostfile_topology()],
+                         ids=["local", "hostfile"])
+@pytest.mark.parametrize("device, nccl", [("gpu", "1"), ("cpu", "0")])
+def test_explicit_device_needs_no_probe(topology, device, nccl):
+    for spec in topo.worker_specs(topology, [1, 2], device=device, gpu_count=_never):
+        assert spec.env[NCCL] == nccl and spec.env["TFLLM_DEVICE"] == device
+        assert spec.host_setup == []
+
+
+@pytest.mark.parametrize("topology", [topo.local_topology(1), _hostfile_topology()],
+                         ids=["local", "hostfile"])
+@pytest.mark.parametrize("device", ["auto", "gpu"])
+def test_the_users_nccl_setting_wins_and_travels(topology, device):
+    specs = topo.worker_specs(topology, [1, 2], device=device, environ={NCCL: "0"},
+                              gpu_count=_never)
+    assert all(s.env[NCCL] == "0" and s.host_setup == [] for s in specs)
+
+
+@pytest.mark.parametrize("workers, visible, gpus, expected", [
+    (2, "3,5", 8, ["3", "5"]),  # the inherited list, not nvidia-smi's first GPUs
+    (2, None, 8, ["0", "1"]),
+    (2, None, 0, ["0", "1"]),   # no nvidia-smi here (a dry run on a laptop): by slot
+    (3, "3,5", 8, "CUDA_VISIBLE_DEVICES='3,5' lists 2 GPU(s); start at most 2 per host "
+                  "(--num-workers)"),
+    (2, "5", 8, "lists 1 GPU(s)"),  # local: one GPU for two workers is not a binding
+    (2, "", 8, "lists 0 GPU(s)"),   # an empty list hides every GPU
+    (3, None, 2, "nvidia-smi lists 2 GPU(s) here; start at most 2 per host (--num-workers)"),
+])
+def test_local_per_gpu_stays_within_the_visible_gpus(workers, visible, gpus, expected):
+    t = topo.local_topology(workers)
+    if isinstance(expected, str):
+        with pytest.raises(LaunchError, match=re.escape(expected)):
+            topo.worker_specs(t, list(range(workers)), per_gpu=True, visible_gpus=visible,
+                              gpu_count=_gpus(gpus))
+        return
+    specs = topo.worker_specs(t, list(range(workers)), per_gpu=True, visible_gpus=visible,
+                              gpu_count=_gpus(gpus))
+    assert [s.env["CUDA_VISIBLE_DEVICES"] for s in specs] == expected
+
+
+@pytest.mark.parametrize("visible, tasks_per_node, expected", [
+    ("4,5", 2, ["4", "5", "4", "5"]),
+    ("7", 2, ["7", "7", "7", "7"]),   # srun --gpus-per-task=1: each task's own GPU
+    ("4,5", 3, "--per-gpu: 3 workers per host but CUDA_VISIBLE_DEVICES='4,5' lists 2 GPU(s); "
+               "start at most 2 per host (srun --ntasks-per-node)"),
+])
+def test_slurm_per_gpu_stays_within_the_visible_gpus(visible, tasks_per_node, expected):
+    for rank in range(2 * tasks_per_node):
+        t = _slurm_rank(rank, tasks_per_node)
+        if isinstance(expected, str):
+            # Every task of the node fails alike, not only those past the list's end.
+            with pytest.raises(LaunchError, match=re.escape(expected)):
+                topo.worker_specs(t, topo.fixed_ports(t, None), "worker", "gpu", True,
+                                  visible_gpus=visible, gpu_count=_gpus(8))
+            continue
+        (spec,) = topo.worker_specs(t, topo.fixed_ports(t, None), "worker", "gpu", True,
+                                    visible_gpus=visible, gpu_count=_gpus(8))
+        assert spec.env["CUDA_VISIBLE_DEVICES"] == expected[rank]
+
+
+def test_env_mode_per_gpu_names_its_options():
+    t = topo.env_topology({}, "3", "4", "h0")  # four ranks on one pod
+    with pytest.raises(LaunchError, match=re.escape("(--hosts/--world-size)")):
+        topo.worker_specs(t, topo.fixed_ports(t, None), per_gpu=True, visible_gpus="0,1")

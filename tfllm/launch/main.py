@@ -6,6 +6,8 @@ TensorFlow is needed, and its argument errors must be immediate.
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import os
 import re
 import secrets
@@ -17,6 +19,7 @@ import sys
 from dataclasses import dataclass, field
 from typing import List, Optional
 
+from tfllm.launch import device as dev
 from tfllm.launch import supervisor as sup
 from tfllm.launch import topology as topo
 from tfllm.launch.topology import EXIT_USAGE, LaunchError
@@ -28,7 +31,8 @@ Starts one COMMAND (e.g. `tfllm train --config c.yaml --workdir runs/x`) per hos
 GPU with --per-gpu, with DTensor's multi-client environment set:
   DTENSOR_JOBS=host0:port0,host1:port1,...   one entry per worker (process)
   DTENSOR_CLIENT_ID=<rank>   DTENSOR_JOB_NAME=<--job-name>
-  DTENSOR_GPU_USE_NCCL_COMMUNICATION=1       on GPU
+  TFLLM_DEVICE=<--device>                    auto, gpu or cpu
+  DTENSOR_GPU_USE_NCCL_COMMUNICATION=1|0     1 on GPU hosts, 0 with --device cpu
   CUDA_VISIBLE_DEVICES=<one GPU>             with --per-gpu
   MULTIWORKER_RANK, MULTIWORKER_WORLD_SIZE, MULTIWORKER_LOCAL_RANK, MULTIWORKER_ATTEMPT
   TFLLM_READY_FILE=<LOG_DIR/ready.RANK>      created by tfllm once its mesh is up
@@ -53,20 +57,30 @@ Options:
   --mode MODE            local | slurm | hostfile | env (required).
   --num-workers N        local: number of processes (default: one per GPU with --per-gpu).
   --per-gpu              one process per GPU instead of one per host; sets
-                         CUDA_VISIBLE_DEVICES to the worker's GPU (the LOCAL_RANK-th entry of
-                         an inherited CUDA_VISIBLE_DEVICES list, else LOCAL_RANK).
+                         CUDA_VISIBLE_DEVICES to the worker's GPU, chosen on its host: the
+                         LOCAL_RANK-th entry of the CUDA_VISIBLE_DEVICES the host already has
+                         (never a GPU outside it; slurm/env: a one-GPU list is the task's
+                         GPU), else LOCAL_RANK. More workers on a host than its listed (or
+                         nvidia-smi's) GPUs is an error. Hostfile mode decides on each remote
+                         host: this host's CUDA_VISIBLE_DEVICES is not used there.
   --gpus-per-host N      hostfile + --per-gpu: processes per host (default 8).
   --port PORT            first port; a host's workers use PORT, PORT+1, ... (default: free
                          ports in local mode, 9991 otherwise). All hosts must agree.
   --job-name NAME        DTENSOR_JOB_NAME (default worker).
-  --device auto|cpu|gpu  gpu sets DTENSOR_GPU_USE_NCCL_COMMUNICATION=1; auto = gpu when
-                         --per-gpu is given or nvidia-smi lists a GPU here (default auto).
+  --device auto|cpu|gpu  gpu sets DTENSOR_GPU_USE_NCCL_COMMUNICATION=1, cpu sets 0; auto
+                         (default) sets 1 on each worker's host where nvidia-smi lists a GPU,
+                         decided on that host: here in local mode, by each srun task or pod
+                         under slurm/env, by the remote shell in hostfile mode (this host's
+                         GPUs never count). --per-gpu implies gpu. A value already set in
+                         DTENSOR_GPU_USE_NCCL_COMMUNICATION here (with auto: also on a
+                         remote host) is kept and passed on.
   --hostfile FILE        hostfile mode: the hosts.
   --ssh COMMAND          hostfile mode: the remote shell (default "ssh -o BatchMode=yes"),
                          run as COMMAND HOST REMOTE_SCRIPT.
   --export NAMES         hostfile mode: comma list of variables passed to remote workers
                          (default PATH,PYTHONPATH,VIRTUAL_ENV,KERAS_BACKEND,
-                         TF_CPP_MIN_LOG_LEVEL,XLA_FLAGS plus every TFLLM_* and NCCL_*).
+                         TF_CPP_MIN_LOG_LEVEL,XLA_FLAGS,DTENSOR_GPU_USE_NCCL_COMMUNICATION,
+                         CUDA_CACHE_PATH,CUDA_CACHE_MAXSIZE plus every TFLLM_* and NCCL_*).
   --rank R               env mode: this process's rank (overrides the environment).
   --world-size N         env mode: the number of processes.
   --hosts H0,H1,...      env mode: one host per rank, or one per node when the world size is
@@ -86,14 +100,16 @@ Options:
                          everything and start all workers again, up to N times (default 0).
                          `tfllm train --workdir` resumes from the latest checkpoint there.
                          Under slurm and env the scheduler restarts the whole job.
-  --dry-run              print each worker's environment and command; start nothing.
+  --dry-run              print each worker's environment, what its host runs first
+                         (hostfile: "on HOST: ...") and its command; start nothing.
   --expand-nodelist LIST print a SLURM nodelist's hostnames, one per line, and exit
                          (scontrol show hostnames, else a built-in expansion).
   -h, --help             this help.
 
 Exit codes:
   0     every worker exited 0
-  2     bad arguments or environment (nothing was started)
+  2     bad arguments or environment (nothing was started; hostfile: a remote host
+        whose GPUs do not fit --per-gpu stops its workers with 2 and one line)
   124   no worker became ready within --startup-timeout
   75    the workers were stopped by a forwarded signal and at least one exited 75
         (tfllm's "preempted, checkpoint saved, requeue me" code)
@@ -172,11 +188,10 @@ def expand_nodelist(nodelist: str) -> List[str]:
     return topo.expand_nodelist(nodelist)
 
 
+@functools.lru_cache(maxsize=None)
 def _gpu_count() -> int:
-    if not shutil.which("nvidia-smi"):
-        return 0
-    out = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True).stdout
-    return sum(line.startswith("GPU") for line in out.splitlines())
+    """This host's GPUs, asked at most once per launch; only in modes that run here."""
+    return dev.nvidia_smi_gpu_count()
 
 
 @dataclass
@@ -217,11 +232,12 @@ def make_plan(opts: Options, environ) -> Plan:
     if port is not None and not (port.isdigit() and 1 <= int(port) <= 65535):
         raise LaunchError(f"--port must be a TCP port number (1-65535), got '{port}'")
     device = opts.get("--device", "auto")
-    if device not in ("auto", "cpu", "gpu"):
+    if device not in dev.DEVICES:
         raise LaunchError(f"--device '{device}' is unknown; use auto, cpu or gpu")
     per_gpu = "--per-gpu" in opts.flags
-    if device == "auto":
-        device = "gpu" if per_gpu or _gpu_count() else "cpu"
+    if device == "auto" and per_gpu:
+        device = "gpu"
+    # Otherwise auto stays auto: `topology.worker_specs` resolves it on each worker's host.
     pattern = opts.get("--ready-pattern")
     try:
         ready_pattern = re.compile(pattern) if pattern else None
@@ -231,7 +247,13 @@ def make_plan(opts: Options, environ) -> Plan:
     if mode == "local":
         workers = opts.get("--num-workers")
         if workers is None:
-            count = _gpu_count() if per_gpu else 0
+            # --per-gpu: one worker per GPU this host lets us use (an empty list: none).
+            visible = environ.get("CUDA_VISIBLE_DEVICES")
+            count = 0
+            if per_gpu and visible is not None:
+                count = len(visible.split(",")) if visible else 0
+            elif per_gpu:
+                count = _gpu_count()
             if not count:
                 raise LaunchError("--num-workers is required in local mode (no GPUs found "
                                   "to count with --per-gpu)")
@@ -306,6 +328,22 @@ def assign_ports(plan: Plan) -> List[int]:
     return ports
 
 
+def plan_specs(plan: Plan, attempt: int, ports: List[int], environ) -> List[topo.WorkerSpec]:
+    """The specs of this launcher's workers for one attempt (new ready keys each time).
+
+    Args:
+      environ: the launcher's environment (CUDA_VISIBLE_DEVICES, an explicit
+        DTENSOR_GPU_USE_NCCL_COMMUNICATION); this host's GPUs are counted only in the
+        modes whose workers run here.
+    """
+    t = plan.topology
+    ready = {r: os.path.join(os.path.abspath(plan.log_dir), f"ready.{r}") for r in t.own_ranks}
+    keys = {r: secrets.token_hex(8) for r in t.own_ranks} if t.mode == "hostfile" else None
+    return topo.worker_specs(t, ports, plan.job_name, plan.device, plan.per_gpu, attempt,
+                             environ.get("CUDA_VISIBLE_DEVICES"), ready, keys, environ,
+                             _gpu_count)
+
+
 def worker_argv(plan: Plan, spec: topo.WorkerSpec, environ) -> List[str]:
     """What to execute for `spec`: the command, or in hostfile mode ssh with the script."""
     if plan.topology.mode != "hostfile":
@@ -314,8 +352,8 @@ def worker_argv(plan: Plan, spec: topo.WorkerSpec, environ) -> List[str]:
     exports = {n: environ[n] for n in names if n in environ}
     # The ready file is on this host: a remote worker prints its TFLLM_READY_KEY instead.
     env = {k: v for k, v in spec.env.items() if k != "TFLLM_READY_FILE"}
-    script = topo.remote_script(topo.WorkerSpec(spec.rank, spec.host, spec.port, env),
-                                plan.command, os.getcwd(), exports)
+    script = topo.remote_script(dataclasses.replace(spec, env=env), plan.command,
+                                os.getcwd(), exports)
     return plan.ssh + [spec.host, script]
 
 
@@ -339,27 +377,22 @@ def main(argv: Optional[List[str]] = None, prog: str = "tfllm launch") -> int:
             print("\n".join(expand_nodelist(opts.values["--expand-nodelist"])))
             return 0
         plan = make_plan(opts, os.environ)
-        ports = assign_ports(plan)  # here too: a port in use fails before anything starts
+        # Here too, before anything starts: a port in use, GPUs that do not fit --per-gpu.
+        ports = assign_ports(plan)
+        first_specs = plan_specs(plan, 0, ports, os.environ)
     except LaunchError as e:
         return fail(str(e))
     t = plan.topology
-    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
-
-    def specs(attempt: int, ports: List[int]):
-        ready = {r: os.path.join(os.path.abspath(plan.log_dir), f"ready.{r}")
-                 for r in t.own_ranks}
-        keys = ({r: secrets.token_hex(8) for r in t.own_ranks} if t.mode == "hostfile"
-                else None)
-        return topo.worker_specs(t, ports, plan.job_name, plan.device, plan.per_gpu,
-                                 attempt, visible, ready, keys)
 
     if "--dry-run" in opts.flags:
         print(f"mode={t.mode} world_size={t.world_size} device={plan.device} "
               f"log_dir={plan.log_dir}")
-        for spec in specs(0, ports):
+        for spec in first_specs:
             print(f"rank {spec.rank} host {spec.host} port {spec.port}")
             for k, v in spec.env.items():
                 print(f"  {k}={v}")
+            for line in spec.host_setup:
+                print(f"  on {spec.host}: {line}")
             print("  exec: " + " ".join(shlex.quote(w) for w in worker_argv(plan, spec,
                                                                             os.environ)))
         return 0
@@ -374,8 +407,8 @@ def main(argv: Optional[List[str]] = None, prog: str = "tfllm launch") -> int:
     supervisor.install_signal_handlers()
 
     def start_all(attempt: int) -> None:
-        current = ports if attempt == 0 else assign_ports(plan)
-        for spec in specs(attempt, current):
+        for spec in (first_specs if attempt == 0
+                     else plan_specs(plan, attempt, assign_ports(plan), os.environ)):
             supervisor.start(spec, worker_argv(plan, spec, os.environ), attempt,
                              remote=t.mode == "hostfile")
         say(f"attempt {attempt}: started rank(s) {' '.join(map(str, t.own_ranks))} of "

@@ -15,15 +15,20 @@ import re
 import shlex
 import sys
 from dataclasses import dataclass, field
-from typing import Dict, List, Mapping, Optional, Sequence
+from typing import Callable, Dict, List, Mapping, Optional, Sequence
+
+from tfllm.launch.device import DEVICE_ENV, NCCL_ENV, NCCL_PROBE_SH, resolve_device_env
 
 #: exit code of bad arguments or environment (nothing was started)
 EXIT_USAGE = 2
 #: default first port when ports are not picked free on this host
 DEFAULT_PORT = 9991
 #: variables passed to remote workers in hostfile mode unless --export says otherwise
+#: (the user's explicit NCCL choice; the CUDA JIT cache that spares Hopper hosts minutes
+#: of PTX compilation at each start)
 DEFAULT_EXPORTS = ("PATH", "PYTHONPATH", "VIRTUAL_ENV", "KERAS_BACKEND",
-                   "TF_CPP_MIN_LOG_LEVEL", "XLA_FLAGS")
+                   "TF_CPP_MIN_LOG_LEVEL", "XLA_FLAGS", NCCL_ENV, "CUDA_CACHE_PATH",
+                   "CUDA_CACHE_MAXSIZE")
 EXPORT_PREFIXES = ("TFLLM_", "NCCL_")
 
 
@@ -255,54 +260,142 @@ class WorkerSpec:
       host: where it runs.
       port: its DTensor port.
       env: the variables the launcher sets for it (on top of the inherited ones).
+      host_setup: hostfile mode: POSIX shell commands the remote host runs before the
+        command, for what only that host can decide (its GPUs).
     """
 
     rank: int
     host: str
     port: int
     env: Dict[str, str] = field(default_factory=dict)
+    host_setup: List[str] = field(default_factory=list)
+
+
+#: the option (or scheduler setting) that sets the workers per host, for errors
+_WORKERS_OPTION = {"local": "--num-workers", "hostfile": "--gpus-per-host",
+                   "slurm": "srun --ntasks-per-node", "env": "--hosts/--world-size"}
+
+
+def pick_gpu(slot: int, workers_on_host: int, visible_gpus: Optional[str],
+             gpu_count: Callable[[], int], task_bound: bool = False,
+             option: str = "--num-workers") -> str:
+    """The GPU of a --per-gpu worker, chosen on the host it runs on: an entry of the
+    host's CUDA_VISIBLE_DEVICES when that is set (never a GPU outside it), else its slot.
+
+    Args:
+      slot: the worker's index among its host's workers.
+      workers_on_host: how many workers the job puts on that host.
+      visible_gpus: CUDA_VISIBLE_DEVICES there (None when unset; '' hides every GPU).
+      gpu_count: the host's GPU count, asked only without a list (0: unknown, unchecked).
+      task_bound: the launcher starts one worker (slurm, env), so a list of one GPU is
+        the one a scheduler bound to this task (srun --gpus-per-task=1), whatever the slot.
+      option: what sets the workers per host, named in the error.
+    """
+    if visible_gpus is not None:
+        visible = visible_gpus.split(",") if visible_gpus else []
+        if task_bound and len(visible) == 1:
+            return visible[0]
+        if workers_on_host > len(visible):
+            raise LaunchError(f"--per-gpu: {workers_on_host} workers per host but "
+                              f"CUDA_VISIBLE_DEVICES='{visible_gpus}' lists {len(visible)} "
+                              f"GPU(s); start at most {len(visible)} per host ({option}) or "
+                              "list more GPUs in CUDA_VISIBLE_DEVICES")
+        return visible[slot]
+    count = gpu_count()
+    if count and workers_on_host > count:
+        raise LaunchError(f"--per-gpu: {workers_on_host} workers per host but nvidia-smi "
+                          f"lists {count} GPU(s) here; start at most {count} per host "
+                          f"({option}) or set CUDA_VISIBLE_DEVICES to the GPUs to use")
+    return str(slot)
+
+
+def pick_gpu_sh(slot: int, workers_on_host: int) -> str:
+    """`pick_gpu` (task_bound=False) as POSIX shell for a remote host (hostfile mode): the
+    launcher's own CUDA_VISIBLE_DEVICES says nothing about another host's GPUs, so the
+    remote host splits its own list, or counts its GPUs with nvidia-smi, and exports
+    CUDA_VISIBLE_DEVICES; too few GPUs exit 2 with one line naming --gpus-per-host. A
+    listing of 0 GPUs (a driver that fails) is left unchecked, as `pick_gpu` leaves it."""
+    too_few = (f'{{ echo "--per-gpu: {workers_on_host} workers per host (--gpus-per-host) '
+               f'but %s on $(uname -n) lists %s GPU(s); lower --gpus-per-host or %s" >&2; '
+               'exit 2; }')
+    return (
+        'if [ -n "${CUDA_VISIBLE_DEVICES+x}" ]; then '
+        # Split at commas without globbing (set -f), as pick_gpu's str.split(",").
+        'set -f; IFS=,; set -- $CUDA_VISIBLE_DEVICES; unset IFS; set +f; '
+        f'[ $# -ge {workers_on_host} ] || '
+        + too_few % ("CUDA_VISIBLE_DEVICES=$CUDA_VISIBLE_DEVICES", "$#",
+                     "list more GPUs in CUDA_VISIBLE_DEVICES there")
+        + f'; shift {slot}; g=$1; '
+        'elif command -v nvidia-smi >/dev/null 2>&1; then '
+        'n=$(nvidia-smi -L 2>/dev/null | grep -c "^GPU"); '
+        f'[ "$n" -eq 0 ] || [ "$n" -ge {workers_on_host} ] || '
+        + too_few % ("nvidia-smi", "$n", "set CUDA_VISIBLE_DEVICES there")
+        + f'; g={slot}; else g={slot}; fi; export CUDA_VISIBLE_DEVICES=$g')
 
 
 def worker_specs(topology: Topology, ports: Sequence[int], job_name: str = "worker",
-                 device: str = "cpu", per_gpu: bool = False, attempt: int = 0,
+                 device: str = "auto", per_gpu: bool = False, attempt: int = 0,
                  visible_gpus: Optional[str] = None,
                  ready_files: Optional[Mapping[int, str]] = None,
-                 ready_keys: Optional[Mapping[int, str]] = None) -> List[WorkerSpec]:
+                 ready_keys: Optional[Mapping[int, str]] = None,
+                 environ: Optional[Mapping[str, str]] = None,
+                 gpu_count: Callable[[], int] = lambda: 0) -> List[WorkerSpec]:
     """The specs of the ranks this launcher starts.
 
+    GPU questions (NCCL or not, which GPU) are answered on the worker's host. In local,
+    slurm and env modes the launcher runs there and answers them itself
+    (`device.resolve_device_env`, `pick_gpu`); in hostfile mode it never looks at its
+    own host's GPUs: the remote host runs `host_setup` (`device.NCCL_PROBE_SH`,
+    `pick_gpu_sh`) before the command.
+
     Args:
-      device: "gpu" sets DTENSOR_GPU_USE_NCCL_COMMUNICATION=1.
-      per_gpu: one process per GPU: CUDA_VISIBLE_DEVICES is the worker's GPU (the
-        local-rank-th entry of `visible_gpus` when the scheduler already bound a list,
-        its only entry when it bound one, else the local rank).
+      device: --device: auto, gpu or cpu (TFLLM_DEVICE; gpu sets
+        DTENSOR_GPU_USE_NCCL_COMMUNICATION=1, cpu 0, auto 1 where the host has GPUs).
+      per_gpu: one process per GPU: CUDA_VISIBLE_DEVICES is the worker's GPU (`pick_gpu`).
       attempt: the restart count (MULTIWORKER_ATTEMPT).
+      visible_gpus: CUDA_VISIBLE_DEVICES where the launcher runs (None: unset); unused
+        in hostfile mode.
       ready_files: rank -> the path the worker creates once its mesh is up
         (TFLLM_READY_FILE, the readiness handshake on this host).
       ready_keys: rank -> a key the worker prints as `READY_LINE.format(key)` once its
         mesh is up (TFLLM_READY_KEY, the handshake of workers on other hosts).
+      environ: the launcher's environment; a DTENSOR_GPU_USE_NCCL_COMMUNICATION set
+        there is the user's and is passed on unchanged.
+      gpu_count: this host's GPU count (nvidia-smi); never called in hostfile mode.
     """
+    environ = environ if environ is not None else {}
+    remote = topology.mode == "hostfile"
     jobs = ",".join(f"{h}:{p}" for h, p in zip(topology.hosts, ports))
     slots = topology.local_ranks
     specs = []
     for rank in topology.own_ranks:
+        host = topology.hosts[rank]
         env = {"DTENSOR_JOBS": jobs, "DTENSOR_CLIENT_ID": str(rank),
                "DTENSOR_JOB_NAME": job_name, "MULTIWORKER_RANK": str(rank),
                "MULTIWORKER_WORLD_SIZE": str(topology.world_size),
-               "MULTIWORKER_LOCAL_RANK": str(slots[rank]), "MULTIWORKER_ATTEMPT": str(attempt)}
-        if device == "gpu":
-            env["DTENSOR_GPU_USE_NCCL_COMMUNICATION"] = "1"
+               "MULTIWORKER_LOCAL_RANK": str(slots[rank]), "MULTIWORKER_ATTEMPT": str(attempt),
+               DEVICE_ENV: device}
+        setup = []
+        if environ.get(NCCL_ENV):
+            env[NCCL_ENV] = environ[NCCL_ENV]  # the user's choice, shown by --dry-run
+        elif remote and device == "auto":
+            setup.append(NCCL_PROBE_SH)
+        else:
+            env.update(resolve_device_env(env, gpu_count))
         if per_gpu:
-            gpu = str(slots[rank])
-            if topology.mode != "hostfile" and visible_gpus:
-                visible = visible_gpus.split(",")
-                gpu = visible[0] if len(visible) == 1 else (
-                    visible[slots[rank]] if slots[rank] < len(visible) else gpu)
-            env["CUDA_VISIBLE_DEVICES"] = gpu
+            workers = topology.hosts.count(host)
+            if remote:
+                setup.append(pick_gpu_sh(slots[rank], workers))
+            else:
+                env["CUDA_VISIBLE_DEVICES"] = pick_gpu(
+                    slots[rank], workers, visible_gpus, gpu_count,
+                    task_bound=topology.mode in ("slurm", "env"),
+                    option=_WORKERS_OPTION[topology.mode])
         if ready_files and rank in ready_files:
             env["TFLLM_READY_FILE"] = ready_files[rank]
         if ready_keys and rank in ready_keys:
             env["TFLLM_READY_KEY"] = ready_keys[rank]
-        specs.append(WorkerSpec(rank, topology.hosts[rank], ports[rank], env))
+        specs.append(WorkerSpec(rank, host, ports[rank], env, setup))
     return specs
 
 
@@ -316,17 +409,23 @@ def exported_names(environ: Mapping[str, str], names: Optional[str]) -> List[str
 
 def remote_script(spec: WorkerSpec, command: Sequence[str], cwd: str,
                   exports: Mapping[str, str]) -> str:
-    """The shell script a remote host runs for `spec` (over ssh, hostfile mode).
+    """The command a remote host runs for `spec` (over ssh, hostfile mode): `sh -c SCRIPT`.
 
+    ssh hands the command to the user's login shell, which may be zsh (no word splitting
+    of `$VAR`) or csh: the script itself runs under POSIX sh, whatever that shell is. The
+    variables are exported before `spec.host_setup` runs, so the host's own decisions
+    (NCCL, the GPU) see the worker's whole environment, an explicit setting included.
     ssh without a tty does not signal the remote command when the connection drops: a
     watcher kills the worker when the script's stdin (the local ssh's) reaches EOF.
     """
     assignments = " ".join(shlex.quote(f"{k}={v}")
                            for k, v in list(exports.items()) + list(spec.env.items()))
+    setup = "".join(f"{line}; " for line in spec.host_setup)
     worker = " ".join(shlex.quote(word) for word in command)
-    return (f"cd {shlex.quote(cwd)} || exit 2; exec 3<&0; env {assignments} {worker} "
-            "</dev/null 3<&- & p=$!; { read -r _ <&3; kill -TERM $p 2>/dev/null; } & w=$!; "
-            "wait $p; rc=$?; kill $w 2>/dev/null; exit $rc")
+    script = (f"cd {shlex.quote(cwd)} || exit 2; export {assignments}; {setup}exec 3<&0; "
+              f"{worker} </dev/null 3<&- & p=$!; {{ read -r _ <&3; kill -TERM $p "
+              "2>/dev/null; } & w=$!; wait $p; rc=$?; kill $w 2>/dev/null; exit $rc")
+    return "sh -c " + shlex.quote(script)
 
 
 def command_workdir(command: Sequence[str]) -> Optional[str]:
