@@ -17,7 +17,7 @@ ALL_KEYS = {
     "mesh": ["axes", "device_type", "num_cpu_devices", "rules", "gpu_memory_reserve_mb",
              "gpu_allocator"],
     "precision": ["policy", "fp8_recipe", "fp8_amax_history_length", "fp8_margin",
-                  "fp8_exclude", "loss_scale_initial", "loss_scale_growth_interval"],
+                  "fp8_exclude", "tf32", "loss_scale_initial", "loss_scale_growth_interval"],
     "optimizer": ["learning_rate", "warmup_steps", "decay_steps", "min_learning_rate_ratio",
                   "beta1", "beta2", "epsilon", "weight_decay", "weight_decay_exclude",
                   "clip_norm", "shard_optimizer_state"],

@@ -123,6 +123,16 @@ def test_an_explicit_no_to_nccl_is_kept(monkeypatch):
     assert [c[0] for c in fake.calls] == ["mesh"] and os.environ[mesh.NCCL_ENV] == "0"
 
 
+def test_a_worker_launched_with_device_cpu_keeps_nccl_off(monkeypatch):
+    # `tfllm launch --device cpu` sets TFLLM_DEVICE=cpu in every worker; a mesh that still
+    # lands on GPUs (device_type=GPU in the config) runs without NCCL, as asked.
+    from tfllm.launch.device import DEVICE_ENV
+    monkeypatch.setenv(DEVICE_ENV, "cpu")
+    fake = _FakeDTensor()
+    _build_on_fake_gpus(monkeypatch, fake)
+    assert [c[0] for c in fake.calls] == ["mesh"] and os.environ[mesh.NCCL_ENV] == "0"
+
+
 def test_nccl_is_taken_back_with_a_warning_when_tensorflow_started_first(monkeypatch):
     fake = _FakeDTensor("TensorFlow has already been initialized. ...")
     with pytest.warns(UserWarning, match="without NCCL"):

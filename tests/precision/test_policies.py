@@ -4,6 +4,7 @@ import re
 
 import numpy as np
 import pytest
+import tensorflow as tf
 
 from tfllm.config import load_config
 from tfllm.data import SyntheticTokens
@@ -132,3 +133,22 @@ def test_fp8_matmuls_lower_to_f8_dots_and_only_those():
                  if re.search(r"(attention_1|gpt_1)/einsum(_[0-9]+)?/Einsum", op)]
     assert attention and all(op in plain_dots for op in attention), attention
     assert "f8e5m2" in hlo  # gradients are quantized to E5M2
+
+
+@pytest.mark.parametrize("tf32, highest", [(True, False), (False, True)])
+def test_tf32_setting_reaches_the_compiled_dots(tf32, highest):
+    # precision.tf32 is TensorFlow's process-wide switch, applied when the model is built:
+    # with it off, every float32 dot XLA compiles asks for HIGHEST precision (IEEE float32
+    # GEMMs on a GPU); with it on (the default) the dots keep the default precision, which
+    # a GPU runs on the TF32 tensor cores. The CPU's HLO carries the same attribute.
+    cfg = load_config(None, tiny_overrides("llama", **{"precision.tf32": tf32}))
+    try:
+        model = build_model(cfg, None)
+        tokens = tf.zeros((1, 8), tf.int32)
+        hlo = tf.function(model, jit_compile=True).experimental_get_compiler_ir(tokens)(
+            stage="hlo")
+        dots = [line for line in hlo.splitlines() if " dot(" in line]
+        assert len(dots) >= 2 * 7  # 7 projections per layer, 2 layers (and the LM head)
+        assert all(("operand_precision={highest,highest}" in d) == highest for d in dots)
+    finally:
+        tf.config.experimental.enable_tensor_float_32_execution(True)

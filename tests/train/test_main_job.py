@@ -9,6 +9,7 @@ import sys
 
 import pytest
 
+from tfllm.train.metrics import Peak
 from tfllm.train.progress import Progress
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -49,7 +50,8 @@ class _Tty(io.StringIO):
 
 def test_progress_bar_redraws_one_line_with_step_loss_speed_mfu_eta():
     out = _Tty()
-    p = Progress(100, "auto", out, peak_flops=1e9, flops_per_token=1e4)
+    p = Progress(100, "auto", out, peak=Peak(1e9, "datasheet", measured=False),
+                 flops_per_token=1e4)
     p.update(50, {"loss": 2.5}, tokens_per_s=20000.0, eta_s=75, logged=True)
     p.message("validation loss 2.4")
     p.close()

@@ -116,6 +116,11 @@ class PrecisionConfig:
     fp8_exclude: List[str] = _f([], "Layer-path substrings whose projections stay in bf16 "
                                 "under fp8, e.g. ['block_0/', 'mlp/down']. The embedding, LM "
                                 "head and norms are always bf16.")
+    tf32: bool = _f(True, "float32 matmuls on Ampere, Hopper and Blackwell GPUs run on the "
+                    "TF32 tensor cores (10-bit mantissa; TensorFlow's default; the plan's "
+                    "float32 peak). false: IEEE float32 GEMMs (XLA dots at HIGHEST "
+                    "precision), many times slower. No effect on CPU, nor on bf16, fp16 "
+                    "and fp8 matmuls.")
     loss_scale_initial: float = _f(32768.0, "float16: initial dynamic loss scale.", min=1.0)
     loss_scale_growth_interval: int = _f(2000, "float16: double the loss scale after this "
                                          "many finite steps in a row.", min=1)

@@ -32,6 +32,8 @@ def build_model(config, parallel=None, seed: Optional[int] = None, model_cls=Non
     """
     from tfllm.parallel.placement import build_abstract, place_variables
     from tfllm.precision import fp8_settings, keras_policy
+    from tfllm.precision.policies import apply_matmul_precision
+    apply_matmul_precision(config.precision)  # before anything is traced
     cls = model_cls or model_class(config.model.family)
     model = cls(config.model, dtype=keras_policy(config.precision.policy),
                 fp8=fp8_settings(config.precision))

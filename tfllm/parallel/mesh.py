@@ -103,10 +103,19 @@ def use_nccl(environ=os.environ) -> bool:
     out when debugging a hang). Must run before `initialize_accelerator_system`, which
     reads it too.
 
+    `TFLLM_DEVICE=cpu` (what `tfllm launch --device cpu` gives every worker;
+    `tfllm.launch.device.resolve_device_env` is the launcher's side of the same rule)
+    also keeps it off.
+
     Returns:
       Whether NCCL is asked for.
     """
     if environ.get(NCCL_ENV, "") == "0":
+        return False
+    # The variable name is the launcher's contract (tfllm.launch.device.DEVICE_ENV); it
+    # is spelled out here because parallel/ does not import the launcher's package.
+    if not environ.get(NCCL_ENV) and environ.get("TFLLM_DEVICE") == "cpu":
+        environ[NCCL_ENV] = "0"
         return False
     environ[NCCL_ENV] = "1"
     return True

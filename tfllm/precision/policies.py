@@ -34,6 +34,17 @@ def fp8_settings(precision_config) -> Optional[Fp8Settings]:
                        tuple(c.fp8_exclude))
 
 
+def apply_matmul_precision(precision_config) -> None:
+    """Sets TensorFlow's process-wide TF32 switch from precision.tf32.
+
+    TensorFlow reads it when it builds each op and each XLA dot (a dot compiled with TF32
+    off carries `operand_precision={highest,highest}`), so it is set before any model is
+    traced; `tfllm.models.build_model` calls this.
+    """
+    import tensorflow as tf
+    tf.config.experimental.enable_tensor_float_32_execution(bool(precision_config.tf32))
+
+
 def describe(precision_config) -> str:
     """One line for the training log: the policy and, for fp8, the recipe."""
     c = precision_config
@@ -45,4 +56,6 @@ def describe(precision_config) -> str:
                  + (f", bf16 layers: {', '.join(c.fp8_exclude)}" if c.fp8_exclude else ""))
     if c.policy == "float16":
         text += f", dynamic loss scale from {c.loss_scale_initial:g}"
+    if not c.tf32:
+        text += ", TF32 off (IEEE float32 matmuls)"
     return text

@@ -24,7 +24,7 @@ from tfllm.parallel.mesh import client_id, num_clients
 from tfllm.parallel.watchdog import PeerLost, PeerWatchdog, lost_message, peer_from_error
 from tfllm.precision import describe
 from tfllm.train import hlo_dump
-from tfllm.train.metrics import Throughput, flops_per_token, mesh_peak_flops
+from tfllm.train.metrics import Throughput, flops_per_token, mesh_peak
 from tfllm.train.preemption import NonFiniteError, Preempted, SignalWatcher
 from tfllm.train.progress import Progress
 from tfllm.train.run import Run, sample_text
@@ -128,7 +128,8 @@ def _train(config, workdir, model_cls, out, signals, watchdog: list) -> dict:
     tokens_per_step = t.global_batch_size * config.data.sequence_length
     fpt = flops_per_token(config.model, config.data.sequence_length)
     progress = Progress(t.steps, t.progress if primary else "lines", out,
-                        mesh_peak_flops(run.parallel, config.precision.policy), fpt)
+                        mesh_peak(run.parallel, config.precision.policy,
+                                  config.precision.tf32), fpt)
     outputs = _Outputs(workdir, primary, progress)
     mesh = ", ".join(f"{k}={v}" for k, v in run.parallel.shape.items())
     progress.message(f"tfllm: {config.model.family} on mesh [{mesh}] "

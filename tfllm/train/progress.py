@@ -33,26 +33,28 @@ class Progress:
       total_steps: the last step number of the run.
       mode: bar, lines, none or auto.
       out: the stream to write to.
-      peak_flops: the device peak used for MFU (FLOP/s over the whole mesh), or None.
+      peak: the mesh's peak for MFU (`tfllm.train.metrics.Peak`), or None.
       flops_per_token: training FLOPs per token, for MFU.
       width: bar width in characters.
     """
 
     def __init__(self, total_steps: int, mode: str = "auto", out=sys.stdout,
-                 peak_flops: Optional[float] = None, flops_per_token: float = 0.0,
+                 peak=None, flops_per_token: float = 0.0,
                  width: int = 24):
         if mode == "auto":
             mode = "bar" if hasattr(out, "isatty") and out.isatty() else "lines"
         self.total, self.mode, self.out = total_steps, mode, out
-        self.peak_flops, self.flops_per_token, self.width = peak_flops, flops_per_token, width
+        self.peak, self.flops_per_token, self.width = peak, flops_per_token, width
         self._drawn = False
         self._last_draw = 0.0
 
     def mfu(self, tokens_per_s: float) -> Optional[float]:
-        """Model FLOPs utilization: achieved training FLOP/s over the peak."""
-        if not self.peak_flops or not tokens_per_s:
+        """Model FLOPs utilization: achieved training FLOP/s over the peak (a measured
+        peak the step beats is raised to the step's rate first)."""
+        if self.peak is None or not self.peak.flops or not tokens_per_s:
             return None
-        return model_flops_utilization(tokens_per_s, self.flops_per_token, self.peak_flops)
+        self.peak.observe(tokens_per_s * self.flops_per_token)
+        return model_flops_utilization(tokens_per_s, self.flops_per_token, self.peak.flops)
 
     def line(self, step: int, metrics: dict, tokens_per_s: float, eta_s: float,
              detail: bool = False) -> str:
