@@ -126,3 +126,40 @@ def test_resolved_config_round_trips(tmp_path):
                                     "llama-7b", "llama-70b", "bench/gpt_5m"])
 def test_presets_load(preset):
     load_config(f"configs/{preset}.yaml")
+
+
+FLOAT_KEYS = [f"{s}.{f.name}" for s in schema.SECTIONS
+              for f in dataclasses.fields(getattr(Config(), s)) if str(f.type) == "float"]
+
+
+def test_the_float_keys_are_found():
+    # The parametrization below must cover the examples, not an empty list.
+    assert {"optimizer.learning_rate", "optimizer.beta1", "optimizer.weight_decay",
+            "model.norm_epsilon", "train.peer_timeout_s"} <= set(FLOAT_KEYS)
+
+
+@pytest.mark.parametrize("key", FLOAT_KEYS)
+@pytest.mark.parametrize("value", ["nan", ".nan", "inf", "-inf", ".inf", "1e999"])
+def test_every_float_key_refuses_nan_and_infinity(key, value):
+    # Comparisons with NaN are all false: a range check alone lets nan through.
+    with pytest.raises(ConfigError, match=f"^{key}: .* is not a finite number"):
+        load_config(None, [f"{key}={value}"])
+
+
+def test_yaml_nan_names_the_file_and_key(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text("optimizer:\n  learning_rate: .nan\n")
+    with pytest.raises(ConfigError, match="optimizer.learning_rate: nan is not a finite"):
+        load_config(str(path))
+
+
+def test_a_config_that_is_not_utf8_is_one_line(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_bytes(b"train:\n  sample_prompt: caf\xe9\n")
+    with pytest.raises(ConfigError, match=r"c.yaml: not UTF-8 text \(byte offset 27\); save "
+                                          "it as UTF-8"):
+        load_config(str(path))
+    path.write_text("train: [1\n")
+    with pytest.raises(ConfigError) as e:
+        load_config(str(path))
+    assert "not valid YAML" in str(e.value) and "\n" not in str(e.value)

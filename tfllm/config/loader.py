@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import math
 import os
 from typing import Any, Iterable, Optional
 
@@ -60,6 +61,11 @@ def _coerce(key: str, fld: dataclasses.Field, value: Any) -> Any:
             out = float(value)
         except (TypeError, ValueError):
             raise ConfigError(f"{key}: expected a number, got {value!r}.") from None
+        # Before the range checks: every comparison with NaN is False, so nan would pass
+        # them. No float setting takes an infinity (each has a finite "off" value).
+        if not math.isfinite(out):
+            raise ConfigError(f"{key}: {value!r} is not a finite number; give a finite "
+                              "value.")
     elif base == "str":
         if isinstance(value, bool):
             value = "true" if value else "false"
@@ -162,11 +168,18 @@ def load_config(path: Optional[str] = None, overrides: Iterable[str] = ()) -> sc
         if not os.path.isfile(path):
             raise ConfigError(f"--config {path}: no such file. Presets live in configs/ "
                               "(e.g. configs/tiny.yaml).")
-        with open(path, encoding="utf-8") as f:
-            try:
-                data = yaml.safe_load(f) or {}
-            except yaml.YAMLError as e:
-                raise ConfigError(f"{path}: not valid YAML: {e}") from None
+        with open(path, "rb") as f:
+            raw = f.read()
+        try:
+            text = raw.decode("utf-8")
+        except UnicodeDecodeError as e:
+            raise ConfigError(f"{path}: not UTF-8 text (byte offset {e.start}); save it as "
+                              "UTF-8.") from None
+        try:
+            data = yaml.safe_load(text) or {}
+        except yaml.YAMLError as e:
+            raise ConfigError(f"{path}: not valid YAML: "
+                              f"{' '.join(str(e).split())}") from None
     return config_from_dict(data, overrides, path or "config")
 
 

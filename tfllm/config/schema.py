@@ -2,7 +2,9 @@
 
 Each section is a typed dataclass. A field's `metadata` may carry `help`, `choices`,
 `min` and `max`; `tfllm.config.loader` uses them to validate YAML files and
-`--set section.key=value` overrides. Add a field here and nowhere else.
+`--set section.key=value` overrides. Add a field here and nowhere else. Float fields
+take finite numbers only: NaN and infinities are refused for every one (none of them
+means "unlimited" by infinity; where a limit can be switched off, 0 does it).
 """
 
 from __future__ import annotations
