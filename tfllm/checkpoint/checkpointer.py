@@ -17,6 +17,7 @@ from tensorflow.experimental import dtensor
 from tfllm.checkpoint import storage
 from tfllm.checkpoint.reader import Reader
 from tfllm.checkpoint.shards import CheckpointError, owned_blocks, tf_variable
+from tfllm.confined import relative_name
 
 log = logging.getLogger("tfllm.checkpoint")
 
@@ -46,7 +47,8 @@ def _read_client_files(client_files: ClientFiles) -> Dict[str, bytes]:
                 with open(full, "rb") as f:
                     out[os.path.relpath(full, root)] = f.read()
         client_files = out
-    return {storage.check_file_name(k): bytes(v) for k, v in client_files.items()}
+    return {relative_name(k, "client_files", CheckpointError): bytes(v)
+            for k, v in client_files.items()}
 
 
 def agree_nonce(mesh, num_clients: int) -> str:
@@ -173,6 +175,10 @@ class Checkpointer:
                         f.write(repr(e))
                 except OSError:
                     pass
+            if isinstance(e, OSError):  # full disk, quota, permissions: the command's
+                # I/O exit code (tfllm.exit_codes), which finds this OSError as the cause
+                raise CheckpointError(f"saving the checkpoint of step {step} failed: {e}; "
+                                      "the committed checkpoints are untouched") from e
             raise
         self.timings["write_s"] = time.perf_counter() - start
 
@@ -184,7 +190,7 @@ class Checkpointer:
         if self._error is not None:
             error, self._error = self._error, None
             raise CheckpointError(f"the checkpoint save in the background failed: "
-                                  f"{error!r}") from error
+                                  f"{error}") from error
 
     close = wait
 

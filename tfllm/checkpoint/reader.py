@@ -5,7 +5,15 @@ every file, and each client's index the sha256 of every block. Small files are v
 whole; shards.bin files are size-checked (truncation) and each block is verified when it
 is read, so a client reads and hashes only the blocks its devices need. sha256 rather
 than a cheaper CRC: hashlib's runs at GB/s with the SHA CPU extensions and releases the
-GIL (async saves hash in parallel with training), and it also catches deliberate edits.
+GIL (async saves hash in parallel with training).
+
+What this protects against: corruption (a torn write, a truncated copy, a flipped bit).
+Not tampering: whoever edits a file can recompute its sha256 and every hash above it, so
+a checkpoint from someone else is input to trust like code. `signing` adds an optional
+HMAC under a key of yours (TFLLM_CHECKPOINT_KEY) for that. Independently of any key,
+every file name the manifest holds must have the form the writer gives it and stay inside
+the checkpoint directory (`tfllm.confined`): a crafted manifest cannot make a reader open,
+or a resumed run write, a file elsewhere.
 """
 
 from __future__ import annotations
@@ -13,14 +21,24 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 from typing import Dict, List
 
 import numpy as np
 import tensorflow as tf
 
+from tfllm.checkpoint import signing
 from tfllm.checkpoint.shards import (CheckpointError, assemble, assign_blocks, target_blocks,
                                      tf_variable)
 from tfllm.checkpoint.storage import client_dir
+from tfllm.confined import inside
+
+# Every name `storage` writes into a manifest: nothing else is ever read.
+_FILE_NAME = re.compile(r"^(metadata\.json|done\.\d{5}|"
+                        r"client_\d{5}/(shards\.bin|index\.json|files/.+))$")
+_STEP_DIR = re.compile(r"^step_(\d{8})$")
+_UNTRUSTED = ("the checkpoint was written by a buggy or malicious program: do not restore "
+              "it, use another one")
 
 
 def _sha(data: bytes) -> str:
@@ -56,25 +74,61 @@ class Reader:
         if _sha(data) != manifest_sha:
             raise CheckpointError(f"{manifest_path}: sha256 differs from the one in COMMIT; "
                                   "the file is corrupt.")
-        manifest = json.loads(data)
-        self.step = int(manifest["step"])
-        self.num_clients = int(manifest["num_clients"])
-        self.files: Dict[str, dict] = manifest["files"]
+        signing.check(commit, data, commit_path)
+        try:
+            manifest = json.loads(data)
+            self.step = int(manifest["step"])
+            self.num_clients = int(manifest["num_clients"])
+            self.files: Dict[str, dict] = dict(manifest["files"])
+            for info in self.files.values():
+                if not (isinstance(info["bytes"], int) and isinstance(info["sha256"], str)):
+                    raise TypeError(f"a file entry {info!r} lacks an integer 'bytes' and a "
+                                    "string 'sha256'")
+        except (ValueError, KeyError, TypeError) as e:
+            raise CheckpointError(f"{manifest_path}: malformed ({e}); "
+                                  f"{_UNTRUSTED}.") from None
+        dir_step = _STEP_DIR.match(os.path.basename(os.path.normpath(path)))
+        if dir_step and int(dir_step.group(1)) != self.step:
+            raise CheckpointError(f"{manifest_path}: holds step {self.step}, but the "
+                                  f"directory is named for step {int(dir_step.group(1))}; "
+                                  f"{_UNTRUSTED}.")
+        self._paths = {rel: self._confine(rel, manifest_path) for rel in self.files}
         for rel, info in self.files.items():
             if rel.endswith("shards.bin"):  # truncation check without reading them
-                full = os.path.join(path, rel)
+                full = self._paths[rel]
                 size = os.path.getsize(full) if os.path.exists(full) else None
                 if size != info["bytes"]:
                     raise CheckpointError(f"{full}: {size} bytes, the manifest says "
                                           f"{info['bytes']}; the file is truncated or missing.")
         self.variables: Dict[str, dict] = {}
         for c in range(self.num_clients):
-            index = json.loads(self.read(f"{client_dir(c)}/index.json"))
-            for name, entry in index["variables"].items():
-                target = self.variables.setdefault(
-                    name, {"shape": entry["shape"], "dtype": entry["dtype"], "blocks": []})
-                for block in entry["blocks"]:
-                    target["blocks"].append(dict(block, file=f"{client_dir(c)}/shards.bin"))
+            index_path = f"{client_dir(c)}/index.json"
+            try:
+                index = json.loads(self.read(index_path))
+                for name, entry in index["variables"].items():
+                    target = self.variables.setdefault(
+                        name, {"shape": entry["shape"], "dtype": entry["dtype"], "blocks": []})
+                    for block in entry["blocks"]:
+                        target["blocks"].append(dict(block, file=f"{client_dir(c)}/shards.bin"))
+            except (ValueError, KeyError, TypeError, AttributeError) as e:
+                raise CheckpointError(f"{os.path.join(path, index_path)}: malformed ({e}); "
+                                      f"{_UNTRUSTED}.") from None
+
+    def _confine(self, rel, manifest_path: str) -> str:
+        """The path of manifest entry `rel`, which must be a name the writer gives and
+        resolve inside the checkpoint directory."""
+        if not (isinstance(rel, str) and _FILE_NAME.match(rel)):
+            raise CheckpointError(f"{manifest_path}: the file name {rel!r} is none a "
+                                  "checkpoint holds (metadata.json, done.NNNNN, "
+                                  "client_NNNNN/{shards.bin,index.json,files/...}); "
+                                  f"{_UNTRUSTED}.")
+        return inside(self.path, rel, manifest_path, CheckpointError, fix=_UNTRUSTED)
+
+    def file_path(self, rel: str) -> str:
+        """The checked path of the checkpoint's file `rel` (a manifest entry)."""
+        if rel not in self._paths:
+            raise CheckpointError(f"{os.path.join(self.path, rel)}: not in the manifest.")
+        return self._paths[rel]
 
     @staticmethod
     def _read_file(path: str) -> bytes:
@@ -86,9 +140,7 @@ class Reader:
 
     def read(self, rel: str) -> bytes:
         """A whole small file of the checkpoint, checked against the manifest."""
-        if rel not in self.files:
-            raise CheckpointError(f"{os.path.join(self.path, rel)}: not in the manifest.")
-        full = os.path.join(self.path, rel)
+        full = self.file_path(rel)
         data = self._read_file(full)
         info = self.files[rel]
         if len(data) != info["bytes"] or _sha(data) != info["sha256"]:
@@ -101,7 +153,8 @@ class Reader:
         return json.loads(self.read("metadata.json"))
 
     def client_files(self, client_id: int) -> Dict[str, bytes]:
-        """The per-client files saved by `client_id`, verified, as {name: bytes}."""
+        """The per-client files saved by `client_id`, verified, as {name: bytes}; each
+        name is a relative path (checked when the manifest was read)."""
         prefix = f"{client_dir(client_id)}/files/"
         return {rel[len(prefix):]: self.read(rel) for rel in sorted(self.files)
                 if rel.startswith(prefix)}
@@ -110,12 +163,12 @@ class Reader:
         """Block i of variable `name` as an array of its size, checked against its sha256."""
         entry = self.variables[name]
         block = entry["blocks"][i]
-        full = os.path.join(self.path, block["file"])
+        full = self.file_path(block["file"])
         try:
             with open(full, "rb") as f:
                 f.seek(block["offset"])
                 data = f.read(block["nbytes"])
-        except OSError as e:
+        except (OSError, ValueError, TypeError) as e:  # also a negative or non-int offset
             raise CheckpointError(f"{full}: cannot be read ({e}).") from None
         if len(data) != block["nbytes"] or _sha(data) != block["sha256"]:
             raise CheckpointError(
@@ -184,7 +237,7 @@ def verify(path: str) -> List[str]:
     reader = Reader(path)
     for rel, info in reader.files.items():
         if rel.endswith("shards.bin"):
-            h, full = hashlib.sha256(), os.path.join(path, rel)
+            h, full = hashlib.sha256(), reader.file_path(rel)
             with open(full, "rb") as f:
                 for chunk in iter(lambda: f.read(1 << 24), b""):
                     h.update(chunk)

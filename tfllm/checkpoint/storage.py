@@ -5,7 +5,8 @@ consistency, or a local disk for a single host): clients write disjoint files in
 temporary directory and client 0 commits it. Layout of a committed checkpoint:
 
     DIR/step_00000010/
-      COMMIT                 written last: {"step", "nonce", "manifest_sha256"}
+      COMMIT                 written last: {"step", "nonce", "manifest_sha256"} (and
+                             "manifest_hmac_sha256" with TFLLM_CHECKPOINT_KEY, see signing)
       manifest.json          every file below with its sha256 and size, num_clients
       metadata.json          the caller's JSON metadata (+ "step")
       done.00000 ...         each client's list of its files (the barrier tokens)
@@ -36,6 +37,7 @@ from typing import Dict, List, Optional, Tuple
 
 import numpy as np
 
+from tfllm.checkpoint import signing
 from tfllm.checkpoint.shards import CheckpointError
 
 FORMAT = 1
@@ -127,15 +129,6 @@ def write_client(tmp: str, client_id: int, variables: Dict[str, dict],
                       {"client": client_id, "files": listing})
 
 
-def check_file_name(name: str) -> str:
-    """A per-client file name must stay inside its client directory."""
-    norm = os.path.normpath(name)
-    if os.path.isabs(name) or norm.startswith("..") or norm in (".", ""):
-        raise CheckpointError(f"client_files: '{name}' is not a relative path inside the "
-                              "checkpoint; use names such as 'data/iterator.json'.")
-    return norm.replace(os.sep, "/")
-
-
 def wait_for(predicate, timeout_s: float, what: str):
     """Polls `predicate` until it returns a true value, or raises after `timeout_s`."""
     deadline = time.monotonic() + timeout_s
@@ -172,8 +165,8 @@ def commit(directory: str, tmp: str, step: int, nonce: str, num_clients: int,
         os.path.join(tmp, "metadata.json"),
         json.dumps(metadata, indent=1, sort_keys=True).encode())
     manifest = {"format": FORMAT, "step": step, "num_clients": num_clients, "files": files}
-    manifest_info = write_file(os.path.join(tmp, "manifest.json"),
-                               json.dumps(manifest, indent=1, sort_keys=True).encode())
+    manifest = json.dumps(manifest, indent=1, sort_keys=True).encode()
+    manifest_info = write_file(os.path.join(tmp, "manifest.json"), manifest)
     _fsync_dir(tmp)
     final = os.path.join(directory, step_name(step))
     old = None
@@ -186,7 +179,7 @@ def commit(directory: str, tmp: str, step: int, nonce: str, num_clients: int,
     _fsync_dir(directory)
     write_json_atomic(os.path.join(final, "COMMIT"),
                       {"step": step, "nonce": nonce,
-                       "manifest_sha256": manifest_info["sha256"]})
+                       "manifest_sha256": manifest_info["sha256"], **signing.sign(manifest)})
     if old is not None:
         shutil.rmtree(old, ignore_errors=True)
     return final

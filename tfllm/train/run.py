@@ -8,9 +8,12 @@ evaluation steps, the tokenizer and this client's data streams. The loop
 from __future__ import annotations
 
 import os
+import re
 import tempfile
 from typing import Optional
 
+from tfllm.checkpoint import CheckpointError
+from tfllm.confined import inside
 from tfllm.parallel import make_parallel
 from tfllm.parallel import rules as rules_lib
 from tfllm.parallel.mesh import check_batch, check_gpus
@@ -191,10 +194,28 @@ class Run:
                 "rows). Resume with the same number of clients, or start a new --workdir.")
         with tempfile.TemporaryDirectory() as tmp:
             for name, data in files.items():
-                with open(os.path.join(tmp, name), "wb") as f:
+                with open(_state_file(tmp, name), "wb") as f:
                     f.write(data)
             self.train_data.restore_state(os.path.join(tmp, "iterator"))
         self._peeked = None  # the restored position replaces the peeked first batch
+
+
+# The names `data_state_files` gives: "iterator" + the suffixes tf.train.Checkpoint and
+# Batches.save_state write (.json, .index, .data-00000-of-00001).
+_STATE_FILE = re.compile(r"^iterator\.[A-Za-z0-9_.-]+$")
+
+
+def _state_file(tmp: str, name) -> str:
+    """Where a checkpoint's data-iterator file `name` is written for restoring: a plain
+    file name of the form `data_state_files` gives, inside `tmp` (the names come from the
+    checkpoint's manifest, which whoever made the checkpoint controls)."""
+    what = "the checkpoint's data-iterator state"
+    fix = ("the checkpoint was written by a buggy or malicious program: do not resume "
+           "from it")
+    if not (isinstance(name, str) and _STATE_FILE.match(name)):
+        raise CheckpointError(f"{what}: {name!r} is not a file name tfllm writes "
+                              f"(iterator.json, iterator.index, iterator.data-...); {fix}.")
+    return inside(tmp, name, what, CheckpointError, flat=True, fix=fix)
 
 
 def sample_text(run: Run, prompt: str, max_new_tokens: int, **sampling) -> str:

@@ -1,0 +1,144 @@
+"""Checkpoints made by someone else: names confined to the checkpoint, tampering vs. HMAC.
+
+Each case saves a real checkpoint with the library's Checkpointer, then edits it the way
+an attacker would: the edited manifest's hashes and COMMIT's manifest_sha256 recomputed,
+so the sha256 chain alone accepts it.
+"""
+
+import hashlib
+import json
+import os
+import tempfile
+import types
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from tfllm.checkpoint import Checkpointer, CheckpointError, Reader, verify
+from tfllm.train.run import Run
+
+
+def _vars(value=0.0):
+    return {"w": tf.Variable(np.full((2, 3), value, np.float32))}
+
+
+def _save(directory, step=1, files=None):
+    Checkpointer(str(directory)).save(step, _vars(1.0), client_files=files or {
+        "iterator.json": b'{"count": 2}'})
+    return directory / f"step_{step:08d}"
+
+
+def _sha(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+def _forge(root, edit):
+    """Applies `edit(files)` to the manifest's file table, then re-signs the chain as
+    anyone can: manifest.json rewritten, COMMIT's manifest_sha256 recomputed."""
+    manifest = json.loads((root / "manifest.json").read_text())
+    edit(manifest["files"])
+    data = json.dumps(manifest, indent=1, sort_keys=True).encode()
+    (root / "manifest.json").write_bytes(data)
+    commit = json.loads((root / "COMMIT").read_text())
+    commit["manifest_sha256"] = _sha(data)
+    (root / "COMMIT").write_text(json.dumps(commit))
+
+
+def _add(name, data):
+    def edit(files):
+        files[name] = {"sha256": _sha(data), "bytes": len(data)}
+    return edit
+
+
+@pytest.mark.parametrize("name", [
+    "client_00000/files/../../x/y",      # the attack verified in issue 24
+    "client_00000/files/a/../../../../y",
+    "/tmp/y",
+    "client_00000/files//etc/y",
+    "client_00000/files/./y",
+    "client_00000/files\\..\\..\\y",
+    "../y",
+    "y.json",                             # not a name the writer gives
+])
+def test_manifest_names_outside_the_checkpoint_are_refused(tmp_path, name):
+    root = _save(tmp_path / "ckpt")
+    _forge(root, _add(name, b"payload"))
+    with pytest.raises(CheckpointError) as error:
+        Checkpointer(str(tmp_path / "ckpt")).restore(_vars())
+    message = str(error.value)
+    assert "manifest.json" in message and repr(name) in message and "\n" not in message
+    with pytest.raises(CheckpointError):
+        verify(str(root))
+    assert not (tmp_path / "x").exists() and not (tmp_path / "y").exists()
+
+
+def test_a_symlink_out_of_the_checkpoint_is_refused(tmp_path):
+    secret = tmp_path / "secret.txt"
+    secret.write_bytes(b"not yours")
+    root = _save(tmp_path / "ckpt")
+    link = root / "client_00000" / "files" / "iterator.json"
+    os.remove(link)
+    os.symlink(secret, link)
+    _forge(root, _add("client_00000/files/iterator.json", secret.read_bytes()))
+    with pytest.raises(CheckpointError, match="outside .* \\(a symlink\\)"):
+        Reader(str(root))
+
+
+def test_a_renamed_checkpoint_is_refused(tmp_path):
+    root = _save(tmp_path)
+    os.rename(root, tmp_path / "step_00000009")
+    with pytest.raises(CheckpointError, match="holds step 1, but the directory is named for "
+                                              "step 9"):
+        Reader(str(tmp_path / "step_00000009"))
+
+
+def _edit_metadata(root):
+    """Tampering the sha256 chain cannot see: metadata.json changed, hashes recomputed."""
+    data = json.dumps({"step": 1, "config": "evil"}).encode()
+    (root / "metadata.json").write_bytes(data)
+    _forge(root, _add("metadata.json", data))
+
+
+def test_checksums_do_not_catch_tampering_the_hmac_does(tmp_path, monkeypatch):
+    monkeypatch.setenv("TFLLM_CHECKPOINT_KEY", "k1")
+    root = _save(tmp_path)
+    assert "manifest_hmac_sha256" in json.loads((root / "COMMIT").read_text())
+    assert Reader(str(root)).metadata()["step"] == 1  # signed and verified
+    _edit_metadata(root)
+    with pytest.raises(CheckpointError, match="signature does not match "
+                                              "TFLLM_CHECKPOINT_KEY"):
+        Reader(str(root))
+    monkeypatch.delenv("TFLLM_CHECKPOINT_KEY")
+    assert Reader(str(root)).metadata()["config"] == "evil"  # sha256 alone: accepted
+
+
+def test_hmac_refuses_unsigned_and_other_keys(tmp_path, monkeypatch):
+    unsigned = _save(tmp_path / "a")
+    monkeypatch.setenv("TFLLM_CHECKPOINT_KEY", "k1")
+    with pytest.raises(CheckpointError, match="not signed, but TFLLM_CHECKPOINT_KEY is set"):
+        Reader(str(unsigned))
+    signed = _save(tmp_path / "b")
+    monkeypatch.setenv("TFLLM_CHECKPOINT_KEY", "k2")
+    with pytest.raises(CheckpointError, match="signature does not match"):
+        Reader(str(signed))
+
+
+@pytest.mark.parametrize("name", ["../escaped", "iterator/../../escaped", "ABSOLUTE",
+                                  "escaped", "iterator.json/x"])
+def test_data_state_names_are_confined_to_the_private_temp_dir(tmp_path, monkeypatch, name):
+    """Run.restore_data_state writes the checkpoint's iterator files into a temporary
+    directory: a name from the checkpoint never reaches outside it."""
+    sandbox = tmp_path / "sandbox"
+    sandbox.mkdir()
+    name = str(tmp_path / "escaped") if name == "ABSOLUTE" else name
+    monkeypatch.setattr(tempfile, "tempdir", str(sandbox))
+    restored = []
+    stand_in = types.SimpleNamespace(
+        train_data=types.SimpleNamespace(restore_state=restored.append), _peeked=None)
+    with pytest.raises(CheckpointError, match="data-iterator state: .* is not a file name"):
+        Run.restore_data_state(stand_in, {"iterator.json": b"{}", name: b"x"})
+    assert not restored
+    assert sorted(os.listdir(tmp_path)) == ["sandbox"] and os.listdir(sandbox) == []
+    Run.restore_data_state(stand_in, {"iterator.json": b"{}", "iterator.index": b""})
+    assert len(restored) == 1 and restored[0].endswith("iterator")
