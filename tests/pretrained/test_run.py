@@ -41,7 +41,7 @@ def test_import_generates_like_keras_hub_greedy(name, tmp_path, capsys):
     summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert summary["backbone"] == type(lm.backbone).__name__
     assert summary["mesh"] == {"data": 2, "model": 4}
-    assert sorted(os.listdir(tmp_path / "run")) == ["checkpoints", "config.yaml",
+    assert sorted(os.listdir(tmp_path / "run")) == [".tfllm-run", "checkpoints", "config.yaml",
                                                     "pretrained.json", "tokenizer"]
     config = (tmp_path / "run" / "config.yaml").read_text()
     if name == "llama3":

@@ -11,7 +11,9 @@ What a document is, per source:
 
 Without separate validation data (data.eval_paths, or for tfds an empty
 data.tfds_eval_split), a document is held out when a hash of its text falls below
-data.validation_fraction: the split never overlaps and does not depend on order.
+data.validation_fraction: the split never overlaps and does not depend on order. With
+data.validation_fraction=0 as well there is no validation data (`has_validation`): the
+run trains on everything and does not evaluate, as Keras' `validation_split=0`.
 
 `documents(config, split, num_shards, index)` returns shard `index` of `num_shards`:
 the pipeline gives every row of the global batch its own shard.
@@ -141,8 +143,8 @@ def _file_documents(config, split: str, num_shards: int, index: int) -> tf.data.
         # True: keep only the held-out docs; False: drop them; None: keep everything.
         holdout = (split == "validation") if data.validation_fraction > 0 else None
         if split == "validation" and holdout is None:
-            raise DataError("no validation data: set data.eval_paths or "
-                            "data.validation_fraction > 0.")
+            raise DataError(f"no validation data: {no_validation_reason(data)}; set "
+                            "data.eval_paths or data.validation_fraction > 0.")
     files = resolve_files(patterns, key)
     if data.source == "text":
         check_text_files(files, key)
@@ -202,12 +204,56 @@ def check_tfds_name(name: str) -> None:
                         "See tfds.list_builders() for the names.")
 
 
+def has_validation(data) -> bool:
+    """Whether the data settings (`config.data`) give validation data: separate
+    validation data, or documents held out by data.validation_fraction > 0 (synthetic
+    data always has held-out sequences). Without it a run does not evaluate."""
+    if data.source == "synthetic" or data.validation_fraction > 0:
+        return True
+    if data.source in ("text", "tfrecord"):
+        return bool(data.eval_paths)
+    return data.source == "tfds" and bool(data.tfds_eval_split)
+
+
+def no_validation_reason(data) -> str:
+    """The settings that give no validation data, as the user would set them."""
+    separate = {"text": "no data.eval_paths", "tfrecord": "no data.eval_paths",
+                "tfds": "an empty data.tfds_eval_split"}.get(data.source)
+    return "data.validation_fraction=0" + (f" and {separate}" if separate else "")
+
+
+def validation_hint(data) -> str:
+    """Where the validation documents come from and how to get some, for the error of a
+    validation split without text."""
+    off = "or set data.validation_fraction=0 (and no separate validation data) to train "\
+          "without evaluation"
+    if data.source in ("text", "tfrecord") and data.eval_paths:
+        return (f"data.eval_paths={data.eval_paths} give no documents: name files with "
+                f"text, {off}.")
+    if data.source == "tfds" and data.tfds_eval_split:
+        return (f"data.tfds_eval_split={data.tfds_eval_split} of {data.tfds_name} gives no "
+                f"documents: name a split with text (or none, to hold out "
+                f"data.validation_fraction of data.tfds_split), {off}.")
+    separate = {"text": "name validation files (data.eval_paths), ",
+                "tfrecord": "name validation files (data.eval_paths), ",
+                "tfds": "name a validation split (data.tfds_eval_split), "
+                }.get(data.source, "")
+    return (f"data.validation_fraction={data.validation_fraction:g} held out no document "
+            "(each document is held out by a hash of its text, so few documents may give "
+            f"none): raise data.validation_fraction, {separate}{off}.")
+
+
 def _tfds_split(config, split: str) -> str:
     data = config.data
     if split == "train" and data.tfds_eval_split:
         return data.tfds_split
     if split == "validation" and data.tfds_eval_split:
         return data.tfds_eval_split
+    if data.validation_fraction == 0:  # no validation data: train on the whole split
+        if split == "validation":
+            raise DataError(f"no validation data: {no_validation_reason(data)}; set "
+                            "data.tfds_eval_split or data.validation_fraction > 0.")
+        return data.tfds_split
     # No eval split: hold out the first validation_fraction percent of the train split.
     percent = max(1, round(100 * data.validation_fraction))
     return (f"{data.tfds_split}[{percent}%:]" if split == "train"

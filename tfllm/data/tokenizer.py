@@ -42,6 +42,11 @@ class Tokenizer:
     def decode(self, ids: Iterable[int]) -> str:
         raise NotImplementedError
 
+    def fingerprint(self) -> str:
+        """What defines the tokenizer, as '<kind>:<sha256>': checkpoints save it, so a
+        resumed run notices a replaced tokenizer even of the same size."""
+        raise NotImplementedError
+
     def traced_encode(self) -> Callable[[tf.Tensor], tf.Tensor]:
         """`tf_encode` traced once per tokenizer, then shared by every tf.data map.
 
@@ -71,6 +76,9 @@ class ByteTokenizer(Tokenizer):
 
     def decode(self, ids: Iterable[int]) -> str:
         return bytes(i for i in ids if 0 <= i < 256).decode("utf-8", errors="replace")
+
+    def fingerprint(self) -> str:
+        return "byte"
 
     def tf_encode(self, text: tf.Tensor) -> tf.Tensor:
         return tf.cast(tf.io.decode_raw(text, tf.uint8), tf.int32)
@@ -103,6 +111,9 @@ class SentencePieceTokenizer(Tokenizer):
     def decode(self, ids: Iterable[int]) -> str:
         return self._sp.decode([int(i) for i in ids if 0 <= int(i) < self.vocab_size])
 
+    def fingerprint(self) -> str:
+        return "sentencepiece:" + hashlib.sha256(self.proto).hexdigest()
+
     def tf_encode(self, text: tf.Tensor) -> tf.Tensor:
         return tf.cast(self._hub.tokenize(text), tf.int32)
 
@@ -118,6 +129,7 @@ class KerasHubTokenizer(Tokenizer):
         import keras_hub
 
         self._hub = keras_hub.tokenizers.Tokenizer.from_preset(path)
+        self._fingerprint = "keras-hub:" + _sha256_of_folder(path)
         eod = getattr(self._hub, "end_token_id", None)
         if eod is None:
             raise DataError(f"data.tokenizer_path={path}: the keras-hub tokenizer defines no "
@@ -132,6 +144,20 @@ class KerasHubTokenizer(Tokenizer):
 
     def tf_encode(self, text: tf.Tensor) -> tf.Tensor:
         return tf.cast(self._hub.tokenize(text), tf.int32)
+
+    def fingerprint(self) -> str:
+        return self._fingerprint
+
+
+def _sha256_of_folder(path: str) -> str:
+    """sha256 over a folder's files: each one's relative name and content's sha256."""
+    digest = hashlib.sha256()
+    files = sorted((os.path.relpath(os.path.join(root, name), path), os.path.join(root, name))
+                   for root, _, names in os.walk(path) for name in names)
+    for rel, full in files:
+        with open(full, "rb") as f:
+            digest.update(rel.encode("utf-8") + b"\0" + hashlib.sha256(f.read()).digest())
+    return digest.hexdigest()
 
 
 def train_sentencepiece(texts: Iterable[str], vocab_size: int,

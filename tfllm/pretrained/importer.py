@@ -20,6 +20,7 @@ import numpy as np
 
 from tfllm.pretrained.families import PretrainedError
 from tfllm.pretrained.sources import Source, open_source
+from tfllm.train.workdir import MARKER, read_marker, write_marker
 
 log = logging.getLogger("tfllm.pretrained")
 
@@ -177,8 +178,10 @@ def import_preset(preset: str, workdir: str, overrides: Iterable[str] = (),
     checkpoint of the model weights (step 0, marked as an initialization, so that
     `tfllm train` starts a fine-tuning run from it with any data and optimizer
     settings), the tokenizer, and pretrained.json (where the weights came from, for
-    `tfllm export --format keras-hub`). Everything is written under a temporary name
-    and renamed last: a failed import leaves no workdir.
+    `tfllm export --format keras-hub`) and the `.tfllm-run` marker of a tfllm run
+    (`tfllm.train.workdir`). Everything is written under a temporary name
+    and renamed last: a failed import leaves no workdir (a crashed one leaves
+    WORKDIR.importing, whose marker lets the next import remove it).
 
     Args:
       preset: a local keras-hub preset or Hugging Face checkpoint folder.
@@ -202,19 +205,20 @@ def import_preset(preset: str, workdir: str, overrides: Iterable[str] = (),
     if os.path.exists(workdir) and (not os.path.isdir(workdir) or os.listdir(workdir)):
         raise PretrainedError(f"--workdir {workdir} exists and is not empty; import into a "
                               "new directory (an import never overwrites a run).")
-    source = open_source(preset)
     tmp = workdir.rstrip("/") + ".importing"
     primary = client_id() == 0
+    if primary:  # before any client joins
+        _remove_crashed_import(tmp)
+    source = open_source(preset)
     try:
         config = preset_config(source, overrides, os.path.join(workdir, "tokenizer"))
-        if primary and os.path.exists(tmp):
-            shutil.rmtree(tmp)  # a crashed import's leftovers, before any client joins
         # The mesh next: splitting the CPU into logical devices must happen before
         # anything (the tokenizer, the abstract backbone) initializes TensorFlow; with
         # several clients it is also where they meet.
         parallel = make_parallel(config)
         if primary:
-            os.makedirs(tmp, exist_ok=True)
+            # The marker first: a crash leaves a folder provably this import's own.
+            write_marker(tmp, "import")
             name = _write_tokenizer(source, tokenizer, tmp)
             config.data.tokenizer_path = os.path.join(workdir, name)
             # The tokenizer must load and fit the vocabulary before any weight is read.
@@ -247,6 +251,19 @@ def import_preset(preset: str, workdir: str, overrides: Iterable[str] = (),
     params = sum(int(np.prod(v.shape)) for v in model.trainable_variables)
     return {"workdir": workdir, "backbone": source.backbone, "format": source.format,
             "params": params, "mesh": dict(parallel.shape), **stats}
+
+
+def _remove_crashed_import(tmp: str) -> None:
+    """Removes WORKDIR.importing when a crashed import left it (its marker says so);
+    anything else by that name is not tfllm's to delete: refused."""
+    if not os.path.lexists(tmp):
+        return
+    marker = None if os.path.islink(tmp) or not os.path.isdir(tmp) else read_marker(tmp)
+    if marker is None or marker.get("kind") != "import":
+        raise PretrainedError(f"{tmp} exists and is not a crashed tfllm import (it has no "
+                              f"{MARKER} marker of one); tfllm never deletes files it did "
+                              "not write: move it away, or import into another --workdir.")
+    shutil.rmtree(tmp)
 
 
 def read_origin(workdir: str) -> Optional[Dict]:

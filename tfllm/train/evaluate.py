@@ -6,6 +6,7 @@ import math
 
 import tensorflow as tf
 
+from tfllm.data.errors import DataError
 from tfllm.models.loss import loss_sum_and_count
 from tfllm.parallel import context
 from tfllm.parallel.placement import to_numpy
@@ -50,9 +51,10 @@ class Evaluator:
             s, n = self._sums(batch)
             total += float(to_numpy(s))
             count += float(to_numpy(n))
-        if not count:
-            raise ValueError("the validation data gave no batches; add validation text or "
-                             "lower train.eval_steps.")
+        if not count:  # batches past the end of the data are padding: fewer never help
+            raise DataError("the validation data holds no text; add validation documents "
+                            "(data.eval_paths, a larger data.validation_fraction, or "
+                            "data.tfds_eval_split).")
         loss = total / count
         return {"eval_loss": loss, "eval_perplexity": math.exp(min(loss, 700.0)),
                 "eval_tokens": int(count)}

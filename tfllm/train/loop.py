@@ -26,11 +26,12 @@ from tfllm.precision import describe
 from tfllm.train import hlo_dump
 from tfllm.train.metrics import Throughput, flops_per_token, mesh_peak
 from tfllm.train.preemption import NonFiniteError, Preempted, SignalWatcher
+from tfllm.train.preflight import no_validation_reason, preflight
 from tfllm.train.progress import Progress
 from tfllm.train.run import Run, sample_text
 from tfllm.train.tensorboard import TensorBoard
-from tfllm.train.workdir import (check_workdir, clear_dead_run, imported_start,
-                                 truncate_metrics, write_costs)
+from tfllm.train.workdir import (check_tokenizer, check_workdir, start_run,
+                                 tokenizer_fingerprint, truncate_metrics, write_costs)
 
 __all__ = ["Run", "train"]
 
@@ -83,7 +84,7 @@ def train(config, workdir: str, model_cls=None, out=None) -> dict:
 
 
 def _train(config, workdir, model_cls, out, signals, watchdog: list) -> dict:
-    from tfllm.checkpoint import Checkpointer, committed
+    from tfllm.checkpoint import Checkpointer
     t = config.train
     primary = client_id() == 0
     if not primary:  # other clients log to their own file
@@ -93,20 +94,21 @@ def _train(config, workdir, model_cls, out, signals, watchdog: list) -> dict:
         import tensorflow as tf
         tf.config.experimental.enable_op_determinism()
     ckpt_dir = os.path.join(workdir, "checkpoints")
-    has_checkpoint = os.path.isdir(ckpt_dir) and bool(committed(ckpt_dir))
-    imported = has_checkpoint and imported_start(ckpt_dir)
-    check_workdir(workdir, config, has_checkpoint, imported)
+    # Another run, or files tfllm did not write, are refused before anything is written.
+    state = check_workdir(workdir, config)
+    has_checkpoint, imported = state.has_checkpoint, state.imported
+    if primary:  # the marker first, before the run (its tokenizer) writes a file there
+        start_run(state, config)
     # bad data or tokenizer settings fail here
     run = Run(config, model_cls, workdir, capture_hlo=True)
     signals.reinstall()  # after the mesh: TensorFlow's multi-client start takes SIGTERM
+    check_tokenizer(state, run.tokenizer)
+    evaluating = preflight(run)  # what would fail after the last step fails before the first
     checkpointer = Checkpointer(ckpt_dir, run.parallel, config.checkpoint)
     if num_clients() > 1 and t.peer_timeout_s > 0:  # from here a lost peer is reported
         watchdog.append(PeerWatchdog(workdir, client_id(), num_clients(), t.peer_timeout_s,
                                      checkpointer.latest_step).start())
-    os.makedirs(workdir, exist_ok=True)
     if primary:
-        if not has_checkpoint:
-            clear_dead_run(workdir)
         save_config(config, workdir)
 
     start_step, first_step_s = 0, None
@@ -143,6 +145,9 @@ def _train(config, workdir, model_cls, out, signals, watchdog: list) -> dict:
                          f"the devices along {', '.join(repr(a) for a in idle)} repeat the "
                          "same activations: the custom mesh.rules map neither "
                          "'activation_batch' nor 'activation_length' to them.")
+    if not evaluating:
+        progress.message("tfllm: no validation data "
+                         f"({no_validation_reason(config.data)}): no evaluation")
     if run.sequence_axis:
         progress.message(f"tfllm: batch rows over '{run.batch_axis}', sequence over "
                          f"'{run.sequence_axis}' (attention gathers keys and values over "
@@ -191,7 +196,8 @@ def _train(config, workdir, model_cls, out, signals, watchdog: list) -> dict:
                 record = {"step": number, **{k: v for k, v in values.items()
                                              if k != "step_ok"},
                           "tokens_per_s": tps, "mfu": mfu or 0.0}
-            if t.eval_every and number % t.eval_every == 0 and number != t.steps:
+            if (evaluating and t.eval_every and number % t.eval_every == 0
+                    and number != t.steps):
                 record = record or {"step": number}
                 record.update(run.evaluate())
             if record is not None:
@@ -201,20 +207,23 @@ def _train(config, workdir, model_cls, out, signals, watchdog: list) -> dict:
             stop = any_client(signals.requested, number, run.parallel.mesh)
             if stop or (config.checkpoint.every and number % config.checkpoint.every == 0
                         and number != t.steps):
-                checkpointer.save(number, run.state_variables(), _meta(config, number),
-                                  run.data_state_files)
+                checkpointer.save(number, run.state_variables(),
+                                  _meta(config, number, run.tokenizer), run.data_state_files)
             if stop:
                 checkpointer.wait()
                 raise Preempted(number, signals.signame or "a signal on another client")
-        final = run.evaluate()
-        progress.message(f"validation loss {final['eval_loss']:.4f} "
-                         f"(perplexity {final['eval_perplexity']:.2f}) after step {t.steps}")
-        last = {**last, **final, "step": t.steps}
-        outputs.record({"step": t.steps, **final}, None)
+        # The final checkpoint first, committed before anything after the last step
+        # (evaluation, plot, sample) can fail.
         if start_step < t.steps or checkpointer.latest_step() != t.steps:
-            checkpointer.save(t.steps, run.state_variables(), _meta(config, t.steps),
-                              run.data_state_files)
+            checkpointer.save(t.steps, run.state_variables(),
+                              _meta(config, t.steps, run.tokenizer), run.data_state_files)
         checkpointer.wait()
+        if evaluating:
+            final = run.evaluate()
+            progress.message(f"validation loss {final['eval_loss']:.4f} (perplexity "
+                             f"{final['eval_perplexity']:.2f}) after step {t.steps}")
+            last = {**last, **final, "step": t.steps}
+            outputs.record({"step": t.steps, **final}, None)
     finally:
         outputs.close()
     if primary:
@@ -255,5 +264,7 @@ def _step_or_peer_lost(run, step: int, limit: float, checkpointer) -> dict:
                                     "its connection failed in a collective")) from None
 
 
-def _meta(config, step: int) -> dict:
-    return {"step": step, "config": to_dict(config)}
+def _meta(config, step: int, tokenizer) -> dict:
+    """A checkpoint's metadata: what defines the run, checked when it resumes."""
+    return {"step": step, "config": to_dict(config),
+            "tokenizer": tokenizer_fingerprint(tokenizer)}
