@@ -22,6 +22,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
+from tfllm.confined import inside
 from tfllm.pretrained import keras_internal
 from tfllm.pretrained.families import PretrainedError, family_for
 
@@ -32,6 +33,14 @@ FLOAT_DTYPES = ("float16", "bfloat16", "float32")
 
 KERAS_WEIGHTS = "model.weights.h5"
 KERAS_SHARDED = "model.weights.json"
+HF_WEIGHTS = "model.safetensors"
+HF_INDEX = "model.safetensors.index.json"
+_UNTRUSTED = "the preset was made by a buggy or malicious program: do not import it"
+
+
+def _file_names(weight_map: dict) -> list:
+    """Every file name a weight map's values hold (each a name or a list of names)."""
+    return [n for v in weight_map.values() for n in (v if isinstance(v, list) else [v])]
 
 
 def _slices(block: Block, offset: Sequence[int] = ()) -> tuple:
@@ -89,6 +98,27 @@ class Source:
     def _prepare(self) -> None:
         """Format-specific indexing once the abstract backbone exists."""
 
+    def file(self, name, what: str) -> str:
+        """The path of the folder's file `name` (named by `what`, e.g. a weight map): a plain
+        file name whose resolved path, symlinks followed, is inside the folder."""
+        return inside(self.path, name, what, PretrainedError, flat=True, fix=_UNTRUSTED)
+
+    def _weight_map(self, index: str) -> dict:
+        """The "weight_map" of the folder's JSON file `index` ({tensor or group: file name
+        or list of them}), every file name checked by `file` before any is opened (a
+        weight map is written by whoever made the preset)."""
+        what = f"{self.path}/{index}"
+        try:
+            with open(self.file(index, what), encoding="utf-8") as f:
+                weight_map = dict(json.load(f)["weight_map"])
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            raise PretrainedError(f"{what}: not a weight map ({type(e).__name__}: {e}); it "
+                                  "must be JSON with a \"weight_map\" object of tensor -> file "
+                                  "name.") from None
+        for name in _file_names(weight_map):
+            self.file(name, what)
+        return weight_map
+
     def _backbone(self):
         raise NotImplementedError
 
@@ -129,10 +159,10 @@ class KerasPresetSource(Source):
         single = os.path.join(path, KERAS_WEIGHTS)
         sharded = os.path.join(path, KERAS_SHARDED)
         if os.path.exists(single):
+            self.file(KERAS_WEIGHTS, path)  # not a link out of the folder
             self._map = None
         elif os.path.exists(sharded):
-            with open(sharded, encoding="utf-8") as f:
-                self._map = json.load(f).get("weight_map", {})
+            self._map = self._weight_map(KERAS_SHARDED)
         else:
             raise PretrainedError(f"{path}: a keras-hub preset needs {KERAS_WEIGHTS} (or the "
                                   f"sharded {KERAS_SHARDED}); neither exists. Save the model "
@@ -154,8 +184,7 @@ class KerasPresetSource(Source):
     def _weight_files(self) -> List[str]:
         if self._map is None:
             return [KERAS_WEIGHTS]
-        return sorted({f for v in self._map.values()
-                       for f in (v if isinstance(v, list) else [v])})
+        return sorted(set(_file_names(self._map)))
 
     def _backbone(self):
         import keras_hub
@@ -183,7 +212,8 @@ class KerasPresetSource(Source):
 
     def _open(self, fname: str):
         if fname not in self._files:
-            full = os.path.join(self.path, fname)
+            full = self.file(fname, f"{self.path}/{KERAS_SHARDED}" if self._map is not None
+                             else self.path)
             if not os.path.exists(full):
                 raise PretrainedError(f"{full}: missing; the preset names it but it is not "
                                       "there (an incomplete download?).")
@@ -243,6 +273,7 @@ class HuggingFaceSource(Source):
         super().__init__(path, loader)
         self._reader = None
         self.ported: Dict[str, tuple] = {}
+        self._files()  # every weight file name checked before keras-hub's reader opens one
 
     def _prepare(self):
         self._reader = keras_internal.recording_safetensor_loader(self.path)
@@ -311,16 +342,15 @@ class HuggingFaceSource(Source):
         names = []
         for fname in self._files():
             from safetensors import safe_open
-            with safe_open(os.path.join(self.path, fname), framework="np") as f:
+            with safe_open(self.file(fname, self.path), framework="np") as f:
                 names.extend(f.keys())
         return names
 
     def _files(self) -> List[str]:
-        index = os.path.join(self.path, "model.safetensors.index.json")
-        if os.path.exists(index):
-            with open(index, encoding="utf-8") as f:
-                return sorted(set(json.load(f)["weight_map"].values()))
-        return ["model.safetensors"]
+        if os.path.exists(os.path.join(self.path, HF_INDEX)):
+            return sorted(set(_file_names(self._weight_map(HF_INDEX))))
+        self.file(HF_WEIGHTS, self.path)
+        return [HF_WEIGHTS]
 
     def close(self):
         reader = getattr(self, "_reader", None)
@@ -340,6 +370,7 @@ def open_source(path: str) -> Source:
     if not os.path.exists(os.path.join(path, "config.json")):
         raise PretrainedError(f"{path}: no config.json; a keras-hub preset or Hugging Face "
                               "checkpoint folder has one.")
+    inside(path, "config.json", path, PretrainedError)  # not a link out of the folder
     try:
         loader = keras_internal.preset_loader(path)
     except ValueError as e:

@@ -1,0 +1,83 @@
+"""Presets made by someone else: weight-map names and links confined to the preset folder.
+
+Each crafted preset would import *successfully* without the checks (its weight map points
+at a complete weights file outside the folder); with them `tfllm import` exits 2 with one
+line naming the weight map and the name, and writes nothing.
+"""
+
+import json
+import os
+
+import h5py
+import pytest
+
+from tfllm.cli.main import main
+from tests.pretrained import helpers
+
+
+def _import(capsys, preset, workdir):
+    code = main(["import", "--preset", str(preset), "--workdir", str(workdir)])
+    err = capsys.readouterr().err.strip()
+    assert not os.path.exists(workdir) and not os.path.exists(str(workdir) + ".importing")
+    return code, err
+
+
+def _datasets(path):
+    out = []
+    with h5py.File(path, "r") as f:
+        f.visititems(lambda n, o: out.append(n) if isinstance(o, h5py.Dataset) else None)
+    return out
+
+
+@pytest.fixture(scope="module")
+def gpt2_preset(tmp_path_factory):
+    path = tmp_path_factory.mktemp("presets") / "gpt2"
+    helpers.save_preset("gpt2", path)
+    return path
+
+
+def _copy(preset, to):
+    import shutil
+    shutil.copytree(preset, to)
+    return to
+
+
+@pytest.mark.parametrize("name", ["../outside.weights.h5", "/ABS/outside.weights.h5",
+                                  "sub/../../outside.weights.h5"])
+def test_keras_sharded_weight_map_names_stay_in_the_preset(gpt2_preset, tmp_path, capsys,
+                                                           name):
+    preset = _copy(gpt2_preset, tmp_path / "preset")
+    outside = tmp_path / "outside.weights.h5"
+    os.replace(preset / "model.weights.h5", outside)  # the complete weights, outside
+    name = name.replace("/ABS", str(tmp_path))
+    groups = {"/" + d.rsplit("/", 1)[0]: name for d in _datasets(outside)}
+    (preset / "model.weights.json").write_text(json.dumps({"weight_map": groups}))
+    code, err = _import(capsys, preset, tmp_path / "run")
+    assert code == 2, err
+    assert "model.weights.json" in err and repr(name) in err and "plain file name" in err
+    assert len(err.splitlines()) == 1
+
+
+def test_a_weights_file_linked_from_outside_is_refused(gpt2_preset, tmp_path, capsys):
+    preset = _copy(gpt2_preset, tmp_path / "preset")
+    outside = tmp_path / "outside.weights.h5"
+    os.replace(preset / "model.weights.h5", outside)
+    os.symlink(outside, preset / "model.weights.h5")
+    code, err = _import(capsys, preset, tmp_path / "run")
+    assert code == 2 and "'model.weights.h5' resolves to" in err and "(a symlink)" in err
+    assert len(err.splitlines()) == 1
+
+
+def test_hugging_face_index_names_stay_in_the_folder(tmp_path, capsys):
+    from safetensors import safe_open
+    helpers.save_huggingface("gpt2", tmp_path / "hf")
+    outside = tmp_path / "outside.safetensors"
+    os.replace(tmp_path / "hf" / "model.safetensors", outside)
+    with safe_open(str(outside), framework="np") as f:
+        keys = list(f.keys())
+    (tmp_path / "hf" / "model.safetensors.index.json").write_text(json.dumps(
+        {"weight_map": {k: "../outside.safetensors" for k in keys}}))
+    code, err = _import(capsys, tmp_path / "hf", tmp_path / "run")
+    assert code == 2, err
+    assert "model.safetensors.index.json" in err and "'../outside.safetensors'" in err
+    assert len(err.splitlines()) == 1
