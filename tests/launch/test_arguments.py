@@ -8,7 +8,7 @@ import subprocess
 
 import pytest
 
-from tfllm.launch.main import _FLAGS, _VALUED
+from tfllm.launch.main import _FLAGS, _VALUED, reserve_free_ports
 from tests.launch.helpers import LAUNCHER, PY, ROOT, launcher_env, run
 
 CMD = ["--", "true"]
@@ -80,6 +80,53 @@ def test_empty_hostfile(tmp_path):
     hosts = _hostfile(tmp_path, "# only a comment\n\n")
     code, _, err = run(["--mode", "hostfile", "--hostfile", hosts, *CMD], timeout=30)
     assert code == 2 and "lists no hosts" in err, err
+
+
+def test_a_host_that_would_be_an_ssh_option_is_refused(tmp_path):
+    marker = tmp_path / "injected"
+    hosts = _hostfile(tmp_path, f"nodeA\n-oProxyCommand=touch {marker}\n")
+    code, _, err = run(["--mode", "hostfile", "--hostfile", hosts, "--log-dir",
+                        str(tmp_path / "logs"), *CMD], timeout=30)
+    assert code == 2, err
+    assert "'-oProxyCommand=touch" in err and "starts with '-'" in err, err
+    assert not marker.exists() and not (tmp_path / "logs").exists()
+
+
+def test_ssh_gets_the_host_after_double_dash(tmp_path):
+    hosts = _hostfile(tmp_path, "nodeA\n")
+    code, out, err = run(["--mode", "hostfile", "--hostfile", hosts, "--dry-run", *CMD],
+                         timeout=30)
+    assert code == 0, err
+    assert "exec: ssh -o BatchMode=yes -- nodeA 'sh -c " in out, out
+
+
+def test_free_ports_stay_reserved_for_the_workers():
+    # No bind-release race: a free port stays bound by the launcher (SO_REUSEPORT, not
+    # listening) until released; another program cannot take it, a worker whose gRPC
+    # server sets SO_REUSEPORT (TF_GRPC_REUSE_PORT=1) can.
+    ports = reserve_free_ports(2)
+    try:
+        assert len(set(ports.numbers)) == 2
+        for port in ports.numbers:
+            with socket.socket() as other, pytest.raises(OSError):
+                other.bind(("", port))
+            with socket.socket() as worker:
+                worker.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+                worker.bind(("", port))
+                worker.listen()
+    finally:
+        ports.release()
+    for port in ports.numbers:
+        with socket.socket() as later:
+            later.bind(("", port))  # released
+
+
+@pytest.mark.parametrize("port_args, reuse", [([], True), (["--port", "23456"], False)])
+def test_workers_share_reserved_ports_only(port_args, reuse):
+    code, out, err = run(["--mode", "local", "--num-workers", "2", *port_args, "--dry-run",
+                          *CMD], timeout=30)
+    assert code == 0, err
+    assert out.count("TF_GRPC_REUSE_PORT=1") == (2 if reuse else 0), out
 
 
 def test_port_in_use(tmp_path):

@@ -137,7 +137,10 @@ def test_hostfile_per_gpu_dry_run(tmp_path):
 
 FAKE_SSH = """#!/bin/bash
 # A stand-in for ssh: records the host, runs the remote script here, in the host's own
-# environment when the test wrote one (env.HOST, e.g. its CUDA_VISIBLE_DEVICES).
+# environment when the test wrote one (env.HOST, e.g. its CUDA_VISIBLE_DEVICES). The
+# launcher ends ssh's options with `--` before the host: required here.
+[ "$1" = "--" ] || { echo "fake ssh: no -- before the host: $*" >&2; exit 99; }
+shift
 echo "$1" >> "$(dirname "$0")/ssh_hosts"
 if [ -f "$(dirname "$0")/env.$1" ]; then set -a; . "$(dirname "$0")/env.$1"; set +a; fi
 exec bash -c "$2"

@@ -143,6 +143,22 @@ def test_max_restarts(tmp_path, max_restarts, expected):
     assert_no_leftovers(tmp_path)
 
 
+@pytest.mark.parametrize("code", [2, 74])
+def test_bad_input_and_failed_storage_are_not_restarted(tmp_path, code):
+    # A restart would meet the same bad input (2) or full disk (74) again.
+    log_dir = tmp_path / "logs"
+    worker = f"import sys; print('attempt', flush=True); sys.exit({code})"
+    try:
+        got, out, err = run(["--mode", "local", "--num-workers", "1", "--log-dir", str(log_dir),
+                             "--max-restarts", "3", "--", PY, "-c", worker], timeout=60)
+        assert got == code, err
+        assert f"not restarting: code {code} means" in err, err
+        assert "restarting all workers" not in err
+        assert out.count("[rank 0] attempt") == 1
+    finally:
+        kill_workers(log_dir)
+
+
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
 def test_launcher_signal_reaches_workers(tmp_path, sig):
     """A preemption (SIGTERM to the launcher) reaches the workers as SIGTERM; they exit 75."""

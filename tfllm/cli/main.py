@@ -4,10 +4,59 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import sys
+import traceback
 
 import tfllm  # noqa: F401  (sets KERAS_BACKEND before keras is imported)
+from tfllm.exit_codes import BAD_INPUT_EXIT_CODE, IO_ERROR_EXIT_CODE, InputError, io_failure
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse whose errors are one line naming the flag (exit 2), without the usage."""
+
+    def error(self, message):
+        self.exit(BAD_INPUT_EXIT_CODE, f"{self.prog}: error: {message} (see "
+                                       f"{self.prog} --help)\n")
+
+
+def _whole(minimum: int, maximum: int = None):
+    """An argparse type: an integer in [minimum, maximum]."""
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+        if value < minimum or (maximum is not None and value > maximum):
+            bound = (f"at least {minimum}" if maximum is None
+                     else f"between {minimum} and {maximum}")
+            raise argparse.ArgumentTypeError(f"must be {bound}, got {value}")
+        return value
+    return parse
+
+
+def _real(minimum: float, maximum: float = math.inf, open_low: bool = False):
+    """An argparse type: a finite number >= minimum (> with open_low) and <= maximum."""
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+        low_ok = value > minimum if open_low else value >= minimum
+        if not (math.isfinite(value) and low_ok and value <= maximum):
+            low = f"{'>' if open_low else '>='} {minimum:g}"
+            bound = low if maximum == math.inf else f"{low} and <= {maximum:g}"
+            raise argparse.ArgumentTypeError(f"must be a number {bound}, got {text}")
+        return value
+    return parse
+
+
+def _text(text: str) -> str:
+    """An argparse type: a non-empty string."""
+    if not text:
+        raise argparse.ArgumentTypeError("is empty; give the text to continue")
+    return text
 
 
 def _common(parser: argparse.ArgumentParser) -> None:
@@ -41,7 +90,13 @@ def cmd_train(args) -> int:
     try:
         last = train(config, args.workdir)
     except Preempted as e:
-        print(f"tfllm train: {e}", file=sys.stderr)
+        if e.__cause__ is None:
+            print(f"tfllm train: {e}", file=sys.stderr)
+        else:  # still 75: the signal is why the run stopped; say that the save failed
+            print(f"tfllm train: stopped by a signal after step {e.step}, but its "
+                  f"checkpoint could not be saved: {_one_line(e.__cause__)}. "
+                  f"{_latest_checkpoint(args.workdir)}; run the same command to resume "
+                  "from it.", file=sys.stderr)
         return PREEMPTED_EXIT_CODE
     except NonFiniteError as e:
         print(f"tfllm train: error: {e}", file=sys.stderr)
@@ -57,9 +112,19 @@ def cmd_train(args) -> int:
     return 0
 
 
+def _latest_checkpoint(workdir: str) -> str:
+    """A sentence naming the run's latest committed checkpoint, for failure messages."""
+    from tfllm.checkpoint import committed
+    directory = os.path.join(workdir, "checkpoints")
+    steps = committed(directory) if os.path.isdir(directory) else []
+    if not steps:
+        return f"No checkpoint of this run is committed in {directory}"
+    return (f"The latest committed checkpoint, step {steps[-1][0]} in {directory}, is "
+            "intact")
+
+
 def _load_for_workdir(args):
     """--config and --set; with neither, an existing run's own config.yaml (resume)."""
-    import os
     from tfllm.config import load_config
     saved = os.path.join(args.workdir, "config.yaml")
     if args.config is None and os.path.exists(saved):
@@ -69,7 +134,6 @@ def _load_for_workdir(args):
 
 def _saved_config(args):
     """The config.yaml of --workdir, with --set overrides."""
-    import os
     from tfllm.config import load_config
     saved = os.path.join(args.workdir, "config.yaml")
     if not os.path.exists(saved):
@@ -78,12 +142,11 @@ def _saved_config(args):
     return load_config(saved, args.overrides)
 
 
-def _restored_run(args):
+def _restored_run(args, config=None):
     """The run in --workdir with its latest checkpoint's weights (any mesh via --set)."""
-    import os
     from tfllm.checkpoint import Checkpointer, run_state_variables
     from tfllm.train.run import Run
-    config = _saved_config(args)
+    config = _saved_config(args) if config is None else config
     _persist_compiles(config, args.workdir)
     run = Run(config, workdir=args.workdir, train_iterator=False, inference=True)
     checkpointer = Checkpointer(os.path.join(args.workdir, "checkpoints"), run.parallel,
@@ -97,7 +160,18 @@ def _restored_run(args):
 
 def cmd_generate(args) -> int:
     from tfllm.train.run import sample_text
-    run, meta = _restored_run(args)
+    config = _saved_config(args)
+    if config.data.source == "synthetic":  # before the weights are read
+        raise InputError(f"--workdir {args.workdir}: this run trained on data.source="
+                         "synthetic and has no tokenizer, so there is no text to generate; "
+                         "use a run trained on text.")
+    run, meta = _restored_run(args, config)
+    limit = config.model.max_sequence_length
+    prompt_tokens = len(run.tokenizer.encode(args.prompt))
+    if not 0 < prompt_tokens < limit:
+        raise InputError(f"--prompt is {prompt_tokens} tokens; the model takes 1 to "
+                         f"{limit - 1} (model.max_sequence_length {limit} minus at least "
+                         "one new token): shorten the prompt.")
     text = sample_text(run, args.prompt, args.max_new_tokens, temperature=args.temperature,
                        top_k=args.top_k, top_p=args.top_p, seed=args.seed)
     print(text)
@@ -185,7 +259,8 @@ def cmd_export_step(args) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="tfllm", description=__doc__.splitlines()[0])
+    parser = _Parser(prog="tfllm", description=__doc__.splitlines()[0])
+    parser.add_argument("--debug", action="store_true", help=_DEBUG_HELP)
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("launch", help="Start and supervise the clients of a multi-client "
                        "job (tfllm launch --help).", add_help=False)
@@ -198,21 +273,24 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--workdir", required=True, help="A run directory of tfllm train.")
     p.add_argument("--set", dest="overrides", action="append", default=[],
                    metavar="SECTION.KEY=VALUE", help="Override a setting, e.g. mesh.axes.")
-    p.add_argument("--prompt", required=True, help="The text to continue.")
-    p.add_argument("--max-new-tokens", type=int, default=64, help="Tokens to generate.")
-    p.add_argument("--temperature", type=float, default=0.0,
-                   help="Sampling temperature; 0 means greedy.")
-    p.add_argument("--top-k", type=int, default=0, help="Sample among the k most likely "
-                   "tokens (0: all).")
-    p.add_argument("--top-p", type=float, default=1.0, help="Nucleus sampling: the smallest "
-                   "set of tokens whose probability reaches p (1: all).")
-    p.add_argument("--seed", type=int, default=0, help="Seed of the sampling.")
+    p.add_argument("--prompt", required=True, type=_text, help="The text to continue.")
+    p.add_argument("--max-new-tokens", type=_whole(1), default=64,
+                   help="Tokens to generate (at least 1).")
+    p.add_argument("--temperature", type=_real(0.0), default=0.0,
+                   help="Sampling temperature >= 0; 0 means greedy.")
+    p.add_argument("--top-k", type=_whole(0), default=0, help="Sample among the k most "
+                   "likely tokens (0: all).")
+    p.add_argument("--top-p", type=_real(0.0, 1.0, open_low=True), default=1.0,
+                   help="Nucleus sampling: the smallest set of tokens whose probability "
+                        "reaches p, 0 < p <= 1 (1: all).")
+    p.add_argument("--seed", type=_whole(-2 ** 31, 2 ** 31 - 1), default=0,
+                   help="Seed of the sampling (a 32-bit integer).")
     p.set_defaults(fn=cmd_generate)
     p = sub.add_parser("eval", help="Validation loss and perplexity of a trained run.")
     p.add_argument("--workdir", required=True, help="A run directory of tfllm train.")
     p.add_argument("--set", dest="overrides", action="append", default=[],
                    metavar="SECTION.KEY=VALUE", help="Override a setting, e.g. mesh.axes.")
-    p.add_argument("--steps", type=int, default=0,
+    p.add_argument("--steps", type=_whole(0), default=0,
                    help="Validation batches (0: train.eval_steps).")
     p.set_defaults(fn=cmd_eval)
     p = sub.add_parser("export", help="Write a single-device model (SavedModel + Keras "
@@ -237,14 +315,14 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("layouts", help="Print each variable's layout and bytes per device "
                        "without allocating the model.")
     _common(p)
-    p.add_argument("--num-devices", type=int, default=None,
+    p.add_argument("--num-devices", type=_whole(1), default=None,
                    help="Device count, needed when a mesh axis is -1.")
     p.set_defaults(fn=cmd_layouts)
     p = sub.add_parser("bench", help="Time the train step; print one JSON line.")
     _common(p)
-    p.add_argument("--steps", type=int, default=20, help="Timed steps per repeat.")
-    p.add_argument("--warmup", type=int, default=3, help="Untimed steps first.")
-    p.add_argument("--repeats", type=int, default=1, help="Repeat the timed steps.")
+    p.add_argument("--steps", type=_whole(1), default=20, help="Timed steps per repeat.")
+    p.add_argument("--warmup", type=_whole(0), default=3, help="Untimed steps first.")
+    p.add_argument("--repeats", type=_whole(1), default=1, help="Repeat the timed steps.")
     p.set_defaults(fn=cmd_bench)
     p = sub.add_parser("doctor", help="Check this host's GPUs, driver, CUDA libraries and "
                        "TensorFlow build for a run of --config (exit 2 on an error).")
@@ -255,7 +333,7 @@ def build_parser() -> argparse.ArgumentParser:
     _common(p)
     p.add_argument("--target", default="h100", choices=("h100", "h200", "b200", "a100"),
                    help="The GPU to compile for (default h100).")
-    p.add_argument("--devices", type=int, default=None,
+    p.add_argument("--devices", type=_whole(1), default=None,
                    help="Device count, for a mesh axis of -1 (default 1).")
     p.add_argument("--layers", default="auto", choices=("auto", "full", "extrapolate"),
                    help="Compile every layer, or 1 and 2 layers and extrapolate "
@@ -273,7 +351,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--check", action="store_true",
                    help="Also save one step's inputs and TensorFlow's outputs (check.npz).")
     p.set_defaults(fn=cmd_export_step)
+    for name, p in sub.choices.items():
+        if name != "launch":  # also after the command; SUPPRESS: `tfllm --debug X` stands
+            p.add_argument("--debug", action="store_true", default=argparse.SUPPRESS,
+                           help=_DEBUG_HELP)
     return parser
+
+
+_DEBUG_HELP = "On a failure, print Python's traceback before the one-line message."
 
 
 def _input_errors() -> tuple:
@@ -285,22 +370,59 @@ def _input_errors() -> tuple:
     from tfllm.parallel.mesh import MeshError
     from tfllm.parallel.rules import ShardingError
     from tfllm.pretrained.families import PretrainedError
-    return (ConfigError, MeshError, ShardingError, DataError, CheckpointError,
-            ClientMismatchError, FileNotFoundError, PretrainedError)
+    return (InputError, ConfigError, MeshError, ShardingError, DataError, CheckpointError,
+            ClientMismatchError, PretrainedError, FileNotFoundError, IsADirectoryError,
+            NotADirectoryError, PermissionError)
+
+
+def _one_line(error: BaseException) -> str:
+    """An error's message on one line (a multi-line message's lines joined)."""
+    text = "; ".join(line.strip() for line in str(error).splitlines() if line.strip())
+    return text or type(error).__name__
+
+
+def _failure(error: BaseException, args):
+    """(exit code, one line) for a failure the user can fix; None for a bug."""
+    prefix = f"tfllm {args.command}: error: "
+    if io_failure(error) is not None:  # first: a failed save is also a CheckpointError
+        after = (_latest_checkpoint(args.workdir) + "; free space or fix the permissions, "
+                 "then run the same command to resume" if args.command == "train" else
+                 "Free space or fix the permissions, then run the command again")
+        return IO_ERROR_EXIT_CODE, f"{prefix}{_one_line(error)}. {after}."
+    if isinstance(error, _input_errors()):
+        return BAD_INPUT_EXIT_CODE, prefix + _one_line(error)
+    return None
 
 
 def main(argv=None) -> int:
+    """The `tfllm` command; returns its exit code.
+
+    Every failure the user can fix (a bad argument, config, file or checkpoint; a full
+    disk) is one line on stderr and a documented exit code (README, "Checkpoints, resume
+    and exit codes"); only a bug, or `--debug`, prints a traceback.
+    """
     argv = sys.argv[1:] if argv is None else list(argv)
-    if argv[:1] == ["launch"]:  # its own options (a launcher parses no tfllm flags)
+    if argv[:1] == ["launch"] or argv[:2] == ["--debug", "launch"]:
+        # its own options (a launcher parses no tfllm flags)
         from tfllm.launch.main import main as launch
-        return launch(argv[1:], "tfllm launch")
-    args = build_parser().parse_args(argv)
-    errors = _input_errors()
+        return launch(argv[argv.index("launch") + 1:], "tfllm launch")
+    try:
+        args = build_parser().parse_args(argv)
+    except SystemExit as e:  # --help (0), or a bad argument already said on one line
+        return e.code if isinstance(e.code, int) else BAD_INPUT_EXIT_CODE
     try:
         return args.fn(args)
-    except errors as e:
-        print(f"tfllm {args.command}: error: {e}", file=sys.stderr)
-        return 2
+    except KeyboardInterrupt:  # Ctrl-C outside training (which saves and exits 75)
+        print(f"tfllm {args.command}: interrupted", file=sys.stderr)
+        return 130
+    except Exception as error:
+        failure = _failure(error, args)
+        if failure is None:
+            raise  # a bug: Python's traceback is the report
+        if args.debug:
+            traceback.print_exc()
+        print(failure[1], file=sys.stderr, flush=True)
+        return failure[0]
 
 
 def command() -> int:

@@ -24,6 +24,10 @@ from tfllm.launch import supervisor as sup
 from tfllm.launch import topology as topo
 from tfllm.launch.topology import EXIT_USAGE, LaunchError
 
+#: makes TensorFlow's gRPC server bind with SO_REUSEPORT (tensorflow/core/
+#: distributed_runtime/rpc/grpc_server_lib.cc): it may then share a port the launcher holds
+REUSE_PORT_ENV = "TF_GRPC_REUSE_PORT"
+
 USAGE = """\
 Usage: {prog} --mode MODE [options] -- COMMAND [ARGS...]
 
@@ -295,16 +299,62 @@ def make_plan(opts: Options, environ) -> Plan:
                 shlex.split(opts.get("--ssh", "ssh -o BatchMode=yes")), opts.get("--export"))
 
 
-def free_ports(count: int) -> List[int]:
-    """`count` distinct free TCP ports here (bound together, then released)."""
-    sockets = [socket.socket() for _ in range(count)]
-    try:
-        for s in sockets:
-            s.bind(("", 0))
-        return [s.getsockname()[1] for s in sockets]
-    finally:
-        for s in sockets:
+class Ports:
+    """The DTensor ports of one attempt; picked free ones stay reserved until `release`.
+
+    Picking a free port by binding it and closing the socket leaves a race: another
+    process may take the port before the worker's TensorFlow binds it. So a free port
+    here stays bound by the launcher, with SO_REUSEPORT and on the wildcard address of
+    both IP versions, while the attempt runs. A bound socket that does not listen gets no
+    connections; the workers get TF_GRPC_REUSE_PORT=1, which makes TensorFlow's gRPC
+    server set SO_REUSEPORT too, and only sockets of the same user that set it may share
+    the port. The kernel's choice of a port for port 0 never shares one with an existing
+    binding, so no stale server is on it.
+
+    Args:
+      numbers: the port of each rank.
+      held: the sockets that reserve them (empty for ports the user chose).
+    """
+
+    def __init__(self, numbers: List[int], held: Optional[List[socket.socket]] = None):
+        self.numbers = numbers
+        self.held = held or []
+
+    def release(self) -> None:
+        for s in self.held:
             s.close()
+        self.held = []
+
+
+def _reserve_port() -> socket.socket:
+    """A socket bound with SO_REUSEPORT to a free port on every local address."""
+    try:
+        s = socket.socket(socket.AF_INET6, socket.SOCK_STREAM)
+        s.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 0)  # IPv4 too
+        address = ("::", 0)
+    except OSError:  # a host without IPv6
+        s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        address = ("", 0)
+    try:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+        s.bind(address)
+    except BaseException:
+        s.close()
+        raise
+    return s
+
+
+def reserve_free_ports(count: int) -> Ports:
+    """`count` distinct free TCP ports here, held until `Ports.release` (see `Ports`)."""
+    held = []
+    try:
+        for _ in range(count):
+            held.append(_reserve_port())
+    except OSError as e:
+        Ports([], held).release()
+        raise LaunchError(f"cannot reserve {count} free TCP ports here ({e}); give "
+                          "--port") from None
+    return Ports([s.getsockname()[1] for s in held], held)
 
 
 def check_port_free(port: int, local_mode: bool) -> None:
@@ -317,21 +367,22 @@ def check_port_free(port: int, local_mode: bool) -> None:
                                                   if local_mode else "")) from None
 
 
-def assign_ports(plan: Plan) -> List[int]:
+def assign_ports(plan: Plan) -> Ports:
     t = plan.topology
     if t.mode == "local" and plan.port is None:
-        return free_ports(t.world_size)
+        return reserve_free_ports(t.world_size)
     ports = topo.fixed_ports(t, plan.port)
     if t.mode != "hostfile":  # hostfile ports are on other hosts
         for rank in t.own_ranks:
             check_port_free(ports[rank], t.mode == "local")
-    return ports
+    return Ports(ports)
 
 
-def plan_specs(plan: Plan, attempt: int, ports: List[int], environ) -> List[topo.WorkerSpec]:
+def plan_specs(plan: Plan, attempt: int, ports: Ports, environ) -> List[topo.WorkerSpec]:
     """The specs of this launcher's workers for one attempt (new ready keys each time).
 
     Args:
+      ports: the attempt's ports; reserved ones give each worker TF_GRPC_REUSE_PORT=1.
       environ: the launcher's environment (CUDA_VISIBLE_DEVICES, an explicit
         DTENSOR_GPU_USE_NCCL_COMMUNICATION); this host's GPUs are counted only in the
         modes whose workers run here.
@@ -339,9 +390,13 @@ def plan_specs(plan: Plan, attempt: int, ports: List[int], environ) -> List[topo
     t = plan.topology
     ready = {r: os.path.join(os.path.abspath(plan.log_dir), f"ready.{r}") for r in t.own_ranks}
     keys = {r: secrets.token_hex(8) for r in t.own_ranks} if t.mode == "hostfile" else None
-    return topo.worker_specs(t, ports, plan.job_name, plan.device, plan.per_gpu, attempt,
-                             environ.get("CUDA_VISIBLE_DEVICES"), ready, keys, environ,
-                             _gpu_count)
+    specs = topo.worker_specs(t, ports.numbers, plan.job_name, plan.device, plan.per_gpu,
+                              attempt, environ.get("CUDA_VISIBLE_DEVICES"), ready, keys,
+                              environ, _gpu_count)
+    if ports.held:  # the worker's gRPC server shares the port the launcher holds
+        for spec in specs:
+            spec.env[REUSE_PORT_ENV] = "1"
+    return specs
 
 
 def worker_argv(plan: Plan, spec: topo.WorkerSpec, environ) -> List[str]:
@@ -354,7 +409,9 @@ def worker_argv(plan: Plan, spec: topo.WorkerSpec, environ) -> List[str]:
     env = {k: v for k, v in spec.env.items() if k != "TFLLM_READY_FILE"}
     script = topo.remote_script(dataclasses.replace(spec, env=env), plan.command,
                                 os.getcwd(), exports)
-    return plan.ssh + [spec.host, script]
+    # `--`: the host is never read as an option of ssh (parse_hostfile refuses a leading
+    # '-' as well; this covers --ssh wrappers that pass their arguments on)
+    return plan.ssh + ["--", spec.host, script]
 
 
 def main(argv: Optional[List[str]] = None, prog: str = "tfllm launch") -> int:
@@ -379,6 +436,17 @@ def main(argv: Optional[List[str]] = None, prog: str = "tfllm launch") -> int:
         plan = make_plan(opts, os.environ)
         # Here too, before anything starts: a port in use, GPUs that do not fit --per-gpu.
         ports = assign_ports(plan)
+    except LaunchError as e:
+        return fail(str(e))
+    try:
+        return _launch(plan, opts, ports, say, fail)
+    finally:
+        ports.release()
+
+
+def _launch(plan: Plan, opts: Options, ports: Ports, say, fail) -> int:
+    """Everything after the options are valid: --dry-run, or start and supervise."""
+    try:
         first_specs = plan_specs(plan, 0, ports, os.environ)
     except LaunchError as e:
         return fail(str(e))
@@ -407,8 +475,13 @@ def main(argv: Optional[List[str]] = None, prog: str = "tfllm launch") -> int:
     supervisor.install_signal_handlers()
 
     def start_all(attempt: int) -> None:
-        for spec in (first_specs if attempt == 0
-                     else plan_specs(plan, attempt, assign_ports(plan), os.environ)):
+        specs = first_specs
+        if attempt:  # new free ports (local mode): the old ones may linger in TIME_WAIT
+            held = assign_ports(plan)
+            ports.release()
+            ports.numbers, ports.held = held.numbers, held.held
+            specs = plan_specs(plan, attempt, ports, os.environ)
+        for spec in specs:
             supervisor.start(spec, worker_argv(plan, spec, os.environ), attempt,
                              remote=t.mode == "hostfile")
         say(f"attempt {attempt}: started rank(s) {' '.join(map(str, t.own_ranks))} of "

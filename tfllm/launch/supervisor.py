@@ -23,6 +23,7 @@ import time
 from dataclasses import dataclass
 from typing import Callable, Dict, Optional, Sequence
 
+from tfllm.exit_codes import BAD_INPUT_EXIT_CODE, IO_ERROR_EXIT_CODE
 from tfllm.launch.topology import READY_LINE, WorkerSpec
 from tfllm.train.preemption import PEER_LOST_EXIT_CODE, PREEMPTED_EXIT_CODE
 
@@ -31,6 +32,8 @@ EXIT_STARTUP_TIMEOUT = 124
 _POLL_S = 0.2
 #: how long a lost-peer exit (76) waits for the rank that really failed to show
 _CAUSE_GRACE_S = 2.0
+#: worker exit codes that a restart would only repeat: bad input, failed storage
+FINAL_CODES = {BAD_INPUT_EXIT_CODE: "bad input", IO_ERROR_EXIT_CODE: "the storage failed"}
 
 
 @dataclass
@@ -272,7 +275,12 @@ def run_job(supervisor: Supervisor, start_all: Callable[[int], None], max_restar
         if code == 0:
             say("all workers exited 0")
             return 0
-        if supervisor.signal_received or attempt >= max_restarts:
+        final = code in FINAL_CODES
+        if final and attempt < max_restarts and not supervisor.signal_received:
+            say(f"not restarting: code {code} means {FINAL_CODES[code]}, which a restart "
+                "would meet again; fix it (the worker's log says what) and run the job "
+                "again")
+        if supervisor.signal_received or attempt >= max_restarts or final:
             say(f"exiting with code {code}")
             return code
         attempt += 1

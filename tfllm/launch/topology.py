@@ -186,6 +186,10 @@ def parse_hostfile(text: str, path: str = "hostfile") -> List[str]:
              if line.split("#", 1)[0].split()]
     if not hosts:
         raise LaunchError(f"--hostfile '{path}' lists no hosts")
+    for host in hosts:
+        if host.startswith("-"):  # ssh would read it as an option (-oProxyCommand=...)
+            raise LaunchError(f"--hostfile '{path}': '{host}' is not a host name (it "
+                              "starts with '-'); list one host name per line")
     return hosts
 
 
