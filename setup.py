@@ -8,14 +8,19 @@ setup(
     description="Train Keras 3 transformer LMs on TensorFlow DTensor meshes with XLA.",
     long_description=open("README.md", encoding="utf-8").read(),
     long_description_content_type="text/markdown",
-    python_requires=">=3.10",
+    python_requires=">=3.11",  # keras >= 3.13.2 needs it
     packages=find_packages(include=["tfllm", "tfllm.*"]),
     install_requires=[
         "tensorflow>=2.16,<2.22",
         # tfllm.parallel.keras_internal, tfllm.pretrained.keras_internal and
         # tfllm.train.tf_internal fence the private
         # APIs used; these bounds are the versions they were written for.
-        "keras>=3.5,<4",
+        # keras >= 3.13.2: the first release past every known deserialization advisory
+        # (safe_mode bypasses CVE-2025-1550 < 3.9, CVE-2025-8747/9906 < 3.11,
+        # CVE-2025-9905 < 3.11.3, CVE-2026-1462 < 3.12.1 and 3.13.0-3.13.1; file access
+        # CVE-2025-12058/12060 < 3.12; HDF5 DoS CVE-2026-0897 < 3.12.1 and 3.13.0). It needs
+        # Python >= 3.11. tfllm loads preset tokenizers in safe mode (tfllm.data.tokenizer).
+        "keras>=3.13.2,<4",
         "keras-hub>=0.20,<1",
         "safetensors",  # Hugging Face checkpoints (tfllm import)
         "h5py",  # keras-hub preset weights, read block by block

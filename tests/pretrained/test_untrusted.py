@@ -81,3 +81,31 @@ def test_hugging_face_index_names_stay_in_the_folder(tmp_path, capsys):
     assert code == 2, err
     assert "model.safetensors.index.json" in err and "'../outside.safetensors'" in err
     assert len(err.splitlines()) == 1
+
+
+@pytest.fixture
+def unsafe_deserialization():
+    """The process switched Keras' safe mode off (as a user's own script may), restored
+    afterwards (Keras keeps the switch in its global state)."""
+    import keras
+    from keras.src.backend.common import global_state
+    before = global_state.get_global_attribute("safe_mode_saving")
+    keras.config.enable_unsafe_deserialization()
+    yield
+    global_state.set_global_attribute("safe_mode_saving", before)
+
+
+def test_preset_tokenizers_load_in_safe_mode(gpt2_preset, tmp_path, capsys,
+                                             unsafe_deserialization):
+    from tfllm.data import DataError
+    from tfllm.data.tokenizer import load_keras_hub_tokenizer
+    assert load_keras_hub_tokenizer(str(gpt2_preset)).end_token_id is not None  # loads
+    preset = _copy(gpt2_preset, tmp_path / "preset")
+    # A tokenizer.json that is a serialized Python function (marshalled bytecode): safe
+    # mode refuses it before decoding it; without safe mode Keras would unmarshal it.
+    (preset / "tokenizer.json").write_text(json.dumps(
+        {"class_name": "__lambda__", "config": {"value": "AAAA"}, "module": "builtins"}))
+    with pytest.raises(DataError, match="Requested the deserialization of a Python lambda"):
+        load_keras_hub_tokenizer(str(preset))
+    code, err = _import(capsys, preset, tmp_path / "run")
+    assert code == 2 and "Python lambda" in err and len(err.splitlines()) == 1

@@ -17,6 +17,7 @@ from typing import Callable, Iterable, List, Optional
 import tensorflow as tf
 
 from tfllm.data.errors import DataError
+from tfllm.parallel.keras_internal import safe_mode
 
 BYTE_VOCAB_SIZE = 257  # 256 byte values + the end-of-document id
 MAX_SENTENCES = 50_000  # lines fed to the SentencePiece trainer; bounds training time
@@ -126,9 +127,7 @@ class KerasHubTokenizer(Tokenizer):
     """
 
     def __init__(self, path: str):
-        import keras_hub
-
-        self._hub = keras_hub.tokenizers.Tokenizer.from_preset(path)
+        self._hub = load_keras_hub_tokenizer(path)
         self._fingerprint = "keras-hub:" + _sha256_of_folder(path)
         eod = getattr(self._hub, "end_token_id", None)
         if eod is None:
@@ -147,6 +146,32 @@ class KerasHubTokenizer(Tokenizer):
 
     def fingerprint(self) -> str:
         return self._fingerprint
+
+
+def load_keras_hub_tokenizer(path: str, fix: str = "give a keras-hub tokenizer preset "
+                             "(tokenizer.save_to_preset) or a SentencePiece .model file"):
+    """keras-hub's `Tokenizer.from_preset(path)` in Keras' safe mode.
+
+    A preset's tokenizer.json is deserialized by Keras; safe mode refuses the Python code
+    (lambdas) a crafted one could carry, even when this process enabled unsafe
+    deserialization for something else (`tfllm.parallel.keras_internal.safe_mode`).
+
+    Args:
+      path: the preset directory.
+      fix: what to do instead, ending the error message.
+
+    Raises:
+      DataError (one line) when keras-hub cannot load a tokenizer from `path`.
+    """
+    import keras_hub  # lazy: keras-hub only for keras-hub tokenizers
+
+    try:
+        with safe_mode():
+            return keras_hub.tokenizers.Tokenizer.from_preset(path)
+    except Exception as e:  # keras-hub raises many kinds for a missing/foreign tokenizer
+        first = str(e).strip().splitlines()[0] if str(e).strip() else ""
+        raise DataError(f"{path}: keras-hub cannot load a tokenizer from it "
+                        f"({type(e).__name__}: {first}); {fix}.") from None
 
 
 def _sha256_of_folder(path: str) -> str:

@@ -10,7 +10,11 @@ itself. That needs four internals, used nowhere else:
 * `keras.src.backend.common.global_state`'s "uninitialized_variables" list: Keras would
   initialize the deferred variables again at the next `build` (`forget_deferred`).
 
-Written for Keras 3.5-3.x (tested with 3.15; setup.py bounds keras to <4). `check_keras`
+One more, for loading files others made rather than for the bridge: Keras' `SafeModeScope`
+(`safe_mode`), which keeps deserialization safe whatever the process switched on.
+
+Written for Keras 3.5-3.x (tested with 3.15; setup.py bounds keras to <4 and, for the
+deserialization advisories fixed up to 3.13.2, to >=3.13.2). `check_keras`
 runs before the first use and names the range when the installed Keras is outside it or
 lacks one of them, instead of an AttributeError in the middle of model placement.
 """
@@ -68,3 +72,23 @@ def forget_deferred(done) -> None:
     ids = {id(v) for v in done}
     global_state.set_global_attribute("uninitialized_variables",
                                       [v for v in pending if id(v) not in ids])
+
+
+def safe_mode():
+    """A scope in which Keras deserializes in its default safe mode (no Python lambdas, no
+    file paths in a config) even after `keras.config.enable_unsafe_deserialization()` in
+    this process, which otherwise overrides even an explicit `safe_mode=True`.
+
+    keras-hub's `Tokenizer.from_preset` takes no `safe_mode` (its kwargs become the
+    tokenizer's constructor arguments); it deserializes the preset's tokenizer.json with
+    Keras' default, then loads the preset's own vocabulary files (fixed names inside the
+    preset) outside safe mode. So the scope resets the process-wide switch to "not set"
+    (`SafeModeScope(None)`), not to True: True would also refuse those files.
+    """
+    try:
+        from keras.src.saving.serialization_lib import SafeModeScope
+    except ImportError:
+        raise RuntimeError(f"Keras {keras.__version__} lacks keras.src.saving.serialization_lib"
+                           ".SafeModeScope, which tfllm uses to load presets in safe mode "
+                           "(written for Keras 3.5-3.x).") from None
+    return SafeModeScope(None)

@@ -21,11 +21,11 @@ from tfllm.pretrained.importer import read_origin
 
 def _run_tokenizer(config):
     """The run's tokenizer as a keras-hub tokenizer, or None when it is not one."""
-    import keras_hub
+    from tfllm.data.tokenizer import load_keras_hub_tokenizer
     d = config.data
     if d.tokenizer != "file" or not os.path.isdir(os.path.expanduser(d.tokenizer_path)):
         return None
-    return keras_hub.tokenizers.Tokenizer.from_preset(os.path.expanduser(d.tokenizer_path))
+    return load_keras_hub_tokenizer(os.path.expanduser(d.tokenizer_path))
 
 
 def export_preset(config, workdir: str, out_dir: str) -> dict:

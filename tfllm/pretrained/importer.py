@@ -142,7 +142,9 @@ def from_preset(preset: str, parallel=None, overrides: Iterable[str] = (), model
 def _write_tokenizer(source: Source, tokenizer: Optional[str], out: str) -> str:
     """Writes the run's tokenizer under `out`; returns its name relative to `out`."""
     import keras
-    import keras_hub
+
+    from tfllm.data import DataError
+    from tfllm.data.tokenizer import load_keras_hub_tokenizer
     if tokenizer:
         tokenizer = os.path.abspath(os.path.expanduser(tokenizer))
         if os.path.isdir(tokenizer):
@@ -154,13 +156,11 @@ def _write_tokenizer(source: Source, tokenizer: Optional[str], out: str) -> str:
             return "tokenizer/tokenizer.model"
         raise PretrainedError(f"--tokenizer {tokenizer}: no such file or directory.")
     try:
-        hub = keras_hub.tokenizers.Tokenizer.from_preset(source.path)
-    except Exception as e:  # keras-hub raises many kinds for a missing/foreign tokenizer
-        raise PretrainedError(
-            f"{source.path}: keras-hub cannot load a tokenizer from it ({type(e).__name__}: "
-            f"{str(e).splitlines()[0] if str(e) else ''}); save the tokenizer into the preset "
-            "(tokenizer.save_to_preset) or pass --tokenizer (a keras-hub tokenizer preset or "
-            "a SentencePiece .model file).") from None
+        hub = load_keras_hub_tokenizer(
+            source.path, fix="save the tokenizer into the preset (tokenizer.save_to_preset) or "
+            "pass --tokenizer (a keras-hub tokenizer preset or a SentencePiece .model file)")
+    except DataError as e:
+        raise PretrainedError(str(e)) from None
     target = os.path.join(out, "tokenizer")
     hub.save_to_preset(target)
     # Tokenizer.from_preset finds the tokenizer class through the backbone's config.json.
