@@ -1,8 +1,9 @@
 """Sharded, atomic checkpoints of the whole run state; restore onto any mesh.
 
 See `storage` for the on-disk layout and commit protocol, `shards` for how shards map
-between layouts, `reader` for verification, and `checkpointer` for the API a training
-loop uses.
+between layouts, `reader` for verification (checksums catch corruption, not tampering;
+every name read is confined to the checkpoint), `signing` for the optional HMAC that
+does catch tampering, and `checkpointer` for the API a training loop uses.
 """
 
 from tfllm.checkpoint.checkpointer import Checkpointer, agree_nonce
