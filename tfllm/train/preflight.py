@@ -17,8 +17,8 @@ from __future__ import annotations
 
 from tfllm.config.loader import ConfigError
 from tfllm.data.errors import DataError
-from tfllm.data.sources import has_validation, no_validation_reason, validation_hint
-from tfllm.parallel.coordination import any_client
+from tfllm.data.sources import (documents, has_validation, no_validation_reason,
+                                validation_hint)
 
 __all__ = ["no_validation_reason", "preflight"]
 
@@ -27,8 +27,7 @@ def preflight(run) -> bool:
     """Checks what can be checked before training; raises `DataError`/`ConfigError`.
 
     Args:
-      run: the set-up `tfllm.train.run.Run` (every client calls this: the validation
-        check is a vote over the mesh).
+      run: the set-up `tfllm.train.run.Run`.
 
     Returns:
       Whether the run evaluates: False when the settings give no validation data
@@ -44,12 +43,11 @@ def preflight(run) -> bool:
 
 
 def _check_validation_text(run) -> None:
-    # One validation batch of this client's rows: every validation stream starts with
-    # its documents (then pads), so the first batch holds text on some client iff the
-    # validation split has any. A mesh-wide vote, as rows are spread over clients.
-    first = next(run.make_batches("validation", 1, max_batches=1))
-    has_text = bool((first["segment_ids"] > 0).any())
-    if not any_client(has_text, 0, run.parallel.mesh):
+    # Whether the split has a document at all: one pipeline over the whole split, no
+    # tokenizer, the same answer on every client (each reads the same documents). A
+    # document of text gives at least one target token, so evaluation then counts some.
+    docs = documents(run.config, "validation").take(1)
+    if next(iter(docs), None) is None:
         raise DataError("the validation data holds no text, so evaluation would fail "
                         "(train.eval_every and at the end): "
                         + validation_hint(run.config.data))

@@ -1,0 +1,142 @@
+"""Before the first step and after the last: bad input fails before training, and the
+final checkpoint is saved before anything after the last step can fail.
+
+One-device tiny runs of one or two steps whose step computes nothing: the loop's order
+is what is checked, without compiling a step.
+"""
+
+import io
+import os
+
+import pytest
+
+from tests.conftest import text_overrides, tiny_overrides
+from tfllm.config import ConfigError, load_config
+from tfllm.data import DataError
+from tfllm.data.sources import has_validation
+from tfllm.train.loop import train
+from tfllm.train.run import Run
+
+# Two rows: every row of the batch is a data stream of its own, each traced anew.
+ONE_DEVICE = {"model.num_layers": 1, "train.global_batch_size": 2, "train.log_every": 1,
+              "train.eval_every": 0, "checkpoint.every": 0, "train.sample_tokens": 0,
+              "train.progress": "lines"}
+
+
+def _text_config(tmp_path, **extra):
+    return load_config(None, text_overrides(tmp_path, "data=1", **{**ONE_DEVICE, **extra}))
+
+
+def _fail_evaluation(monkeypatch):
+    def evaluate(self):
+        raise RuntimeError("evaluation failed")
+    monkeypatch.setattr(Run, "evaluate", evaluate)
+
+
+class _StepWithoutCompute:
+    """The run's train step with its batch placement, but no computation: what these
+    tests check is the loop's order, and compiling a step would cost them many seconds
+    on a busy 2-core CPU."""
+
+    xla_report = cost_report = None
+
+    def __init__(self, step):
+        self._step = step
+
+    def __getattr__(self, name):  # placement, the skipped-step counter
+        return getattr(self._step, name)
+
+    def __call__(self, batch, loss_limit=None):
+        return {"loss": 1.0, "grad_norm": 1.0, "learning_rate": 0.0, "skipped_steps": 0,
+                "step_ok": True}
+
+
+def _without_compute(monkeypatch):
+    from tfllm.train import loop, metrics
+    # The MFU display's matmul peak, timed on the CPU at every run: 2048^3 matmuls.
+    monkeypatch.setattr(metrics, "measure_matmul_peak", lambda **kwargs: 1e12)
+    real_run = loop.Run
+
+    def run(*args, **kwargs):
+        made = real_run(*args, **kwargs)
+        made.step = _StepWithoutCompute(made.step)
+        return made
+    monkeypatch.setattr(loop, "Run", run)
+
+
+def test_an_empty_validation_split_fails_before_the_first_step(tmp_path):
+    # 0.001 of these 48 documents is none (each is held out by a hash of its text): the
+    # issue's run trained every step, then failed its final evaluation.
+    cfg = _text_config(tmp_path, **{"data.validation_fraction": 0.001, "train.steps": 1})
+    with pytest.raises(DataError) as e:
+        train(cfg, str(tmp_path / "run"))
+    message = str(e.value)
+    assert message.startswith("the validation data holds no text") and "\n" not in message
+    assert ("data.validation_fraction=0.001 held out no document" in message
+            and "raise data.validation_fraction, name validation files (data.eval_paths)"
+            in message and "data.validation_fraction=0" in message)
+    assert "eval_steps" not in message  # fewer batches never help
+    assert not (tmp_path / "run" / "checkpoints").exists()
+    assert not (tmp_path / "run" / "metrics.jsonl").exists()
+
+
+def test_validation_files_without_text_fail_before_the_first_step(tmp_path):
+    (tmp_path / "val.txt").write_text("\n<|endoftext|>\n")
+    cfg = _text_config(tmp_path, **{"data.eval_paths": f'["{tmp_path / "val.txt"}"]'})
+    with pytest.raises(DataError, match=r"data.eval_paths=\[.*val.txt'\] give no documents"):
+        train(cfg, str(tmp_path / "run"))
+
+
+def test_a_sample_prompt_too_long_for_the_model_fails_before_the_first_step(tmp_path):
+    cfg = _text_config(tmp_path, **{"train.sample_tokens": 4, "train.sample_prompt": "x" * 40})
+    with pytest.raises(ConfigError, match="train.sample_prompt is 40 tokens, model."
+                                          "max_sequence_length is 32"):
+        train(cfg, str(tmp_path / "run"))
+
+
+def test_the_final_checkpoint_is_saved_before_the_final_evaluation(tmp_path, monkeypatch):
+    cfg = load_config(None, tiny_overrides("gpt", "data=1", **{**ONE_DEVICE,
+                                                               "train.steps": 2}))
+    _fail_evaluation(monkeypatch)
+    _without_compute(monkeypatch)
+    with pytest.raises(RuntimeError, match="evaluation failed"):
+        train(cfg, str(tmp_path))
+    assert os.listdir(tmp_path / "checkpoints") == ["step_00000002"]
+    assert (tmp_path / "checkpoints" / "step_00000002" / "COMMIT").exists()
+
+
+def test_validation_fraction_0_means_no_evaluation(tmp_path, monkeypatch):
+    # As Keras' validation_split=0: every document trains, nothing evaluates (neither
+    # train.eval_every nor at the end), and the run says so.
+    cfg = _text_config(tmp_path, **{"data.validation_fraction": 0, "train.eval_every": 1,
+                                    "train.steps": 1})
+    assert not has_validation(cfg.data)
+    _fail_evaluation(monkeypatch)
+    _without_compute(monkeypatch)
+    out = io.StringIO()
+    last = train(cfg, str(tmp_path / "run"), out=out)
+    assert last["step"] == 1 and "eval_loss" not in last
+    assert ("no validation data (data.validation_fraction=0 and no data.eval_paths): no "
+            "evaluation") in out.getvalue()
+    assert "eval_loss" not in (tmp_path / "run" / "metrics.jsonl").read_text()
+
+
+@pytest.mark.parametrize("source, extra, expected", [
+    ("corpus", {}, False), ("text", {"eval_paths": ["v.txt"]}, True),
+    ("tfds", {"tfds_eval_split": "validation"}, True), ("tfds", {"tfds_eval_split": ""}, False),
+    ("synthetic", {}, True)])
+def test_which_settings_give_validation_data(source, extra, expected):
+    cfg = load_config(None, ["data.validation_fraction=0", f"data.source={source}",
+                             "data.paths=[x]", "data.tfds_name=lm1b"])
+    for key, value in extra.items():
+        setattr(cfg.data, key, value)
+    assert has_validation(cfg.data) is expected
+    cfg.data.validation_fraction = 0.1
+    assert has_validation(cfg.data)
+
+
+def test_the_hash_split_of_the_test_corpus_holds_out_none_at_0_001(tmp_path):
+    # The first test's premise, checked directly (fast): not one document held out.
+    from tfllm.data.sources import documents
+    cfg = _text_config(tmp_path, **{"data.validation_fraction": 0.001})
+    assert list(documents(cfg, "validation").as_numpy_iterator()) == []
