@@ -22,6 +22,8 @@ from typing import Optional
 # field is the epoch: "I0000 00:00:1795338973.266483"), thread id, file:line].
 _RECORD = re.compile(r"^([IWEF])\d{4} \d\d:\d\d:\d+\.\d+\s+\d+ \S+:\d+\] ")
 _LEVELS = {"I": 0, "W": 1, "E": 2, "F": 3}
+# A SentencePiece record (its own logger, at each model load): "normalizer.cc(51) LOG(INFO) ".
+_SENTENCEPIECE = re.compile(r"^\S+\.cc\(\d+\) LOG\((INFO|WARNING|ERROR|FATAL)\) ")
 # Start-up lines that are noise whatever their level (no GPU here, absl not initialized).
 _NOISE = re.compile(r"absl::InitializeLog\(\) is called|failed call to cuInit|"
                     r"^To enable the following instructions: .*compiler flags\.$")
@@ -37,9 +39,9 @@ def is_noise(line: str, min_level: int) -> bool:
     """
     if min_level <= 0:
         return False
-    match = _RECORD.match(line)
+    match = _RECORD.match(line) or _SENTENCEPIECE.match(line)
     if match:
-        level = _LEVELS[match.group(1)]
+        level = _LEVELS[match.group(1)[0]]
         return level < min_level or bool(_NOISE.search(line))
     return bool(_NOISE.search(line))
 

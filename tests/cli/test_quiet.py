@@ -17,6 +17,8 @@ CUINIT = ("E0000 00:00:1795334976.182550   20564 cuda_platform.cc:52] failed cal
 OOM = "E1122 09:00:00.000001   20564 bfc_allocator.cc:1] Allocator ran out of memory"
 ABSL = ("WARNING: All log messages before absl::InitializeLog() is called are written to "
         "STDERR")
+SENTENCEPIECE = ("normalizer.cc(51) LOG(INFO) precompiled_charsmap is empty. use identity "
+                 "normalization.")
 
 
 def test_noise_by_level():
@@ -26,6 +28,9 @@ def test_noise_by_level():
     assert not any(is_noise(line, 0) for line in (ONEDNN, ABSL, CUINIT, OOM))
     assert not is_noise("Traceback (most recent call last):", 3)
     assert not is_noise("tfllm train: error: data.path: no such file", 3)
+    # SentencePiece's own records (at every model load), by the same levels
+    assert is_noise(SENTENCEPIECE, 1) and not is_noise(SENTENCEPIECE, 0)
+    assert not is_noise(SENTENCEPIECE.replace("LOG(INFO)", "LOG(ERROR)"), 2)
 
 
 def _layouts_stderr(**env):

@@ -85,7 +85,9 @@ def cmd_train(args) -> int:
     from tfllm.parallel.watchdog import PeerLost
     from tfllm.train.preemption import (NONFINITE_EXIT_CODE, PEER_LOST_EXIT_CODE,
                                         PREEMPTED_EXIT_CODE, NonFiniteError, Preempted)
+    from tfllm.train.workdir import check_workdir
     config = _load_for_workdir(args)
+    check_workdir(args.workdir, config)  # a refused workdir gets no XLA cache folder either
     _persist_compiles(config, args.workdir)
     try:
         last = train(config, args.workdir)
@@ -144,17 +146,17 @@ def _saved_config(args):
 
 def _restored_run(args, config=None):
     """The run in --workdir with its latest checkpoint's weights (any mesh via --set)."""
-    from tfllm.checkpoint import Checkpointer, run_state_variables
+    from tfllm.checkpoint import Checkpointer, committed, run_state_variables
     from tfllm.train.run import Run
     config = _saved_config(args) if config is None else config
+    directory = os.path.join(args.workdir, "checkpoints")
+    if not committed(directory):  # before anything is built or written
+        raise FileNotFoundError(f"{directory} holds no committed checkpoint; train first "
+                                "(tfllm train --workdir ...).")
     _persist_compiles(config, args.workdir)
     run = Run(config, workdir=args.workdir, train_iterator=False, inference=True)
-    checkpointer = Checkpointer(os.path.join(args.workdir, "checkpoints"), run.parallel,
-                                config.checkpoint)
+    checkpointer = Checkpointer(directory, run.parallel, config.checkpoint)
     meta = checkpointer.restore_latest(run_state_variables(run.model), strict=False)
-    if meta is None:
-        raise FileNotFoundError(f"{args.workdir}/checkpoints holds no committed checkpoint; "
-                                "train first (tfllm train --workdir ...).")
     return run, meta
 
 
@@ -406,8 +408,12 @@ def main(argv=None) -> int:
         # its own options (a launcher parses no tfllm flags)
         from tfllm.launch.main import main as launch
         return launch(argv[argv.index("launch") + 1:], "tfllm launch")
+    parser = build_parser()
     try:
-        args = build_parser().parse_args(argv)
+        args, unknown = parser.parse_known_args(argv)
+        if unknown:  # named with the command, not as the top-level parser's error
+            parser.prog = f"tfllm {args.command}"
+            parser.error(f"unrecognized arguments: {' '.join(unknown)}")
     except SystemExit as e:  # --help (0), or a bad argument already said on one line
         return e.code if isinstance(e.code, int) else BAD_INPUT_EXIT_CODE
     try:
