@@ -176,8 +176,10 @@ class DataConfig:
                        "tokenizers are cached.")
     validation_fraction: float = _f(0.02, "Fraction of documents held out for validation "
                                     "when no separate validation data is named (chosen by "
-                                    "a hash of each document, so the split never overlaps).",
-                                    min=0.0, max=0.5)
+                                    "a hash of each document, so the split never overlaps). "
+                                    "0 without data.eval_paths / data.tfds_eval_split: no "
+                                    "validation data and no evaluation (as Keras' "
+                                    "validation_split=0).", min=0.0, max=0.5)
     tokenizer: str = _f("sentencepiece", "sentencepiece (a unigram SentencePiece model "
                         "trained offline on the training data at model.vocab_size and saved "
                         "in the workdir), byte (UTF-8 bytes plus an end-of-document id; "
@@ -213,8 +215,10 @@ class TrainConfig:
                         "xla_cache/client_N), off, or a directory.")
     log_every: int = _f(50, "Write metrics every N steps.", min=1)
     eval_every: int = _f(300, "Evaluate on the validation data every N steps (0: only at "
-                         "the end).", min=0)
-    eval_steps: int = _f(16, "Validation batches per evaluation.", min=1)
+                         "the end, after the final checkpoint). Without validation data "
+                         "(data.validation_fraction) nothing is evaluated.", min=0)
+    eval_steps: int = _f(16, "Validation batches per evaluation (at most: validation data "
+                         "shorter than this is padded, and padding is not counted).", min=1)
     deterministic: bool = _f(False, "Deterministic ops (tf.config.experimental."
                              "enable_op_determinism) for bitwise-reproducible resumes.")
     progress: str = _f("auto", "Progress display: bar (redrawn line), lines (one line per "
