@@ -35,3 +35,14 @@ def test_kubernetes_template_keeps_the_jit_cache():
     # On a mounted volume: a pod's own disk dies with the pod.
     mounts = [m["mountPath"] for m in container["volumeMounts"]]
     assert any(env["CUDA_CACHE_PATH"].startswith(m + "/") for m in mounts), mounts
+
+
+def test_kubernetes_template_admits_only_the_jobs_own_pods():
+    # The workers' gRPC and NCCL ports are unauthenticated: a NetworkPolicy fences them.
+    docs = list(yaml.safe_load_all(open(os.path.join(ROOT, "launch", "k8s-indexed-job.yaml"))))
+    (policy,) = [d for d in docs if d["kind"] == "NetworkPolicy"]
+    (service,) = [d for d in docs if d["kind"] == "Service"]
+    pods = service["spec"]["selector"]  # the Job's pods (Kubernetes labels them job-name)
+    assert policy["spec"]["podSelector"] == {"matchLabels": pods}
+    assert policy["spec"]["policyTypes"] == ["Ingress"]
+    assert policy["spec"]["ingress"] == [{"from": [{"podSelector": {"matchLabels": pods}}]}]

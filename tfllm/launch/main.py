@@ -45,7 +45,8 @@ Each worker's output is printed as "[rank N] ..." and saved to LOG_DIR/rank_N.lo
 worker exits non-zero all are stopped (SIGTERM, SIGKILL after --kill-timeout).
 
 Modes (--mode):
-  local     --num-workers N processes on this host (ports: free ones, or --port, --port+1..).
+  local     --num-workers N processes on this host (ports: free ones, held by the launcher
+            until the workers bind them with TF_GRPC_REUSE_PORT=1; or --port, --port+1..).
   slurm     inside an allocation, once per srun task (srun ... {prog} --mode slurm):
             rank SLURM_PROCID of SLURM_NTASKS; hosts from SLURM_STEP_NODELIST (else
             SLURM_JOB_NODELIST) and SLURM_STEP_TASKS_PER_NODE (else SLURM_TASKS_PER_NODE),
@@ -80,7 +81,8 @@ Options:
                          remote host) is kept and passed on.
   --hostfile FILE        hostfile mode: the hosts.
   --ssh COMMAND          hostfile mode: the remote shell (default "ssh -o BatchMode=yes"),
-                         run as COMMAND HOST REMOTE_SCRIPT.
+                         run as COMMAND -- HOST REMOTE_SCRIPT (a host starting with '-' is
+                         refused).
   --export NAMES         hostfile mode: comma list of variables passed to remote workers
                          (default PATH,PYTHONPATH,VIRTUAL_ENV,KERAS_BACKEND,
                          TF_CPP_MIN_LOG_LEVEL,XLA_FLAGS,DTENSOR_GPU_USE_NCCL_COMMUNICATION,
@@ -103,6 +105,7 @@ Options:
   --max-restarts N       local and hostfile modes: after a failure or startup timeout, stop
                          everything and start all workers again, up to N times (default 0).
                          `tfllm train --workdir` resumes from the latest checkpoint there.
+                         Never after a worker exits 2 (bad input) or 74 (failed storage).
                          Under slurm and env the scheduler restarts the whole job.
   --dry-run              print each worker's environment, what its host runs first
                          (hostfile: "on HOST: ...") and its command; start nothing.
@@ -117,6 +120,7 @@ Exit codes:
   124   no worker became ready within --startup-timeout
   75    the workers were stopped by a forwarded signal and at least one exited 75
         (tfllm's "preempted, checkpoint saved, requeue me" code)
+  74    a worker's storage failed (tfllm: disk full, quota, permissions); not restarted
   128+N the launcher itself got signal N (SIGINT 130, SIGTERM 143); it forwarded SIGTERM
   other the first failing worker's exit code (128+N when a signal N killed it)
 
