@@ -135,6 +135,21 @@ def test_which_settings_give_validation_data(source, extra, expected):
     assert has_validation(cfg.data)
 
 
+@pytest.mark.parametrize("source, message", [
+    ("text", "no validation data (data.validation_fraction=0 and no data.eval_paths); set "
+             "data.eval_paths or data.validation_fraction > 0."),
+    ("corpus", "no validation data (data.validation_fraction=0); set "
+               "data.validation_fraction > 0.")])
+def test_asking_for_validation_data_there_is_none_of_is_one_line(source, message):
+    # What `tfllm eval` meets on a run trained without validation data.
+    from tfllm.data.sources import documents
+    cfg = load_config(None, ["data.validation_fraction=0", f"data.source={source}",
+                             "data.paths=[x]"])
+    with pytest.raises(DataError) as e:
+        documents(cfg, "validation")
+    assert str(e.value) == message
+
+
 def test_the_hash_split_of_the_test_corpus_holds_out_none_at_0_001(tmp_path):
     # The first test's premise, checked directly (fast): not one document held out.
     from tfllm.data.sources import documents

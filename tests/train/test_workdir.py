@@ -17,8 +17,10 @@ from tfllm.config.loader import to_dict
 from tfllm.data.tokenizer import ByteTokenizer, SentencePieceTokenizer, train_sentencepiece
 from tfllm.pretrained import import_preset
 from tfllm.pretrained.families import PretrainedError
+from tfllm.config.loader import config_from_dict
 from tfllm.train.workdir import (MARKER, WorkdirError, check_tokenizer, check_workdir,
-                                 read_marker, start_run, tokenizer_fingerprint)
+                                 read_marker, saved_run_config, start_run,
+                                 tokenizer_fingerprint)
 
 
 def _config(**extra):
@@ -166,6 +168,13 @@ def test_a_resume_is_compared_with_the_checkpoints_own_config(tmp_path, override
     message = str(e.value)
     assert f"{tmp_path} holds a different run ({key}:" in message and "\n" not in message
     assert "step_00000002/metadata.json" in message and "which is missing" in message
+
+
+def test_the_checkpoint_gives_back_the_runs_config(tmp_path):
+    assert saved_run_config(str(tmp_path)) is None
+    saved = _config(**{"optimizer.learning_rate": 0.25})
+    _checkpoint(tmp_path, saved)
+    assert config_from_dict(saved_run_config(str(tmp_path))) == saved
 
 
 def test_an_imported_checkpoint_fixes_only_the_model(tmp_path):

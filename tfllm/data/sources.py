@@ -140,11 +140,9 @@ def _file_documents(config, split: str, num_shards: int, index: int) -> tf.data.
                          else (data.paths, "data.paths"))
     else:
         patterns, key = data.paths, "data.paths"
-        # True: keep only the held-out docs; False: drop them; None: keep everything.
+        # True: keep only the held-out docs; False: drop them; None: keep everything
+        # (no validation data: `documents` refuses the validation split).
         holdout = (split == "validation") if data.validation_fraction > 0 else None
-        if split == "validation" and holdout is None:
-            raise DataError(f"no validation data: {no_validation_reason(data)}; set "
-                            "data.eval_paths or data.validation_fraction > 0.")
     files = resolve_files(patterns, key)
     if data.source == "text":
         check_text_files(files, key)
@@ -250,9 +248,6 @@ def _tfds_split(config, split: str) -> str:
     if split == "validation" and data.tfds_eval_split:
         return data.tfds_eval_split
     if data.validation_fraction == 0:  # no validation data: train on the whole split
-        if split == "validation":
-            raise DataError(f"no validation data: {no_validation_reason(data)}; set "
-                            "data.tfds_eval_split or data.validation_fraction > 0.")
         return data.tfds_split
     # No eval split: hold out the first validation_fraction percent of the train split.
     percent = max(1, round(100 * data.validation_fraction))
@@ -286,6 +281,12 @@ def documents(config, split: str, num_shards: int = 1, index: int = 0) -> tf.dat
     """
     if split not in ("train", "validation"):
         raise DataError(f"split must be 'train' or 'validation', got {split!r}.")
+    if split == "validation" and not has_validation(config.data):
+        separate = {"text": "data.eval_paths", "tfrecord": "data.eval_paths",
+                    "tfds": "data.tfds_eval_split"}.get(config.data.source)
+        raise DataError(f"no validation data ({no_validation_reason(config.data)}); set "
+                        + (f"{separate} or " if separate else "")
+                        + "data.validation_fraction > 0.")
     source = config.data.source
     if source == "tfds":
         return _tfds_documents(config, split, num_shards, index)

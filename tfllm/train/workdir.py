@@ -168,6 +168,15 @@ def newest_metadata(checkpoint_dir: str):
     return None, None
 
 
+def saved_run_config(workdir: str) -> Optional[dict]:
+    """The config (a nested dict) saved in the workdir's newest readable committed
+    checkpoint, or None: what a resume without --config may use when config.yaml is
+    gone (`tfllm.config.loader.config_from_dict`)."""
+    _, meta = newest_metadata(os.path.join(workdir, "checkpoints"))
+    config = (meta or {}).get("config")
+    return config if isinstance(config, dict) else None
+
+
 def _is_import(meta: dict) -> bool:
     return meta.get("step") == 0 and "imported" in meta
 
