@@ -65,6 +65,13 @@ def test_a_missing_or_empty_workdir_starts_and_gets_the_marker_first(tmp_path):
         assert read_marker(str(workdir))["kind"] == "train"
 
 
+def test_a_marker_being_written_by_client_0_is_not_refused_by_the_others(tmp_path):
+    # Every client checks the workdir; client 0 may be writing the marker (to .part, then
+    # renamed) while another looks.
+    (tmp_path / (MARKER + ".part")).write_text("{")
+    assert not check_workdir(str(tmp_path), _config()).dead_run
+
+
 def test_logs_and_xla_cache_written_before_the_run_are_allowed(tmp_path):
     # `tfllm launch` writes WORKDIR/logs and train.xla_cache=auto WORKDIR/xla_cache
     # before the run checks its workdir: they are tfllm's, never cleared.

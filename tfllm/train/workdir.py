@@ -56,7 +56,7 @@ KEPT_DIRS = ("checkpoints",)
 SHARED_DIRS = ("logs", "xla_cache")
 
 #: suffixes of tfllm's atomic writes (a temporary name, then a rename): config.yaml.tmp,
-#: metrics.jsonl.tmp, costs.json.part, loss.png.tmp.png, .tfllm-run.part
+#: metrics.jsonl.tmp, costs.json.part, loss.png.tmp.png
 _LEFTOVER_SUFFIXES = (".tmp", ".part", ".tmp.png")
 
 
@@ -233,8 +233,7 @@ def _differences(saved: dict, current: dict, defining=RUN_DEFINING) -> list:
 
 def _is_leftover(name: str) -> bool:
     """A temporary file of one of tfllm's atomic writes of a top-level output."""
-    return any(name == out + suffix for out in RUN_OUTPUTS + (MARKER,)
-               for suffix in _LEFTOVER_SUFFIXES)
+    return any(name == out + suffix for out in RUN_OUTPUTS for suffix in _LEFTOVER_SUFFIXES)
 
 
 def _kind_of(workdir: str, name: str) -> str:
@@ -247,7 +246,7 @@ def _kind_of(workdir: str, name: str) -> str:
             else "foreign"
     if os.path.islink(path):  # tfllm writes no links: clearing one is not ours to do
         return "foreign"
-    if name == MARKER:
+    if name in (MARKER, MARKER + ".part"):  # .part: another client's write, under way
         return "marker"
     if name in RUN_OUTPUTS or _is_leftover(name):
         return "output"
