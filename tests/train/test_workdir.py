@@ -112,7 +112,7 @@ def test_tfllm_named_files_without_the_marker_are_refused_and_kept(tmp_path):
     (tmp_path / "tensorboard" / "events").write_text("mine")
     before = _snapshot(tmp_path)
     with pytest.raises(WorkdirError, match=r"holds config.yaml, metrics.jsonl, tensorboard/ "
-                                           rf"but no {MARKER} marker"):
+                                           rf"without the {MARKER} marker of a tfllm run"):
         check_workdir(str(tmp_path), _config())
     assert _snapshot(tmp_path) == before
 
@@ -145,6 +145,12 @@ def test_a_tokenizer_the_config_names_inside_the_workdir_is_kept(tmp_path):
     start_run(check_workdir(str(tmp_path), cfg), cfg)
     assert (tmp_path / "tokenizer" / "tokenizer.model").exists()
     assert not (tmp_path / "metrics.jsonl").exists()
+
+
+def test_a_marker_that_is_not_a_file_is_not_tfllms(tmp_path):
+    (tmp_path / MARKER).mkdir()
+    with pytest.raises(WorkdirError, match=rf"holds {MARKER}/, which tfllm did not write"):
+        check_workdir(str(tmp_path), _config())
 
 
 def test_a_file_is_not_a_workdir(tmp_path):

@@ -247,7 +247,7 @@ def _kind_of(workdir: str, name: str) -> str:
     if os.path.islink(path):  # tfllm writes no links: clearing one is not ours to do
         return "foreign"
     if name in (MARKER, MARKER + ".part"):  # .part: another client's write, under way
-        return "marker"
+        return "marker" if os.path.isfile(path) else "foreign"
     if name in RUN_OUTPUTS or _is_leftover(name):
         return "output"
     return "foreign"
@@ -271,15 +271,16 @@ def _check_reusable(workdir: str) -> bool:
     never = "tfllm never deletes files it did not write"
     if foreign:
         raise WorkdirError(
-            f"--workdir {workdir} holds {_names(workdir, foreign)}, which tfllm did not "
-            f"write, and no checkpoint to resume; {never}: choose a new or empty --workdir, "
-            "or move them out.")
+            f"--workdir {workdir} has no checkpoint to resume and holds "
+            f"{_names(workdir, foreign)}, which tfllm did not write; {never}: choose a new "
+            "or empty --workdir, or move them out.")
     ours = [n for n in names if kinds[n] in ("output", "kept")]
     if ours and read_marker(workdir) is None:
         raise WorkdirError(
-            f"--workdir {workdir} holds {_names(workdir, ours)} but no {MARKER} marker, so "
-            f"they are not known to be a dead tfllm run's and no checkpoint to resume; "
-            f"{never}: choose a new or empty --workdir, or delete them yourself.")
+            f"--workdir {workdir} has no checkpoint to resume and holds "
+            f"{_names(workdir, ours)} without the {MARKER} marker of a tfllm run, so they "
+            f"may not be tfllm's; {never}: choose a new or empty --workdir, or delete them "
+            "yourself.")
     return bool(ours) or MARKER in names
 
 
