@@ -7,6 +7,7 @@ line naming the weight map and the name, and writes nothing.
 
 import json
 import os
+import shutil
 
 import h5py
 import pytest
@@ -37,7 +38,6 @@ def gpt2_preset(tmp_path_factory):
 
 
 def _copy(preset, to):
-    import shutil
     shutil.copytree(preset, to)
     return to
 
