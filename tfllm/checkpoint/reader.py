@@ -118,7 +118,7 @@ class Reader:
         """The path of manifest entry `rel`, which must be a name the writer gives and
         resolve inside the checkpoint directory."""
         if not (isinstance(rel, str) and _FILE_NAME.match(rel)):
-            raise CheckpointError(f"{manifest_path}: the file name {rel!r} is none a "
+            raise CheckpointError(f"{manifest_path}: the file name {rel!r} is not one a "
                                   "checkpoint holds (metadata.json, done.NNNNN, "
                                   "client_NNNNN/{shards.bin,index.json,files/...}); "
                                   f"{_UNTRUSTED}.")
