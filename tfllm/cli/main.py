@@ -8,6 +8,7 @@ import math
 import os
 import sys
 import traceback
+from typing import Optional
 
 import tfllm  # noqa: F401  (sets KERAS_BACKEND before keras is imported)
 from tfllm.exit_codes import BAD_INPUT_EXIT_CODE, IO_ERROR_EXIT_CODE, InputError, io_failure
@@ -21,7 +22,7 @@ class _Parser(argparse.ArgumentParser):
                                        f"{self.prog} --help)\n")
 
 
-def _whole(minimum: int, maximum: int = None):
+def _whole(minimum: int, maximum: Optional[int] = None):
     """An argparse type: an integer in [minimum, maximum]."""
     def parse(text: str) -> int:
         try:
