@@ -26,9 +26,12 @@ import signal
 import subprocess
 import sys
 
+import numpy as np
 import pytest
+import safetensors.numpy as safetensors
 
 from tests.conftest import write_text_corpus
+from tests.pretrained import helpers
 from tests.launch.helpers import kill_group
 from tfllm.checkpoint import storage
 from tfllm.cli.main import main
@@ -104,6 +107,13 @@ def _flip_a_byte(relative):
     return setup
 
 
+def _truncate(relative):
+    def setup(tmp, run, monkeypatch):
+        path = run / relative
+        path.write_bytes(path.read_bytes()[:100])
+    return setup
+
+
 def _storage_fails(code):
     """Every checkpoint write fails with OSError `code` (a full disk, a quota, ...)."""
     def setup(tmp, run, monkeypatch):
@@ -124,6 +134,35 @@ def _no_setup(tmp, run, monkeypatch):
     pass
 
 
+def _corpus(tmp, run, monkeypatch):
+    write_text_corpus(tmp / "corpus")
+
+
+def _hugging_face(change=None):
+    """A small Llama 3 Hugging Face folder at {tmp}/hf (keras-hub's exporter), changed."""
+    def setup(tmp, run, monkeypatch):
+        helpers.save_huggingface("llama3", tmp / "hf")
+        if change is not None:
+            change(tmp / "hf")
+    return setup
+
+
+def _config_json(**changes):
+    def change(folder):
+        config = json.loads((folder / "config.json").read_text())
+        config.update(changes)
+        (folder / "config.json").write_text(json.dumps(config))
+    return change
+
+
+def _weights(edit):
+    def change(folder):
+        weights = safetensors.load_file(str(folder / "model.safetensors"))
+        edit(weights)
+        safetensors.save_file(weights, str(folder / "model.safetensors"))
+    return change
+
+
 def _pending(why):
     """A row that fails today for a known reason outside this file: it must start to pass."""
     return pytest.mark.xfail(reason=why, strict=True)
@@ -131,6 +170,15 @@ def _pending(why):
 
 GEN = ["generate", "--workdir", "{run}", "--prompt", "the cat"]
 RESUME = ["train", "--workdir", "{run}"]
+#: a new run on text files, byte-tokenized
+TEXT = ["train", "--workdir", "{tmp}/new", "--config", "configs/tiny.yaml", "--set",
+        "data.source=text", "--set", "data.tokenizer=byte", "--set", "model.vocab_size=260",
+        "--set", "data.data_dir={tmp}/cache", "--set", "train.xla_cache=off"]
+CORPUS = ["--set", 'data.paths=["{tmp}/corpus/*.txt"]']
+IMPORT = ["import", "--preset", "{tmp}/hf", "--workdir", "{tmp}/new"]
+_MARKER_LEFT = _pending("tfllm/train/loop.py writes WORKDIR/.tfllm-run (start_run) before "
+                        "the data and tokenizer checks of Run: a refused new workdir is left "
+                        "holding the marker, where exit 2 promises nothing written")
 
 ROWS = [
     # generate's arguments: refused by argparse, naming the flag, before anything is read
@@ -185,6 +233,8 @@ ROWS = [
                  BAD_INPUT, "notes.txt", id="workdir-with-user-files"),
     pytest.param([*RESUME, "--set", "data.sequence_length=8"], _no_setup, BAD_INPUT,
                  "data.sequence_length", id="resume-with-other-data-settings"),
+    pytest.param(["train", "--workdir", "{tmp}/afile"], _write("afile", "mine"), BAD_INPUT,
+                 "is a file, not a directory", id="workdir-is-a-file"),
     # the run's own files
     pytest.param(GEN, _edit_run_config("source: text", "source: synthetic"), BAD_INPUT,
                  "data.source=synthetic and has no tokenizer", id="generate-without-tokenizer"),
@@ -195,7 +245,10 @@ ROWS = [
                  "holds no committed checkpoint", id="eval-without-checkpoint"),
     pytest.param(["eval", "--workdir", "{run}"],
                  _flip_a_byte("checkpoints/step_00000002/client_00000/shards.bin"), BAD_INPUT,
-                 "shards.bin", id="corrupt-checkpoint"),
+                 "shards.bin", id="checkpoint-altered"),
+    pytest.param(["eval", "--workdir", "{run}"],
+                 _truncate("checkpoints/step_00000002/client_00000/shards.bin"), BAD_INPUT,
+                 "shards.bin", id="checkpoint-truncated"),
     pytest.param(GEN, _write("run/tokenizer/tokenizer.model", b"not a sentencepiece model"),
                  BAD_INPUT, "tokenizer.model", id="corrupt-workdir-tokenizer",
                  marks=_pending("tfllm/data/tokenizer.py: load_tokenizer lets sentencepiece's "
@@ -206,6 +259,47 @@ ROWS = [
                  "data.tokenizer_path", id="tokenizer-folder-not-a-preset",
                  marks=_pending("tfllm/data/tokenizer.py: KerasHubTokenizer lets keras-hub's "
                                 "ValueError escape for a folder that is not a preset")),
+    # data (README, "Training on your own text files")
+    pytest.param([*TEXT, "--set", 'data.paths=["{tmp}/none/*.txt"]'], _no_setup, BAD_INPUT,
+                 "matches no files", id="data-pattern-matches-nothing", marks=_MARKER_LEFT),
+    pytest.param([*TEXT, *CORPUS], _write("corpus/empty.txt", ""), BAD_INPUT,
+                 "empty.txt is empty", id="data-empty-file", marks=_MARKER_LEFT),
+    pytest.param([*TEXT, *CORPUS], _write("corpus/latin1.txt", b"caf\xe9 au lait"), BAD_INPUT,
+                 "latin1.txt is not UTF-8 at byte offset 3", id="data-not-utf8",
+                 marks=_MARKER_LEFT),
+    pytest.param([*TEXT, *CORPUS, "--set", "train.global_batch_size=4"],
+                 _write("corpus/one.txt", "one short document"), BAD_INPUT,
+                 "lower train.global_batch_size", id="data-too-few-documents",
+                 marks=_MARKER_LEFT),
+    pytest.param([*TEXT, *CORPUS, "--set", "data.validation_fraction=0.0001"], _corpus,
+                 BAD_INPUT, "data.validation_fraction=0.0001 held out no document",
+                 id="validation-data-without-text", marks=_MARKER_LEFT),
+    pytest.param([*TEXT, *CORPUS, "--set", "model.vocab_size=128"], _corpus, BAD_INPUT,
+                 "set model.vocab_size=257 or more", id="tokenizer-larger-than-vocab"),
+    pytest.param([*TEXT, *CORPUS, "--set", "data.sequence_length=256"], _corpus, BAD_INPUT,
+                 "data.sequence_length (256) exceeds model.max_sequence_length (128)",
+                 id="sequence-longer-than-model"),
+    pytest.param([*TEXT, *CORPUS, "--set", "data.tokenizer=file", "--set",
+                  "data.tokenizer_path={tmp}/missing.model"], _corpus, BAD_INPUT,
+                 "missing.model: no such file", id="tokenizer-missing", marks=_MARKER_LEFT),
+    pytest.param(["train", "--workdir", "{tmp}/new", "--config", "configs/tiny.yaml",
+                  "--set", "data.source=tfds", "--set", "data.tfds_name=lm1bb",
+                  "--set", "data.tfds_data_dir={tmp}/tfds", "--set", "train.xla_cache=off"],
+                 _no_setup, BAD_INPUT, "Did you mean 'lm1b'", id="tfds-unknown-name",
+                 marks=_MARKER_LEFT),
+    # tfllm import (README, "Fine-tune a pretrained model")
+    pytest.param(IMPORT, _hugging_face(_config_json(model_type="gemma")), BAD_INPUT,
+                 "GemmaBackbone is not an architecture tfllm can hold",
+                 id="import-unknown-architecture"),
+    pytest.param(IMPORT, _hugging_face(_weights(lambda w: w.pop("model.norm.weight"))),
+                 BAD_INPUT, "tensor model.norm.weight", id="import-tensor-missing"),
+    pytest.param(IMPORT, _hugging_face(_config_json(intermediate_size=128)), BAD_INPUT,
+                 "but the model config needs [128, 32]", id="import-shape-mismatch"),
+    pytest.param(IMPORT, _hugging_face(_weights(
+        lambda w: w.update({"lm_head.weight": w["lm_head.weight"].astype(np.int8)}))),
+        BAD_INPUT, "dtype int8", id="import-quantized-tensor"),
+    pytest.param(["import", "--preset", "{tmp}/hf", "--workdir", "{run}"], _hugging_face(),
+                 BAD_INPUT, "is not empty", id="import-into-a-non-empty-workdir"),
     # the storage fails while a checkpoint is written: the previous one stays the latest
     pytest.param([*RESUME, "--set", "train.steps=3"], _storage_fails(errno.ENOSPC), IO_ERROR,
                  "No space left on device", id="disk-full-sync-save"),
@@ -295,9 +389,9 @@ def _command(storage_errno):
 PROCESS_ROWS = [
     # TensorFlow starts (a mesh that does not fit the host's devices): its C++ start-up
     # lines are filtered, the message stays one line
-    pytest.param(["train", "--workdir", "{tmp}/new", "--config", "configs/tiny.yaml",
-                  "--set", "mesh.axes=data=3"], None, None, BAD_INPUT,
-                 "mesh axis 'data' (size 3)", id="tensorflow-started"),
+    pytest.param(["bench", "--config", "configs/tiny.yaml", "--set", "mesh.axes=data=3"],
+                 None, None, BAD_INPUT, "do not divide over mesh axis 'data' (size 3)",
+                 id="tensorflow-started"),
     # SIGTERM, then the checkpoint it asks for cannot be written: still 75, the failure said
     pytest.param([*RESUME, "--set", "train.steps=400", "--set", "checkpoint.every=0"],
                  errno.ENOSPC, signal.SIGTERM,
