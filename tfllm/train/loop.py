@@ -1,11 +1,14 @@
 """The training loop: resume, train, evaluate, checkpoint, stop cleanly, report.
 
-`train(config, workdir)` is what `tfllm train` runs. It resumes from the workdir's
-latest committed checkpoint when there is one, shows a progress bar (step, loss,
-tokens/s, MFU, ETA), appends to metrics.jsonl and TensorBoard, evaluates every
-`train.eval_every` steps and at the end, saves every `checkpoint.every` steps and at
-the end, draws loss.png, and prints a generated sample. SIGTERM/SIGINT save and exit
-75; a NaN/Inf loss exits 3 under `train.on_nonfinite=abort`.
+`train(config, workdir)` is what `tfllm train` runs. It checks the workdir
+(`tfllm.train.workdir`) and, before the first step, everything that could fail later
+(`tfllm.train.preflight`); resumes from the workdir's latest committed checkpoint when
+there is one, shows a progress bar (step, loss, tokens/s, MFU, ETA), appends to
+metrics.jsonl and TensorBoard, evaluates every `train.eval_every` steps and at the end
+(when there is validation data), saves every `checkpoint.every` steps and at the end
+(before the final evaluation: nothing after the last step can lose it), draws loss.png,
+and prints a generated sample. SIGTERM/SIGINT save and exit 75; a NaN/Inf loss exits 3
+under `train.on_nonfinite=abort`.
 """
 
 from __future__ import annotations
