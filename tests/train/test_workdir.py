@@ -183,6 +183,19 @@ def test_a_resume_is_compared_with_the_checkpoints_own_config(tmp_path, override
     assert "step_00000002/metadata.json" in message and "which is missing" in message
 
 
+def test_a_resumed_run_deletes_nothing_and_gets_a_marker_if_it_had_none(tmp_path):
+    _checkpoint(tmp_path, _config())
+    (tmp_path / "notes.txt").write_text("mine")
+    (tmp_path / "metrics.jsonl").write_text("{}\n")
+    state = check_workdir(str(tmp_path), _config())
+    start_run(state, _config())
+    assert sorted(os.listdir(tmp_path)) == [MARKER, "checkpoints", "metrics.jsonl",
+                                            "notes.txt"]
+    marker = read_marker(str(tmp_path))
+    start_run(check_workdir(str(tmp_path), _config()), _config())
+    assert read_marker(str(tmp_path)) == marker  # a run's identity is kept on resume
+
+
 def test_the_checkpoint_gives_back_the_runs_config(tmp_path):
     assert saved_run_config(str(tmp_path)) is None
     saved = _config(**{"optimizer.learning_rate": 0.25})
