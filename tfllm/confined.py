@@ -42,15 +42,20 @@ def relative_name(name, what: str, error=ValueError, flat: bool = False,
 
 
 def inside(directory: str, name, what: str, error=ValueError, flat: bool = False,
-           fix: str = "rename it") -> str:
+           fix: str = "rename it", root=None) -> str:
     """`directory/name` after checking the name (`relative_name`) and that the resolved path
     stays inside the resolved `directory` (a symlink out of it is refused).
+
+    Args:
+      root: a directory that contains `directory` and that links may lead into (default:
+        `directory` itself), e.g. a Hugging Face cache repository whose snapshot folders
+        hold links into its `blobs/`.
 
     Returns:
       The joined path (not resolved).
     """
     path = os.path.join(directory, relative_name(name, what, error, flat, fix))
-    root, real = os.path.realpath(directory), os.path.realpath(path)
+    root, real = os.path.realpath(root or directory), os.path.realpath(path)
     if os.path.commonpath([root, real]) != root:
         raise error(f"{what}: {name!r} resolves to {real}, outside {root} (a symlink); tfllm "
                     "uses only files inside the directory: replace the link by the file it "

@@ -83,6 +83,36 @@ def test_hugging_face_index_names_stay_in_the_folder(tmp_path, capsys):
     assert len(err.splitlines()) == 1
 
 
+def _as_hf_cache(folder, cache):
+    """`folder` laid out as huggingface_hub caches a download: every file a link from
+    snapshots/REV/ to ../../blobs/HASH."""
+    repository = cache / "models--org--tiny"
+    snapshot = repository / "snapshots" / "0123abc"
+    os.makedirs(repository / "blobs")
+    os.makedirs(snapshot)
+    for i, name in enumerate(sorted(os.listdir(folder))):
+        os.replace(folder / name, repository / "blobs" / f"blob{i}")
+        os.symlink(f"../../blobs/blob{i}", snapshot / name)
+    return snapshot
+
+
+def test_a_hugging_face_cache_snapshot_imports_but_links_leave_only_into_its_blobs(
+        tmp_path, capsys):
+    # A download kept in huggingface_hub's cache (no --local-dir) is a folder of links
+    # into the repository's blobs/: those are followed; a link out of the repository not.
+    helpers.save_huggingface("gpt2", tmp_path / "hf")
+    snapshot = _as_hf_cache(tmp_path / "hf", tmp_path / "cache")
+    assert main(["import", "--preset", str(snapshot), "--workdir",
+                 str(tmp_path / "run")]) == 0, capsys.readouterr().err
+    outside = tmp_path / "outside.safetensors"
+    os.replace(os.path.realpath(snapshot / "model.safetensors"), outside)
+    os.remove(snapshot / "model.safetensors")
+    os.symlink(outside, snapshot / "model.safetensors")
+    code, err = _import(capsys, snapshot, tmp_path / "run2")
+    assert code == 2 and "'model.safetensors' resolves to" in err, err
+    assert len(err.splitlines()) == 1
+
+
 @pytest.fixture
 def unsafe_deserialization():
     """The process switched Keras' safe mode off (as a user's own script may), restored

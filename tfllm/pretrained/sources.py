@@ -38,6 +38,22 @@ HF_INDEX = "model.safetensors.index.json"
 _UNTRUSTED = "the preset was made by a buggy or malicious program: do not import it"
 
 
+def hf_cache_repository(path: str):
+    """The cache repository of a Hugging Face cache snapshot folder, else None.
+
+    `huggingface_hub` keeps a download as `models--ORG--NAME/snapshots/REVISION/` whose
+    files are links to `models--ORG--NAME/blobs/HASH`; such a folder's links may lead
+    anywhere inside its repository, nowhere else.
+    """
+    snapshots = os.path.dirname(os.path.realpath(path))
+    repository = os.path.dirname(snapshots)
+    if (os.path.basename(snapshots) == "snapshots"
+            and os.path.basename(repository).startswith("models--")
+            and os.path.isdir(os.path.join(repository, "blobs"))):
+        return repository
+    return None
+
+
 def _file_names(weight_map: dict) -> list:
     """Every file name a weight map's values hold (each a name or a list of names)."""
     return [n for v in weight_map.values() for n in (v if isinstance(v, list) else [v])]
@@ -101,7 +117,8 @@ class Source:
     def file(self, name, what: str) -> str:
         """The path of the folder's file `name` (named by `what`, e.g. a weight map): a plain
         file name whose resolved path, symlinks followed, is inside the folder."""
-        return inside(self.path, name, what, PretrainedError, flat=True, fix=_UNTRUSTED)
+        return inside(self.path, name, what, PretrainedError, flat=True, fix=_UNTRUSTED,
+                      root=hf_cache_repository(self.path))
 
     def _weight_map(self, index: str) -> dict:
         """The "weight_map" of the folder's JSON file `index` ({tensor or group: file name
@@ -370,7 +387,8 @@ def open_source(path: str) -> Source:
     if not os.path.exists(os.path.join(path, "config.json")):
         raise PretrainedError(f"{path}: no config.json; a keras-hub preset or Hugging Face "
                               "checkpoint folder has one.")
-    inside(path, "config.json", path, PretrainedError)  # not a link out of the folder
+    inside(path, "config.json", path, PretrainedError,  # not a link out of the folder
+           root=hf_cache_repository(path))
     try:
         loader = keras_internal.preset_loader(path)
     except ValueError as e:
