@@ -1,12 +1,17 @@
-"""Before the first step and after the last: bad input fails before training, and the
-final checkpoint is saved before anything after the last step can fail.
+"""Before the first step and after the last: bad input fails before the run writes into
+its workdir, the final checkpoint is saved before anything after the last step can fail,
+and a signal whose save fails still stops the run as preempted.
 
 One-device tiny runs of one or two steps whose step computes nothing: the loop's order
 is what is checked, without compiling a step.
 """
 
+import errno
+import hashlib
 import io
+import json
 import os
+import signal
 
 import pytest
 
@@ -15,7 +20,9 @@ from tfllm.config import ConfigError, load_config
 from tfllm.data import DataError
 from tfllm.data.sources import has_validation
 from tfllm.train.loop import train
+from tfllm.train.preemption import Preempted
 from tfllm.train.run import Run
+from tfllm.train.workdir import MARKER
 
 # Two rows: every row of the batch is a data stream of its own, each traced anew.
 ONE_DEVICE = {"model.num_layers": 1, "train.global_batch_size": 2, "train.log_every": 1,
@@ -47,11 +54,15 @@ class _StepWithoutCompute:
         return getattr(self._step, name)
 
     def __call__(self, batch, loss_limit=None):
+        if self.on_call is not None:
+            self.on_call()
         return {"loss": 1.0, "grad_norm": 1.0, "learning_rate": 0.0, "skipped_steps": 0,
                 "step_ok": True}
 
+    on_call = None
 
-def _without_compute(monkeypatch):
+
+def _without_compute(monkeypatch, on_call=None):
     from tfllm.train import loop, metrics
     # The MFU display's matmul peak, timed on the CPU at every run: 2048^3 matmuls.
     monkeypatch.setattr(metrics, "measure_matmul_peak", lambda **kwargs: 1e12)
@@ -60,24 +71,38 @@ def _without_compute(monkeypatch):
     def run(*args, **kwargs):
         made = real_run(*args, **kwargs)
         made.step = _StepWithoutCompute(made.step)
+        made.step.on_call = on_call
         return made
     monkeypatch.setattr(loop, "Run", run)
 
 
-def test_an_empty_validation_split_fails_before_the_first_step(tmp_path):
+@pytest.mark.parametrize("workdir", ["new", "dead run"])
+def test_an_empty_validation_split_fails_before_anything_is_written(tmp_path, workdir):
     # 0.001 of these 48 documents is none (each is held out by a hash of its text): the
     # issue's run trained every step, then failed its final evaluation.
-    cfg = _text_config(tmp_path, **{"data.validation_fraction": 0.001, "train.steps": 1})
+    cfg = _text_config(tmp_path, **{"data.validation_fraction": 0.001, "train.steps": 1,
+                                    "data.tokenizer": "sentencepiece",
+                                    "model.vocab_size": 120})
+    run = tmp_path / "run"
+    if workdir == "dead run":  # a run that died before its first checkpoint
+        (run / "tokenizer").mkdir(parents=True)
+        (run / "tokenizer" / "tokenizer.model").write_bytes(b"the dead run's")
+        (run / "metrics.jsonl").write_text('{"step": 1}\n')
+        (run / MARKER).write_text('{"tfllm": "run", "kind": "train"}')
+    before = sorted(p.relative_to(tmp_path) for p in run.rglob("*")) if run.exists() else None
     with pytest.raises(DataError) as e:
-        train(cfg, str(tmp_path / "run"))
+        train(cfg, str(run))
     message = str(e.value)
     assert message.startswith("the validation data holds no text") and "\n" not in message
     assert ("data.validation_fraction=0.001 held out no document" in message
             and "raise data.validation_fraction, name validation files (data.eval_paths)"
             in message and "data.validation_fraction=0" in message)
     assert "eval_steps" not in message  # fewer batches never help
-    assert not (tmp_path / "run" / "checkpoints").exists()
-    assert not (tmp_path / "run" / "metrics.jsonl").exists()
+    # Nothing written (no marker, no trained tokenizer), a dead run not yet cleared.
+    after = sorted(p.relative_to(tmp_path) for p in run.rglob("*")) if run.exists() else None
+    assert after == before
+    if workdir == "dead run":
+        assert (run / "tokenizer" / "tokenizer.model").read_bytes() == b"the dead run's"
 
 
 def test_validation_files_without_text_fail_before_the_first_step(tmp_path):
@@ -103,6 +128,38 @@ def test_the_final_checkpoint_is_saved_before_the_final_evaluation(tmp_path, mon
         train(cfg, str(tmp_path))
     assert os.listdir(tmp_path / "checkpoints") == ["step_00000002"]
     assert (tmp_path / "checkpoints" / "step_00000002" / "COMMIT").exists()
+
+
+def test_a_new_run_trains_its_own_tokenizer_not_a_dead_runs_and_saves_it(tmp_path,
+                                                                        monkeypatch):
+    cfg = _text_config(tmp_path, **{"train.steps": 1, "data.tokenizer": "sentencepiece",
+                                    "model.vocab_size": 120})
+    run = tmp_path / "run"
+    (run / "tokenizer").mkdir(parents=True)
+    (run / "tokenizer" / "tokenizer.model").write_bytes(b"the dead run's: not a model")
+    (run / MARKER).write_text('{"tfllm": "run", "kind": "train"}')
+    _without_compute(monkeypatch)
+    train(cfg, str(run))
+    saved = (run / "tokenizer" / "tokenizer.model").read_bytes()
+    assert saved != b"the dead run's: not a model"
+    meta = json.loads((run / "checkpoints" / "step_00000001" / "metadata.json").read_text())
+    assert meta["tokenizer"] == "sentencepiece:" + hashlib.sha256(saved).hexdigest()
+
+
+def test_a_signal_whose_save_fails_still_stops_as_preempted(tmp_path, monkeypatch):
+    # Exit 75 (the signal is why the run stopped); the command reads the save's error
+    # from the exception's cause and says it.
+    from tfllm.checkpoint import Checkpointer
+
+    def full_disk(self, *args, **kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device")
+    monkeypatch.setattr(Checkpointer, "save", full_disk)
+    _without_compute(monkeypatch, on_call=lambda: os.kill(os.getpid(), signal.SIGTERM))
+    cfg = load_config(None, tiny_overrides("gpt", "data=1", **{**ONE_DEVICE,
+                                                               "train.steps": 5}))
+    with pytest.raises(Preempted) as e:
+        train(cfg, str(tmp_path))
+    assert e.value.step == 1 and isinstance(e.value.__cause__, OSError)
 
 
 def test_validation_fraction_0_means_no_evaluation(tmp_path, monkeypatch):

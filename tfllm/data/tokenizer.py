@@ -255,6 +255,23 @@ def from_file(path: str) -> Tokenizer:
                         "give a .model file or a keras-hub preset directory.") from None
 
 
+def run_tokenizer_path(workdir: str) -> str:
+    """Where a run keeps its trained SentencePiece model: WORKDIR/tokenizer/tokenizer.model."""
+    return os.path.join(workdir, "tokenizer", "tokenizer.model")
+
+
+def save_to_run(tokenizer: Tokenizer, config, workdir: str) -> Optional[str]:
+    """Writes a trained SentencePiece tokenizer (data.tokenizer=sentencepiece) into the
+    workdir, where `load_tokenizer` finds it when the run resumes; returns the path, or
+    None for the other kinds (byte needs no file; file stays at data.tokenizer_path)."""
+    if config.data.tokenizer != "sentencepiece" or not isinstance(tokenizer,
+                                                                   SentencePieceTokenizer):
+        return None
+    path = run_tokenizer_path(workdir)
+    _write_atomic(path, tokenizer.proto)
+    return path
+
+
 def load_tokenizer(config, workdir: Optional[str] = None,
                    training_texts: Optional[Callable[[], Iterable[str]]] = None,
                    log: Callable[[str], None] = lambda msg: None) -> Tokenizer:
@@ -277,10 +294,17 @@ def load_tokenizer(config, workdir: Optional[str] = None,
     if data.tokenizer == "file":
         return _check_vocab(from_file(data.tokenizer_path), vocab,
                             f"data.tokenizer_path={data.tokenizer_path}")
-    run_path = os.path.join(workdir, "tokenizer", "tokenizer.model") if workdir else None
+    run_path = run_tokenizer_path(workdir) if workdir else None
     if run_path and os.path.exists(run_path):
-        with open(run_path, "rb") as f:
-            return _check_vocab(SentencePieceTokenizer(f.read(), run_path), vocab, run_path)
+        try:
+            with open(run_path, "rb") as f:
+                tokenizer = SentencePieceTokenizer(f.read(), run_path)
+        except (RuntimeError, OSError) as e:
+            detail = str(e).splitlines()[0] if str(e) else type(e).__name__
+            raise DataError(f"{run_path}: not a readable SentencePiece model ({detail}); put "
+                            "the run's own tokenizer back (a resumed run refuses another "
+                            "one).") from None
+        return _check_vocab(tokenizer, vocab, run_path)
     if training_texts is None:
         from tfllm.data.sources import iterate_documents
         training_texts = lambda: iterate_documents(config, "train")  # noqa: E731

@@ -21,6 +21,7 @@ import time
 from collections import deque
 
 from tfllm.config import save_config
+from tfllm.data.tokenizer import save_to_run
 from tfllm.config.loader import to_dict
 from tfllm.parallel.coordination import any_client
 from tfllm.parallel.mesh import client_id, num_clients
@@ -90,6 +91,11 @@ def _train(config, workdir, model_cls, out, signals, watchdog: list) -> dict:
     from tfllm.checkpoint import Checkpointer
     t = config.train
     primary = client_id() == 0
+    # Another run, or files tfllm did not write, are refused before anything is written;
+    # bad input (data, tokenizer, what `preflight` checks) fails before the run writes
+    # into its workdir, so a refused run leaves it as it was.
+    state = check_workdir(workdir, config)
+    has_checkpoint, imported = state.has_checkpoint, state.imported
     if not primary:  # other clients log to their own file
         os.makedirs(os.path.join(workdir, "logs"), exist_ok=True)
         out = open(os.path.join(workdir, "logs", f"client_{client_id()}.log"), "a")
@@ -97,22 +103,21 @@ def _train(config, workdir, model_cls, out, signals, watchdog: list) -> dict:
         import tensorflow as tf
         tf.config.experimental.enable_op_determinism()
     ckpt_dir = os.path.join(workdir, "checkpoints")
-    # Another run, or files tfllm did not write, are refused before anything is written.
-    state = check_workdir(workdir, config)
-    has_checkpoint, imported = state.has_checkpoint, state.imported
-    if primary:  # the marker first, before the run (its tokenizer) writes a file there
-        start_run(state, config)
-    # bad data or tokenizer settings fail here
-    run = Run(config, model_cls, workdir, capture_hlo=True)
+    # A new run does not read the workdir's tokenizer (a dead run's is not its own): it
+    # trains one or takes it from the data_dir cache, and saves it below.
+    run = Run(config, model_cls, workdir if has_checkpoint else None, capture_hlo=True)
     signals.reinstall()  # after the mesh: TensorFlow's multi-client start takes SIGTERM
     check_tokenizer(state, run.tokenizer)
     evaluating = preflight(run)  # what would fail after the last step fails before the first
+    if primary:  # the marker first (a dead run's outputs cleared), then the run's files
+        start_run(state, config)
+        if not has_checkpoint:
+            save_to_run(run.tokenizer, config, workdir)
+        save_config(config, workdir)
     checkpointer = Checkpointer(ckpt_dir, run.parallel, config.checkpoint)
     if num_clients() > 1 and t.peer_timeout_s > 0:  # from here a lost peer is reported
         watchdog.append(PeerWatchdog(workdir, client_id(), num_clients(), t.peer_timeout_s,
                                      checkpointer.latest_step).start())
-    if primary:
-        save_config(config, workdir)
 
     start_step, first_step_s = 0, None
     if imported:  # pretrained weights: a new run starts from them at step 0
@@ -207,14 +212,13 @@ def _train(config, workdir, model_cls, out, signals, watchdog: list) -> dict:
                 outputs.record(record, run.model)
                 last = record
             progress.update(number, {**values, **(record or {})}, tps, eta, logged)
-            stop = any_client(signals.requested, number, run.parallel.mesh)
-            if stop or (config.checkpoint.every and number % config.checkpoint.every == 0
-                        and number != t.steps):
+            if any_client(signals.requested, number, run.parallel.mesh):
+                _save_and_stop(checkpointer, run, config, number,
+                               signals.signame or "a signal on another client")
+            if (config.checkpoint.every and number % config.checkpoint.every == 0
+                    and number != t.steps):
                 checkpointer.save(number, run.state_variables(),
                                   _meta(config, number, run.tokenizer), run.data_state_files)
-            if stop:
-                checkpointer.wait()
-                raise Preempted(number, signals.signame or "a signal on another client")
         # The final checkpoint first, committed before anything after the last step
         # (evaluation, plot, sample) can fail.
         if start_step < t.steps or checkpointer.latest_step() != t.steps:
@@ -265,6 +269,18 @@ def _step_or_peer_lost(run, step: int, limit: float, checkpointer) -> dict:
             raise
         raise PeerLost(lost_message(peer, client_id(), step + 1, checkpointer.latest_step(),
                                     "its connection failed in a collective")) from None
+
+
+def _save_and_stop(checkpointer, run, config, step: int, signame: str) -> None:
+    """Saves after a signal, then raises `Preempted` (exit 75: the signal is why the run
+    stops), chained to the save's error when the save failed, so the command can say so."""
+    try:
+        checkpointer.save(step, run.state_variables(), _meta(config, step, run.tokenizer),
+                          run.data_state_files)
+        checkpointer.wait()
+    except Exception as e:  # noqa: BLE001  (a full disk, a permission, a failed client)
+        raise Preempted(step, signame) from e
+    raise Preempted(step, signame)
 
 
 def _meta(config, step: int, tokenizer) -> dict:

@@ -7,8 +7,9 @@ data, optimizer, precision, batch and seed) equal those saved in the checkpoint 
 it trained with (its fingerprint is saved in every checkpoint); the mesh, the number of
 steps, logging, evaluation and checkpoint cadence may change between resumes.
 
-tfllm never deletes a file it did not write. Every run first writes a marker, `.tfllm-run`
-(a small JSON file: who started the run, where and when). A workdir without a checkpoint
+tfllm never deletes a file it did not write. Once its input is checked, every run writes
+a marker, `.tfllm-run` (a small JSON file: who started the run, where and when), before
+any other file. A workdir without a checkpoint
 is used only when it is empty, or holds nothing but a dead tfllm run: the marker and
 tfllm's own outputs (metrics, TensorBoard, plot, config, tokenizer, cost report, leftovers
 of their atomic writes). Those outputs are cleared and the run starts afresh. Anything
@@ -286,9 +287,9 @@ def _check_reusable(workdir: str) -> bool:
 
 # ---- starting a run ------------------------------------------------------------------------
 def start_run(state: WorkdirState, config) -> None:
-    """Client 0, after `check_workdir` and before the run writes anything: clears a dead
-    run's outputs (only the names tfllm writes) and writes the marker, the workdir's
-    first file (a resumed run's workdir gets one too when it has none).
+    """Client 0, once the run's input is checked and before it writes anything there:
+    clears a dead run's outputs (only the names tfllm writes) and writes the marker, the
+    workdir's first file (a resumed run's workdir gets one too when it has none).
 
     Args:
       state: `check_workdir`'s result.
