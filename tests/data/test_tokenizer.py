@@ -82,6 +82,26 @@ def test_tokenizer_file_and_its_errors(tmp_path, tiny_proto):
         tok.load_tokenizer(cfg)
 
 
+def test_a_broken_tokenizer_file_or_folder_is_one_line(tmp_path):
+    cfg = text_config(tmp_path)
+    run_model = tmp_path / "run" / "tokenizer" / "tokenizer.model"
+    run_model.parent.mkdir(parents=True)
+    run_model.write_bytes(b"not a sentencepiece model")
+    cfg.data.tokenizer = "sentencepiece"
+    with pytest.raises(DataError) as e:  # the run's own (WORKDIR) tokenizer
+        tok.load_tokenizer(cfg, str(tmp_path / "run"))
+    assert str(e.value).startswith(f"{run_model}: not a readable SentencePiece model")
+    assert "\n" not in str(e.value)
+    (tmp_path / "folder").mkdir()
+    (tmp_path / "folder" / "readme.txt").write_text("not a preset")
+    cfg.data.tokenizer, cfg.data.tokenizer_path = "file", str(tmp_path / "folder")
+    with pytest.raises(DataError) as e:
+        tok.load_tokenizer(cfg)
+    assert str(e.value).startswith(f"data.tokenizer_path={tmp_path / 'folder'}: keras-hub "
+                                   "cannot load a tokenizer")
+    assert "\n" not in str(e.value)
+
+
 def test_unigram_cross_entropy_of_uniform_data():
     uniform = [list(range(8)) * 10]
     assert unigram_cross_entropy(uniform, uniform, 8) == pytest.approx(np.log(8))

@@ -127,7 +127,10 @@ class KerasHubTokenizer(Tokenizer):
     """
 
     def __init__(self, path: str):
-        self._hub = load_keras_hub_tokenizer(path)
+        try:
+            self._hub = load_keras_hub_tokenizer(path)
+        except DataError as e:  # name the setting, as the other tokenizer errors do
+            raise DataError(f"data.tokenizer_path={e}") from None
         self._fingerprint = "keras-hub:" + _sha256_of_folder(path)
         eod = getattr(self._hub, "end_token_id", None)
         if eod is None:
