@@ -11,7 +11,9 @@ import traceback
 from typing import Optional
 
 import tfllm  # noqa: F401  (sets KERAS_BACKEND before keras is imported)
-from tfllm.exit_codes import BAD_INPUT_EXIT_CODE, IO_ERROR_EXIT_CODE, InputError, io_failure
+from tfllm.exit_codes import (BAD_INPUT_EXIT_CODE, HARD_STOP_EXIT_CODE, IO_ERROR_EXIT_CODE,
+                              NONFINITE_EXIT_CODE, PEER_LOST_EXIT_CODE, PREEMPTED_EXIT_CODE,
+                              InputError, io_failure)
 
 
 class _Parser(argparse.ArgumentParser):
@@ -84,8 +86,7 @@ def _persist_compiles(config, workdir) -> None:
 def cmd_train(args) -> int:
     from tfllm.train.loop import train
     from tfllm.parallel.watchdog import PeerLost
-    from tfllm.train.preemption import (NONFINITE_EXIT_CODE, PEER_LOST_EXIT_CODE,
-                                        PREEMPTED_EXIT_CODE, NonFiniteError, Preempted)
+    from tfllm.train.preemption import NonFiniteError, Preempted
     from tfllm.train.workdir import check_workdir
     config = _load_for_workdir(args)
     check_workdir(args.workdir, config)  # a refused workdir gets no XLA cache folder either
@@ -235,7 +236,7 @@ def cmd_doctor(args) -> int:
                                 config.mesh.device_type)
     for f in findings:
         print(f"{f.level}: {f.message}")
-    return 2 if gpu_checks.first_error(findings) else 0
+    return BAD_INPUT_EXIT_CODE if gpu_checks.first_error(findings) else 0
 
 
 def cmd_plan(args) -> int:
@@ -246,7 +247,7 @@ def cmd_plan(args) -> int:
         result = plan(config, args.target, args.layers, args.devices, args.collectives)
     except (PlanError, MeasureError) as e:
         print(f"tfllm plan: error: {e}", file=sys.stderr)
-        return 2
+        return BAD_INPUT_EXIT_CODE
     print(json.dumps(result) if args.json else format_plan(result))
     return 0
 
@@ -421,7 +422,7 @@ def main(argv=None) -> int:
         return args.fn(args)
     except KeyboardInterrupt:  # Ctrl-C outside training (which saves and exits 75)
         print(f"tfllm {args.command}: interrupted", file=sys.stderr)
-        return 130
+        return HARD_STOP_EXIT_CODE
     except Exception as error:
         failure = _failure(error, args)
         if failure is None:

@@ -19,10 +19,11 @@ import sys
 from dataclasses import dataclass, field
 from typing import List, Optional
 
+from tfllm.exit_codes import BAD_INPUT_EXIT_CODE
 from tfllm.launch import device as dev
 from tfllm.launch import supervisor as sup
 from tfllm.launch import topology as topo
-from tfllm.launch.topology import EXIT_USAGE, LaunchError
+from tfllm.launch.topology import LaunchError
 
 #: makes TensorFlow's gRPC server bind with SO_REUSEPORT (tensorflow/core/
 #: distributed_runtime/rpc/grpc_server_lib.cc): it may then share a port the launcher holds
@@ -427,7 +428,7 @@ def main(argv: Optional[List[str]] = None, prog: str = "tfllm launch") -> int:
     def fail(message: str) -> int:
         print(f"{prog}: error: {message}\nRun '{prog} --help' for the options.",
               file=sys.stderr, flush=True)
-        return EXIT_USAGE
+        return BAD_INPUT_EXIT_CODE  # bad arguments or environment: nothing was started
 
     try:
         opts = parse(argv)

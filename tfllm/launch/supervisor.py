@@ -23,12 +23,10 @@ import time
 from dataclasses import dataclass
 from typing import Callable, Dict, Optional, Sequence
 
-from tfllm.exit_codes import BAD_INPUT_EXIT_CODE, IO_ERROR_EXIT_CODE
+from tfllm.exit_codes import (BAD_INPUT_EXIT_CODE, IO_ERROR_EXIT_CODE, PEER_LOST_EXIT_CODE,
+                              PREEMPTED_EXIT_CODE, STARTUP_TIMEOUT_EXIT_CODE)
 from tfllm.launch.topology import READY_LINE, WorkerSpec
-from tfllm.train.preemption import PEER_LOST_EXIT_CODE, PREEMPTED_EXIT_CODE
 
-#: exit code when no worker became ready within the startup timeout
-EXIT_STARTUP_TIMEOUT = 124
 _POLL_S = 0.2
 #: how long a lost-peer exit (76) waits for the rank that really failed to show
 _CAUSE_GRACE_S = 2.0
@@ -180,7 +178,7 @@ class Supervisor:
                          "reaches the DTENSOR_JOBS ports; raise --startup-timeout for slow "
                          "starts.")
                 self.stop_all()
-                return EXIT_STARTUP_TIMEOUT
+                return STARTUP_TIMEOUT_EXIT_CODE
             time.sleep(_POLL_S)
 
     def _sweep(self):

@@ -19,8 +19,6 @@ from typing import Callable, Dict, List, Mapping, Optional, Sequence
 
 from tfllm.launch.device import DEVICE_ENV, NCCL_ENV, NCCL_PROBE_SH, resolve_device_env
 
-#: exit code of bad arguments or environment (nothing was started)
-EXIT_USAGE = 2
 #: default first port when ports are not picked free on this host
 DEFAULT_PORT = 9991
 #: variables passed to remote workers in hostfile mode unless --export says otherwise

@@ -3,7 +3,8 @@
 Clusters announce preemption with SIGTERM (SLURM, Kubernetes) and users press Ctrl-C.
 The first signal only sets a flag; the loop checks it at each step boundary (after the
 first compilation, after an evaluation), saves a checkpoint and exits with
-`PREEMPTED_EXIT_CODE`. A second signal stops at once without saving (exit 130).
+`PREEMPTED_EXIT_CODE` (75). A second signal stops at once without saving (exit 130). The
+codes live in `tfllm.exit_codes`.
 """
 
 from __future__ import annotations
@@ -11,18 +12,12 @@ from __future__ import annotations
 import os
 import signal
 
-#: exit code of a run stopped by a signal after saving (EX_TEMPFAIL: "try again")
-PREEMPTED_EXIT_CODE = 75
-#: exit code of a run whose loss or gradient norm became NaN/Inf (on_nonfinite=abort)
-NONFINITE_EXIT_CODE = 3
-#: exit code of a second signal: stopped at once, nothing saved
-HARD_STOP_EXIT_CODE = 130
-#: exit code of a client whose peer stopped responding (tfllm.parallel.watchdog)
-PEER_LOST_EXIT_CODE = 76
+from tfllm.exit_codes import HARD_STOP_EXIT_CODE
 
 
 class Preempted(Exception):
-    """The run saved its state after a signal and should exit `PREEMPTED_EXIT_CODE`."""
+    """The run saved its state after a signal and should exit `PREEMPTED_EXIT_CODE`
+    (tfllm.exit_codes)."""
 
     def __init__(self, step: int, signame: str):
         super().__init__(f"stopped by {signame} after step {step}; the checkpoint of step "
