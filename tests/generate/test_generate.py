@@ -22,10 +22,10 @@ NEW = 12
 
 
 @functools.lru_cache(maxsize=None)
-def generator(family, axes=None):
+def generator(family, axes=None, jit_compile=True):
     cfg = load_config(None, tiny_overrides(family, axes or "data=1", **INIT))
     parallel = make_parallel(cfg) if axes else None
-    return Generator(build_model(cfg, parallel), parallel)
+    return Generator(build_model(cfg, parallel), parallel, jit_compile=jit_compile)
 
 
 @pytest.mark.parametrize("family", ["gpt", "llama"])
@@ -80,17 +80,42 @@ def test_bad_requests_name_the_limit():
         gen.generate([1], 2, temperature=1.0, top_p=0.0)
 
 
+# Uncompiled, as CPU meshes decode by default (the loop in one call); compiled decoding
+# on a mesh (GPU meshes) is tested below on 2 devices: it compiles its programs once per
+# device, which on 8 logical CPU devices took minutes.
 @pytest.mark.parametrize("family, axes", [("llama", "data=2,model=4"), ("gpt", "fsdp=8"),
                                           ("llama", "data=2,fsdp=4")])
 def test_sharded_model_generates_the_same_tokens(family, axes):
     # build_model gives bit-identical weights on every mesh; one prompt (batch 1) is
     # padded to the batch axis' size, three prompts to the next multiple.
-    sharded, single = generator(family, axes), generator(family)
+    sharded, single = generator(family, axes, False), generator(family)
     assert sharded.generate(PROMPTS[0], NEW) == single.generate(PROMPTS[0], NEW)
     prompts = PROMPTS + [[9]]
     assert sharded.generate(prompts, NEW) == single.generate(prompts, NEW)
     kw = dict(temperature=1.0, top_k=30, top_p=0.95, seed=5)
     assert sharded.generate(prompts, NEW, **kw) == single.generate(prompts, NEW, **kw)
+
+
+def test_compiled_decoding_on_a_mesh_runs_every_token_inside_xla():
+    # DTensor leaves a tf.while_loop outside XLA (its executed graph was Enter/Merge/
+    # Switch around plain Einsums), so compiled decoding on a mesh calls one compiled
+    # step per token: its executed graphs are XLA clusters with no matmul, norm or
+    # softmax outside, and the tokens are the single device's, greedy and sampled.
+    from tfllm.train.tf_internal import collect_executed_graphs
+    from tfllm.train.xla import report_from_graphs
+    gen, single = generator("llama", "model=2"), generator("llama")
+    with collect_executed_graphs() as graphs:
+        tokens = gen.generate(PROMPTS, NEW)
+    executed = graphs()
+    report = report_from_graphs(executed, marked_ops=1)
+    assert report.clusters >= 2 and not report.core_outside(), report.outside
+    assert not {"Enter", "Merge", "While"} & {n.op for g in executed for n in g.node}
+    assert tokens == single.generate(PROMPTS, NEW)
+    kw = dict(temperature=1.0, top_k=30, top_p=0.95, seed=5)
+    assert gen.generate(PROMPTS, NEW, **kw) == single.generate(PROMPTS, NEW, **kw)
+    # A stop at eos inside a check interval: the rows end where the loop's rows end.
+    eos = tokens[0][3]
+    assert gen.generate(PROMPTS, NEW, eos_id=eos) == single.generate(PROMPTS, NEW, eos_id=eos)
 
 
 def test_dtensor_function_name_clash_is_retraced_once_more_and_nothing_else():

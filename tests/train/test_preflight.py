@@ -53,7 +53,7 @@ class _StepWithoutCompute:
     def __getattr__(self, name):  # placement, the skipped-step counter
         return getattr(self._step, name)
 
-    def __call__(self, batch, loss_limit=None):
+    def __call__(self, batch, loss_limit=None, fetch=True):
         if self.on_call is not None:
             self.on_call()
         return {"loss": 1.0, "grad_norm": 1.0, "learning_rate": 0.0, "skipped_steps": 0,
@@ -212,3 +212,64 @@ def test_the_hash_split_of_the_test_corpus_holds_out_none_at_0_001(tmp_path):
     from tfllm.data.sources import documents
     cfg = _text_config(tmp_path, **{"data.validation_fraction": 0.001})
     assert list(documents(cfg, "validation").as_numpy_iterator()) == []
+
+
+class _DeviceValue:
+    """A metric left on the device by a step (`fetch=False`): `loop.to_numpy` is spied on
+    to see when the loop fetches it."""
+
+    def __init__(self, step, value):
+        self.step, self.value = step, value
+
+
+def _steps_with_lazy_metrics(monkeypatch, nan_at=None):
+    from tfllm.train import loop
+    ran, fetches = [], []
+
+    def on_call():
+        ran.append(len(ran) + 1)
+
+    _without_compute(monkeypatch, on_call=on_call)
+    real_call = _StepWithoutCompute.__call__
+
+    def lazy(self, batch, loss_limit=None, fetch=True):
+        values = real_call(self, batch, loss_limit)
+        step = ran[-1]
+        if step == nan_at:
+            values["loss"] = float("nan")
+        assert not fetch  # the loop asks for device tensors, and fetches them itself
+        return {k: _DeviceValue(step, v) for k, v in values.items()}
+
+    def to_numpy(x):
+        fetches.append((len(ran), x.step))  # (steps run so far, the step of the value)
+        return x.value
+
+    monkeypatch.setattr(_StepWithoutCompute, "__call__", lazy)
+    monkeypatch.setattr(loop, "to_numpy", to_numpy)
+    return fetches
+
+
+def test_metrics_are_fetched_only_at_logged_steps(tmp_path, monkeypatch):
+    # Fetching every step's metrics made the host wait for each step before preparing
+    # the next batch: they stay on the devices until a logged step (here every 5th, the
+    # first and the last) reads all those since the previous one, in order.
+    cfg = _text_config(tmp_path, **{"train.steps": 12, "train.log_every": 5,
+                                    "data.validation_fraction": 0})
+    fetches = _steps_with_lazy_metrics(monkeypatch)
+    train(cfg, str(tmp_path / "run"))
+    assert sorted({at for at, _ in fetches}) == [1, 5, 10, 12]
+    assert sorted({step for _, step in fetches}) == list(range(1, 13))  # each one, once
+    assert len(fetches) == 12 * 5  # five metrics per step
+
+
+def test_a_non_finite_loss_between_logged_steps_still_aborts_naming_its_step(tmp_path,
+                                                                             monkeypatch):
+    from tfllm.train.preemption import NonFiniteError
+    cfg = _text_config(tmp_path, **{"train.steps": 12, "train.log_every": 5,
+                                    "data.validation_fraction": 0, "checkpoint.every": 8})
+    fetches = _steps_with_lazy_metrics(monkeypatch, nan_at=7)
+    with pytest.raises(NonFiniteError, match="step 7: loss nan"):
+        train(cfg, str(tmp_path / "run"))
+    # Found at the save of step 8 (a save fetches first): nothing after it was saved.
+    assert max(at for at, _ in fetches) == 8
+    assert not os.path.exists(tmp_path / "run" / "checkpoints" / "step_00000008")

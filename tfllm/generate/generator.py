@@ -4,7 +4,9 @@ A request's prompts are left-padded to one length P, so that every row writes it
 next token into the same cache slot; each row's first real slot is its position 0 and
 the slots before it are masked out. One compiled call prefills the whole prompt and
 picks the first token; a second compiled call runs the rest in a `tf.while_loop` over
-a fixed-size cache of P + max_new_tokens slots.
+a fixed-size cache of P + max_new_tokens slots. On a mesh, where DTensor leaves a loop
+outside XLA, a compiled one-token step is called per token instead
+(`Generator._decode_stepwise`).
 
 On a mesh the batch dimension is sharded over the batch mesh axis (data, else fsdp),
 which must divide it: a request with fewer rows (one prompt on data=2) is padded with
@@ -51,6 +53,10 @@ class Generator:
                              parallel is not None)
         self._prefill = compiled(self._prefill_fn)
         self._decode = compiled(self._decode_fn)
+        self._token_step = compiled(self._token_step_fn)
+        # On a mesh DTensor leaves a while loop outside XLA: compiled decoding goes token
+        # by token. Without compilation (CPU meshes by default) the loop is faster.
+        self._stepwise = parallel is not None and jit_compile
         self._reference_step = compiled(self._reference_step_fn)
         #: seconds and token counts of the last `generate` call (prefill, decode)
         self.last_timing = {}
@@ -82,10 +88,14 @@ class Generator:
         first, cache = self._prefill(tokens, start, options["scalars"], **options["static"])
         first_np = self._to_numpy(first)  # waits for the prefill, for the timing
         prefilled = time.perf_counter()
-        out = self._decode(first, cache, start, options["scalars"],
-                           prompt_length=int(tokens.shape[1]), max_new_tokens=max_new_tokens,
-                           **options["static"])
-        out = self._to_numpy(out)
+        if not self._stepwise:  # one XLA program (or plain TF ops), the loop included
+            out = self._decode(first, cache, start, options["scalars"],
+                               prompt_length=int(tokens.shape[1]),
+                               max_new_tokens=max_new_tokens, **options["static"])
+            out = self._to_numpy(out)
+        else:
+            out = self._decode_stepwise(first, cache, start, options, int(tokens.shape[1]),
+                                        max_new_tokens)
         done = time.perf_counter()
         assert (out[:, 0] == first_np).all()
         self.last_timing = {"prefill_s": prefilled - started, "decode_s": done - prefilled,
@@ -119,6 +129,36 @@ class Generator:
                                          **options["static"])
             buffer[:, length + step] = self._to_numpy(token)
         return _finish(buffer[:rows, length:], eos_id, single)
+
+    def _decode_stepwise(self, first, cache, start, options, prompt_length: int,
+                         max_new_tokens: int) -> np.ndarray:
+        """The decode loop on a mesh: one compiled token step called from Python.
+
+        DTensor (TF 2.21) expands a `tf.while_loop` into TensorFlow's own control flow
+        and XLA clusters none of it: the whole loop ran op by op (the executed graph held
+        Enter/Merge/Switch and every Einsum outside XLA). The token step is XLA clusters
+        on every device. The cache goes in and out of each step as it goes around the
+        loop (`write_cache` rewrites it with a select either way). Tokens stay on the
+        devices; the host looks at them only every `_STOP_CHECK` tokens (to stop once
+        every row has emitted eos) and at the end.
+        """
+        scalars = options["scalars"]
+        token = first
+        done = self._put(np.zeros((first.shape[0],), np.bool_), _BATCH)
+        tokens = [first]
+        for step in range(1, max_new_tokens):
+            token, done, cache = self._token_step(token, done, cache, start,
+                                                  self._put(np.int32(step), ()), scalars,
+                                                  prompt_length=prompt_length)
+            tokens.append(token)
+            if step % _STOP_CHECK == 0 and step + 1 < max_new_tokens:
+                eos = int(self._to_numpy(scalars["eos_id"]))
+                if np.all(self._to_numpy(done) | (self._to_numpy(token) == eos)):
+                    break  # every row finished: the remaining columns stay 0 (unread)
+        out = np.zeros((first.shape[0], max_new_tokens), np.int32)
+        for column, t in enumerate(tokens):
+            out[:, column] = self._to_numpy(t)
+        return out
 
     # ---- compiled parts ------------------------------------------------------------------
     def _prefill_fn(self, tokens, start, scalars, cache_length):
@@ -164,6 +204,16 @@ class Generator:
             # the whole fix (see `_sample`), but they keep loop functions apart.
             name = "decode_" + _letters(next(_LOOP_IDS))
             return tf.while_loop(more, one_token, state, name=name)[3]
+
+    def _token_step_fn(self, token, done, cache, start, step, scalars, prompt_length):
+        with context.use(self.parallel):
+            done = tf.logical_or(done, tf.equal(token, scalars["eos_id"]))
+            # Token `step - 1` goes into slot P + step - 1; its logits give `step`.
+            logits, cache = self.model.call_with_cache(
+                tf.expand_dims(token, 1), cache, prompt_length + step - 1, start)  # (B, 1, V)
+            token = self._sample(logits[:, 0], step, scalars)
+            token = tf.where(done, scalars["eos_id"], token)  # finished rows repeat eos
+            return token, context.constrain(done, _BATCH, "done"), cache
 
     def _reference_step_fn(self, buffer, segment_ids, position, step, scalars,
                            cache_length):
@@ -288,6 +338,8 @@ class _Retraced:
 
 
 _RETRACES = 3
+#: tokens between the host's looks at whether every row has finished (mesh decoding)
+_STOP_CHECK = 8
 
 
 def _letters(number: int) -> str:

@@ -13,6 +13,7 @@ under `train.on_nonfinite=abort`.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -25,6 +26,7 @@ from tfllm.data.tokenizer import save_to_run
 from tfllm.config.loader import to_dict
 from tfllm.parallel.coordination import any_client
 from tfllm.parallel.mesh import client_id, num_clients
+from tfllm.parallel.placement import to_numpy
 from tfllm.parallel.watchdog import PeerLost, PeerWatchdog, lost_message, peer_from_error
 from tfllm.precision import describe
 from tfllm.train import hlo_dump
@@ -163,17 +165,32 @@ def _train(config, workdir, model_cls, out, signals, watchdog: list) -> dict:
 
     last, recent = {}, deque(maxlen=t.loss_spike_window)
     throughput, first_step_s = Throughput(), None
+    # Step metrics stay on the devices until a step needs them on the host (a logged,
+    # evaluated or saved step, a stop, the spike guard): fetching them after every step
+    # made the host wait for each step before preparing the next batch.
+    pending, shown = [], {}
     start = time.perf_counter()
     try:
         for step in range(start_step, t.steps):
+            number = step + 1
             limit = float("inf")
             if t.loss_spike_factor > 0 and len(recent) == recent.maxlen:
                 limit = t.loss_spike_factor * sum(recent) / len(recent)
+            logged = number % t.log_every == 0 or number == t.steps or number == 1
+            evaluate_now = (evaluating and t.eval_every and number % t.eval_every == 0
+                            and number != t.steps)
+            save_now = (config.checkpoint.every and number % config.checkpoint.every == 0
+                        and number != t.steps)
             began = time.perf_counter()
             for w in watchdog:
-                w.step = step + 1  # the step this client waits in, for the message
-            values = _step_or_peer_lost(run, step, limit, checkpointer)
-            number = step + 1
+                w.step = number  # the step this client waits in, for the message
+            pending.append((number, _step_or_peer_lost(run, step, limit, checkpointer)))
+            stop = any_client(signals.requested, number, run.parallel.mesh)
+            values = None
+            if (logged or evaluate_now or save_now or stop or first_step_s is None
+                    or t.loss_spike_factor > 0 or number == t.steps):
+                values = _read_metrics(pending, run, t, recent, checkpointer)
+                shown = values
             now = time.perf_counter()
             if first_step_s is None:  # the first step includes compilation: not timed
                 first_step_s = now - start
@@ -182,19 +199,6 @@ def _train(config, workdir, model_cls, out, signals, watchdog: list) -> dict:
                 _report_costs(run, workdir, primary, progress)
             else:
                 throughput.add_step(now - began, tokens_per_step)
-            # Under fp16 an overflowing gradient is the loss scale's business: the
-            # step is skipped and the scale halved; only a non-finite loss aborts.
-            finite = math.isfinite(values["loss"]) and (
-                math.isfinite(values["grad_norm"]) or run.loss_scale is not None)
-            if not finite and t.on_nonfinite == "abort":
-                raise NonFiniteError(
-                    f"step {number}: loss {values['loss']} / grad_norm "
-                    f"{values['grad_norm']} is not finite; the update was not applied and "
-                    "the last good checkpoint stays the latest. Lower "
-                    "optimizer.learning_rate, or set train.on_nonfinite=skip.")
-            if values["step_ok"]:
-                recent.append(values["loss"])
-            logged = number % t.log_every == 0 or number == t.steps or number == 1
             # tokens/s of the steps since the last logged one (pauses excluded)
             tps = throughput.close_interval() if logged else throughput.rate()
             eta = (t.steps - number) * tokens_per_step / tps if tps else 0.0
@@ -204,19 +208,17 @@ def _train(config, workdir, model_cls, out, signals, watchdog: list) -> dict:
                 record = {"step": number, **{k: v for k, v in values.items()
                                              if k != "step_ok"},
                           "tokens_per_s": tps, "mfu": mfu or 0.0}
-            if (evaluating and t.eval_every and number % t.eval_every == 0
-                    and number != t.steps):
+            if evaluate_now:
                 record = record or {"step": number}
                 record.update(run.evaluate())
             if record is not None:
                 outputs.record(record, run.model)
                 last = record
-            progress.update(number, {**values, **(record or {})}, tps, eta, logged)
-            if any_client(signals.requested, number, run.parallel.mesh):
+            progress.update(number, {**shown, **(record or {})}, tps, eta, logged)
+            if stop:
                 _save_and_stop(checkpointer, run, config, number,
                                signals.signame or "a signal on another client")
-            if (config.checkpoint.every and number % config.checkpoint.every == 0
-                    and number != t.steps):
+            if save_now:
                 checkpointer.save(number, run.state_variables(),
                                   _meta(config, number, run.tokenizer), run.data_state_files)
         # The final checkpoint first, committed before anything after the last step
@@ -259,16 +261,51 @@ def _report_costs(run, workdir: str, primary: bool, progress) -> None:
 
 
 def _step_or_peer_lost(run, step: int, limit: float, checkpointer) -> dict:
-    """One train step; a collective aborted by a lost peer becomes `PeerLost` (one line)."""
+    """One train step, its metrics left on the devices; a collective aborted by a lost
+    peer becomes `PeerLost` (one line)."""
+    with _peer_lost_as_one_line(step + 1, checkpointer):
+        return run.step(run.batch(step), loss_limit=limit, fetch=False)
+
+
+@contextlib.contextmanager
+def _peer_lost_as_one_line(number: int, checkpointer):
     import tensorflow as tf
     try:
-        return run.step(run.batch(step), loss_limit=limit)
+        yield
     except tf.errors.OpError as e:
         peer = peer_from_error(str(e.message), client_id()) if num_clients() > 1 else None
         if peer is None:
             raise
-        raise PeerLost(lost_message(peer, client_id(), step + 1, checkpointer.latest_step(),
+        raise PeerLost(lost_message(peer, client_id(), number, checkpointer.latest_step(),
                                     "its connection failed in a collective")) from None
+
+
+def _read_metrics(pending: list, run, t, recent, checkpointer) -> dict:
+    """Fetches the metrics of the steps run since the last fetch and returns the newest.
+
+    Each fetched step is checked in order: a non-finite loss (or gradient norm, outside
+    float16's loss scaling) with train.on_nonfinite=abort raises `NonFiniteError` naming
+    that step. Its update was skipped on the devices, and nothing after it is saved: a
+    save always fetches first. Losses of applied steps feed the spike guard's window.
+    """
+    values = {}
+    with _peer_lost_as_one_line(pending[-1][0], checkpointer):
+        fetched = [(n, {k: float(to_numpy(v)) for k, v in out.items()}) for n, out in pending]
+    pending.clear()
+    for number, values in fetched:
+        # Under fp16 an overflowing gradient is the loss scale's business: the step is
+        # skipped and the scale halved; only a non-finite loss aborts.
+        finite = math.isfinite(values["loss"]) and (
+            math.isfinite(values["grad_norm"]) or run.loss_scale is not None)
+        if not finite and t.on_nonfinite == "abort":
+            raise NonFiniteError(
+                f"step {number}: loss {values['loss']} / grad_norm "
+                f"{values['grad_norm']} is not finite; the update was not applied and "
+                "the last good checkpoint stays the latest. Lower "
+                "optimizer.learning_rate, or set train.on_nonfinite=skip.")
+        if values["step_ok"]:
+            recent.append(values["loss"])
+    return values
 
 
 def _save_and_stop(checkpointer, run, config, step: int, signame: str) -> None:

@@ -195,15 +195,19 @@ class TrainStep:
             return tf.constant(limit)
         return self.parallel.shard_array(np.asarray(limit), ())
 
-    def __call__(self, tokens, loss_limit: float = float("inf")) -> dict:
-        """Runs one optimizer step on device tokens; returns numpy float metrics.
+    def __call__(self, tokens, loss_limit: float = float("inf"), fetch: bool = True) -> dict:
+        """Runs one optimizer step on device tokens; returns its metrics.
 
         Args:
           tokens: micro-batches from `to_device` / `from_local`.
           loss_limit: skip the update when the loss exceeds this (the spike guard).
+          fetch: return Python floats (waits for the step); False returns the device
+            tensors at once, so the host can prepare the next step while this one runs.
         """
         args = (tokens, self.loss_limit_input(loss_limit))
         out = self._step(*args) if self._called else self._first_call(args)
+        if not fetch:
+            return dict(out)
         return {k: float(to_numpy(v)) for k, v in out.items()}
 
     def _first_call(self, args):
