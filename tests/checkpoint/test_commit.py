@@ -1,15 +1,19 @@
 """Atomic commit, cleanup, max_to_keep, corruption detection and fallback."""
 
+import errno
 import json
 import os
 import shutil
+import threading
 
 import numpy as np
 import pytest
 import tensorflow as tf
 
 from tfllm.checkpoint import Checkpointer, CheckpointError, cleanup, latest, verify
+from tfllm.checkpoint import checkpointer, storage
 from tfllm.config.schema import CheckpointConfig
+from tfllm.exit_codes import io_failure
 
 
 def _vars(value=0.0):
@@ -124,3 +128,45 @@ def test_bad_client_file_names_and_metadata_are_rejected(tmp_path):
         ckpt.save(1, _vars(), client_files={"../x": b""})
     with pytest.raises(CheckpointError, match="leave 'step' out"):
         ckpt.save(1, _vars(), metadata={"step": 2})
+
+
+@pytest.mark.parametrize("failure, io", [
+    (OSError(errno.ENOSPC, "No space left on device", "manifest.json"), True),
+    (OSError(errno.EACCES, "Permission denied", "manifest.json"), True),
+    (CheckpointError("timed out waiting for the done.* tokens"), False),
+])
+def test_the_waiting_clients_fail_as_client_0_does(tmp_path, monkeypatch, failure, io):
+    """Client 0's commit fails: client 1, waiting for it, fails at once with an error the
+    command maps to the same exit code (74 for a failed storage, else 2)."""
+    monkeypatch.setattr(checkpointer, "agree_nonce", lambda mesh, n: "0badc0de")
+
+    def commit(*args, **kwargs):
+        raise failure
+    monkeypatch.setattr(storage, "commit", commit)
+    errors = {}
+
+    def save(client):
+        try:
+            Checkpointer(str(tmp_path), client_id=client, num_clients=2,
+                         barrier_timeout_s=60).save(1, _vars(1.0))
+        except CheckpointError as e:
+            errors[client] = e
+    other = threading.Thread(target=save, args=(1,))
+    other.start()
+    save(0)
+    other.join(timeout=60)
+    assert sorted(errors) == [0, 1]
+    assert [io_failure(errors[c]) is not None for c in (0, 1)] == [io, io]
+    assert "client 0 failed to commit step 1" in str(errors[1])
+    assert str(failure) in str(errors[1])
+    if io:
+        assert io_failure(errors[1]).errno == failure.errno
+    assert latest(str(tmp_path)) is None
+
+
+def test_a_failure_marker_without_its_text_still_says_the_storage_failed(tmp_path):
+    # A full disk may let the marker be created but not written.
+    (tmp_path / storage.FAILED_IO).write_text("")
+    with pytest.raises(CheckpointError, match="no details were written") as caught:
+        storage.wait_committed(str(tmp_path), str(tmp_path), 1, "0badc0de", timeout_s=5)
+    assert io_failure(caught.value).errno == errno.EIO

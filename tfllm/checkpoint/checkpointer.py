@@ -18,6 +18,7 @@ from tfllm.checkpoint import storage
 from tfllm.checkpoint.reader import Reader
 from tfllm.checkpoint.shards import CheckpointError, owned_blocks, tf_variable
 from tfllm.confined import relative_name
+from tfllm.exit_codes import io_failure
 
 log = logging.getLogger("tfllm.checkpoint")
 
@@ -170,11 +171,8 @@ class Checkpointer:
                                        self.barrier_timeout_s)
         except BaseException as e:
             if self.client_id == 0 and os.path.isdir(tmp):
-                try:  # tell the waiting clients at once instead of at their timeout
-                    with open(os.path.join(tmp, "FAILED"), "w") as f:
-                        f.write(repr(e))
-                except OSError:
-                    pass
+                # the waiting clients learn it at once, and fail as this one does
+                storage.mark_failed(tmp, e, io_failure(e))
             if isinstance(e, OSError):  # full disk, quota, permissions: the command's
                 # I/O exit code (tfllm.exit_codes), which finds this OSError as the cause
                 raise CheckpointError(f"saving the checkpoint of step {step} failed: {e}; "

@@ -23,10 +23,13 @@ is never mixed in), fsyncs its files, then publishes `done.<client>` by an atomi
 Client 0 waits for all `done.*` (with a timeout), writes metadata.json and manifest.json,
 renames the directory to `DIR/step_00000010/` and writes COMMIT last. Only directories
 holding a COMMIT are ever restored; anything else is garbage that `cleanup` removes.
+When client 0's part fails it leaves `FAILED` in the temporary directory (`FAILED.io` when
+the storage failed), and the others fail at once, as it does (`mark_failed`).
 """
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import os
@@ -41,6 +44,9 @@ from tfllm.checkpoint import signing
 from tfllm.checkpoint.shards import CheckpointError
 
 FORMAT = 1
+#: client 0's sign to the clients waiting for its commit that the save failed; the I/O
+#: name when the storage failed
+FAILED, FAILED_IO = "FAILED", "FAILED.io"
 _COMMITTED = re.compile(r"^step_(\d{8})$")
 _POLL_S = 0.05
 
@@ -186,20 +192,63 @@ def commit(directory: str, tmp: str, step: int, nonce: str, num_clients: int,
 
 
 def wait_committed(directory: str, tmp: str, step: int, nonce: str, timeout_s: float) -> None:
-    """Clients other than 0: return once client 0 committed this very save (same nonce)."""
+    """Clients other than 0: return once client 0 committed this very save (same nonce).
+
+    Raises:
+      CheckpointError: client 0 marked the save failed (`mark_failed`); raised from an
+        OSError when the storage failed, so that every client exits as client 0 does
+        (74, tfllm.exit_codes), or after `timeout_s`.
+    """
     marker = os.path.join(directory, step_name(step), "COMMIT")
-    failed = os.path.join(tmp, "FAILED")
 
     def done():
-        if os.path.exists(failed):
-            raise CheckpointError(f"{failed}: client 0 failed to commit step {step}: "
-                                  f"{open(failed).read()}")
+        _raise_if_failed(tmp, step)
         try:
             with open(marker) as f:
                 return json.load(f).get("nonce") == nonce
         except (OSError, ValueError):
             return False
     wait_for(done, timeout_s, f"client 0 to commit {marker}")
+
+
+def mark_failed(tmp: str, error: BaseException, io_error: Optional[OSError] = None) -> None:
+    """Client 0: tells the clients in `wait_committed` at once (not at their timeout) that
+    the save failed, and whether the storage failed: in the marker's name, which a full
+    disk still lets be created when it refuses the text.
+
+    Args:
+      tmp: the save's temporary directory.
+      error: why the save failed.
+      io_error: the OSError of a failed storage (`tfllm.exit_codes.io_failure`), or None.
+    """
+    record = {"error": str(error) or type(error).__name__}
+    if io_error is not None:
+        record.update(errno=io_error.errno, strerror=io_error.strerror)
+    try:
+        with open(os.path.join(tmp, FAILED_IO if io_error is not None else FAILED), "w") as f:
+            f.write(json.dumps(record))
+    except OSError:
+        pass  # the name may exist without its text; without the name the others time out
+
+
+def _raise_if_failed(tmp: str, step: int) -> None:
+    for name in (FAILED_IO, FAILED):
+        path = os.path.join(tmp, name)
+        if not os.path.exists(path):
+            continue
+        try:
+            with open(path) as f:
+                record = json.load(f)
+        except (OSError, ValueError):  # its text lost to the failing storage
+            record = {}
+        record = record if isinstance(record, dict) else {}
+        error = CheckpointError(f"{path}: client 0 failed to commit step {step}: "
+                                f"{record.get('error', 'no details were written')}")
+        if name == FAILED:
+            raise error
+        code = record.get("errno")
+        code = code if isinstance(code, int) else errno.EIO
+        raise error from OSError(code, record.get("strerror") or os.strerror(code))
 
 
 def committed(directory: str) -> List[Tuple[int, str]]:
