@@ -180,7 +180,7 @@ def test_a_resume_is_compared_with_the_checkpoints_own_config(tmp_path, override
         check_workdir(str(tmp_path), load_config(None, tiny_overrides("gpt") + [override]))
     message = str(e.value)
     assert f"{tmp_path} holds a different run ({key}:" in message and "\n" not in message
-    assert "step_00000002/metadata.json" in message and "which is missing" in message
+    assert "step_00000002/metadata.json" in message and "config.yaml being missing" in message
 
 
 def test_a_resumed_run_deletes_nothing_and_gets_a_marker_if_it_had_none(tmp_path):

@@ -73,14 +73,36 @@ def _load(args):
     return load_config(args.config, args.overrides)
 
 
-def _persist_compiles(config, workdir) -> None:
+def _persist_compiles(args, config, workdir) -> None:
     """train.xla_cache, set as the process starts: TensorFlow parses TF_XLA_FLAGS at its
     first device query, and a library call (a Run inside pytest or a notebook) would only
-    leak the setting into child processes, so only the command sets it."""
+    leak the setting into child processes, so only the command sets it. The folders it
+    creates are kept in `args.created`: a command that fails removes them while they are
+    still empty (`main`), so that a refused run leaves its workdir as it was."""
     from tfllm.parallel import runtime_env
     from tfllm.parallel.mesh import client_id
-    runtime_env.xla_cache(runtime_env.xla_cache_dir(config.train.xla_cache, workdir,
-                                                    client_id()))
+    directory = runtime_env.xla_cache_dir(config.train.xla_cache, workdir, client_id())
+    if directory:
+        args.created = _missing_folders(os.path.join(directory, "autotune"))
+    runtime_env.xla_cache(directory)
+
+
+def _missing_folders(path: str) -> list:
+    """`path` and its ancestors that do not exist yet, deepest first."""
+    missing, path = [], os.path.abspath(path)
+    while not os.path.exists(path) and os.path.dirname(path) != path:
+        missing.append(path)
+        path = os.path.dirname(path)
+    return missing
+
+
+def _remove_empty(folders: list) -> None:
+    """Removes `folders` (deepest first) up to the first that is not empty or is gone."""
+    for path in folders:
+        try:
+            os.rmdir(path)
+        except OSError:
+            return
 
 
 def cmd_train(args) -> int:
@@ -90,7 +112,7 @@ def cmd_train(args) -> int:
     from tfllm.train.workdir import check_workdir
     config = _load_for_workdir(args)
     check_workdir(args.workdir, config)  # a refused workdir gets no XLA cache folder either
-    _persist_compiles(config, args.workdir)
+    _persist_compiles(args, config, args.workdir)
     try:
         last = train(config, args.workdir)
     except Preempted as e:
@@ -128,35 +150,54 @@ def _latest_checkpoint(workdir: str) -> str:
 
 
 def _load_for_workdir(args):
-    """--config and --set; with neither, an existing run's own config.yaml (resume)."""
+    """--config and --set; without --config, an existing run's own config (resume)."""
+    from tfllm.config import load_config
+    config = _run_config(args) if args.config is None else None
+    return config if config is not None else load_config(args.config, args.overrides)
+
+
+def _run_config(args):
+    """The config of the run in --workdir, with --set overrides: its config.yaml, else
+    (deleted) the config saved in its newest committed checkpoint; None without either."""
     from tfllm.config import load_config
     saved = os.path.join(args.workdir, "config.yaml")
-    if args.config is None and os.path.exists(saved):
+    if os.path.exists(saved):
         return load_config(saved, args.overrides)
-    return load_config(args.config, args.overrides)
+    if not os.path.isdir(os.path.join(args.workdir, "checkpoints")):
+        return None  # not a run: spares reading TensorFlow's checkpoint modules
+    from tfllm.config.loader import config_from_dict
+    from tfllm.train.workdir import saved_run_config
+    data = saved_run_config(args.workdir)
+    if data is None:
+        return None
+    return config_from_dict(data, args.overrides, f"{args.workdir}/checkpoints")
 
 
 def _saved_config(args):
-    """The config.yaml of --workdir, with --set overrides."""
-    from tfllm.config import load_config
-    saved = os.path.join(args.workdir, "config.yaml")
-    if not os.path.exists(saved):
-        raise FileNotFoundError(f"{saved} does not exist; --workdir must name a directory "
-                                "written by tfllm train.")
-    return load_config(saved, args.overrides)
+    """The config of the run in --workdir (`_run_config`), which must exist."""
+    config = _run_config(args)
+    if config is None:
+        raise FileNotFoundError(f"{os.path.join(args.workdir, 'config.yaml')} does not exist "
+                                "and no checkpoint there holds a config; --workdir must name "
+                                "a directory written by tfllm train.")
+    return config
 
 
 def _restored_run(args, config=None):
     """The run in --workdir with its latest checkpoint's weights (any mesh via --set)."""
     from tfllm.checkpoint import Checkpointer, committed, run_state_variables
     from tfllm.train.run import Run
+    from tfllm.train.workdir import WorkdirState, check_tokenizer, newest_metadata
     config = _saved_config(args) if config is None else config
     directory = os.path.join(args.workdir, "checkpoints")
     if not committed(directory):  # before anything is built or written
         raise FileNotFoundError(f"{directory} holds no committed checkpoint; train first "
                                 "(tfllm train --workdir ...).")
-    _persist_compiles(config, args.workdir)
+    _persist_compiles(args, config, args.workdir)
     run = Run(config, workdir=args.workdir, train_iterator=False, inference=True)
+    # The weights were trained with the tokenizer whose fingerprint the checkpoint holds:
+    # another one in WORKDIR/tokenizer would turn them into nonsense without a word.
+    check_tokenizer(WorkdirState(args.workdir, *newest_metadata(directory)), run.tokenizer)
     checkpointer = Checkpointer(directory, run.parallel, config.checkpoint)
     meta = checkpointer.restore_latest(run_state_variables(run.model), strict=False)
     return run, meta
@@ -223,7 +264,7 @@ def cmd_layouts(args) -> int:
 def cmd_bench(args) -> int:
     from tfllm.train.bench import benchmark
     config = _load(args)
-    _persist_compiles(config, None)  # no workdir: only an explicit train.xla_cache
+    _persist_compiles(args, config, None)  # no workdir: only an explicit train.xla_cache
     print(json.dumps(benchmark(config, args.steps, args.warmup, args.repeats)))
     return 0
 
@@ -424,6 +465,7 @@ def main(argv=None) -> int:
         print(f"tfllm {args.command}: interrupted", file=sys.stderr)
         return HARD_STOP_EXIT_CODE
     except Exception as error:
+        _remove_empty(getattr(args, "created", []))  # nothing written after all
         failure = _failure(error, args)
         if failure is None:
             raise  # a bug: Python's traceback is the report

@@ -197,14 +197,13 @@ def _check_same_run(state: WorkdirState, config) -> None:
     diffs = _differences(saved, to_dict(config),
                          (("model", None),) if state.imported else RUN_DEFINING)
     if diffs:
-        missing = "" if os.path.exists(yaml_path) else (
-            f", which is missing: restore it from the \"config\" of {meta_path}")
+        reads = yaml_path if os.path.exists(yaml_path) else (
+            f"the config of {meta_path}, {yaml_path} being missing")
         raise WorkdirError(
             f"{workdir} holds a different run ({'; '.join(diffs[:4])}"
             f"{'; ...' if len(diffs) > 4 else ''}; the run's settings are those saved in "
             f"{source}). Use a new --workdir, or resume that run with its own settings: "
-            f"tfllm train --workdir {workdir} (without --config it reads "
-            f"{yaml_path}{missing}).")
+            f"tfllm train --workdir {workdir} (without --config it reads {reads}).")
 
 
 def _read_yaml(path: str) -> dict:
