@@ -175,6 +175,39 @@ def test_hostfile_over_fake_ssh(tmp_path):
 
 
 @pytest.mark.multiprocess
+def test_hostfile_sends_the_checkpoint_key_on_stdin_only(tmp_path):
+    """Every remote worker gets TFLLM_CHECKPOINT_KEY, which no command line holds (ps
+    shows those to every user of both hosts)."""
+    ssh = tmp_path / "fake_ssh"
+    # as ssh: no environment passed on; its arguments recorded
+    ssh.write_text(FAKE_SSH.replace('shift\n', 'shift\nunset TFLLM_CHECKPOINT_KEY\n'
+                                    'printf "%s\\n" "$*" >> "$(dirname "$0")/ssh_args"\n'))
+    ssh.chmod(0o755)
+    hosts = tmp_path / "hosts"
+    hosts.write_text("hostA\nhostB\n")
+    key = "s3cret key"
+    args = ["--mode", "hostfile", "--hostfile", str(hosts), "--ssh", f"bash {ssh}",
+            "--log-dir", str(tmp_path / "logs"), "--port", "20000"]
+    worker = ("import os; print('key', os.environ['DTENSOR_CLIENT_ID'], "
+              "repr(os.environ.get('TFLLM_CHECKPOINT_KEY')))")
+    env = launcher_env(TFLLM_CHECKPOINT_KEY=key)
+    code, out, err = run([*args, "--dry-run", "--", PY, "-c", worker], timeout=30, env=env,
+                         cwd=str(tmp_path))
+    assert code == 0 and key not in out and "stdin: TFLLM_CHECKPOINT_KEY (not shown)" in out
+    try:
+        code, out, err = run([*args, "--", PY, "-c", worker], timeout=60, env=env,
+                             cwd=str(tmp_path))
+        assert code == 0, err
+        for rank in (0, 1):
+            assert f"[rank {rank}] key {rank} {key!r}" in out
+    finally:
+        kill_workers(tmp_path / "logs")
+    commands = (tmp_path / "ssh_args").read_text().splitlines()
+    assert len(commands) == 2 and all(" sh -c " in c and key not in c for c in commands)
+    assert_no_leftovers(tmp_path)
+
+
+@pytest.mark.multiprocess
 def test_local_mode_prefixes_and_logs(tmp_path):
     workdir = tmp_path / "run"
     try:

@@ -1,8 +1,10 @@
 """Who runs where, as pure functions: no processes, no TF (tfllm.launch.topology)."""
 
 import io
+import os
 import re
 import shlex
+import subprocess
 
 import pytest
 
@@ -164,6 +166,34 @@ def test_remote_script_quotes_and_watches_stdin():
     assert script.startswith("cd '/work dir' || exit 2; export PATH=/bin DTENSOR_CLIENT_ID=0; "
                              "echo setup; exec 3<&0; tfllm train --set 'a=it'\"'\"'s'")
     assert "read -r _ <&3; kill -TERM $p" in script  # the watcher of a dropped connection
+
+
+def test_secrets_go_on_stdin_never_on_the_command_line():
+    environ = {"TFLLM_CHECKPOINT_KEY": " s3cret 'key ", "TFLLM_X": "1"}
+    assert "TFLLM_CHECKPOINT_KEY" not in topo.exported_names(environ, None)
+    assert topo.exported_names(environ, "TFLLM_CHECKPOINT_KEY,A") == ["A"]  # not even so
+    names, text = topo.secret_input(environ)
+    assert names == ["TFLLM_CHECKPOINT_KEY"] and text == " s3cret 'key \n"
+    assert topo.secret_input({"TFLLM_CHECKPOINT_KEY": ""}) == ([], "")
+    spec = topo.WorkerSpec(0, "h", 1, {"DTENSOR_CLIENT_ID": "0"}, [])
+    worker = ["python3", "-c", "import os; print(repr(os.environ['TFLLM_CHECKPOINT_KEY']))"]
+    command = topo.remote_script(spec, worker, "/", {"TFLLM_X": "1"}, names)
+    assert "s3cret" not in command
+    # The remote shell reads it whole (spaces, quotes) and the worker gets it; the rest of
+    # stdin (ssh's, held open by the launcher) is still watched for a dropped connection.
+    env = {k: v for k, v in os.environ.items() if k != "TFLLM_CHECKPOINT_KEY"}
+    proc = subprocess.Popen(shlex.split(command), stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, text=True, env=env)
+    proc.stdin.write(text)
+    proc.stdin.flush()  # and kept open, as the launcher does (EOF stops the worker)
+    out = proc.stdout.read()
+    proc.stdin.close()
+    assert proc.wait(timeout=30) == 0 and out == repr(environ["TFLLM_CHECKPOINT_KEY"]) + "\n"
+
+
+def test_a_secret_with_a_line_break_is_refused():
+    with pytest.raises(LaunchError, match="TFLLM_CHECKPOINT_KEY holds a line break"):
+        topo.secret_input({"TFLLM_CHECKPOINT_KEY": "a\nb"})
 
 
 def test_exported_names_and_workdir():

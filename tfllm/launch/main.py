@@ -88,6 +88,9 @@ Options:
                          (default PATH,PYTHONPATH,VIRTUAL_ENV,KERAS_BACKEND,
                          TF_CPP_MIN_LOG_LEVEL,XLA_FLAGS,DTENSOR_GPU_USE_NCCL_COMMUNICATION,
                          CUDA_CACHE_PATH,CUDA_CACHE_MAXSIZE plus every TFLLM_* and NCCL_*).
+                         TFLLM_CHECKPOINT_KEY, when set, always reaches every worker and never
+                         a command line (which ps shows): hostfile mode sends it on the
+                         remote shell's stdin; the other modes' workers inherit it.
   --rank R               env mode: this process's rank (overrides the environment).
   --world-size N         env mode: the number of processes.
   --hosts H0,H1,...      env mode: one host per rank, or one per node when the world size is
@@ -284,6 +287,7 @@ def make_plan(opts: Options, environ) -> Plan:
         with open(path) as f:
             hosts = topo.parse_hostfile(f.read(), path)
         topology = topo.hostfile_topology(hosts, gpus_per_host if per_gpu else 1)
+        topo.secret_input(environ)  # a secret that cannot be sent: refused before any start
     else:
         topology = topo.env_topology(environ, opts.get("--rank"), opts.get("--world-size"),
                                      opts.get("--hosts"), opts.get("--host-pattern"))
@@ -413,10 +417,19 @@ def worker_argv(plan: Plan, spec: topo.WorkerSpec, environ) -> List[str]:
     # The ready file is on this host: a remote worker prints its TFLLM_READY_KEY instead.
     env = {k: v for k, v in spec.env.items() if k != "TFLLM_READY_FILE"}
     script = topo.remote_script(dataclasses.replace(spec, env=env), plan.command,
-                                os.getcwd(), exports)
+                                os.getcwd(), exports, topo.secret_input(environ)[0])
     # `--`: the host is never read as an option of ssh (parse_hostfile refuses a leading
     # '-' as well; this covers --ssh wrappers that pass their arguments on)
     return plan.ssh + ["--", spec.host, script]
+
+
+def worker_input(plan: Plan, environ) -> bytes:
+    """What a worker's remote shell reads first (hostfile mode): the secrets
+    (TFLLM_CHECKPOINT_KEY), one line each, never on a command line. Nothing in the other
+    modes, whose workers inherit them from this environment (or the scheduler's)."""
+    if plan.topology.mode != "hostfile":
+        return b""
+    return topo.secret_input(environ)[1].encode()
 
 
 def main(argv: Optional[List[str]] = None, prog: str = "tfllm launch") -> int:
@@ -466,6 +479,8 @@ def _launch(plan: Plan, opts: Options, ports: Ports, say, fail) -> int:
                 print(f"  {k}={v}")
             for line in spec.host_setup:
                 print(f"  on {spec.host}: {line}")
+            if worker_input(plan, os.environ):
+                print(f"  stdin: {', '.join(topo.secret_input(os.environ)[0])} (not shown)")
             print("  exec: " + " ".join(shlex.quote(w) for w in worker_argv(plan, spec,
                                                                             os.environ)))
         return 0
@@ -488,7 +503,8 @@ def _launch(plan: Plan, opts: Options, ports: Ports, say, fail) -> int:
             specs = plan_specs(plan, attempt, ports, os.environ)
         for spec in specs:
             supervisor.start(spec, worker_argv(plan, spec, os.environ), attempt,
-                             remote=t.mode == "hostfile")
+                             remote=t.mode == "hostfile",
+                             stdin_data=worker_input(plan, os.environ))
         say(f"attempt {attempt}: started rank(s) {' '.join(map(str, t.own_ranks))} of "
             f"{t.world_size}; logs in {log_dir}")
 

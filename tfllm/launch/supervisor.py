@@ -92,7 +92,7 @@ class Supervisor:
         return os.path.join(self.log_dir, f"ready.{rank}")
 
     def start(self, spec: WorkerSpec, argv: Sequence[str], attempt: int,
-              remote: bool = False) -> None:
+              remote: bool = False, stdin_data: bytes = b"") -> None:
         """Starts one worker in its own process group.
 
         Args:
@@ -100,6 +100,7 @@ class Supervisor:
             shell whose script sets `spec.env` on the other host.
           remote: hostfile mode: ssh gets our environment only, and its stdin is held
             open so that the remote watcher stops the worker when ssh is stopped.
+          stdin_data: (remote) what the remote script reads first: its secrets.
         """
         log_path = os.path.join(self.log_dir, f"rank_{spec.rank}.log")
         ready = self.ready_file(spec.rank)
@@ -113,6 +114,12 @@ class Supervisor:
                                    stderr=subprocess.STDOUT,
                                    stdin=subprocess.PIPE if remote else subprocess.DEVNULL,
                                    start_new_session=True)
+        if remote and stdin_data:
+            try:  # a few bytes: the pipe takes them without waiting; it stays open
+                process.stdin.write(stdin_data)
+                process.stdin.flush()
+            except OSError:  # ssh already gone: its exit is reported like any other
+                pass
         matched = threading.Event()
         key = spec.env.get("TFLLM_READY_KEY")
         ready_line = READY_LINE.format(key) if key else None

@@ -15,7 +15,7 @@ import re
 import shlex
 import sys
 from dataclasses import dataclass, field
-from typing import Callable, Dict, List, Mapping, Optional, Sequence
+from typing import Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
 from tfllm.launch.device import DEVICE_ENV, NCCL_ENV, NCCL_PROBE_SH, resolve_device_env
 
@@ -28,6 +28,10 @@ DEFAULT_EXPORTS = ("PATH", "PYTHONPATH", "VIRTUAL_ENV", "KERAS_BACKEND",
                    "TF_CPP_MIN_LOG_LEVEL", "XLA_FLAGS", NCCL_ENV, "CUDA_CACHE_PATH",
                    "CUDA_CACHE_MAXSIZE")
 EXPORT_PREFIXES = ("TFLLM_", "NCCL_")
+#: secrets every worker needs: never put on a command line, which `ps` shows to every user
+#: of a host (hostfile mode sends them on the remote shell's stdin, `secret_input`); the
+#: workers of the other modes inherit them from the environment
+SECRET_ENV = ("TFLLM_CHECKPOINT_KEY",)
 
 
 #: the line a worker prints once its mesh is up when given TFLLM_READY_KEY
@@ -402,31 +406,50 @@ def worker_specs(topology: Topology, ports: Sequence[int], job_name: str = "work
 
 
 def exported_names(environ: Mapping[str, str], names: Optional[str]) -> List[str]:
-    """The variables hostfile mode passes on: --export NAMES, else the defaults plus
-    every TFLLM_* and NCCL_* variable set here."""
-    if names:
-        return [n for n in names.split(",") if n]
-    return list(DEFAULT_EXPORTS) + sorted(n for n in environ if n.startswith(EXPORT_PREFIXES))
+    """The variables hostfile mode passes on its command line: --export NAMES, else the
+    defaults plus every TFLLM_* and NCCL_* variable set here; never a secret (`SECRET_ENV`,
+    sent on stdin instead)."""
+    chosen = ([n for n in names.split(",") if n] if names else list(DEFAULT_EXPORTS)
+              + sorted(n for n in environ if n.startswith(EXPORT_PREFIXES)))
+    return [n for n in chosen if n not in SECRET_ENV]
+
+
+def secret_input(environ: Mapping[str, str]) -> Tuple[List[str], str]:
+    """The secrets set here (`SECRET_ENV`), and the first lines of a remote shell's stdin
+    that carry them (hostfile mode), one value per line: (names, text).
+
+    Raises:
+      LaunchError: a value holds a line break (it could not be read as one line).
+    """
+    names = [n for n in SECRET_ENV if environ.get(n)]
+    for name in names:
+        if "\n" in environ[name] or "\r" in environ[name]:
+            raise LaunchError(f"{name} holds a line break; hostfile mode sends it to the "
+                              "remote hosts as one line of input: use a value without one")
+    return names, "".join(environ[n] + "\n" for n in names)
 
 
 def remote_script(spec: WorkerSpec, command: Sequence[str], cwd: str,
-                  exports: Mapping[str, str]) -> str:
+                  exports: Mapping[str, str], secrets: Sequence[str] = ()) -> str:
     """The command a remote host runs for `spec` (over ssh, hostfile mode): `sh -c SCRIPT`.
 
     ssh hands the command to the user's login shell, which may be zsh (no word splitting
     of `$VAR`) or csh: the script itself runs under POSIX sh, whatever that shell is. The
     variables are exported before `spec.host_setup` runs, so the host's own decisions
     (NCCL, the GPU) see the worker's whole environment, an explicit setting included.
+    The `secrets` (names) are read from the first lines of stdin (`secret_input`): only
+    their names are on the command line, which `ps` shows on both hosts.
     ssh without a tty does not signal the remote command when the connection drops: a
     watcher kills the worker when the script's stdin (the local ssh's) reaches EOF.
     """
     assignments = " ".join(shlex.quote(f"{k}={v}")
                            for k, v in list(exports.items()) + list(spec.env.items()))
+    reads = "".join(f"IFS= read -r {name} || exit 2; export {name}; " for name in secrets)
     setup = "".join(f"{line}; " for line in spec.host_setup)
     worker = " ".join(shlex.quote(word) for word in command)
-    script = (f"cd {shlex.quote(cwd)} || exit 2; export {assignments}; {setup}exec 3<&0; "
-              f"{worker} </dev/null 3<&- & p=$!; {{ read -r _ <&3; kill -TERM $p "
-              "2>/dev/null; } & w=$!; wait $p; rc=$?; kill $w 2>/dev/null; exit $rc")
+    script = (f"cd {shlex.quote(cwd)} || exit 2; export {assignments}; {reads}{setup}"
+              f"exec 3<&0; {worker} </dev/null 3<&- & p=$!; {{ read -r _ <&3; kill -TERM "
+              "$p 2>/dev/null; } & w=$!; wait $p; rc=$?; kill $w 2>/dev/null; exit $rc")
     return "sh -c " + shlex.quote(script)
 
 
