@@ -412,10 +412,7 @@ ROWS = [
                  "shards.bin", id="checkpoint-truncated"),
     pytest.param([*RESUME, "--set", "train.steps=3"],
                  _flip_a_byte("checkpoints/step_00000002/client_00000/shards.bin"), BAD_INPUT,
-                 "shards.bin", id="resume-from-altered-checkpoint",
-                 marks=_pending("tfllm/train/loop.py: save_config rewrites config.yaml "
-                                "(train.steps 2 -> 3) before restore_latest reads the "
-                                "checkpoint")),
+                 "shards.bin", id="resume-from-altered-checkpoint"),
     pytest.param(["eval", "--workdir", "{run}"],
                  _edit_run_config("validation_fraction: 0.2", "validation_fraction: 0.0"),
                  BAD_INPUT, "no validation data (data.validation_fraction=0 and no "

@@ -115,7 +115,6 @@ def _train(config, workdir, model_cls, out, signals, watchdog: list) -> dict:
         start_run(state, config)
         if not has_checkpoint:
             save_to_run(run.tokenizer, config, workdir)
-        save_config(config, workdir)
     checkpointer = Checkpointer(ckpt_dir, run.parallel, config.checkpoint)
     if num_clients() > 1 and t.peer_timeout_s > 0:  # from here a lost peer is reported
         watchdog.append(PeerWatchdog(workdir, client_id(), num_clients(), t.peer_timeout_s,
@@ -136,6 +135,8 @@ def _train(config, workdir, model_cls, out, signals, watchdog: list) -> dict:
         run.restore_data_state(checkpointer.restored_files)
         if primary:
             truncate_metrics(os.path.join(workdir, "metrics.jsonl"), start_step)
+    if primary:  # after the checkpoint was read: a refused one leaves config.yaml as it was
+        save_config(config, workdir)
 
     tokens_per_step = t.global_batch_size * config.data.sequence_length
     fpt = flops_per_token(config.model, config.data.sequence_length)
