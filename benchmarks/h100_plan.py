@@ -304,8 +304,8 @@ def main():
     if args.resume and os.path.exists(args.out + ".json"):
         with open(args.out + ".json") as f:
             done = json.load(f)
-        results.update({k: done[k] for k in ("rows", "largest_batch", "mesh_rows",
-                                             "extrapolation") if k in done})
+        # Everything already there is kept (tables this run does not plan, the notes).
+        results.update({k: v for k, v in done.items() if k not in ("date", "jax")})
     log = lambda r: print(json.dumps({k: v for k, v in r.items() if k != "top_kernels"}),
                           flush=True)
 
@@ -321,19 +321,25 @@ def main():
             results["rows"] += rows
             results["largest_batch"][f"{model}/{policy}"] = best
             save()
-    if args.replan_assumed:  # rows planned before collectives could be measured
-        results["mesh_rows"] = [r for r in results["mesh_rows"]
-                                if r.get("collectives_basis", "").startswith("measured")]
     # [MODEL:]MESH[@GLOBAL_BATCH] (default llama-7b; batch 32: 4 sequences per device over 8)
-    done_meshes = {(r.get("model", "llama-7b"), r["mesh"].split(" (")[0].replace(" ", ""),
-                    r["policy"], r["batch"]) for r in results["mesh_rows"]}
+    key = lambda r: (r.get("model", "llama-7b"), r["mesh"].split(" (")[0].replace(" ", ""),
+                     r["batch"])
+    asked = set()
+    for entry in filter(None, args.meshes.split(";")):
+        model, _, entry = entry.rpartition(":")
+        mesh, _, batch = entry.partition("@")
+        asked.add((model or "llama-7b", mesh, int(batch or 32)))
+    if args.replan_assumed:  # asked-for rows planned before collectives could be measured
+        results["mesh_rows"] = [r for r in results["mesh_rows"] if key(r) not in asked
+                                or r.get("collectives_basis", "").startswith("measured")]
+    done_meshes = {key(r) + (r["policy"],) for r in results["mesh_rows"]}
     for entry in filter(None, args.meshes.split(";")):
         model, _, entry = entry.rpartition(":")
         model = model or "llama-7b"
         mesh, _, batch = entry.partition("@")
         batch = int(batch or 32)
         for policy in args.policies.split(","):
-            if (model, mesh, policy, batch) in done_meshes:
+            if (model, mesh, batch, policy) in done_meshes:
                 continue
             p = plan(model, policy, batch, mesh)
             results["mesh_rows"].append(row(model, policy, batch, p))
@@ -345,8 +351,10 @@ def main():
     meshes = sorted({e.rpartition(":")[2].partition("@")[0]
                      for e in filter(None, args.meshes.split(";"))
                      if _devices(e.rpartition(":")[2].partition("@")[0]) == 8})
-    results["state_only"] = [state_only(m, mesh, 8) for m in ("llama-7b", "llama-70b")
-                             for mesh in meshes]
+    fresh = [state_only(m, mesh, 8) for m in ("llama-7b", "llama-70b") for mesh in meshes]
+    kept = [r for r in results.get("state_only", [])
+            if (r["model"], r["mesh"]) not in {(f["model"], f["mesh"]) for f in fresh}]
+    results["state_only"] = kept + fresh
     results["jax"] = importlib.metadata.version("jax")
     with open(args.out + ".json", "w") as f:
         json.dump(results, f, indent=1)
