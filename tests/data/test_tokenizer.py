@@ -18,6 +18,7 @@ def test_byte_tokenizer_round_trip_and_tf():
     assert (t.vocab_size, t.eod_id) == (257, 256)
     ids = t.encode(CODE)
     assert t.decode(ids + [256]) == CODE
+    assert t.decode(ids + [257, 1000, -1]) == CODE  # ids past the vocabulary: dropped
     assert t.tf_encode(tf.constant(CODE)).numpy().tolist() == ids
 
 
@@ -35,6 +36,7 @@ def test_sentencepiece_is_deterministic_and_keeps_layout(tiny_proto):
     text = make_docs(3)[2]
     ids = t.encode(text)
     assert t.decode(ids) == text  # newlines and indentation survive
+    assert t.decode(ids + [t.vocab_size, 10**6, -1]) == text  # past the vocabulary: dropped
     assert t.tf_encode(tf.constant(text)).numpy().tolist() == ids
 
 
@@ -133,6 +135,9 @@ def test_keras_hub_preset_directory(tmp_path):
     assert (t.vocab_size, t.eod_id) == (hub.vocabulary_size(), hub.end_token_id)
     ids = t.tf_encode(tf.constant("def f0(x):")).numpy().tolist()
     assert t.decode(ids) == "def f0(x):"
+    # A model whose vocabulary is padded past the tokenizer's can emit ids it does not
+    # have: they are dropped (SentencePiece raised IndexError), as by every tokenizer.
+    assert t.decode(ids + [t.vocab_size, t.vocab_size + 7, -1]) == "def f0(x):"
     # Every row stream of a batch maps through the same traced function: traced once.
     traced = t.traced_encode()
     assert traced is t.traced_encode()

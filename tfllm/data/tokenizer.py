@@ -140,7 +140,10 @@ class KerasHubTokenizer(Tokenizer):
         super().__init__(int(self._hub.vocabulary_size()), int(eod), f"keras-hub:{path}")
 
     def decode(self, ids: Iterable[int]) -> str:
-        out = self._hub.detokenize(tf.constant(list(ids), tf.int32))
+        # Ids past the tokenizer's vocabulary (a model padded beyond it can emit them)
+        # are dropped, as the other tokenizers do: SentencePiece raised IndexError.
+        ids = [int(i) for i in ids if 0 <= int(i) < self.vocab_size]
+        out = self._hub.detokenize(tf.constant(ids, tf.int32))
         out = out.numpy() if hasattr(out, "numpy") else out
         return out.decode("utf-8", errors="replace") if isinstance(out, bytes) else str(out)
 
