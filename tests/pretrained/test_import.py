@@ -87,3 +87,54 @@ def test_bfloat16_preset_is_widened_exactly(tmp_path):
     np.testing.assert_array_equal(ours["llama/block_1/attention/query/kernel"],
                                   theirs["transformer_layer_1/self_attention/query/kernel"])
     assert ours["llama/block_1/attention/query/kernel"].dtype == np.float32
+
+
+def _hf_mistral_folder(path, rng):
+    """A 2-layer Mistral checkpoint folder as transformers writes it (float32 tensors)."""
+    import json
+
+    from safetensors.numpy import save_file
+    hidden, inter, heads, kv, vocab, head_dim = 32, 64, 4, 2, 128, 8
+    os.makedirs(path)
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump({"architectures": ["MistralForCausalLM"], "model_type": "mistral",
+                   "hidden_size": hidden, "intermediate_size": inter,
+                   "num_attention_heads": heads, "num_key_value_heads": kv,
+                   "num_hidden_layers": 2, "vocab_size": vocab, "head_dim": head_dim,
+                   "rms_norm_eps": 1e-5, "rope_theta": 10000.0, "sliding_window": None,
+                   "max_position_embeddings": 256, "tie_word_embeddings": False,
+                   "hidden_act": "silu", "torch_dtype": "float32"}, f)
+    shapes = {"model.embed_tokens.weight": (vocab, hidden), "lm_head.weight": (vocab, hidden),
+              "model.norm.weight": (hidden,)}
+    for i in range(2):
+        p = f"model.layers.{i}."
+        shapes.update({p + "input_layernorm.weight": (hidden,),
+                       p + "post_attention_layernorm.weight": (hidden,),
+                       p + "self_attn.q_proj.weight": (heads * head_dim, hidden),
+                       p + "self_attn.k_proj.weight": (kv * head_dim, hidden),
+                       p + "self_attn.v_proj.weight": (kv * head_dim, hidden),
+                       p + "self_attn.o_proj.weight": (hidden, heads * head_dim),
+                       p + "mlp.gate_proj.weight": (inter, hidden),
+                       p + "mlp.up_proj.weight": (inter, hidden),
+                       p + "mlp.down_proj.weight": (hidden, inter)})
+    # Values float16 cannot hold exactly (a 23-bit mantissa; some beyond its range).
+    tensors = {k: (rng.standard_normal(s) * 0.02 + 1e-7).astype(np.float32)
+               for k, s in shapes.items()}
+    tensors["model.embed_tokens.weight"][0, 0] = 1e5  # float16's largest is 65504
+    save_file(tensors, os.path.join(path, "model.safetensors"))
+    return tensors
+
+
+def test_mistral_float32_weights_are_read_exactly_not_through_float16(tmp_path):
+    # keras-hub 0.32's Mistral converter casts every tensor to float16 in its hooks; the
+    # import keeps the stored float32 values bit for bit (and 1e5, past float16's range).
+    theirs = _hf_mistral_folder(str(tmp_path / "hf"), np.random.default_rng(0))
+    model = from_preset(str(tmp_path / "hf"))
+    ours = {v.path: v.numpy() for v in model.variables}
+    embedding = next(v for k, v in ours.items() if "embedding" in k and v.shape == (128, 32))
+    np.testing.assert_array_equal(embedding, theirs["model.embed_tokens.weight"])
+    query = next(v for k, v in ours.items() if "block_1/attention/query" in k)
+    # HF (H*D, E) -> (E, H, D): transposed and reshaped by the converter's own hook.
+    np.testing.assert_array_equal(
+        query, theirs["model.layers.1.self_attn.q_proj.weight"].T.reshape(32, 4, 8))
+    assert all(v.dtype == np.float32 for v in ours.values())

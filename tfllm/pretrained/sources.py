@@ -346,7 +346,7 @@ class HuggingFaceSource(Source):
             self._check(name, shape, tensor.dtype, shape)
         if hook is not None:
             try:
-                tensor = hook(tensor, list(kh_shape))
+                tensor = hook(np.asarray(tensor).view(_NoNarrowing), list(kh_shape))
             except ValueError as e:  # a reshape of a wrongly shaped tensor
                 raise PretrainedError(f"{self.describe(name)}: shape {list(tensor.shape)} "
                                       f"cannot become {list(kh_shape)} ({e}); the weights do "
@@ -374,6 +374,25 @@ class HuggingFaceSource(Source):
         if reader is not None:
             reader.__exit__(None, None, None)
             self._reader = None
+
+
+class _NoNarrowing(np.ndarray):
+    """A tensor that keeps its stored float type through a converter hook's casts.
+
+    keras-hub 0.32's Mistral converter casts every tensor with `astype(np.float16)` before
+    transposing it: float32 and bfloat16 weights lost precision or range on import
+    (logits 6e-4 off transformers'). Given this view, a hook's transposes and reshapes
+    still apply and a cast to another float type of no more bytes is skipped: weights are
+    read exactly, or widened.
+    """
+
+    def astype(self, dtype, *args, **kwargs):
+        target, stored = np.dtype(dtype), self.dtype
+        floats = ("f", "V")  # V: ml_dtypes' bfloat16
+        if (target != stored and target.kind in floats and stored.kind in floats
+                and target.itemsize <= stored.itemsize):
+            return self
+        return super().astype(dtype, *args, **kwargs)
 
 
 def open_source(path: str) -> Source:
