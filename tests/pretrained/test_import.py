@@ -9,6 +9,7 @@ import tfllm.models
 from tfllm.config import load_config
 from tfllm.parallel import make_parallel
 from tfllm.pretrained import FAMILIES, from_preset
+from tfllm.pretrained.families import PretrainedError
 from tests.pretrained import helpers
 
 # float32 on both sides; the only differences are summation orders (einsum vs keras-hub's
@@ -138,3 +139,27 @@ def test_mistral_float32_weights_are_read_exactly_not_through_float16(tmp_path):
     np.testing.assert_array_equal(
         query, theirs["model.layers.1.self_attn.q_proj.weight"].T.reshape(32, 4, 8))
     assert all(v.dtype == np.float32 for v in ours.values())
+
+
+def test_transformers5_rope_parameters_import_with_their_llama3_scaling(tmp_path):
+    # transformers 5 writes rope_parameters (rope_type, rope_theta, factors) instead of
+    # rope_theta + rope_scaling; keras-hub's converter read only the latter and the model
+    # was built unscaled, silently. The same folder in the new layout gives the same
+    # logits as keras-hub's scaled model (the test length 40 passes the pre-training
+    # length 16, so the scaling changes them).
+    import json
+    lm = helpers.save_huggingface("llama3", tmp_path / "hf")
+    path = tmp_path / "hf" / "config.json"
+    config = json.loads(path.read_text())
+    config["rope_parameters"] = {"rope_theta": config.pop("rope_theta"),
+                                 **config.pop("rope_scaling")}
+    path.write_text(json.dumps(config))
+    ids = helpers.token_ids()
+    logits = tfllm_logits(from_preset(str(tmp_path / "hf")), ids)
+    np.testing.assert_allclose(logits, helpers.keras_hub_logits(lm, ids), atol=ATOL, rtol=0)
+    # Both layouts at once must agree.
+    config["rope_scaling"] = {**config["rope_parameters"], "factor": 4.0}
+    del config["rope_scaling"]["rope_theta"]
+    path.write_text(json.dumps(config))
+    with pytest.raises(PretrainedError, match="rope_scaling=.*disagrees with rope_parameters"):
+        from_preset(str(tmp_path / "hf"))

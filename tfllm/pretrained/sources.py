@@ -306,7 +306,7 @@ class HuggingFaceSource(Source):
         self.ported = self._reader.ported
 
     def _backbone(self):
-        self.hf_config = self.loader.config
+        self.hf_config = transformers4_rope(self.loader.config, self.path)
         converter = self.loader.converter
         convert = converter.convert_backbone_config
         if len(inspect.signature(convert).parameters) != 1:
@@ -374,6 +374,35 @@ class HuggingFaceSource(Source):
         if reader is not None:
             reader.__exit__(None, None, None)
             self._reader = None
+
+
+def transformers4_rope(hf_config: dict, path: str = "config.json") -> dict:
+    """config.json's RoPE settings in the transformers-4 layout keras-hub's converters read.
+
+    transformers 5 writes `rope_parameters` ({rope_type, rope_theta, factor, ...}) where
+    transformers 4 wrote `rope_theta` and `rope_scaling`; keras-hub 0.32 reads the scaling
+    only from `rope_scaling`, so a Llama 3.1 folder saved by transformers 5 was built
+    without its llama3 scaling (logits 12-23% off, no error). A config holding both
+    layouts that disagree is refused.
+    """
+    params = hf_config.get("rope_parameters")
+    if not params:
+        return hf_config
+    if not isinstance(params, dict):
+        raise PretrainedError(f"{path}/config.json: rope_parameters={params!r} is not an "
+                              "object; the file is damaged.")
+    config = dict(hf_config)
+    theta = params.get("rope_theta")
+    scaling = {k: v for k, v in params.items() if k != "rope_theta"}
+    if scaling.get("rope_type", "default") == "default":
+        scaling = None
+    for key, value in (("rope_theta", theta), ("rope_scaling", scaling)):
+        if config.get(key) is not None and value is not None and config[key] != value:
+            raise PretrainedError(f"{path}/config.json: {key}={config[key]!r} disagrees with "
+                                  f"rope_parameters={params!r}; keep one of the two.")
+        if value is not None:
+            config[key] = value
+    return config
 
 
 class _NoNarrowing(np.ndarray):
