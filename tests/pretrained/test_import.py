@@ -163,3 +163,20 @@ def test_transformers5_rope_parameters_import_with_their_llama3_scaling(tmp_path
     path.write_text(json.dumps(config))
     with pytest.raises(PretrainedError, match="rope_scaling=.*disagrees with rope_parameters"):
         from_preset(str(tmp_path / "hf"))
+
+
+@pytest.mark.parametrize("rope_scaling", [{"rope_type": "linear", "factor": 2.0},
+                                          {"rope_type": "yarn", "factor": 4.0,
+                                           "original_max_position_embeddings": 64}])
+def test_rope_scaling_a_converter_drops_is_refused_not_ignored(tmp_path, rope_scaling):
+    # keras-hub's Mistral (and Qwen2, Llama 2) converters ignore rope_scaling: importing
+    # would give an unscaled model. Refused in one error naming the key and its value.
+    import json
+    _hf_mistral_folder(str(tmp_path / "hf"), np.random.default_rng(0))
+    path = tmp_path / "hf" / "config.json"
+    config = json.loads(path.read_text())
+    config["rope_scaling"] = rope_scaling
+    path.write_text(json.dumps(config))
+    with pytest.raises(PretrainedError, match=r"rope_scaling=.*is not implemented for "
+                                              r"model_type 'mistral'"):
+        from_preset(str(tmp_path / "hf"))
