@@ -317,24 +317,26 @@ class HuggingFaceSource(Source):
             config = dict(convert(self.hf_config))
             if "use_sliding_window" in config:  # keras-hub 0.32's Qwen converter's name
                 config["use_sliding_window_attention"] = config.pop("use_sliding_window")
-            scaling = self.hf_config.get("rope_scaling")
-            if scaling and not any(k in config for k in _SCALING_KEYS):
-                # keras-hub 0.32's Qwen2, Mistral and Llama 2 converters drop rope_scaling
-                # (linear, dynamic, yarn): the model would import unscaled, silently.
-                raise PretrainedError(
-                    f"{self.path}/config.json: rope_scaling={scaling!r} is not implemented "
-                    f"for model_type {self.hf_config.get('model_type')!r} (keras-hub's "
-                    "converter drops it and the model would compute other logits); tfllm "
-                    "imports RoPE scaling only as Llama 3's rope_type 'llama3'.")
             eps = self.hf_config.get("rms_norm_eps")
             if eps is not None and "layer_norm_epsilon" not in config:
                 # keras-hub 0.32's Llama converter drops rms_norm_eps (Llama 3 uses 1e-5,
                 # keras-hub's default is 1e-6); the checkpoint's own value is the model's.
                 config["layer_norm_epsilon"] = float(eps)
-            return converter.backbone_cls, config
         except (KeyError, ValueError) as e:
             raise PretrainedError(f"{self.path}/config.json: keras-hub's converter rejects it "
                                   f"({e}).") from None
+        scaling = self.hf_config.get("rope_scaling")
+        if scaling and not any(k in config for k in _SCALING_KEYS):
+            # keras-hub 0.32's Qwen2, Mistral and Llama 2 converters drop rope_scaling
+            # (linear, dynamic, yarn): the model would import unscaled, silently. An
+            # architecture tfllm does not hold is named first (family_for).
+            family_for(converter.backbone_cls.__name__, os.path.join(self.path, "config.json"))
+            raise PretrainedError(
+                f"{self.path}/config.json: rope_scaling={scaling!r} is not implemented "
+                f"for model_type {self.hf_config.get('model_type')!r} (keras-hub's "
+                "converter drops it and the model would compute other logits); tfllm "
+                "imports RoPE scaling only as Llama 3's rope_type 'llama3'.")
+        return converter.backbone_cls, config
 
     def describe(self, name: str) -> str:
         key = self.ported.get(name, ("?",))[0]
