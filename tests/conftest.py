@@ -112,3 +112,15 @@ def run_in_child(request, timeout=900):
                          text=True, timeout=timeout)
     assert out.returncode == 0, (out.stdout[-6000:] + out.stderr[-3000:])
     return False
+
+
+def snapshot_tree(directory):
+    """Every file and folder under `directory`, with its content (None for a folder): what
+    a refused command must leave unchanged."""
+    out = {}
+    for root, dirs, files in os.walk(directory):
+        for name in dirs + files:
+            path = os.path.join(root, name)
+            out[os.path.relpath(path, directory)] = (
+                open(path, "rb").read() if os.path.isfile(path) else None)
+    return out

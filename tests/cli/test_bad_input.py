@@ -34,7 +34,7 @@ import numpy as np
 import pytest
 import safetensors.numpy as safetensors
 
-from tests.conftest import write_text_corpus
+from tests.conftest import snapshot_tree, write_text_corpus
 from tests.pretrained import helpers
 from tests.launch.helpers import kill_group
 from tfllm.checkpoint import storage
@@ -501,20 +501,10 @@ def _resolve(argv, tmp, run):
     return [a.replace("{run}", str(run)).replace("{tmp}", str(tmp)) for a in argv]
 
 
-def _snapshot(directory):
-    """Every file and folder under `directory`, with its content: what must not change."""
-    out = {}
-    for root, dirs, files in os.walk(directory):
-        for name in dirs + files:
-            path = os.path.join(root, name)
-            out[os.path.relpath(path, directory)] = (
-                open(path, "rb").read() if os.path.isfile(path) else None)
-    return out
-
 
 def _committed(run):
     """{step: snapshot} of the run's committed checkpoints."""
-    return {step: _snapshot(path)
+    return {step: snapshot_tree(path)
             for step, path in storage.committed(str(run / "checkpoints"))}
 
 
@@ -532,7 +522,7 @@ def _check(code, err, expected_code, fragment, command, tmp_path, run, before, c
     assert lines[0].startswith(f"tfllm {command}: "), lines[0]
     assert fragment in lines[0], lines[0]
     if expected_code == BAD_INPUT:  # nothing was written, nothing was lost
-        assert _snapshot(tmp_path) == before
+        assert snapshot_tree(tmp_path) == before
     else:  # every committed checkpoint as it was, the latest still the latest
         assert _committed(run) == committed
 
@@ -542,7 +532,7 @@ def test_bad_input(argv, setup, expected_code, fragment, tmp_path, trained_run, 
                    capsys):
     monkeypatch.chdir(ROOT)  # configs/ paths as a user in the checkout types them
     run = _prepare(tmp_path, trained_run, setup, monkeypatch)
-    before, committed = _snapshot(tmp_path), _committed(run)
+    before, committed = snapshot_tree(tmp_path), _committed(run)
     capsys.readouterr()
     code = main(_resolve(argv, tmp_path, run))
     _check(code, capsys.readouterr().err, expected_code, fragment, argv[0], tmp_path, run,
@@ -602,7 +592,7 @@ PROCESS_ROWS = [
 def test_bad_input_in_a_process(argv, storage_errno, sig, expected_code, fragment, tmp_path,
                                 trained_run):
     run = _prepare(tmp_path, trained_run, _no_setup, None)
-    before, committed = _snapshot(tmp_path), _committed(run)
+    before, committed = snapshot_tree(tmp_path), _committed(run)
     # TF_CPP_MIN_LOG_LEVEL unset, as for most users: the command's filter hides the noise
     env = {k: v for k, v in os.environ.items() if k != "TF_CPP_MIN_LOG_LEVEL"}
     proc = subprocess.Popen([*_command(storage_errno), *_resolve(argv, tmp_path, run)],

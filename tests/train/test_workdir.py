@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from tests.conftest import tiny_overrides
+from tests.conftest import snapshot_tree, tiny_overrides
 from tfllm.checkpoint import Checkpointer
 from tfllm.config import load_config
 from tfllm.config.loader import to_dict
@@ -26,16 +26,6 @@ from tfllm.train.workdir import (MARKER, WorkdirError, check_tokenizer, check_wo
 def _config(**extra):
     return load_config(None, tiny_overrides("gpt", **extra))
 
-
-def _snapshot(directory):
-    """Every file under `directory` with its content: what must not change."""
-    out = {}
-    for root, dirs, files in os.walk(directory):
-        for name in dirs + files:
-            path = os.path.join(root, name)
-            out[os.path.relpath(path, directory)] = (
-                open(path, "rb").read() if os.path.isfile(path) else None)
-    return out
 
 
 def _dead_run(workdir, marker=True):
@@ -93,14 +83,14 @@ def test_files_tfllm_did_not_write_are_refused_and_kept(tmp_path, names):
             (tmp_path / "data" / "corpus.txt").write_text("mine")
         else:
             (tmp_path / name).write_text("mine")
-    before = _snapshot(tmp_path)
+    before = snapshot_tree(tmp_path)
     foreign = [n + "/" if n == "data" else n for n in names if n != "config.yaml"]
     with pytest.raises(WorkdirError) as e:
         check_workdir(str(tmp_path), _config())
     message = str(e.value)
     assert "\n" not in message and "tfllm never deletes files it did not write" in message
     assert f"holds {', '.join(foreign)}, which tfllm did not write" in message
-    assert _snapshot(tmp_path) == before
+    assert snapshot_tree(tmp_path) == before
 
 
 def test_tfllm_named_files_without_the_marker_are_refused_and_kept(tmp_path):
@@ -110,11 +100,11 @@ def test_tfllm_named_files_without_the_marker_are_refused_and_kept(tmp_path):
     (tmp_path / "metrics.jsonl").write_text('{"mine": 1}\n')
     (tmp_path / "tensorboard").mkdir()
     (tmp_path / "tensorboard" / "events").write_text("mine")
-    before = _snapshot(tmp_path)
+    before = snapshot_tree(tmp_path)
     with pytest.raises(WorkdirError, match=r"holds config.yaml, metrics.jsonl, tensorboard/ "
                                            rf"without the {MARKER} marker of a tfllm run"):
         check_workdir(str(tmp_path), _config())
-    assert _snapshot(tmp_path) == before
+    assert snapshot_tree(tmp_path) == before
 
 
 def test_a_link_is_never_tfllms_to_clear(tmp_path):

@@ -146,13 +146,13 @@ class Generator:
         token = first
         done = self._put(np.zeros((first.shape[0],), np.bool_), _BATCH)
         tokens = [first]
+        eos = int(self._to_numpy(scalars["eos_id"]))
         for step in range(1, max_new_tokens):
             token, done, cache = self._token_step(token, done, cache, start,
                                                   self._put(np.int32(step), ()), scalars,
                                                   prompt_length=prompt_length)
             tokens.append(token)
             if step % _STOP_CHECK == 0 and step + 1 < max_new_tokens:
-                eos = int(self._to_numpy(scalars["eos_id"]))
                 if np.all(self._to_numpy(done) | (self._to_numpy(token) == eos)):
                     break  # every row finished: the remaining columns stay 0 (unread)
         out = np.zeros((first.shape[0], max_new_tokens), np.int32)
