@@ -34,6 +34,19 @@ def _reset_keras_state():
     keras.config.set_dtype_policy("float32")
 
 
+@pytest.fixture(autouse=True)
+def _restore_environment():
+    """A command run in this process (`main([...])`) sets variables for its own process
+    (TF_XLA_FLAGS naming its workdir's XLA cache, NCCL and allocator settings). They must
+    not reach the next test's child processes: a later `tfllm train` child would load
+    programs another test compiled and dump nothing."""
+    saved = dict(os.environ)
+    yield
+    for name in set(os.environ) - set(saved):
+        del os.environ[name]
+    os.environ.update(saved)
+
+
 def tiny_overrides(family="gpt", axes="data=1", **extra):
     """--set overrides for the test model: vocab 128, hidden 64, 2 layers.
 

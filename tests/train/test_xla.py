@@ -143,6 +143,7 @@ def test_what_xla_compiles_of_evaluation_and_generation_on_a_mesh():
 def _train(tmp_path, axes, extra=(), dump=True):
     dump_dir = tmp_path / "xla_dump"
     env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3", PYTHONPATH=ROOT)
+    env.pop("TF_XLA_FLAGS", None)  # a fresh workdir's own cache: every cluster compiles
     if dump:
         env["XLA_FLAGS"] = f"--xla_dump_to={dump_dir}"
     cmd = [PY, "-m", "tfllm.cli.main", "train", "--config", "configs/tiny.yaml",

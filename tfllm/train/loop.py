@@ -186,7 +186,10 @@ def _train(config, workdir, model_cls, out, signals, watchdog: list) -> dict:
             for w in watchdog:
                 w.step = number  # the step this client waits in, for the message
             pending.append((number, _step_or_peer_lost(run, step, limit, checkpointer)))
-            stop = any_client(signals.requested, number, run.parallel.mesh)
+            # The vote is the first host read after a step: a collective the step lost
+            # to a peer fails here, so it is reported as that peer's loss too.
+            with _peer_lost_as_one_line(number, checkpointer):
+                stop = any_client(signals.requested, number, run.parallel.mesh)
             values = None
             if (logged or evaluate_now or save_now or stop or first_step_s is None
                     or t.loss_spike_factor > 0 or number == t.steps):
