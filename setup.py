@@ -34,7 +34,12 @@ setup(
     extras_require={
         "and-cuda": ["tensorflow[and-cuda]>=2.16,<2.22"],
         # The notebooks' tests run them through a real Jupyter kernel.
-        "test": ["pytest>=7", "pytest-timeout", "nbclient", "nbformat", "ipykernel"],
+        # transformers (with a CPU build of torch) is the reference of every Hugging Face
+        # test: import and `export --format hf` are checked against transformers itself.
+        # torch is pinned to the CPU wheel this project's machines carry; elsewhere pip
+        # takes it from https://download.pytorch.org/whl/cpu (README, "Tests").
+        "test": ["pytest>=7", "pytest-timeout", "nbclient", "nbformat", "ipykernel",
+                 "transformers>=5.0,<6", "torch==2.13.0"],
         # `tfllm plan`: jaxlib's compile-only CUDA client (no NVIDIA wheels, no driver).
         # Pinned: tfllm.plan.gpu_compile uses jax internals checked for this release.
         "plan": ["jax==0.10.2", "jaxlib==0.10.2", "jax-cuda12-plugin==0.10.2",

@@ -18,6 +18,11 @@ def test_xla_cache_directory_per_client(tmp_path):
     assert runtime_env.xla_cache_dir("auto", work, 3) == f"{work}/xla_cache/client_3"
     assert runtime_env.xla_cache_dir("auto", None) is None  # no run directory (bench)
     assert runtime_env.xla_cache_dir("off", work) is None
+    # `--set train.xla_cache=off` reaches the config as YAML's boolean: "false", which
+    # once made a folder named false in the current directory
+    from tfllm.config import load_config
+    setting = load_config(None, ["train.xla_cache=off"]).train.xla_cache
+    assert runtime_env.xla_cache_dir(setting, work) is None
     assert runtime_env.xla_cache_dir("/shared/cache", work) == "/shared/cache"
 
 

@@ -233,6 +233,11 @@ def cmd_eval(args) -> int:
 
 
 def cmd_export(args) -> int:
+    if args.format == "hf":
+        from tfllm.pretrained.hf_export import export_hf
+        print(json.dumps(export_hf(_saved_config(args), args.workdir, args.out, args.dtype,
+                                   args.max_shard_size)))
+        return 0
     if args.format == "keras-hub":
         from tfllm.pretrained.exporter import export_preset
         print(json.dumps(export_preset(_saved_config(args), args.workdir, args.out)))
@@ -344,9 +349,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--set", dest="overrides", action="append", default=[],
                    metavar="SECTION.KEY=VALUE", help="Override a setting.")
     p.add_argument("--out", required=True, help="Output directory.")
-    p.add_argument("--format", default="saved-model", choices=("saved-model", "keras-hub"),
-                   help="saved-model (SavedModel + Keras weights) or keras-hub (a preset "
-                        "that keras_hub.models.CausalLM.from_preset loads).")
+    p.add_argument("--format", default="saved-model",
+                   choices=("saved-model", "keras-hub", "hf"),
+                   help="saved-model (SavedModel + Keras weights), keras-hub (a preset "
+                        "that keras_hub.models.CausalLM.from_preset loads) or hf (a "
+                        "folder that transformers' from_pretrained loads and vLLM serves).")
+    p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"),
+                   help="--format hf: the stored weights' dtype (float32: exact; bfloat16: "
+                        "rounded to nearest even).")
+    p.add_argument("--max-shard-size", default="5GB",
+                   help="--format hf: the largest safetensors file (e.g. 5GB, 500MB); "
+                        "larger models are split, with model.safetensors.index.json.")
     p.set_defaults(fn=cmd_export)
     p = sub.add_parser("import", help="Write a run at step 0 from a local keras-hub preset "
                        "or Hugging Face checkpoint folder, for generate/eval/train/export.")

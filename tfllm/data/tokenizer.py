@@ -173,11 +173,32 @@ def load_keras_hub_tokenizer(path: str, fix: str = "give a keras-hub tokenizer p
 
     try:
         with safe_mode():
+            if (os.path.isdir(path) and not os.path.exists(os.path.join(path, "config.json"))
+                    and os.path.isfile(os.path.join(path, "tokenizer.json"))):
+                return _tokenizer_only_preset(path)
             return keras_hub.tokenizers.Tokenizer.from_preset(path)
     except Exception as e:  # keras-hub raises many kinds for a missing/foreign tokenizer
         first = str(e).strip().splitlines()[0] if str(e).strip() else ""
         raise DataError(f"{path}: keras-hub cannot load a tokenizer from it "
                         f"({type(e).__name__}: {first}); {fix}.") from None
+
+
+def _tokenizer_only_preset(path: str):
+    """What `tokenizer.save_to_preset(path)` wrote (tokenizer.json + assets, no backbone
+    config.json, which `Tokenizer.from_preset` needs to find the class): the tokenizer
+    deserialized from its own config (in the caller's safe mode), then its assets."""
+    import json
+
+    import keras
+    import keras_hub  # noqa: F401  (registers keras-hub's tokenizer classes)
+    with open(os.path.join(path, "tokenizer.json"), encoding="utf-8") as f:
+        config = json.load(f)
+    tokenizer = keras.saving.deserialize_keras_object(config)
+    if not hasattr(tokenizer, "load_preset_assets"):
+        raise ValueError(f"tokenizer.json holds a {type(tokenizer).__name__}, not a keras-hub "
+                         "tokenizer")
+    tokenizer.load_preset_assets(path)
+    return tokenizer
 
 
 def _sha256_of_folder(path: str) -> str:

@@ -71,7 +71,9 @@ def xla_cache_dir(setting: str, workdir: Optional[str], client: int = 0) -> Opti
       workdir: the run's workdir (None: no run directory, so `auto` means no cache).
       client: this process's DTensor client id.
     """
-    if setting == "off":
+    # YAML reads `off` (and `no`, `false`) as a boolean, which the config stores as
+    # "false": all of them mean no cache, never a folder of that name.
+    if str(setting).lower() in ("off", "false", "no", "none", ""):
         return None
     if setting == "auto":
         return os.path.join(workdir, "xla_cache", f"client_{client}") if workdir else None

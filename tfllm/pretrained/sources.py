@@ -307,6 +307,7 @@ class HuggingFaceSource(Source):
 
     def _backbone(self):
         self.hf_config = transformers4_rope(self.loader.config, self.path)
+        check_computation_keys(self.hf_config, self.path)
         converter = self.loader.converter
         convert = converter.convert_backbone_config
         if len(inspect.signature(convert).parameters) != 1:
@@ -385,6 +386,58 @@ class HuggingFaceSource(Source):
         if reader is not None:
             reader.__exit__(None, None, None)
             self._reader = None
+
+
+def _heads_dim(c: dict) -> bool:
+    head_dim = c.get("head_dim")
+    return head_dim is None or head_dim * c["num_attention_heads"] == c["hidden_size"]
+
+
+#: config.json keys that change what a model computes but that keras-hub 0.32's converters
+#: do not read: (model_types, key, accepted(value, config), what tfllm computes). A value
+#: outside `accepted` is refused, naming the key and value, instead of being dropped.
+_COMPUTATION_KEYS = (
+    (("llama", "mistral", "qwen2"), "hidden_act", lambda v, c: v in (None, "silu"),
+     "a SiLU-gated MLP"),
+    (("llama",), "attention_bias", lambda v, c: not v,
+     "no attention biases (Qwen2 folders have q/k/v biases)"),
+    (("llama",), "mlp_bias", lambda v, c: not v, "no MLP biases"),
+    (("llama", "qwen2"), "head_dim", lambda v, c: _heads_dim(c),
+     "head_dim = hidden_size / num_attention_heads (Mistral folders may set another)"),
+    (("gpt2",), "activation_function",
+     lambda v, c: v in (None, "gelu_new", "gelu_pytorch_tanh"), "the tanh GELU"),
+    (("gpt2",), "layer_norm_epsilon", lambda v, c: v is None or abs(v - 1e-5) < 1e-12,
+     "LayerNorm epsilon 1e-5"),
+    (("gpt2",), "n_inner", lambda v, c: v is None or v == 4 * c["n_embd"],
+     "an MLP of 4 x n_embd"),
+    (("gpt2",), "scale_attn_by_inverse_layer_idx", lambda v, c: not v,
+     "the same attention scale in every layer"),
+    (("gpt2",), "scale_attn_weights", lambda v, c: v is None or v,
+     "attention scaled by 1/sqrt(head_dim)"),
+    (("gpt2",), "tie_word_embeddings", lambda v, c: v is None or v,
+     "the output layer tied to the token embedding"),
+    (None, "quantization_config", lambda v, c: v is None, "float weights"),
+    (None, "attn_logit_softcapping", lambda v, c: v is None, "no logit soft-capping"),
+    (None, "final_logit_softcapping", lambda v, c: v is None, "no logit soft-capping"),
+)
+
+
+def check_computation_keys(hf_config: dict, path: str) -> None:
+    """Refuses a config.json setting that keras-hub's converter would silently drop."""
+    model_type = hf_config.get("model_type")
+    for types, key, accepted, computes in _COMPUTATION_KEYS:
+        if types is not None and model_type not in types:
+            continue
+        value = hf_config.get(key)
+        try:
+            ok = accepted(value, hf_config)
+        except (KeyError, TypeError):
+            ok = False
+        if not ok:
+            raise PretrainedError(
+                f"{path}/config.json: {key}={value!r} is not implemented for model_type "
+                f"{model_type!r} (tfllm computes {computes}); importing it would compute "
+                "other logits.")
 
 
 #: keras-hub backbone arguments that carry a RoPE scaling a converter implemented

@@ -1,0 +1,176 @@
+"""Hugging Face folders with transformers itself as the reference.
+
+Folders are written by transformers' `save_pretrained` (not by keras-hub, whose
+converters tfllm shares): tfllm's import must give transformers' float32 logits and
+greedy tokens, on one device and on a mesh, in both config layouts and from bfloat16
+weights; `tfllm export --format hf` must load back in transformers (model and tokenizer)
+with the same logits and write the source's tensors bit for bit.
+"""
+
+import json
+import os
+
+import numpy as np
+import pytest
+
+from tfllm.cli.main import main
+from tfllm.pretrained import from_preset
+from tests.pretrained import helpers
+from tests.pretrained import transformers_reference as ref
+
+# float32 on both sides; only summation orders differ (torch's matmuls vs TF's einsums,
+# softmax, RMSNorm) over widths <= 64 with weights of std 0.3. Measured worst case over
+# the five models: 4.4e-7 of the largest logit (~2.5); 1e-5 (the issue's bound) leaves
+# 20x headroom and catches any wrong tensor, transpose, RoPE frequency or epsilon
+# (errors of 1e-3 and more).
+REL = 1e-5
+
+
+def _tfllm_logits(model, ids):
+    return np.asarray(model(ids), np.float32)
+
+
+def _assert_same_model(ours, theirs):
+    """Logits within REL of the largest, and the same greedy token at every position."""
+    err = np.abs(ours - theirs).max() / np.abs(theirs).max()
+    assert err <= REL, f"largest logit difference {err:.2e} of the largest logit"
+    np.testing.assert_array_equal(ours.argmax(-1), theirs.argmax(-1))
+
+
+@pytest.mark.parametrize("name", sorted(ref.MODELS))
+def test_import_gives_transformers_logits(name, tmp_path):
+    reference = ref.save(name, tmp_path / "hf")
+    ids = helpers.token_ids()
+    _assert_same_model(_tfllm_logits(from_preset(str(tmp_path / "hf")), ids),
+                       ref.logits(reference, ids))
+
+
+def test_transformers4_config_layout_imports_the_same_model(tmp_path):
+    reference = ref.save("llama3", tmp_path / "hf", layout="transformers4")
+    with open(tmp_path / "hf" / "config.json") as f:
+        config = json.load(f)
+    assert "rope_parameters" not in config and config["rope_scaling"]["rope_type"] == "llama3"
+    ids = helpers.token_ids()
+    _assert_same_model(_tfllm_logits(from_preset(str(tmp_path / "hf")), ids),
+                       ref.logits(reference, ids))
+
+
+def test_bfloat16_checkpoint_is_read_exactly(tmp_path):
+    # How almost every published checkpoint is stored: tfllm widens each bfloat16 value
+    # exactly, so it computes what transformers computes from the same weights in float32.
+    reference = ref.save("qwen2", tmp_path / "hf", dtype="bfloat16")
+    stored = ref.safetensors_of(tmp_path / "hf")
+    assert str(stored["model.embed_tokens.weight"].dtype) == "bfloat16"
+    model = from_preset(str(tmp_path / "hf"))
+    embedding = next(v for v in model.variables if v.path.endswith("token_embedding/embeddings"))
+    np.testing.assert_array_equal(
+        embedding.numpy(), stored["model.embed_tokens.weight"].astype(np.float32))
+    ids = helpers.token_ids()
+    _assert_same_model(_tfllm_logits(model, ids), ref.logits(reference, ids))
+
+
+def test_import_on_a_mesh_gives_transformers_logits(tmp_path):
+    from tfllm.config import load_config
+    from tfllm.parallel import make_parallel
+    from tests.pretrained.test_import import sharded_logits
+    reference = ref.save("llama3", tmp_path / "hf")
+    parallel = make_parallel(load_config(None, ["mesh.axes=data=2,model=4"]))
+    model = from_preset(str(tmp_path / "hf"), parallel)
+    ids = helpers.token_ids()
+    _assert_same_model(sharded_logits(model, parallel, ids), ref.logits(reference, ids))
+
+
+def _import_then_export(tmp_path, name, *export_args):
+    ref.save(name, tmp_path / "hf")
+    tokenizer = []
+    if name in ("mistral", "qwen2"):  # see ref.MODELS
+        ref.keras_hub_tokenizer(ref.MODELS[name][2]).save_to_preset(str(tmp_path / "tok"))
+        tokenizer = ["--tokenizer", str(tmp_path / "tok")]
+    assert main(["import", "--preset", str(tmp_path / "hf"), "--workdir",
+                 str(tmp_path / "run"), "--set", "mesh.axes=data=2,model=4",
+                 *tokenizer]) == 0
+    assert main(["export", "--workdir", str(tmp_path / "run"), "--out",
+                 str(tmp_path / "out"), "--format", "hf", *export_args]) == 0
+    return tmp_path / "hf", tmp_path / "out"
+
+
+@pytest.mark.parametrize("name", ["gpt2", "llama3", "mistral", "qwen2"])
+def test_export_hf_loads_in_transformers_and_writes_the_source_tensors(name, tmp_path):
+    # Imported onto data=2,model=4, so the checkpoint holds each weight in blocks.
+    source, out = _import_then_export(tmp_path, name)
+    theirs, ours = ref.safetensors_of(source), ref.safetensors_of(out)
+    assert sorted(ours) == sorted(theirs)
+    for key in theirs:
+        np.testing.assert_array_equal(ours[key], theirs[key], err_msg=key)
+    ids = helpers.token_ids()
+    _assert_same_model(ref.logits(ref.load(out), ids), ref.logits(ref.load(source), ids))
+    # the tokenizer loads in transformers and encodes like the run's own
+    _, transformers = ref._load()
+    text = "Hello world, and a longer sentence."
+    hub = ref.keras_hub_tokenizer(ref.MODELS[name][2])
+    assert transformers.AutoTokenizer.from_pretrained(str(out)).encode(
+        text, add_special_tokens=False) == [int(i) for i in np.asarray(hub(text))]
+    with open(out / "generation_config.json") as f:
+        assert set(json.load(f)) >= {"bos_token_id", "eos_token_id"}
+    # export -> import is exact: the re-imported model computes the same logits
+    np.testing.assert_array_equal(_tfllm_logits(from_preset(str(out)), ids),
+                                  _tfllm_logits(from_preset(str(source)), ids))
+
+
+def test_export_hf_bfloat16_in_shards_with_an_index(tmp_path):
+    source, out = _import_then_export(tmp_path, "llama3", "--dtype", "bfloat16",
+                                      "--max-shard-size", "40KB")
+    with open(out / "model.safetensors.index.json") as f:
+        index = json.load(f)
+    files = sorted(set(index["weight_map"].values()))
+    assert len(files) > 1 and files == sorted(n for n in os.listdir(out)
+                                              if n.endswith(".safetensors"))
+    for name in files:  # no shard above the limit unless one tensor is
+        assert os.path.getsize(out / name) < 40_000 + 4096
+    torch, _ = ref._load()
+    theirs, ours = ref.safetensors_of(source), ref.safetensors_of(out)
+    assert index["metadata"]["total_size"] == sum(a.nbytes for a in ours.values())
+    for key, value in theirs.items():  # round to nearest even, as torch does
+        expected = torch.from_numpy(value).to(torch.bfloat16).float().numpy()
+        np.testing.assert_array_equal(ours[key].astype(np.float32), expected, err_msg=key)
+    with open(out / "config.json") as f:
+        assert json.load(f)["dtype"] == "bfloat16"
+    ref.load(out)  # transformers reads the sharded folder
+
+
+def test_export_hf_never_writes_into_an_existing_folder(tmp_path, capsys):
+    ref.save("gpt2", tmp_path / "hf")
+    assert main(["import", "--preset", str(tmp_path / "hf"), "--workdir",
+                 str(tmp_path / "run")]) == 0
+    (tmp_path / "out").mkdir()
+    (tmp_path / "out" / "mine.txt").write_text("keep")
+    code = main(["export", "--workdir", str(tmp_path / "run"), "--out",
+                 str(tmp_path / "out"), "--format", "hf"])
+    assert code == 2 and "exists and is not empty" in capsys.readouterr().err
+    assert os.listdir(tmp_path / "out") == ["mine.txt"]
+    assert not [n for n in os.listdir(tmp_path) if "exporting" in n]
+
+
+@pytest.mark.parametrize("name,key,value", [
+    ("llama3", "attention_bias", True),
+    ("llama3", "mlp_bias", True),
+    ("llama3", "hidden_act", "gelu"),
+    ("llama3", "head_dim", 8),
+    ("qwen2", "hidden_act", "relu"),
+    ("gpt2", "activation_function", "relu"),
+    ("gpt2", "layer_norm_epsilon", 1e-6),
+    ("gpt2", "scale_attn_by_inverse_layer_idx", True),
+    ("gpt2", "tie_word_embeddings", False),
+    ("llama3", "quantization_config", {"quant_method": "bitsandbytes"}),
+])
+def test_a_setting_keras_hub_would_drop_is_refused_naming_it(name, key, value, tmp_path):
+    # keras-hub 0.32's converters read none of these: imported, each would compute other
+    # logits than transformers without a word.
+    from tfllm.pretrained.families import PretrainedError
+    ref.save(name, tmp_path / "hf")
+    path = tmp_path / "hf" / "config.json"
+    config = json.loads(path.read_text())
+    config[key] = value
+    path.write_text(json.dumps(config))
+    with pytest.raises(PretrainedError, match=f"{key}={value!r}"):
+        from_preset(str(tmp_path / "hf"))

@@ -1,0 +1,135 @@
+"""Tiny random models written by transformers' own `save_pretrained`: the reference every
+Hugging Face test compares tfllm with (float32 logits computed by transformers itself).
+
+Tokenizers: the byte-level BPE of `tfllm.pretrained.demo`, written as Hugging Face files
+by keras-hub's exporter (tokenizer.json for Llama 3 style, vocab.json + merges.txt for
+GPT-2 style), as users have them next to a checkpoint.
+"""
+
+import json
+import os
+
+import numpy as np
+
+from tests.pretrained.helpers import VOCAB
+
+torch = None
+transformers = None
+
+
+def _load():
+    global torch, transformers
+    if transformers is None:
+        import torch as _torch
+        import transformers as _transformers
+        torch, transformers = _torch, _transformers
+    return torch, transformers
+
+
+_SMALL = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+              num_attention_heads=8, num_key_value_heads=4, max_position_embeddings=64,
+              rms_norm_eps=1e-5)
+
+#: name -> (config class name, arguments, tokenizer kind); one per family and variant
+MODELS = {
+    "gpt2": ("GPT2Config", dict(vocab_size=VOCAB, n_embd=32, n_layer=2, n_head=8, n_inner=128,
+                                n_positions=48, bos_token_id=0, eos_token_id=1), "gpt2"),
+    # Llama 3.1: llama3 RoPE scaling, exercised past its pre-training length (16 < 40)
+    "llama3": ("LlamaConfig", dict(_SMALL, rope_parameters={
+        "rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0, "original_max_position_embeddings": 16}), "llama3"),
+    # Llama 3.2 1B/3B: tied embeddings
+    "llama3_tied": ("LlamaConfig", dict(_SMALL, tie_word_embeddings=True,
+                                        rope_parameters={"rope_type": "default",
+                                                         "rope_theta": 10000.0}), "llama3"),
+    # Mistral: head_dim apart from hidden / heads (as Mistral Nemo), a window longer than
+    # the sequences
+    "mistral": ("MistralConfig", dict(_SMALL, head_dim=8, sliding_window=64), "llama3"),
+    # Qwen2: q/k/v biases, tied embeddings. (keras-hub reads Mistral's tokenizer only
+    # from a SentencePiece tokenizer.model and Qwen's only from a tokenizer.json with
+    # Qwen's special tokens: the import tests pass these two a BPE with --tokenizer.)
+    "qwen2": ("Qwen2Config", dict(_SMALL, tie_word_embeddings=True), "gpt2"),
+}
+
+
+def make_model(name: str, seed: int = 0):
+    """A transformers CausalLM with every parameter drawn from N(0, 0.3^2) (norm scales
+    included), so that the logits depend on every tensor."""
+    torch, transformers = _load()
+    cls_name, kwargs, _ = MODELS[name]
+    config = getattr(transformers, cls_name)(**kwargs)
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32,
+                                                          attn_implementation="eager")
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(torch.randn(p.shape, generator=generator) * 0.3)
+    return model.eval()
+
+
+def keras_hub_tokenizer(kind: str):
+    import keras_hub
+
+    from tfllm.pretrained.demo import SPECIAL_TOKENS, bpe_vocabulary
+    vocab, merges = bpe_vocabulary(SPECIAL_TOKENS[kind], VOCAB)
+    cls = keras_hub.models.GPT2Tokenizer if kind == "gpt2" else \
+        keras_hub.models.Llama3Tokenizer
+    return cls(vocabulary=vocab, merges=merges)
+
+
+def save(name: str, path, dtype: str = "float32", layout: str = "transformers5",
+         seed: int = 0):
+    """Writes model `name` with `save_pretrained` (weights in `dtype`) and its tokenizer
+    files into `path`; returns the float32 transformers model of the saved weights.
+
+    layout: `transformers5` (what transformers 5 writes: rope_parameters) or
+      `transformers4` (the same config rewritten as transformers 4 wrote it: rope_theta
+      and rope_scaling at the top level).
+    """
+    torch, transformers = _load()
+    from keras_hub.src.utils.transformers.export.hf_exporter import export_tokenizer
+    model = make_model(name, seed)
+    if dtype == "bfloat16":
+        model = model.to(torch.bfloat16)
+    model.save_pretrained(str(path))
+    export_tokenizer(keras_hub_tokenizer(MODELS[name][2]), str(path))
+    if layout == "transformers4":
+        config_path = os.path.join(str(path), "config.json")
+        with open(config_path) as f:
+            config = json.load(f)
+        rope = dict(config.pop("rope_parameters"))
+        config["rope_theta"] = rope.pop("rope_theta")
+        kind = rope.pop("rope_type")
+        if kind != "default":
+            config["rope_scaling"] = {"rope_type": kind, **rope}
+        config["transformers_version"] = "4.57.1"
+        with open(config_path, "w") as f:
+            json.dump(config, f, indent=2)
+    return load(path)
+
+
+def load(path):
+    """The folder loaded by transformers in float32 (eager attention: plain matmuls)."""
+    torch, transformers = _load()
+    return transformers.AutoModelForCausalLM.from_pretrained(
+        str(path), dtype=torch.float32, attn_implementation="eager").eval()
+
+
+def logits(model, ids) -> np.ndarray:
+    torch, _ = _load()
+    with torch.no_grad():
+        return model(torch.tensor(np.asarray(ids, np.int64))).logits.float().numpy()
+
+
+def safetensors_of(path) -> dict:
+    """Every tensor of a folder's safetensors files, as float32-viewable numpy arrays
+    (bfloat16 stays bfloat16 through ml_dtypes)."""
+    from safetensors import safe_open
+    out = {}
+    for name in sorted(os.listdir(str(path))):
+        if name.endswith(".safetensors"):
+            with safe_open(os.path.join(str(path), name), framework="np") as f:
+                for key in f.keys():
+                    out[key] = f.get_tensor(key)
+    return out

@@ -1,0 +1,449 @@
+"""A tfllm run out as a Hugging Face Transformers folder (`tfllm export --format hf`).
+
+The folder is what `transformers.AutoModelForCausalLM.from_pretrained` and
+`AutoTokenizer.from_pretrained` load, and therefore what vLLM and SGLang serve:
+
+* `config.json` in the current transformers layout (`rope_parameters`, transformers 5;
+  transformers 4.x reads the same keys it knows and ignores the rest, so the RoPE
+  scaling of such a folder is only honoured by transformers >= 5);
+* `model.safetensors`, or `model-0000K-of-0000N.safetensors` shards plus
+  `model.safetensors.index.json` when the weights exceed `max_shard_bytes` (the split
+  transformers' own `save_pretrained(max_shard_size=...)` makes);
+* the tokenizer files (keras-hub's own Hugging Face exporter writes them) and
+  `generation_config.json` (the tokenizer's bos/eos ids).
+
+Weights are read straight from the run's latest committed checkpoint, one tensor at a
+time (`tfllm.checkpoint.reader`: each tensor is assembled from the blocks every client
+saved), so a run sharded over any mesh and any number of clients is exported by one
+process that never holds more than one tensor of the model (GPT-2's fused q/k/v: three).
+No model is built and no mesh is needed. Everything is written under a temporary name
+next to `out` and renamed last; an existing `out` is never replaced.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import struct
+from dataclasses import dataclass
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
+
+import numpy as np
+
+from tfllm.pretrained.families import PretrainedError
+
+#: transformers' own default shard size for `save_pretrained` (4.x): 5 GB.
+DEFAULT_MAX_SHARD_BYTES = 5 * 10**9
+
+#: --dtype -> (numpy dtype name, safetensors dtype code)
+DTYPES = {"float32": ("float32", "F32"), "bfloat16": ("bfloat16", "BF16")}
+
+
+@dataclass(frozen=True)
+class Tensor:
+    """One tensor of the Hugging Face folder, made from tfllm checkpoint variables."""
+
+    key: str                          # the Hugging Face name
+    sources: Tuple[str, ...]          # tfllm variable paths below the model's name
+    shape: Tuple[int, ...]            # the Hugging Face shape
+    make: Callable[..., np.ndarray]   # (*source arrays) -> array of `shape`
+
+
+def _same(x):
+    return x
+
+
+def _linear(x):
+    """A kernel (in, ...) or (..., out) laid out as tfllm's einsum uses it -> a
+    torch nn.Linear weight (out, in)."""
+    return x.T
+
+
+# ---- the weight tables ------------------------------------------------------------------
+def _llama_tensors(m, tie: bool) -> List[Tensor]:
+    h, kv = m.num_query_heads, m.num_key_value_heads or m.num_query_heads
+    hd = m.head_dim or m.hidden_dim // m.num_query_heads
+    e, i_dim = m.hidden_dim, m.intermediate_dim
+    out = [Tensor("model.embed_tokens.weight", ("token_embedding/embeddings",),
+                  (m.vocab_size, e), _same)]
+    for i in range(m.num_layers):
+        ours, theirs = f"block_{i}/", f"model.layers.{i}."
+        out += [
+            Tensor(theirs + "input_layernorm.weight", (ours + "attention_norm/scale",),
+                   (e,), _same),
+            Tensor(theirs + "post_attention_layernorm.weight", (ours + "mlp_norm/scale",),
+                   (e,), _same),
+            # (E, heads, head_dim) -> (heads * head_dim, E)
+            Tensor(theirs + "self_attn.q_proj.weight", (ours + "attention/query/kernel",),
+                   (h * hd, e), lambda x, n=h * hd: x.reshape(-1, n).T),
+            Tensor(theirs + "self_attn.k_proj.weight", (ours + "attention/key/kernel",),
+                   (kv * hd, e), lambda x, n=kv * hd: x.reshape(-1, n).T),
+            Tensor(theirs + "self_attn.v_proj.weight", (ours + "attention/value/kernel",),
+                   (kv * hd, e), lambda x, n=kv * hd: x.reshape(-1, n).T),
+            # (heads, head_dim, E) -> (E, heads * head_dim)
+            Tensor(theirs + "self_attn.o_proj.weight", (ours + "attention/output/kernel",),
+                   (e, h * hd), lambda x, n=h * hd: x.reshape(n, -1).T),
+            Tensor(theirs + "mlp.gate_proj.weight", (ours + "mlp/gate/kernel",),
+                   (i_dim, e), _linear),
+            Tensor(theirs + "mlp.up_proj.weight", (ours + "mlp/up/kernel",), (i_dim, e),
+                   _linear),
+            Tensor(theirs + "mlp.down_proj.weight", (ours + "mlp/down/kernel",),
+                   (e, i_dim), _linear),
+        ]
+        if _qkv_bias(m):
+            for name, heads in (("q", h), ("k", kv), ("v", kv)):
+                source = {"q": "query", "k": "key", "v": "value"}[name]
+                out.append(Tensor(f"{theirs}self_attn.{name}_proj.bias",
+                                  (f"{ours}attention/{source}/bias",), (heads * hd,),
+                                  lambda x: x.reshape(-1)))
+    out.append(Tensor("model.norm.weight", ("final_norm/scale",), (e,), _same))
+    if not tie:
+        out.append(Tensor("lm_head.weight", ("lm_head/kernel",), (m.vocab_size, e), _linear))
+    return out
+
+
+def _gpt2_tensors(m) -> List[Tensor]:
+    e, i_dim = m.hidden_dim, m.intermediate_dim
+    out = [Tensor("transformer.wte.weight", ("token_embedding/embeddings",),
+                  (m.vocab_size, e), _same),
+           Tensor("transformer.wpe.weight", ("position_embedding/embeddings",),
+                  (m.max_sequence_length, e), _same)]
+
+    def fused(q, k, v):  # GPT-2's Conv1D c_attn: (E, 3E), q | k | v
+        return np.concatenate([t.reshape(e, -1) for t in (q, k, v)], axis=1)
+
+    def fused_bias(q, k, v):
+        return np.concatenate([t.reshape(-1) for t in (q, k, v)])
+
+    for i in range(m.num_layers):
+        ours, theirs = f"block_{i}/", f"transformer.h.{i}."
+        attn = [f"{ours}attention/{n}" for n in ("query", "key", "value")]
+        out += [
+            Tensor(theirs + "ln_1.weight", (ours + "attention_norm/scale",), (e,), _same),
+            Tensor(theirs + "ln_1.bias", (ours + "attention_norm/bias",), (e,), _same),
+            Tensor(theirs + "attn.c_attn.weight", tuple(a + "/kernel" for a in attn),
+                   (e, 3 * e), fused),
+            Tensor(theirs + "attn.c_attn.bias", tuple(a + "/bias" for a in attn),
+                   (3 * e,), fused_bias),
+            # Conv1D weights are (in, out), as tfllm's kernels are: no transpose.
+            Tensor(theirs + "attn.c_proj.weight", (ours + "attention/output/kernel",),
+                   (e, e), lambda x: x.reshape(e, e)),
+            Tensor(theirs + "attn.c_proj.bias", (ours + "attention/output/bias",), (e,),
+                   _same),
+            Tensor(theirs + "ln_2.weight", (ours + "mlp_norm/scale",), (e,), _same),
+            Tensor(theirs + "ln_2.bias", (ours + "mlp_norm/bias",), (e,), _same),
+            Tensor(theirs + "mlp.c_fc.weight", (ours + "mlp/up/kernel",), (e, i_dim), _same),
+            Tensor(theirs + "mlp.c_fc.bias", (ours + "mlp/up/bias",), (i_dim,), _same),
+            Tensor(theirs + "mlp.c_proj.weight", (ours + "mlp/down/kernel",), (i_dim, e),
+                   _same),
+            Tensor(theirs + "mlp.c_proj.bias", (ours + "mlp/down/bias",), (e,), _same),
+        ]
+    out += [Tensor("transformer.ln_f.weight", ("final_norm/scale",), (e,), _same),
+            Tensor("transformer.ln_f.bias", ("final_norm/bias",), (e,), _same)]
+    return out
+
+
+# ---- the config -------------------------------------------------------------------------
+def _qkv_bias(m) -> bool:
+    return bool(m.qkv_bias if m.qkv_bias is not None else m.use_bias)
+
+
+def model_type_for(m, backbone: Optional[str]) -> str:
+    """The transformers model_type a tfllm model section is written as.
+
+    An imported run keeps its architecture (pretrained.json's keras-hub backbone);
+    otherwise GPT-2 for `gpt`, Qwen2 for a Llama with q/k/v biases, else Llama.
+    """
+    if m.family == "gpt":
+        return "gpt2"
+    if backbone == "MistralBackbone" and not _qkv_bias(m) and not _tied(m):
+        return "mistral"
+    return "qwen2" if _qkv_bias(m) else "llama"
+
+
+def _tied(m) -> bool:
+    return bool(m.tie_embeddings if m.tie_embeddings is not None else m.family == "gpt")
+
+
+def _rope_parameters(m) -> dict:
+    rope = {"rope_type": "default", "rope_theta": float(m.rope_theta)}
+    if m.rope_scaling == "linear":
+        rope.update(rope_type="linear", factor=float(m.rope_scaling_factor))
+    elif m.rope_scaling == "llama3":
+        rope.update(rope_type="llama3", factor=float(m.rope_scaling_factor),
+                    low_freq_factor=float(m.rope_low_freq_factor),
+                    high_freq_factor=float(m.rope_high_freq_factor),
+                    original_max_position_embeddings=int(m.rope_original_max_length))
+    elif m.rope_scaling != "none":
+        raise PretrainedError(f"model.rope_scaling={m.rope_scaling!r} has no transformers "
+                              "counterpart tfllm writes (none, linear, llama3).")
+    return rope
+
+
+def hf_config(m, model_type: str, dtype: str, bos: Optional[int],
+              eos: Optional[int]) -> dict:
+    """config.json for tfllm's model section `m` as `model_type` (transformers 5 layout)."""
+    common = {"vocab_size": m.vocab_size, "bos_token_id": bos, "eos_token_id": eos,
+              "tie_word_embeddings": _tied(m), "dtype": dtype, "use_cache": True}
+    if model_type == "gpt2":
+        if m.use_bias is False or m.qkv_bias is False or not _tied(m):
+            raise PretrainedError("GPT-2 has biases everywhere and tied embeddings; this "
+                                  "model (model.use_bias/qkv_bias/tie_embeddings) cannot be "
+                                  "written as gpt2.")
+        if (m.num_key_value_heads not in (0, m.num_query_heads)
+                or m.head_dim not in (0, m.hidden_dim // m.num_query_heads)):
+            raise PretrainedError("GPT-2 has no grouped-query heads and head_dim = "
+                                  "hidden_dim / num_query_heads; this model cannot be written "
+                                  "as gpt2.")
+        return {"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2",
+                "n_embd": m.hidden_dim, "n_layer": m.num_layers, "n_head": m.num_query_heads,
+                "n_inner": m.intermediate_dim, "n_positions": m.max_sequence_length,
+                "activation_function": "gelu_new",  # tfllm's gelu is the tanh form
+                "layer_norm_epsilon": float(m.norm_epsilon),
+                # tfllm trains without dropout; a model fine-tuned further in
+                # transformers gets none either unless it asks.
+                "attn_pdrop": 0.0, "embd_pdrop": 0.0, "resid_pdrop": 0.0,
+                "scale_attn_weights": True, "scale_attn_by_inverse_layer_idx": False,
+                "reorder_and_upcast_attn": False, **common}
+    if m.use_bias:
+        raise PretrainedError("model.use_bias=true (biases on every projection) has no "
+                              "Llama/Mistral/Qwen2 counterpart in transformers; only q/k/v "
+                              "biases (model.qkv_bias, Qwen2) are written.")
+    names = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
+             "qwen2": "Qwen2ForCausalLM"}
+    out = {"architectures": [names[model_type]], "model_type": model_type,
+           "hidden_size": m.hidden_dim, "intermediate_size": m.intermediate_dim,
+           "num_hidden_layers": m.num_layers, "num_attention_heads": m.num_query_heads,
+           "num_key_value_heads": m.num_key_value_heads or m.num_query_heads,
+           "head_dim": m.head_dim or m.hidden_dim // m.num_query_heads,
+           "hidden_act": "silu", "max_position_embeddings": m.max_sequence_length,
+           "rms_norm_eps": float(m.norm_epsilon), "rope_parameters": _rope_parameters(m),
+           "attention_dropout": 0.0, **common}
+    if model_type == "llama":
+        out.update(attention_bias=False, mlp_bias=False, pretraining_tp=1)
+    elif model_type == "mistral":
+        out["sliding_window"] = None  # tfllm computes full causal attention
+    else:  # qwen2: full attention in every layer, as tfllm computes
+        out.update(use_sliding_window=False, sliding_window=None,
+                   max_window_layers=m.num_layers,
+                   layer_types=["full_attention"] * m.num_layers)
+    return out
+
+
+def tensors_for(m, model_type: str) -> List[Tensor]:
+    """Every tensor of the Hugging Face folder, in the order written."""
+    if model_type == "gpt2":
+        return _gpt2_tensors(m)
+    return _llama_tensors(m, _tied(m))
+
+
+# ---- safetensors, one tensor at a time -----------------------------------------------------
+def _parse_size(text) -> int:
+    """'5GB', '500MB', '2GiB' or a byte count -> bytes (transformers' max_shard_size)."""
+    if isinstance(text, int):
+        return text
+    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B|B)?\s*", str(text), re.I)
+    if not match:
+        raise PretrainedError(f"--max-shard-size {text!r}: give a size such as 5GB, 500MB "
+                              "or a number of bytes.")
+    unit = (match.group(2) or "B").upper()
+    scale = {"B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
+             "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}[unit]
+    size = int(float(match.group(1)) * scale)
+    if size <= 0:
+        raise PretrainedError(f"--max-shard-size {text!r}: must be positive.")
+    return size
+
+
+def plan_shards(tensors: Sequence[Tensor], itemsize: int,
+                max_bytes: int) -> List[List[Tensor]]:
+    """Tensors in order, split where the next one would exceed `max_bytes` (a tensor
+    larger than the limit gets a shard of its own, as in transformers)."""
+    shards, current, size = [], [], 0
+    for t in tensors:
+        n = int(np.prod(t.shape, dtype=np.int64)) * itemsize
+        if current and size + n > max_bytes:
+            shards.append(current)
+            current, size = [], 0
+        current.append(t)
+        size += n
+    if current:
+        shards.append(current)
+    return shards
+
+
+def _write_safetensors(path: str, tensors: Sequence[Tensor], code: str, itemsize: int,
+                       produce: Callable[[Tensor], np.ndarray]) -> None:
+    """Writes a safetensors file: the header first (shapes are known), then each tensor
+    as it is produced, so only one is in memory."""
+    header, offset = {"__metadata__": {"format": "pt"}}, 0
+    for t in tensors:
+        n = int(np.prod(t.shape, dtype=np.int64)) * itemsize
+        header[t.key] = {"dtype": code, "shape": list(t.shape),
+                         "data_offsets": [offset, offset + n]}
+        offset += n
+    data = json.dumps(header, separators=(",", ":")).encode("utf-8")
+    data += b" " * (-len(data) % 8)
+    with open(path, "wb") as f:
+        f.write(struct.pack("<Q", len(data)))
+        f.write(data)
+        for t in tensors:
+            array = produce(t)
+            f.write(np.ascontiguousarray(array).tobytes())
+        f.flush()
+        os.fsync(f.fileno())
+
+
+# ---- the export --------------------------------------------------------------------------
+def _model_prefix(names) -> str:
+    """'model/<model name>/' of the checkpoint's model variables."""
+    for name in names:
+        if name.startswith("model/") and name.endswith("/token_embedding/embeddings"):
+            return name[: -len("token_embedding/embeddings")]
+    raise PretrainedError("the checkpoint holds no model/.../token_embedding/embeddings; it "
+                          "is not a tfllm model checkpoint.")
+
+
+def _reader_array(reader, name: str) -> np.ndarray:
+    """The whole value of checkpoint variable `name`, assembled from its saved blocks."""
+    from tfllm.checkpoint.reader import _numpy_dtype
+    from tfllm.checkpoint.shards import assemble
+    entry = reader.variables[name]
+    saved = [(tuple(b["start"]), tuple(b["size"])) for b in entry["blocks"]]
+    shape = tuple(int(n) for n in entry["shape"])
+    cache: Dict[int, np.ndarray] = {}
+
+    def read(i):
+        if i not in cache:
+            cache[i] = reader.read_block(name, i)
+        return cache[i]
+    return assemble(((0,) * len(shape), shape), saved, read, _numpy_dtype(entry["dtype"]),
+                    name)
+
+
+def _tokenizer_files(config, out: str) -> Tuple[bool, Optional[int], Optional[int], str]:
+    """Writes the run's tokenizer as Hugging Face files into `out`.
+
+    Returns:
+      (written, bos id, eos id, why not when not written).
+    """
+    from tfllm.data.tokenizer import load_keras_hub_tokenizer
+    d = config.data
+    path = os.path.expanduser(d.tokenizer_path or "")
+    if d.tokenizer != "file" or not os.path.isdir(path):
+        return False, None, None, (f"the run's tokenizer (data.tokenizer={d.tokenizer}) is "
+                                   "not a keras-hub tokenizer preset")
+    tokenizer = load_keras_hub_tokenizer(path)
+    from keras_hub.src.utils.transformers.export import hf_exporter
+    bos = eos = None
+    if getattr(tokenizer, "start_token", None) is not None:
+        bos = int(tokenizer.token_to_id(tokenizer.start_token))
+    if getattr(tokenizer, "end_token", None) is not None:
+        eos = int(tokenizer.token_to_id(tokenizer.end_token))
+    try:
+        hf_exporter.export_tokenizer(tokenizer, out)
+    except ValueError as e:  # a tokenizer class keras-hub cannot write
+        return False, bos, eos, str(e)
+    return True, bos, eos, ""
+
+
+def export_hf(config, workdir: str, out: str, dtype: str = "float32",
+              max_shard_size="5GB") -> dict:
+    """Writes the run in `workdir` (latest checkpoint) as a Hugging Face folder `out`.
+
+    Args:
+      config: the run's config (its config.yaml, or the checkpoint's).
+      workdir: the run directory.
+      out: the folder to create; it must not exist (or be empty).
+      dtype: `float32` (the checkpoint's master weights, exactly) or `bfloat16` (rounded
+        to nearest even, how most published checkpoints are stored).
+      max_shard_size: the largest safetensors file, as transformers' `max_shard_size`.
+
+    Returns:
+      A summary: out, step, model_type, dtype, files, tensors, bytes, tokenizer.
+    """
+    from tfllm.checkpoint.reader import Reader
+    from tfllm.checkpoint.storage import latest
+    from tfllm.pretrained.importer import read_origin
+
+    if dtype not in DTYPES:
+        raise PretrainedError(f"--dtype {dtype}: choose one of {sorted(DTYPES)}.")
+    max_bytes = _parse_size(max_shard_size)
+    out = os.path.abspath(os.path.expanduser(out))
+    if os.path.lexists(out) and (not os.path.isdir(out) or os.listdir(out)):
+        raise PretrainedError(f"--out {out} exists and is not empty; export into a new "
+                              "directory (an export never overwrites files).")
+    m = config.model
+    origin = read_origin(workdir) or {}
+    model_type = model_type_for(m, origin.get("backbone"))
+    path = latest(os.path.join(workdir, "checkpoints"))
+    if path is None:
+        raise FileNotFoundError(f"{os.path.join(workdir, 'checkpoints')} holds no committed "
+                                "checkpoint; train or import first.")
+    reader = Reader(path)
+    prefix = _model_prefix(reader.variables)
+    tensors = tensors_for(m, model_type)
+    for t in tensors:
+        for s in t.sources:
+            if prefix + s not in reader.variables:
+                raise PretrainedError(f"{path}: holds no {prefix + s} for {t.key}; the "
+                                      "checkpoint does not match the run's model config.")
+    np_name, code = DTYPES[dtype]
+    np_dtype = np.dtype(np.float32) if np_name == "float32" else _bfloat16()
+
+    def produce(t: Tensor) -> np.ndarray:
+        arrays = [_reader_array(reader, prefix + s).astype(np.float32, copy=False)
+                  for s in t.sources]
+        array = t.make(*arrays)
+        if tuple(array.shape) != t.shape:
+            raise PretrainedError(f"{t.key}: made shape {list(array.shape)} from "
+                                  f"{list(t.sources)}, transformers expects {list(t.shape)}; "
+                                  "the checkpoint does not match the run's model config.")
+        return array.astype(np_dtype)
+
+    parent = os.path.dirname(out) or "."
+    os.makedirs(parent, exist_ok=True)
+    tmp = os.path.join(parent, f".{os.path.basename(out)}.exporting-{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)  # only this process's own name
+    os.makedirs(tmp)
+    try:
+        written, bos, eos, why = _tokenizer_files(config, tmp)
+        with open(os.path.join(tmp, "config.json"), "w", encoding="utf-8") as f:
+            json.dump(hf_config(m, model_type, dtype, bos, eos), f, indent=2,
+                      sort_keys=True)
+        with open(os.path.join(tmp, "generation_config.json"), "w", encoding="utf-8") as f:
+            json.dump({"bos_token_id": bos, "eos_token_id": eos}, f, indent=2)
+        itemsize = np_dtype.itemsize
+        shards = plan_shards(tensors, itemsize, max_bytes)
+        files = []
+        weight_map = {}
+        for k, shard in enumerate(shards):
+            name = ("model.safetensors" if len(shards) == 1 else
+                    f"model-{k + 1:05d}-of-{len(shards):05d}.safetensors")
+            _write_safetensors(os.path.join(tmp, name), shard, code, itemsize, produce)
+            files.append(name)
+            weight_map.update({t.key: name for t in shard})
+        total = sum(int(np.prod(t.shape, dtype=np.int64)) * itemsize for t in tensors)
+        if len(shards) > 1:
+            with open(os.path.join(tmp, "model.safetensors.index.json"), "w",
+                      encoding="utf-8") as f:
+                json.dump({"metadata": {"total_size": total},
+                           "weight_map": dict(sorted(weight_map.items()))}, f, indent=2)
+        if os.path.isdir(out):
+            os.rmdir(out)  # empty (checked above)
+        os.replace(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    summary = {"out": out, "step": reader.step, "model_type": model_type, "dtype": dtype,
+               "files": files, "tensors": len(tensors), "bytes": total, "tokenizer": written}
+    if not written:
+        summary["tokenizer_note"] = why
+    return summary
+
+
+def _bfloat16():
+    import ml_dtypes
+    return np.dtype(ml_dtypes.bfloat16)
