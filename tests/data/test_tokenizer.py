@@ -143,3 +143,19 @@ def test_keras_hub_preset_directory(tmp_path):
     assert traced is t.traced_encode()
     assert traced(tf.constant("def f0(x):")).numpy().tolist() == ids
     assert traced.experimental_get_tracing_count() == 1
+
+
+@pytest.mark.parametrize("kind", ["byte", "sentencepiece", "keras-hub-bpe"])
+def test_decoding_an_id_beyond_the_vocabulary_never_crashes(kind, tmp_path):
+    # A model's vocabulary may be padded past its tokenizer's (tfllm allows it), so a
+    # sampled id can be one the tokenizer does not have: every kind drops it.
+    if kind == "byte":
+        t = tok.ByteTokenizer()
+    elif kind == "sentencepiece":
+        t = tok.SentencePieceTokenizer(tok.train_sentencepiece(make_docs(40), 96))
+    else:
+        from tests.pretrained import transformers_reference as ref
+        ref.keras_hub_tokenizer("llama3").save_to_preset(str(tmp_path / "tok"))
+        t = tok.KerasHubTokenizer(str(tmp_path / "tok"))
+    ids = [int(i) for i in t.encode("hello")]
+    assert t.decode(ids + [t.vocab_size, t.vocab_size + 1000, -1]) == t.decode(ids)
