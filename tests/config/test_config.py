@@ -12,7 +12,7 @@ ALL_KEYS = {
               "num_key_value_heads", "head_dim", "intermediate_dim", "max_sequence_length",
               "tie_embeddings", "use_bias", "norm_epsilon", "rope_theta", "rope_scaling",
               "rope_scaling_factor", "rope_low_freq_factor", "rope_high_freq_factor",
-              "rope_original_max_length", "qkv_bias", "attention_chunk", "remat",
+              "rope_original_max_length", "qkv_bias", "qk_norm", "attention_chunk", "remat",
               "init_std"],
     "mesh": ["axes", "device_type", "num_cpu_devices", "rules", "gpu_memory_reserve_mb",
              "gpu_allocator"],

@@ -31,6 +31,9 @@ BACKBONES = {
     # linear RoPE scaling (positions / 2), as Qwen2's and Mistral's RotaryEmbedding apply it
     "qwen": (keras_hub.models.QwenBackbone, dict(_LLAMA, tie_word_embeddings=False,
                                                  rope_scaling_factor=2.0)),
+    # query/key norms, head_dim apart from hidden / heads, tied
+    "qwen3": (keras_hub.models.Qwen3Backbone, dict(_LLAMA, head_dim=8,
+                                                   tie_word_embeddings=True)),
 }
 
 def random_weights(backbone, seed=0):

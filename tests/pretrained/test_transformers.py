@@ -69,11 +69,12 @@ def test_bfloat16_checkpoint_is_read_exactly(tmp_path):
     _assert_same_model(_tfllm_logits(model, ids), ref.logits(reference, ids))
 
 
-def test_import_on_a_mesh_gives_transformers_logits(tmp_path):
+@pytest.mark.parametrize("name", ["llama3", "qwen3"])
+def test_import_on_a_mesh_gives_transformers_logits(name, tmp_path):
     from tfllm.config import load_config
     from tfllm.parallel import make_parallel
     from tests.pretrained.test_import import sharded_logits
-    reference = ref.save("llama3", tmp_path / "hf")
+    reference = ref.save(name, tmp_path / "hf")
     parallel = make_parallel(load_config(None, ["mesh.axes=data=2,model=4"]))
     model = from_preset(str(tmp_path / "hf"), parallel)
     ids = helpers.token_ids()
@@ -83,7 +84,7 @@ def test_import_on_a_mesh_gives_transformers_logits(tmp_path):
 def _import_then_export(tmp_path, name, *export_args):
     ref.save(name, tmp_path / "hf")
     tokenizer = []
-    if name in ("mistral", "qwen2"):  # see ref.MODELS
+    if name in ("mistral", "qwen2", "qwen3"):  # see ref.MODELS
         ref.keras_hub_tokenizer(ref.MODELS[name][2]).save_to_preset(str(tmp_path / "tok"))
         tokenizer = ["--tokenizer", str(tmp_path / "tok")]
     assert main(["import", "--preset", str(tmp_path / "hf"), "--workdir",
@@ -94,7 +95,7 @@ def _import_then_export(tmp_path, name, *export_args):
     return tmp_path / "hf", tmp_path / "out"
 
 
-@pytest.mark.parametrize("name", ["gpt2", "llama3", "mistral", "qwen2"])
+@pytest.mark.parametrize("name", ["gpt2", "llama3", "mistral", "qwen2", "qwen3"])
 def test_export_hf_loads_in_transformers_and_writes_the_source_tensors(name, tmp_path):
     # Imported onto data=2,model=4, so the checkpoint holds each weight in blocks.
     source, out = _import_then_export(tmp_path, name)
@@ -157,6 +158,7 @@ def test_export_hf_never_writes_into_an_existing_folder(tmp_path, capsys):
     ("llama3", "hidden_act", "gelu"),
     ("llama3", "head_dim", 8),
     ("qwen2", "hidden_act", "relu"),
+    ("qwen3", "attention_bias", True),
     ("gpt2", "activation_function", "relu"),
     ("gpt2", "layer_norm_epsilon", 1e-6),
     ("gpt2", "scale_attn_by_inverse_layer_idx", True),

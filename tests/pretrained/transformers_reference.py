@@ -49,6 +49,8 @@ MODELS = {
     # from a SentencePiece tokenizer.model and Qwen's only from a tokenizer.json with
     # Qwen's special tokens: the import tests pass these two a BPE with --tokenizer.)
     "qwen2": ("Qwen2Config", dict(_SMALL, tie_word_embeddings=True), "gpt2"),
+    # Qwen3: query/key RMSNorm, head_dim apart from hidden / heads, untied (as 8B+)
+    "qwen3": ("Qwen3Config", dict(_SMALL, head_dim=8, tie_word_embeddings=False), "gpt2"),
 }
 
 

@@ -197,6 +197,9 @@ def validate(cfg: schema.Config) -> None:
         raise ConfigError(f"model.rope_high_freq_factor ({m.rope_high_freq_factor}) must "
                           f"exceed model.rope_low_freq_factor ({m.rope_low_freq_factor}) for "
                           "rope_scaling=llama3 (Llama 3.1 uses 4.0 and 1.0).")
+    if m.qk_norm and m.family != "llama":
+        raise ConfigError("model.qk_norm=true is a llama-family setting (Qwen3); the gpt "
+                          "family has no query/key norms: set model.family=llama.")
     if cfg.data.sequence_length > m.max_sequence_length:
         raise ConfigError(f"data.sequence_length ({cfg.data.sequence_length}) exceeds "
                           f"model.max_sequence_length ({m.max_sequence_length}); lower it or "

@@ -62,6 +62,8 @@ class ModelConfig:
                                        "pre-training.", min=1)
     qkv_bias: Optional[bool] = _f(None, "Biases on the query/key/value projections only "
                                   "(Qwen2); null means use_bias.")
+    qk_norm: bool = _f(False, "RMSNorm (epsilon norm_epsilon, a scale per head_dim channel) "
+                       "over each head's queries and keys before RoPE (Qwen3, llama).")
     attention_chunk: int = _f(0, "Query-chunked attention: when > 0 and the sequence is "
                               "longer, attention runs over chunks of this many queries, each "
                               "recomputed in the backward pass, so no (T x T) scores are ever "

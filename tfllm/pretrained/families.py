@@ -56,7 +56,8 @@ def _check_understood(family: "Family", kh: dict, source: str) -> None:
 
 # ---- the Llama family: Llama 2/3/3.1/3.2, Mistral, Qwen2 ----------------------------------
 def _llama_fields(kh: dict, tie: bool, qkv_bias: bool, position_factor: float,
-                  window: Optional[int], max_length: Optional[int]) -> dict:
+                  window: Optional[int], max_length: Optional[int],
+                  qk_norm: bool = False) -> dict:
     fields = {
         "family": "llama",
         "vocab_size": kh["vocabulary_size"],
@@ -71,6 +72,7 @@ def _llama_fields(kh: dict, tie: bool, qkv_bias: bool, position_factor: float,
         "tie_embeddings": bool(tie),
         "use_bias": False,
         "qkv_bias": True if qkv_bias else None,
+        "qk_norm": bool(qk_norm),
         "rope_scaling": "none",
         "rope_scaling_factor": 1.0,
         "max_sequence_length": DEFAULT_MAX_LENGTH,
@@ -117,6 +119,10 @@ def _llama_weight_map(m) -> Dict[str, str]:
         if m.qkv_bias:
             for a in ("query", "key", "value"):
                 out[f"{ours}attention/{a}/bias"] = f"{theirs}self_attention/{a}/bias"
+        if m.qk_norm:  # keras-hub's Qwen3 names
+            for a in ("query", "key"):
+                out[f"{ours}attention/{a}_norm/scale"] = \
+                    f"{theirs}self_attention/{a}_dense_layernorm/scale"
         for a, b in (("gate", "feedforward_gate_dense"), ("up", "feedforward_intermediate_dense"),
                      ("down", "feedforward_output_dense")):
             out[f"{ours}mlp/{a}/kernel"] = f"{theirs}{b}/kernel"
@@ -221,6 +227,31 @@ def _qwen_family() -> Family:
                   kwargs, _llama_weight_map, keys)
 
 
+def _qwen3_family() -> Family:
+    def fields(kh, max_length=None):
+        factor = kh.get("rope_scaling_factor", 1.0)
+        return _llama_fields(kh, kh.get("tie_word_embeddings", True), False, factor,
+                             kh.get("sliding_window_size"), max_length, qk_norm=True)
+
+    def kwargs(m, original):
+        _no_llama3(m, "Qwen3Backbone")
+        if m.qkv_bias or not m.qk_norm:
+            raise PretrainedError("Qwen3Backbone has query/key norms and no biases "
+                                  "(model.qk_norm=true, model.qkv_bias=null).")
+        return {**_llama_kwargs_common(m), "head_dim": m.head_dim or m.hidden_dim //
+                m.num_query_heads, "tie_word_embeddings": bool(m.tie_embeddings),
+                "rope_scaling_factor": (m.rope_scaling_factor
+                                        if m.rope_scaling == "linear" else 1.0),
+                "sliding_window_size": original.get("sliding_window_size"),
+                "dropout": original.get("dropout", 0.0)}
+    keys = frozenset({"vocabulary_size", "num_layers", "num_query_heads", "hidden_dim",
+                      "intermediate_dim", "num_key_value_heads", "rope_max_wavelength",
+                      "rope_scaling_factor", "layer_norm_epsilon", "tie_word_embeddings",
+                      "sliding_window_size", "head_dim"})
+    return Family("Qwen3Backbone", "llama", "Qwen3 dense models (query/key RMSNorm)",
+                  fields, kwargs, _llama_weight_map, keys)
+
+
 # ---- GPT-2 -------------------------------------------------------------------------------
 def _gpt2_fields(kh: dict, max_length=None) -> dict:
     return {"family": "gpt", "vocab_size": kh["vocabulary_size"],
@@ -279,6 +310,7 @@ FAMILIES: Dict[str, Family] = {f.backbone: f for f in (
                   "embeddings of 3.2 1B/3B)"),
     _mistral_family(),
     _qwen_family(),
+    _qwen3_family(),
 )}
 
 
@@ -299,4 +331,6 @@ def default_backbone(model) -> str:
     """The keras-hub backbone a tfllm model config exports to when it was not imported."""
     if model.family == "gpt":
         return "GPT2Backbone"
+    if model.qk_norm:
+        return "Qwen3Backbone"
     return "QwenBackbone" if model.qkv_bias else "Llama3Backbone"

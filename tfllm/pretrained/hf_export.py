@@ -92,6 +92,10 @@ def _llama_tensors(m, tie: bool) -> List[Tensor]:
             Tensor(theirs + "mlp.down_proj.weight", (ours + "mlp/down/kernel",),
                    (e, i_dim), _linear),
         ]
+        if m.qk_norm:
+            out += [Tensor(f"{theirs}self_attn.{n}_norm.weight",
+                           (f"{ours}attention/{a}_norm/scale",), (hd,), _same)
+                    for n, a in (("q", "query"), ("k", "key"))]
         if _qkv_bias(m):
             for name, heads in (("q", h), ("k", kv), ("v", kv)):
                 source = {"q": "query", "k": "key", "v": "value"}[name]
@@ -158,6 +162,11 @@ def model_type_for(m, backbone: Optional[str]) -> str:
     """
     if m.family == "gpt":
         return "gpt2"
+    if m.qk_norm:
+        if _qkv_bias(m):
+            raise PretrainedError("a model with query/key norms (model.qk_norm, Qwen3) and "
+                                  "q/k/v biases has no transformers counterpart.")
+        return "qwen3"
     if backbone == "MistralBackbone" and not _qkv_bias(m) and not _tied(m):
         return "mistral"
     return "qwen2" if _qkv_bias(m) else "llama"
@@ -212,7 +221,7 @@ def hf_config(m, model_type: str, dtype: str, bos: Optional[int],
                               "Llama/Mistral/Qwen2 counterpart in transformers; only q/k/v "
                               "biases (model.qkv_bias, Qwen2) are written.")
     names = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
-             "qwen2": "Qwen2ForCausalLM"}
+             "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
     out = {"architectures": [names[model_type]], "model_type": model_type,
            "hidden_size": m.hidden_dim, "intermediate_size": m.intermediate_dim,
            "num_hidden_layers": m.num_layers, "num_attention_heads": m.num_query_heads,
@@ -221,11 +230,13 @@ def hf_config(m, model_type: str, dtype: str, bos: Optional[int],
            "hidden_act": "silu", "max_position_embeddings": m.max_sequence_length,
            "rms_norm_eps": float(m.norm_epsilon), "rope_parameters": _rope_parameters(m),
            "attention_dropout": 0.0, **common}
+    if model_type in ("llama", "qwen3"):
+        out.update(attention_bias=False)
     if model_type == "llama":
-        out.update(attention_bias=False, mlp_bias=False, pretraining_tp=1)
+        out.update(mlp_bias=False, pretraining_tp=1)
     elif model_type == "mistral":
         out["sliding_window"] = None  # tfllm computes full causal attention
-    else:  # qwen2: full attention in every layer, as tfllm computes
+    else:  # qwen2, qwen3: full attention in every layer, as tfllm computes
         out.update(use_sliding_window=False, sliding_window=None,
                    max_window_layers=m.num_layers,
                    layer_types=["full_attention"] * m.num_layers)

@@ -397,9 +397,9 @@ def _heads_dim(c: dict) -> bool:
 #: do not read: (model_types, key, accepted(value, config), what tfllm computes). A value
 #: outside `accepted` is refused, naming the key and value, instead of being dropped.
 _COMPUTATION_KEYS = (
-    (("llama", "mistral", "qwen2"), "hidden_act", lambda v, c: v in (None, "silu"),
-     "a SiLU-gated MLP"),
-    (("llama",), "attention_bias", lambda v, c: not v,
+    (("llama", "mistral", "qwen2", "qwen3"), "hidden_act",
+     lambda v, c: v in (None, "silu"), "a SiLU-gated MLP"),
+    (("llama", "qwen3"), "attention_bias", lambda v, c: not v,
      "no attention biases (Qwen2 folders have q/k/v biases)"),
     (("llama",), "mlp_bias", lambda v, c: not v, "no MLP biases"),
     (("llama", "qwen2"), "head_dim", lambda v, c: _heads_dim(c),

@@ -9,7 +9,7 @@ from typing import Optional
 import keras
 import tensorflow as tf
 
-from tfllm.models.common.layers import Projection
+from tfllm.models.common.layers import Projection, RMSNorm
 from tfllm.models.common.remat import recompute
 from tfllm.parallel.context import constrain, split_count
 
@@ -112,13 +112,16 @@ class Attention(keras.layers.Layer):
       output_init_std: init of the output projection (scaled for depth).
       fp8: `Fp8Settings` for FP8 projections, or None.
       fp8_path: this layer's path for `fp8.exclude` (e.g. "block_0/attention").
+      qk_norm_epsilon: an RMSNorm over each head's queries and keys (scales of head_dim
+        channels, shared by the heads) before RoPE, with this epsilon (Qwen3); None: none.
     """
 
     def __init__(self, hidden_dim: int, num_query_heads: int, num_key_value_heads: int,
                  head_dim: int, use_bias: bool = False, rope_theta: Optional[float] = None,
                  init_std: float = 0.02, output_init_std: float = 0.02, fp8=None,
                  fp8_path: str = "attention", rope_scaling: Optional[RopeScaling] = None,
-                 qkv_bias: Optional[bool] = None, query_chunk: int = 0, **kwargs):
+                 qkv_bias: Optional[bool] = None, query_chunk: int = 0,
+                 qk_norm_epsilon: Optional[float] = None, **kwargs):
         super().__init__(**kwargs)
         fp8_for = lambda name: fp8.for_layer(f"{fp8_path}/{name}") if fp8 else None
         self.num_query_heads = num_query_heads
@@ -143,10 +146,18 @@ class Attention(keras.layers.Layer):
             init_std=output_init_std,
             output_axes=("activation_batch", "activation_length", "activation_embed"),
             name="output", fp8=fp8_for("output"), dtype=self.dtype_policy)
+        self.query_norm = self.key_norm = None
+        if qk_norm_epsilon is not None:
+            self.query_norm = RMSNorm(D, qk_norm_epsilon, name="query_norm",
+                                      dtype=self.dtype_policy)
+            self.key_norm = RMSNorm(D, qk_norm_epsilon, name="key_norm",
+                                    dtype=self.dtype_policy)
 
     def build(self, input_shape=None):
-        for layer in (self.query, self.key, self.value, self.output_proj):
-            layer.build(None)
+        for layer in (self.query, self.key, self.value, self.output_proj, self.query_norm,
+                      self.key_norm):
+            if layer is not None:
+                layer.build(None)
 
     def attend(self, q, k, v, attention_mask=None):
         """Scaled dot-product attention; q (B,T,H,D), k/v (B,S,K,D) -> (B,T,H,D).
@@ -246,6 +257,8 @@ class Attention(keras.layers.Layer):
           cache_index: int32 scalar, the cache slot of x's first token.
         """
         q, k, v = self.query(x), self.key(x), self.value(x)  # (B,T,H,D), (B,T,K,D) x2
+        if self.query_norm is not None:
+            q, k = self.query_norm(q), self.key_norm(k)
         if self.rope_theta is not None:
             q = rotary(q, self.rope_theta, positions, self.rope_scaling)
             k = rotary(k, self.rope_theta, positions, self.rope_scaling)

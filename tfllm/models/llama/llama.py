@@ -36,7 +36,9 @@ class Llama(CausalLM):
                          init_std=c.init_std, output_init_std=self.output_init_std,
                          fp8=self.fp8, fp8_path=f"block_{index}/attention", name="attention",
                          rope_scaling=self.rope_scaling(), qkv_bias=c.qkv_bias,
-                         query_chunk=c.attention_chunk, dtype=self.dtype_policy)
+                         query_chunk=c.attention_chunk,
+                         qk_norm_epsilon=c.norm_epsilon if c.qk_norm else None,
+                         dtype=self.dtype_policy)
 
     def make_mlp(self, index):
         c = self.config
