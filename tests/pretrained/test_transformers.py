@@ -84,7 +84,7 @@ def test_import_on_a_mesh_gives_transformers_logits(name, tmp_path):
 def _import_then_export(tmp_path, name, *export_args):
     ref.save(name, tmp_path / "hf")
     tokenizer = []
-    if name in ("mistral", "qwen2", "qwen3"):  # see ref.MODELS
+    if name in ("qwen2", "qwen3"):  # see ref.MODELS
         ref.keras_hub_tokenizer(ref.MODELS[name][2]).save_to_preset(str(tmp_path / "tok"))
         tokenizer = ["--tokenizer", str(tmp_path / "tok")]
     assert main(["import", "--preset", str(tmp_path / "hf"), "--workdir",

@@ -44,10 +44,11 @@ MODELS = {
                                                          "rope_theta": 10000.0}), "llama3"),
     # Mistral: head_dim apart from hidden / heads (as Mistral Nemo), a window longer than
     # the sequences
-    "mistral": ("MistralConfig", dict(_SMALL, head_dim=8, sliding_window=64), "llama3"),
-    # Qwen2: q/k/v biases, tied embeddings. (keras-hub reads Mistral's tokenizer only
-    # from a SentencePiece tokenizer.model and Qwen's only from a tokenizer.json with
-    # Qwen's special tokens: the import tests pass these two a BPE with --tokenizer.)
+    "mistral": ("MistralConfig", dict(_SMALL, head_dim=8, sliding_window=64),
+                "sentencepiece"),
+    # Qwen2: q/k/v biases, tied embeddings. (keras-hub reads Qwen's tokenizer only from a
+    # tokenizer.json with Qwen's special tokens: the import tests pass Qwen a BPE with
+    # --tokenizer.)
     "qwen2": ("Qwen2Config", dict(_SMALL, tie_word_embeddings=True), "gpt2"),
     # Qwen3: query/key RMSNorm, head_dim apart from hidden / heads, untied (as 8B+)
     "qwen3": ("Qwen3Config", dict(_SMALL, head_dim=8, tie_word_embeddings=False), "gpt2"),
@@ -70,10 +71,33 @@ def make_model(name: str, seed: int = 0):
     return model.eval()
 
 
+_PROTO = []
+
+
+def sentencepiece_proto() -> bytes:
+    """A small BPE SentencePiece model with SentencePiece's default specials (<unk>, <s>,
+    </s>), as Mistral and Llama 2 ship it in tokenizer.model."""
+    if not _PROTO:
+        import io
+
+        import sentencepiece as spm
+
+        from tests.data.conftest import make_docs
+        lines = [line for doc in make_docs(200) for line in doc.splitlines() if line.strip()]
+        out = io.BytesIO()
+        spm.SentencePieceTrainer.train(sentence_iterator=iter(lines), model_writer=out,
+                                       vocab_size=200, model_type="bpe", num_threads=1,
+                                       minloglevel=2)
+        _PROTO.append(out.getvalue())
+    return _PROTO[0]
+
+
 def keras_hub_tokenizer(kind: str):
     import keras_hub
 
     from tfllm.pretrained.demo import SPECIAL_TOKENS, bpe_vocabulary
+    if kind == "sentencepiece":
+        return keras_hub.models.MistralTokenizer(proto=sentencepiece_proto())
     vocab, merges = bpe_vocabulary(SPECIAL_TOKENS[kind], VOCAB)
     cls = keras_hub.models.GPT2Tokenizer if kind == "gpt2" else \
         keras_hub.models.Llama3Tokenizer
