@@ -40,6 +40,8 @@ setup(
         # takes it from https://download.pytorch.org/whl/cpu (README, "Tests").
         "test": ["pytest>=7", "pytest-timeout", "nbclient", "nbformat", "ipykernel",
                  "transformers>=5.0,<6", "torch==2.13.0"],
+        # Opening the notebooks (`jupyter lab notebooks/`); 03 and 06 also need `plan`.
+        "notebooks": ["jupyterlab", "ipykernel"],
         # `tfllm plan`: jaxlib's compile-only CUDA client (no NVIDIA wheels, no driver).
         # Pinned: tfllm.plan.gpu_compile uses jax internals checked for this release.
         "plan": ["jax==0.10.2", "jaxlib==0.10.2", "jax-cuda12-plugin==0.10.2",

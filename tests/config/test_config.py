@@ -26,7 +26,7 @@ ALL_KEYS = {
              "tokenizer", "tokenizer_path", "packing_mask", "shuffle_buffer",
              "sequence_length", "seed"],
     "train": ["steps", "global_batch_size", "grad_accum_steps", "seed", "jit_compile",
-              "xla_cache", "log_every", "eval_every", "eval_steps", "deterministic", "progress",
+              "profile_steps", "xla_cache", "log_every", "eval_every", "eval_steps", "deterministic", "progress",
               "on_nonfinite", "loss_spike_factor", "loss_spike_window", "sample_prompt",
               "sample_tokens", "peer_timeout_s"],
     "checkpoint": ["every", "max_to_keep", "async_save", "on_corruption"],

@@ -183,6 +183,25 @@ def load_config(path: Optional[str] = None, overrides: Iterable[str] = ()) -> sc
     return config_from_dict(data, overrides, path or "config")
 
 
+def profile_steps(train) -> Optional[tuple]:
+    """`train.profile_steps` as (first, last) step numbers, or None when empty."""
+    text = str(train.profile_steps).strip()
+    if not text:
+        return None
+    parts = text.split("-")
+    try:
+        first, last = (int(parts[0]), int(parts[-1])) if len(parts) <= 2 else (0, -1)
+    except ValueError:
+        first, last = 0, -1
+    if not 1 <= first <= last:
+        raise ConfigError(f"train.profile_steps={text!r}: give FIRST-LAST step numbers "
+                          "(e.g. 5-7) or one step (5), counting from 1.")
+    if last > train.steps:
+        raise ConfigError(f"train.profile_steps={text!r}: the run has {train.steps} steps; "
+                          "trace steps it runs.")
+    return first, last
+
+
 def validate(cfg: schema.Config) -> None:
     """Cross-field checks that a single field's range cannot express."""
     m = cfg.model
@@ -197,6 +216,8 @@ def validate(cfg: schema.Config) -> None:
         raise ConfigError(f"model.rope_high_freq_factor ({m.rope_high_freq_factor}) must "
                           f"exceed model.rope_low_freq_factor ({m.rope_low_freq_factor}) for "
                           "rope_scaling=llama3 (Llama 3.1 uses 4.0 and 1.0).")
+    if cfg.train.profile_steps:
+        profile_steps(cfg.train)  # ConfigError when malformed
     if m.qk_norm and m.family != "llama":
         raise ConfigError("model.qk_norm=true is a llama-family setting (Qwen3); the gpt "
                           "family has no query/key norms: set model.family=llama.")

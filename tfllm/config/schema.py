@@ -212,6 +212,11 @@ class TrainConfig:
                           "auto (XLA on GPU, graphs on CPU where XLA measured slower; see "
                           "benchmarks/results/cpu_jit.md).",
                           choices=("auto", "true", "false"))
+    profile_steps: str = _f("", "Trace these steps with TensorFlow's profiler, e.g. 5-7 "
+                            "(first-last, inclusive) or 5: an op and XLA-cluster timeline "
+                            "per device, with memory, in WORKDIR/tensorboard/plugins/profile "
+                            "(TensorBoard's Profile tab, or tfllm.train.profile.summary). "
+                            "Empty: no trace. Leave out the first step: it compiles.")
     xla_cache: str = _f("auto", "Persistent cache of compiled XLA programs and GPU "
                         "autotuning, so a restart does not compile again: auto (WORKDIR/"
                         "xla_cache/client_N), off, or a directory.")

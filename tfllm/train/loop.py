@@ -170,6 +170,9 @@ def _train(config, workdir, model_cls, out, signals, watchdog: list) -> dict:
     # evaluated or saved step, a stop, the spike guard): fetching them after every step
     # made the host wait for each step before preparing the next batch.
     pending, shown = [], {}
+    from tfllm.config.loader import profile_steps
+    from tfllm.train.profile import StepProfiler, profile_dir
+    profiler = StepProfiler(profile_steps(t), profile_dir(workdir, client_id()))
     start = time.perf_counter()
     try:
         for step in range(start_step, t.steps):
@@ -185,16 +188,23 @@ def _train(config, workdir, model_cls, out, signals, watchdog: list) -> dict:
             began = time.perf_counter()
             for w in watchdog:
                 w.step = number  # the step this client waits in, for the message
+            profiler.before(number)
             pending.append((number, _step_or_peer_lost(run, step, limit, checkpointer)))
             # The vote is the first host read after a step: a collective the step lost
             # to a peer fails here, so it is reported as that peer's loss too.
             with _peer_lost_as_one_line(number, checkpointer):
                 stop = any_client(signals.requested, number, run.parallel.mesh)
             values = None
+            traced = profiler.ends_at(number)
             if (logged or evaluate_now or save_now or stop or first_step_s is None
-                    or t.loss_spike_factor > 0 or number == t.steps):
+                    or t.loss_spike_factor > 0 or number == t.steps or traced):
                 values = _read_metrics(pending, run, t, recent, checkpointer)
                 shown = values
+            if traced:  # the metrics were read: the traced steps' device work is done
+                profiler.stop()
+                progress.message(f"tfllm: profile of steps {t.profile_steps} in "
+                                 f"{profiler.logdir} (tensorboard --logdir {profiler.logdir}, "
+                                 "Profile tab)")
             now = time.perf_counter()
             if first_step_s is None:  # the first step includes compilation: not timed
                 first_step_s = now - start
@@ -238,6 +248,7 @@ def _train(config, workdir, model_cls, out, signals, watchdog: list) -> dict:
             last = {**last, **final, "step": t.steps}
             outputs.record({"step": t.steps, **final}, None)
     finally:
+        profiler.stop()
         outputs.close()
     if primary:
         from tfllm.train.plots import plot_loss

@@ -1,0 +1,37 @@
+"""`tfllm.notebook.start`, the first cell of every notebook: needs in one line, CPU mesh."""
+
+import subprocess
+import sys
+
+import pytest
+
+from tfllm.notebook import NotebookNeeds, start
+
+ROOT = __file__.rsplit("/tests/", 1)[0]
+
+
+def test_a_missing_extra_names_it_and_the_install_command(monkeypatch):
+    from tfllm import notebook
+    monkeypatch.setitem(notebook.EXTRAS, "plan", ("a_module_that_is_not_installed",))
+    with pytest.raises(NotebookNeeds, match=r'needs the `plan` extra .*pip install -e "\.\[plan\]"'):
+        start(devices=2, needs=["plan"])
+
+
+def test_fresh_kernel_gets_cpu_devices_and_no_gpu_then_a_late_call_says_restart():
+    # A process of its own: the device split happens only before TensorFlow initializes.
+    code = (
+        "from tfllm.notebook import start, NotebookNeeds\n"
+        "import tensorflow as tf\n"
+        "print(start(devices=4))\n"
+        "assert len(tf.config.list_logical_devices('CPU')) == 4\n"
+        "assert not tf.config.get_visible_devices('GPU')\n"
+        "try:\n"
+        "    start(devices=8)\n"
+        "except NotebookNeeds as e:\n"
+        "    print('NEEDS', e)\n")
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True,
+                         text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.startswith("4 logical CPU devices (GPUs hidden")
+    assert "NEEDS TensorFlow was initialized before this cell (4 CPU devices, 8 needed): " \
+           "restart the kernel" in out.stdout
