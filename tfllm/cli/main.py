@@ -260,9 +260,16 @@ def cmd_layouts(args) -> int:
     config = _load(args)
     shape = mesh_shape_from_config(config, args.num_devices)
     model = build_model(config, allocate=False)  # shapes only: no memory is allocated
-    rows = layout_rows(model, rules_from_config(config.mesh.rules), shape,
-                       config.optimizer.shard_optimizer_state)
+    rules = rules_from_config(config.mesh.rules)
+    rows = layout_rows(model, rules, shape, config.optimizer.shard_optimizer_state)
     print(format_table(rows, shape))
+    if args.plot:
+        from tfllm.parallel.plot import plot_layouts
+        batch = (config.train.global_batch_size, config.data.sequence_length)
+        plot_layouts(rows, shape, rules, batch_shape=batch, path=args.plot)
+        print(f"picture: {args.plot} (the mesh, the first block's query and MLP kernels, "
+              f"the token embedding and a {batch[0]} x {batch[1]} token batch, coloured by "
+              "device)")
     return 0
 
 
@@ -375,6 +382,9 @@ def build_parser() -> argparse.ArgumentParser:
     _common(p)
     p.add_argument("--num-devices", type=_whole(1), default=None,
                    help="Device count, needed when a mesh axis is -1.")
+    p.add_argument("--plot", default=None, metavar="FILE.png",
+                   help="Also draw the mesh, the first block's query and MLP kernels, the "
+                        "token embedding and a token batch, coloured by device (PNG or SVG).")
     p.set_defaults(fn=cmd_layouts)
     p = sub.add_parser("bench", help="Time the train step; print one JSON line.")
     _common(p)
