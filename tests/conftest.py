@@ -109,17 +109,21 @@ def free_ports(n):
 IN_CHILD = "TFLLM_TEST_IN_CHILD"
 
 
-def run_in_child(request, timeout=900):
+def run_in_child(request, timeout=900, env=None):
     """Runs the calling test alone in a fresh pytest process; True if this is that child.
 
     Usage: `if not run_in_child(request): return` at the top of a test.
+
+    Args:
+      env: variables added to the child's environment (e.g. XLA_FLAGS, read once per
+        process).
     """
     import subprocess
     import sys
     if os.environ.get(IN_CHILD):
         return True
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    env = dict(os.environ, **{IN_CHILD: "1"})
+    env = dict(os.environ, **(env or {}), **{IN_CHILD: "1"})
     out = subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider",
                           request.node.nodeid], cwd=root, env=env, capture_output=True,
                          text=True, timeout=timeout)

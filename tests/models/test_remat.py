@@ -31,7 +31,9 @@ def test_remat_through_xla_matches(request):
     assert_matches(run, reference("llama", True))
 
 
-@pytest.mark.parametrize("policy", ["full", "selective"])
+# full: the FP8 projections themselves run again in the backward (selective recomputes
+# only norms, activations and scores, never a projection, so it has nothing to check).
+@pytest.mark.parametrize("policy", ["full"])
 def test_fp8_amax_bookkeeping_is_unchanged_by_remat(policy):
     """The recomputed forward feeds the same amax bookkeeping: histories and weights
     after 3 steps equal the fp8 run without remat."""

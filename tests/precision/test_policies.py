@@ -59,8 +59,9 @@ MARGINS = {("bfloat16", "float32"): 0.01, ("fp8", "bfloat16"): 0.01,
            ("float16", "float32"): 0.002}
 
 
-@pytest.mark.parametrize("family, axes", [("gpt", "data=1"), ("gpt", "data=2,model=4"),
-                                          ("llama", "data=2,model=4")])
+# GPT on one device and Llama on a mesh: each family, each placement once (a GPT case on
+# data=2,model=4 as well cost 2 CI minutes and added neither).
+@pytest.mark.parametrize("family, axes", [("gpt", "data=1"), ("llama", "data=2,model=4")])
 def test_training_stays_within_margins(family, axes):
     losses = {p: _run(p, axes, family)[1] for p in ("float32", "bfloat16", "fp8", "float16")}
     for (policy, reference), margin in MARGINS.items():

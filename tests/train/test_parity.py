@@ -9,6 +9,7 @@ difference comes from sharded reductions summing in another order.
 """
 
 import functools
+import os
 
 import numpy as np
 import pytest
@@ -88,10 +89,11 @@ def assert_matches(run, ref):
                                    err_msg=path)
 
 
-# XLA cases: every mesh once, the families alternating (each XLA case compiles its
-# clusters on 8 devices, ~1-2 minutes on 2 cores, in a process of its own).
-XLA_CASES = [("data=8", "gpt"), ("fsdp=8", "llama"), ("model=8", "gpt"),
-             ("data=2,model=4", "llama"), ("data=2,fsdp=2,model=2", "gpt")]
+# XLA cases: each compiles its clusters on 8 devices in a process of its own, 3-4 minutes
+# on 2 cores, so two that cover every axis kind: FSDP alone (its gather gating is the
+# part XLA clustering can break) and data + fsdp + model together. The other meshes run
+# as graphs above; tests/train/test_xla.py checks what XLA compiles on them.
+XLA_CASES = [("fsdp=8", "llama"), ("data=2,fsdp=2,model=2", "gpt")]
 CASES = ([(axes, family, False) for axes in MESHES for family in ("gpt", "llama")]
          + [(axes, family, True) for axes, family in XLA_CASES])
 
@@ -99,8 +101,13 @@ CASES = ([(axes, family, False) for axes in MESHES for family in ("gpt", "llama"
 @pytest.mark.parametrize("axes,family,jit", CASES,
                          ids=[f"{a}-{f}-{'xla' if j else 'graph'}" for a, f, j in CASES])
 def test_sharded_training_matches_single_device(axes, family, jit, request):
-    if jit and not run_in_child(request):
-        return  # XLA cases compile thousands of executables: one process each
+    # XLA cases compile thousands of executables: one process each. LLVM at -O0 (CPU code
+    # generation only: the HLO XLA optimizes, and so the arithmetic, is the same) halves
+    # the compile time; the reference in the same process is compiled the same way.
+    if jit and not run_in_child(request, env={
+            "XLA_FLAGS": (os.environ.get("XLA_FLAGS", "")
+                          + " --xla_backend_optimization_level=0").strip()}):
+        return
     run = _run(family, axes, jit)
     assert_matches(run, reference(family, jit))
     # The training really moved the weights: parity is not two untouched models.

@@ -190,7 +190,8 @@ def test_fp8_step_executes_its_casts_in_xla(tmp_path):
 # ---- one device per process: the cluster shape -------------------------------------------
 @pytest.mark.slow
 @pytest.mark.multiprocess
-@pytest.mark.parametrize("policy", ["float32", "fp8"])
+# fp8 only: the shape that failed (float32 compiles the same clusters without the casts).
+@pytest.mark.parametrize("policy", ["fp8"])
 def test_each_client_of_a_two_process_run_compiles_its_step(tmp_path, policy):
     # fp8 under TF's global auto-clustering failed in this shape ("Multiple CPU devices"
     # across /job:worker and /job:localhost); the marked clusters compile.
