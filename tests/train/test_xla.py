@@ -145,7 +145,8 @@ def _train(tmp_path, axes, extra=(), dump=True):
     env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3", PYTHONPATH=ROOT)
     env.pop("TF_XLA_FLAGS", None)  # a fresh workdir's own cache: every cluster compiles
     if dump:
-        env["XLA_FLAGS"] = f"--xla_dump_to={dump_dir}"
+        # The HLO read here is XLA's input; LLVM at -O0 only shortens CPU code generation.
+        env["XLA_FLAGS"] = f"--xla_dump_to={dump_dir} --xla_backend_optimization_level=0"
     cmd = [PY, "-m", "tfllm.cli.main", "train", "--config", "configs/tiny.yaml",
            "--workdir", str(tmp_path / "run"), "--set", f"mesh.axes={axes}",
            "--set", "train.jit_compile=true", "--set", "train.steps=2",
