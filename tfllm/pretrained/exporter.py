@@ -43,6 +43,9 @@ def export_preset(config, workdir: str, out_dir: str) -> dict:
     from tfllm.checkpoint import Checkpointer, run_state_variables
     from tfllm.models import build_model
 
+    if os.path.lexists(out_dir) and (not os.path.isdir(out_dir) or os.listdir(out_dir)):
+        raise PretrainedError(f"--out {out_dir} exists and is not empty; export into a new "
+                              "directory (an export never overwrites files).")
     origin = read_origin(workdir) or {}
     name = origin.get("backbone") or default_backbone(config.model)
     family = family_for(name, os.path.join(workdir, "pretrained.json"))
@@ -93,8 +96,8 @@ def export_preset(config, workdir: str, out_dir: str) -> dict:
         task_cls(backbone=backbone, preprocessor=pre_cls(tokenizer=tokenizer)).save_to_preset(tmp)
     else:
         backbone.save_to_preset(tmp)
-    if os.path.exists(out_dir):
-        shutil.rmtree(out_dir)
+    if os.path.isdir(out_dir):
+        os.rmdir(out_dir)  # empty (checked above)
     os.replace(tmp, out_dir)
     return {"out": out_dir, "step": int(meta["step"]), "backbone": name,
             "tokenizer": tokenizer is not None}
