@@ -139,14 +139,16 @@ def test_export_hf_bfloat16_in_shards_with_an_index(tmp_path):
     ref.load(out)  # transformers reads the sharded folder
 
 
-def test_export_hf_never_writes_into_an_existing_folder(tmp_path, capsys):
+# keras-hub's exporter used to delete whatever --out held before writing the preset.
+@pytest.mark.parametrize("fmt", ["hf", "keras-hub"])
+def test_export_never_writes_into_an_existing_folder(tmp_path, capsys, fmt):
     ref.save("gpt2", tmp_path / "hf")
     assert main(["import", "--preset", str(tmp_path / "hf"), "--workdir",
                  str(tmp_path / "run")]) == 0
     (tmp_path / "out").mkdir()
     (tmp_path / "out" / "mine.txt").write_text("keep")
     code = main(["export", "--workdir", str(tmp_path / "run"), "--out",
-                 str(tmp_path / "out"), "--format", "hf"])
+                 str(tmp_path / "out"), "--format", fmt])
     assert code == 2 and "exists and is not empty" in capsys.readouterr().err
     assert os.listdir(tmp_path / "out") == ["mine.txt"]
     assert not [n for n in os.listdir(tmp_path) if "exporting" in n]
@@ -176,16 +178,3 @@ def test_a_setting_keras_hub_would_drop_is_refused_naming_it(name, key, value, t
     path.write_text(json.dumps(config))
     with pytest.raises(PretrainedError, match=f"{key}={value!r}"):
         from_preset(str(tmp_path / "hf"))
-
-
-def test_export_keras_hub_never_writes_into_an_existing_folder(tmp_path, capsys):
-    # It used to delete whatever --out held before writing the preset.
-    ref.save("gpt2", tmp_path / "hf")
-    assert main(["import", "--preset", str(tmp_path / "hf"), "--workdir",
-                 str(tmp_path / "run")]) == 0
-    (tmp_path / "out").mkdir()
-    (tmp_path / "out" / "mine.txt").write_text("keep")
-    assert main(["export", "--workdir", str(tmp_path / "run"), "--out",
-                 str(tmp_path / "out"), "--format", "keras-hub"]) == 2
-    assert "exists and is not empty" in capsys.readouterr().err
-    assert os.listdir(tmp_path / "out") == ["mine.txt"]

@@ -207,22 +207,30 @@ class Reader:
         pending = []
         for name in sorted(variables):
             var = tf_variable(variables[name], name)
-            entry = self.variables[name]
-            saved = [(tuple(b["start"]), tuple(b["size"])) for b in entry["blocks"]]
-            cache: Dict[int, np.ndarray] = {}
-
-            def read(i, name=name, cache=cache):
-                if i not in cache:
-                    cache[i] = self.read_block(name, i)
-                return cache[i]
-            arrays = {}
-            for _, block in target_blocks(var):
-                if block not in arrays:  # replicas on several local devices: build once
-                    arrays[block] = assemble(block, saved, read,
-                                             _numpy_dtype(entry["dtype"]), name)
-            pending.append((var, arrays))
+            # A set: replicas on several local devices share a block, built once.
+            pending.append((var, self.blocks(name, {block for _, block in target_blocks(var)})))
         for var, arrays in pending:
             assign_blocks(var, arrays)
+
+    def blocks(self, name: str, wanted) -> Dict[tuple, np.ndarray]:
+        """{(start, size): array} of variable `name` for each wanted block, assembled
+        from the saved blocks that overlap it (each saved block read and verified once)."""
+        entry = self.variables[name]
+        saved = [(tuple(b["start"]), tuple(b["size"])) for b in entry["blocks"]]
+        cache: Dict[int, np.ndarray] = {}
+
+        def read(i):
+            if i not in cache:
+                cache[i] = self.read_block(name, i)
+            return cache[i]
+        return {block: assemble(block, saved, read, _numpy_dtype(entry["dtype"]), name)
+                for block in wanted}
+
+    def whole(self, name: str) -> np.ndarray:
+        """Variable `name`'s global value, whichever clients and layout saved it."""
+        shape = tuple(int(n) for n in self.variables[name]["shape"])
+        block = ((0,) * len(shape), shape)
+        return self.blocks(name, [block])[block]
 
 
 def open_checkpoint(path: str) -> Reader:

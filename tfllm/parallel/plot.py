@@ -14,6 +14,8 @@ import itertools
 import math
 from typing import Dict, List, Mapping, Optional, Sequence, Tuple
 
+from tfllm.parallel.rules import shard_shape, spec_to_str, token_batch_spec
+
 Block = Tuple[Tuple[int, ...], Tuple[int, ...]]
 
 
@@ -29,7 +31,7 @@ def device_blocks(shape: Sequence[int], spec: Sequence[Optional[str]],
                   mesh_shape: Mapping[str, int]) -> Dict[Block, List[int]]:
     """{(start, size): [devices holding that block]} of a `shape` tensor laid out by
     `spec` (a mesh axis or None per dimension)."""
-    size = tuple(n // mesh_shape[m] if m else n for n, m in zip(shape, spec))
+    size = shard_shape(shape, spec, mesh_shape)
     held: Dict[Block, List[int]] = {}
     for device, loc in enumerate(device_coordinates(mesh_shape)):
         start = tuple(loc[m] * s if m else 0 for m, s in zip(spec, size))
@@ -41,10 +43,6 @@ def device_colour(device: int, count: int):
     import matplotlib.pyplot as plt
     cmap = plt.get_cmap("tab10" if count <= 10 else "tab20" if count <= 20 else "hsv")
     return cmap(device % cmap.N if count <= 20 else device / count)
-
-
-def _spec_text(spec) -> str:
-    return "[" + ", ".join(m or "-" for m in spec) + "]"
 
 
 def draw_mesh(ax, mesh_shape: Mapping[str, int]) -> None:
@@ -83,7 +81,7 @@ def draw_tensor(ax, title: str, shape: Sequence[int], spec: Sequence[Optional[st
     from matplotlib.patches import Rectangle
     if any(m is not None for m in spec[2:]):
         raise ValueError(f"{title}: only the first two dimensions may be drawn sharded; "
-                         f"the spec is {_spec_text(spec)}.")
+                         f"the spec is {spec_to_str(spec)}.")
     count = math.prod(mesh_shape.values())
     inner = math.prod(shape[2:]) if len(shape) > 2 else 1
     height = shape[0]
@@ -107,7 +105,7 @@ def draw_tensor(ax, title: str, shape: Sequence[int], spec: Sequence[Optional[st
     ax.set_xticks([0, width])
     ax.set_yticks([0, height])
     ax.tick_params(labelsize=9)
-    ax.set_title(f"{title}\n{_spec_text(spec)}", fontsize=10)
+    ax.set_title(f"{title}\n{spec_to_str(spec)}", fontsize=10)
     ax.set_xlabel(" x ".join(a or "-" for a in logical_axes[1:]) or "-", fontsize=9)
     ax.set_ylabel(logical_axes[0] or "-", fontsize=9)
 
@@ -139,7 +137,6 @@ def plot_layouts(rows, mesh_shape: Mapping[str, int], rules,
         matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from tfllm.parallel.rules import token_batch_spec
     by_path = {}
     for suffix_title, suffix in weights:
         match = [r for r in rows if r.path.endswith("/" + suffix) or r.path == suffix]

@@ -10,6 +10,7 @@ tokenizer, the tokenizer and preprocessor, so that
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 
@@ -17,6 +18,35 @@ import numpy as np
 
 from tfllm.pretrained.families import PretrainedError, default_backbone, family_for
 from tfllm.pretrained.importer import read_origin
+
+
+def require_new_folder(out: str) -> str:
+    """`out` as an absolute path, which must not exist or be an empty folder: an export
+    never overwrites files (one line, exit 2, otherwise)."""
+    out = os.path.abspath(os.path.expanduser(out))
+    if os.path.lexists(out) and (not os.path.isdir(out) or os.listdir(out)):
+        raise PretrainedError(f"--out {out} exists and is not empty; export into a new "
+                              "directory (an export never overwrites files).")
+    return out
+
+
+@contextlib.contextmanager
+def written_atomically(out: str):
+    """Yields a temporary folder next to `out` (checked by `require_new_folder`), renamed
+    to `out` when the block succeeds and removed when it fails."""
+    parent = os.path.dirname(out) or "."
+    os.makedirs(parent, exist_ok=True)
+    tmp = os.path.join(parent, f".{os.path.basename(out)}.exporting-{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)  # only this process's own name
+    os.makedirs(tmp)
+    try:
+        yield tmp
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    if os.path.isdir(out):
+        os.rmdir(out)  # empty (checked by require_new_folder)
+    os.replace(tmp, out)
 
 
 def _run_tokenizer(config):
@@ -43,9 +73,7 @@ def export_preset(config, workdir: str, out_dir: str) -> dict:
     from tfllm.checkpoint import Checkpointer, run_state_variables
     from tfllm.models import build_model
 
-    if os.path.lexists(out_dir) and (not os.path.isdir(out_dir) or os.listdir(out_dir)):
-        raise PretrainedError(f"--out {out_dir} exists and is not empty; export into a new "
-                              "directory (an export never overwrites files).")
+    out_dir = require_new_folder(out_dir)
     origin = read_origin(workdir) or {}
     name = origin.get("backbone") or default_backbone(config.model)
     family = family_for(name, os.path.join(workdir, "pretrained.json"))
@@ -87,17 +115,15 @@ def export_preset(config, workdir: str, out_dir: str) -> dict:
     if missing:
         raise PretrainedError(f"{name}'s weights {missing[:5]} have no tfllm counterpart.")
 
-    tmp = out_dir.rstrip("/") + ".tmp-export"
-    shutil.rmtree(tmp, ignore_errors=True)
     tokenizer = _run_tokenizer(config)
-    if tokenizer is not None:
-        task_cls = getattr(keras_hub.models, name.replace("Backbone", "CausalLM"))
-        pre_cls = getattr(keras_hub.models, name.replace("Backbone", "CausalLMPreprocessor"))
-        task_cls(backbone=backbone, preprocessor=pre_cls(tokenizer=tokenizer)).save_to_preset(tmp)
-    else:
-        backbone.save_to_preset(tmp)
-    if os.path.isdir(out_dir):
-        os.rmdir(out_dir)  # empty (checked above)
-    os.replace(tmp, out_dir)
+    with written_atomically(out_dir) as tmp:
+        if tokenizer is not None:
+            task_cls = getattr(keras_hub.models, name.replace("Backbone", "CausalLM"))
+            pre_cls = getattr(keras_hub.models,
+                              name.replace("Backbone", "CausalLMPreprocessor"))
+            task_cls(backbone=backbone,
+                     preprocessor=pre_cls(tokenizer=tokenizer)).save_to_preset(tmp)
+        else:
+            backbone.save_to_preset(tmp)
     return {"out": out_dir, "step": int(meta["step"]), "backbone": name,
             "tokenizer": tokenizer is not None}

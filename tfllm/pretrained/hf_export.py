@@ -25,20 +25,16 @@ from __future__ import annotations
 import json
 import os
 import re
-import shutil
 import struct
 from dataclasses import dataclass
-from typing import Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Callable, List, Optional, Sequence, Tuple
 
 import numpy as np
 
 from tfllm.pretrained.families import PretrainedError
 
-#: transformers' own default shard size for `save_pretrained` (4.x): 5 GB.
-DEFAULT_MAX_SHARD_BYTES = 5 * 10**9
-
-#: --dtype -> (numpy dtype name, safetensors dtype code)
-DTYPES = {"float32": ("float32", "F32"), "bfloat16": ("bfloat16", "BF16")}
+#: --dtype -> safetensors dtype code
+DTYPES = {"float32": "F32", "bfloat16": "BF16"}
 
 
 @dataclass(frozen=True)
@@ -97,11 +93,10 @@ def _llama_tensors(m, tie: bool) -> List[Tensor]:
                            (f"{ours}attention/{a}_norm/scale",), (hd,), _same)
                     for n, a in (("q", "query"), ("k", "key"))]
         if _qkv_bias(m):
-            for name, heads in (("q", h), ("k", kv), ("v", kv)):
-                source = {"q": "query", "k": "key", "v": "value"}[name]
-                out.append(Tensor(f"{theirs}self_attn.{name}_proj.bias",
-                                  (f"{ours}attention/{source}/bias",), (heads * hd,),
-                                  lambda x: x.reshape(-1)))
+            out += [Tensor(f"{theirs}self_attn.{n}_proj.bias", (f"{ours}attention/{a}/bias",),
+                           (heads * hd,), lambda x: x.reshape(-1))
+                    for n, a, heads in (("q", "query", h), ("k", "key", kv),
+                                        ("v", "value", kv))]
     out.append(Tensor("model.norm.weight", ("final_norm/scale",), (e,), _same))
     if not tie:
         out.append(Tensor("lm_head.weight", ("lm_head/kernel",), (m.vocab_size, e), _linear))
@@ -150,8 +145,20 @@ def _gpt2_tensors(m) -> List[Tensor]:
 
 
 # ---- the config -------------------------------------------------------------------------
+def _resolved(m, field: str) -> bool:
+    """A config field left null, resolved as the model class does (its family_defaults)."""
+    from tfllm.models import model_class
+    value = getattr(m, field)
+    return bool(model_class(m.family).family_defaults[field] if value is None else value)
+
+
+def _tied(m) -> bool:
+    return _resolved(m, "tie_embeddings")
+
+
 def _qkv_bias(m) -> bool:
-    return bool(m.qkv_bias if m.qkv_bias is not None else m.use_bias)
+    """q/k/v biases as `Attention` resolves them (null: the model's use_bias)."""
+    return bool(m.qkv_bias) if m.qkv_bias is not None else _resolved(m, "use_bias")
 
 
 def model_type_for(m, backbone: Optional[str]) -> str:
@@ -170,10 +177,6 @@ def model_type_for(m, backbone: Optional[str]) -> str:
     if backbone == "MistralBackbone" and not _qkv_bias(m) and not _tied(m):
         return "mistral"
     return "qwen2" if _qkv_bias(m) else "llama"
-
-
-def _tied(m) -> bool:
-    return bool(m.tie_embeddings if m.tie_embeddings is not None else m.family == "gpt")
 
 
 def _rope_parameters(m) -> dict:
@@ -197,7 +200,7 @@ def hf_config(m, model_type: str, dtype: str, bos: Optional[int],
     common = {"vocab_size": m.vocab_size, "bos_token_id": bos, "eos_token_id": eos,
               "tie_word_embeddings": _tied(m), "dtype": dtype, "use_cache": True}
     if model_type == "gpt2":
-        if m.use_bias is False or m.qkv_bias is False or not _tied(m):
+        if not _resolved(m, "use_bias") or not _qkv_bias(m) or not _tied(m):
             raise PretrainedError("GPT-2 has biases everywhere and tied embeddings; this "
                                   "model (model.use_bias/qkv_bias/tie_embeddings) cannot be "
                                   "written as gpt2.")
@@ -216,7 +219,7 @@ def hf_config(m, model_type: str, dtype: str, bos: Optional[int],
                 "attn_pdrop": 0.0, "embd_pdrop": 0.0, "resid_pdrop": 0.0,
                 "scale_attn_weights": True, "scale_attn_by_inverse_layer_idx": False,
                 "reorder_and_upcast_attn": False, **common}
-    if m.use_bias:
+    if _resolved(m, "use_bias"):
         raise PretrainedError("model.use_bias=true (biases on every projection) has no "
                               "Llama/Mistral/Qwen2 counterpart in transformers; only q/k/v "
                               "biases (model.qkv_bias, Qwen2) are written.")
@@ -268,13 +271,17 @@ def _parse_size(text) -> int:
     return size
 
 
+def _nbytes(t: Tensor, itemsize: int) -> int:
+    return int(np.prod(t.shape, dtype=np.int64)) * itemsize
+
+
 def plan_shards(tensors: Sequence[Tensor], itemsize: int,
                 max_bytes: int) -> List[List[Tensor]]:
     """Tensors in order, split where the next one would exceed `max_bytes` (a tensor
     larger than the limit gets a shard of its own, as in transformers)."""
     shards, current, size = [], [], 0
     for t in tensors:
-        n = int(np.prod(t.shape, dtype=np.int64)) * itemsize
+        n = _nbytes(t, itemsize)
         if current and size + n > max_bytes:
             shards.append(current)
             current, size = [], 0
@@ -291,7 +298,7 @@ def _write_safetensors(path: str, tensors: Sequence[Tensor], code: str, itemsize
     as it is produced, so only one is in memory."""
     header, offset = {"__metadata__": {"format": "pt"}}, 0
     for t in tensors:
-        n = int(np.prod(t.shape, dtype=np.int64)) * itemsize
+        n = _nbytes(t, itemsize)
         header[t.key] = {"dtype": code, "shape": list(t.shape),
                          "data_offsets": [offset, offset + n]}
         offset += n
@@ -315,23 +322,6 @@ def _model_prefix(names) -> str:
             return name[: -len("token_embedding/embeddings")]
     raise PretrainedError("the checkpoint holds no model/.../token_embedding/embeddings; it "
                           "is not a tfllm model checkpoint.")
-
-
-def _reader_array(reader, name: str) -> np.ndarray:
-    """The whole value of checkpoint variable `name`, assembled from its saved blocks."""
-    from tfllm.checkpoint.reader import _numpy_dtype
-    from tfllm.checkpoint.shards import assemble
-    entry = reader.variables[name]
-    saved = [(tuple(b["start"]), tuple(b["size"])) for b in entry["blocks"]]
-    shape = tuple(int(n) for n in entry["shape"])
-    cache: Dict[int, np.ndarray] = {}
-
-    def read(i):
-        if i not in cache:
-            cache[i] = reader.read_block(name, i)
-        return cache[i]
-    return assemble(((0,) * len(shape), shape), saved, read, _numpy_dtype(entry["dtype"]),
-                    name)
 
 
 def _tokenizer_files(config, out: str) -> Tuple[bool, Optional[int], Optional[int], str]:
@@ -375,17 +365,17 @@ def export_hf(config, workdir: str, out: str, dtype: str = "float32",
     Returns:
       A summary: out, step, model_type, dtype, files, tensors, bytes, tokenizer.
     """
+    import tensorflow as tf
+
     from tfllm.checkpoint.reader import Reader
     from tfllm.checkpoint.storage import latest
+    from tfllm.pretrained.exporter import require_new_folder, written_atomically
     from tfllm.pretrained.importer import read_origin
 
     if dtype not in DTYPES:
         raise PretrainedError(f"--dtype {dtype}: choose one of {sorted(DTYPES)}.")
     max_bytes = _parse_size(max_shard_size)
-    out = os.path.abspath(os.path.expanduser(out))
-    if os.path.lexists(out) and (not os.path.isdir(out) or os.listdir(out)):
-        raise PretrainedError(f"--out {out} exists and is not empty; export into a new "
-                              "directory (an export never overwrites files).")
+    out = require_new_folder(out)
     m = config.model
     origin = read_origin(workdir) or {}
     model_type = model_type_for(m, origin.get("backbone"))
@@ -401,12 +391,10 @@ def export_hf(config, workdir: str, out: str, dtype: str = "float32",
             if prefix + s not in reader.variables:
                 raise PretrainedError(f"{path}: holds no {prefix + s} for {t.key}; the "
                                       "checkpoint does not match the run's model config.")
-    np_name, code = DTYPES[dtype]
-    np_dtype = np.dtype(np.float32) if np_name == "float32" else _bfloat16()
+    code, np_dtype = DTYPES[dtype], np.dtype(tf.as_dtype(dtype).as_numpy_dtype)
 
     def produce(t: Tensor) -> np.ndarray:
-        arrays = [_reader_array(reader, prefix + s).astype(np.float32, copy=False)
-                  for s in t.sources]
+        arrays = [reader.whole(prefix + s).astype(np.float32, copy=False) for s in t.sources]
         array = t.make(*arrays)
         if tuple(array.shape) != t.shape:
             raise PretrainedError(f"{t.key}: made shape {list(array.shape)} from "
@@ -414,12 +402,7 @@ def export_hf(config, workdir: str, out: str, dtype: str = "float32",
                                   "the checkpoint does not match the run's model config.")
         return array.astype(np_dtype)
 
-    parent = os.path.dirname(out) or "."
-    os.makedirs(parent, exist_ok=True)
-    tmp = os.path.join(parent, f".{os.path.basename(out)}.exporting-{os.getpid()}")
-    shutil.rmtree(tmp, ignore_errors=True)  # only this process's own name
-    os.makedirs(tmp)
-    try:
+    with written_atomically(out) as tmp:
         written, bos, eos, why = _tokenizer_files(config, tmp)
         with open(os.path.join(tmp, "config.json"), "w", encoding="utf-8") as f:
             json.dump(hf_config(m, model_type, dtype, bos, eos), f, indent=2,
@@ -436,25 +419,14 @@ def export_hf(config, workdir: str, out: str, dtype: str = "float32",
             _write_safetensors(os.path.join(tmp, name), shard, code, itemsize, produce)
             files.append(name)
             weight_map.update({t.key: name for t in shard})
-        total = sum(int(np.prod(t.shape, dtype=np.int64)) * itemsize for t in tensors)
+        total = sum(_nbytes(t, itemsize) for t in tensors)
         if len(shards) > 1:
             with open(os.path.join(tmp, "model.safetensors.index.json"), "w",
                       encoding="utf-8") as f:
                 json.dump({"metadata": {"total_size": total},
                            "weight_map": dict(sorted(weight_map.items()))}, f, indent=2)
-        if os.path.isdir(out):
-            os.rmdir(out)  # empty (checked above)
-        os.replace(tmp, out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     summary = {"out": out, "step": reader.step, "model_type": model_type, "dtype": dtype,
                "files": files, "tensors": len(tensors), "bytes": total, "tokenizer": written}
     if not written:
         summary["tokenizer_note"] = why
     return summary
-
-
-def _bfloat16():
-    import ml_dtypes
-    return np.dtype(ml_dtypes.bfloat16)
