@@ -144,11 +144,15 @@ def test_the_waiting_clients_fail_as_client_0_does(tmp_path, monkeypatch, failur
         raise failure
     monkeypatch.setattr(storage, "commit", commit)
     errors = {}
+    # Built before either saves, client 0 first, as in a run: client 0's constructor
+    # removes uncommitted saves, which must not race with client 1's writing (the save's
+    # collective nonce, replaced here, orders them in a run).
+    checkpointers = [Checkpointer(str(tmp_path), client_id=client, num_clients=2,
+                                  barrier_timeout_s=60) for client in (0, 1)]
 
     def save(client):
         try:
-            Checkpointer(str(tmp_path), client_id=client, num_clients=2,
-                         barrier_timeout_s=60).save(1, _vars(1.0))
+            checkpointers[client].save(1, _vars(1.0))
         except CheckpointError as e:
             errors[client] = e
     other = threading.Thread(target=save, args=(1,))

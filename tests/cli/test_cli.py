@@ -31,7 +31,7 @@ def test_cli_surface_is_frozen():
             if "--debug" not in p._option_string_actions] == ["launch"]
     assert surface == {
         "train": ["--config", "--help", "--set", "--workdir", "-h"],
-        "layouts": ["--config", "--help", "--num-devices", "--set", "-h"],
+        "layouts": ["--config", "--help", "--num-devices", "--plot", "--set", "-h"],
         "bench": ["--config", "--help", "--repeats", "--set", "--steps", "--warmup", "-h"],
         "export-step": ["--check", "--config", "--help", "--out", "--set", "-h"],
         "plan": ["--collectives", "--config", "--devices", "--help", "--json", "--layers",
@@ -39,7 +39,8 @@ def test_cli_surface_is_frozen():
         "generate": ["--help", "--max-new-tokens", "--prompt", "--seed", "--set",
                      "--temperature", "--top-k", "--top-p", "--workdir", "-h"],
         "eval": ["--help", "--set", "--steps", "--workdir", "-h"],
-        "export": ["--format", "--help", "--out", "--set", "--workdir", "-h"],
+        "export": ["--dtype", "--format", "--help", "--max-shard-size", "--out", "--set",
+                   "--workdir", "-h"],
         "import": ["--help", "--preset", "--set", "--tokenizer", "--workdir", "-h"],
         "doctor": ["--config", "--help", "--set", "-h"],
         "launch": [],  # its own options: tests/launch/test_arguments.py freezes them

@@ -28,8 +28,13 @@ def test_drawn_blocks_equal_the_shards_dtensor_places(axes, shape, spec):
 
 
 def test_layouts_plot_writes_the_picture(tmp_path, capsys):
+    import matplotlib
+    import matplotlib.pyplot as plt
+    backend, before = matplotlib.get_backend(), plt.get_fignums()
     out = tmp_path / "layouts.png"
     assert main(["layouts", "--config", "configs/tiny.yaml", "--set", "model.family=llama",
                  "--set", "mesh.axes=fsdp=4,model=2", "--plot", str(out)]) == 0
     assert f"picture: {out}" in capsys.readouterr().out
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and out.stat().st_size > 20_000
+    # The caller's matplotlib is left alone: same backend, no figure added to pyplot.
+    assert matplotlib.get_backend() == backend and plt.get_fignums() == before

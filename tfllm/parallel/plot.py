@@ -40,8 +40,8 @@ def device_blocks(shape: Sequence[int], spec: Sequence[Optional[str]],
 
 
 def device_colour(device: int, count: int):
-    import matplotlib.pyplot as plt
-    cmap = plt.get_cmap("tab10" if count <= 10 else "tab20" if count <= 20 else "hsv")
+    import matplotlib
+    cmap = matplotlib.colormaps["tab10" if count <= 10 else "tab20" if count <= 20 else "hsv"]
     return cmap(device % cmap.N if count <= 20 else device / count)
 
 
@@ -132,11 +132,6 @@ def plot_layouts(rows, mesh_shape: Mapping[str, int], rules,
     Returns:
       The matplotlib figure.
     """
-    import matplotlib
-    if path is not None:
-        matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     by_path = {}
     for suffix_title, suffix in weights:
         match = [r for r in rows if r.path.endswith("/" + suffix) or r.path == suffix]
@@ -145,8 +140,15 @@ def plot_layouts(rows, mesh_shape: Mapping[str, int], rules,
                              f"{[r.path for r in rows[:3]]}")
         by_path[suffix_title] = match[0]
     panels = 1 + len(by_path) + (batch_shape is not None)
-    fig, axes = plt.subplots(1, panels, figsize=(2.6 * panels + 0.6, 3.2), dpi=110,
-                             gridspec_kw={"width_ratios": [1.3] + [1] * (panels - 1)})
+    # Written to a file: a bare Figure, so the caller's backend and pyplot's open figures
+    # stay as they were. Drawn for a notebook: through pyplot, which shows it inline.
+    if path is not None:
+        from matplotlib.figure import Figure
+        fig = Figure(figsize=(2.6 * panels + 0.6, 3.2), dpi=110)
+    else:
+        import matplotlib.pyplot as plt
+        fig = plt.figure(figsize=(2.6 * panels + 0.6, 3.2), dpi=110)
+    axes = fig.subplots(1, panels, gridspec_kw={"width_ratios": [1.3] + [1] * (panels - 1)})
     draw_mesh(axes[0], mesh_shape)
     for ax, (title, row) in zip(axes[1:], by_path.items()):
         draw_tensor(ax, title, row.shape, row.spec, row.logical_axes, mesh_shape)
