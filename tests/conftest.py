@@ -53,7 +53,7 @@ def tiny_overrides(family="gpt", axes="data=1", **extra):
     Llama gets 16 query / 8 key-value heads so that grouped-query attention is exercised
     and both divide over model=8; GPT gets 8 heads.
     """
-    heads = {"gpt": (8, 0), "llama": (16, 8)}[family]
+    heads = {"gpt": (8, 0), "llama": (16, 8), "gemma3": (16, 8)}[family]
     values = {
         "model.family": family, "model.vocab_size": 128, "model.hidden_dim": 64,
         "model.num_layers": 2, "model.num_query_heads": heads[0],
@@ -62,6 +62,10 @@ def tiny_overrides(family="gpt", axes="data=1", **extra):
         "train.global_batch_size": 16, "train.steps": 3, "optimizer.warmup_steps": 1,
         "optimizer.learning_rate": 1e-2, "mesh.axes": axes, "data.source": "synthetic",
     }
+    if family == "gemma3":  # a local (window 5 < 16 tokens) and a global layer
+        values.update({"model.sliding_window": 5, "model.sliding_window_pattern": 2,
+                       "model.rope_local_theta": 10000.0, "model.rope_theta": 1e6,
+                       "model.query_pre_attn_scalar": 24.0})
     values.update(extra)
     return [f"{k}={v}" for k, v in values.items()]
 

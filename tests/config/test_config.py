@@ -12,8 +12,9 @@ ALL_KEYS = {
               "num_key_value_heads", "head_dim", "intermediate_dim", "max_sequence_length",
               "tie_embeddings", "use_bias", "norm_epsilon", "rope_theta", "rope_scaling",
               "rope_scaling_factor", "rope_low_freq_factor", "rope_high_freq_factor",
-              "rope_original_max_length", "qkv_bias", "qk_norm", "attention_chunk", "remat",
-              "init_std"],
+              "rope_original_max_length", "qkv_bias", "qk_norm", "sliding_window",
+              "sliding_window_pattern", "rope_local_theta", "query_pre_attn_scalar",
+              "attention_chunk", "remat", "init_std"],
     "mesh": ["axes", "device_type", "num_cpu_devices", "rules", "gpu_memory_reserve_mb",
              "gpu_allocator"],
     "precision": ["policy", "fp8_recipe", "fp8_amax_history_length", "fp8_margin",
@@ -69,7 +70,7 @@ def test_yaml_and_overrides_apply_in_order(tmp_path):
     ("model.hidden_dim=true", "model.hidden_dim: expected an integer"),
     ("model.hidden_dim=0", "model.hidden_dim: 0 is below the minimum 1"),
     ("optimizer.beta1=1.5", "optimizer.beta1: 1.5 is above the maximum 1.0"),
-    ("model.family=gtp", "model.family: 'gtp' is not one of ['gpt', 'llama']. Did you mean 'gpt'"),
+    ("model.family=gtp", "model.family: 'gtp' is not one of ['gpt', 'llama', 'gemma3']. Did you mean 'gpt'"),
     ("optimizer.shard_optimizer_state=maybe", "expected true or false"),
     ("hidden_dim=3", "must be section.key"),
     ("train.steps", "expected section.key=value"),
@@ -163,3 +164,15 @@ def test_a_config_that_is_not_utf8_is_one_line(tmp_path):
     with pytest.raises(ConfigError) as e:
         load_config(str(path))
     assert "not valid YAML" in str(e.value) and "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["model.family=gpt", "model.sliding_window=8"],
+     "model.sliding_window=8 is a setting of the llama and gemma3 families"),
+    (["model.family=gpt", "model.query_pre_attn_scalar=4"], "query_pre_attn_scalar=4.0"),
+    (["model.family=llama", "model.sliding_window_pattern=6"],
+     "sliding_window_pattern=6 needs model.sliding_window"),
+])
+def test_local_attention_settings_are_checked(overrides, message):
+    with pytest.raises(ConfigError, match=message):
+        load_config(None, overrides)

@@ -6,7 +6,7 @@ import pytest
 import tensorflow as tf
 
 from tfllm.config import load_config
-from tfllm.models import GPT, CausalLM, Llama, build_model
+from tfllm.models import GPT, CausalLM, Gemma3, Llama, build_model
 from tfllm.models.common import MLP, add_param, rotary
 from tests.conftest import tiny_overrides
 
@@ -15,7 +15,7 @@ def _tokens(batch=2, length=12, vocab=128, seed=0):
     return tf.constant(np.random.default_rng(seed).integers(0, vocab, (batch, length)), tf.int32)
 
 
-@pytest.mark.parametrize("family, cls", [("gpt", GPT), ("llama", Llama)])
+@pytest.mark.parametrize("family, cls", [("gpt", GPT), ("llama", Llama), ("gemma3", Gemma3)])
 def test_forward_shape_and_causality(family, cls):
     model = build_model(load_config(None, tiny_overrides(family)))
     assert isinstance(model, cls) and isinstance(model, CausalLM)
@@ -26,6 +26,38 @@ def test_forward_shape_and_causality(family, cls):
     changed = tf.concat([tokens[:, :6], (tokens[:, 6:] + 1) % 128], axis=1)
     np.testing.assert_allclose(model(changed)[:, :6], logits[:, :6], atol=1e-6)
     assert not np.allclose(model(changed)[:, 6:], logits[:, 6:])
+
+
+def test_sliding_window_sees_exactly_the_last_keys():
+    # One local layer, window 5: the logits at t depend on tokens t-4 .. t only.
+    model = build_model(load_config(None, tiny_overrides(
+        "gemma3", **{"model.num_layers": 1, "model.sliding_window_pattern": 0})))
+    assert model.is_local(0)
+    tokens = _tokens()
+    logits = model(tokens).numpy()
+    changed = model(tf.concat([(tokens[:, :1] + 1) % 128, tokens[:, 1:]], axis=1)).numpy()
+    np.testing.assert_array_equal(changed[:, 5:], logits[:, 5:])  # token 0 out of window
+    assert not np.allclose(changed[:, 4], logits[:, 4])  # ... and in it at t = 4
+
+
+def test_gemma3_cached_decoding_and_packing_equal_the_full_forward():
+    # Local (window 5) and global layers: the cache path and packed documents apply the
+    # same windows as the training path.
+    model = build_model(load_config(None, tiny_overrides("gemma3")))
+    assert [model.is_local(i) for i in range(2)] == [True, False]
+    tokens = _tokens(length=16)
+    full = model(tokens).numpy()
+    cache = model.init_cache(2, 16)
+    first, cache = model.call_with_cache(tokens[:, :9], cache, 0)
+    rest = []
+    for t in range(9, 16):  # one token at a time, as generation does
+        logits, cache = model.call_with_cache(tokens[:, t:t + 1], cache, t)
+        rest.append(logits.numpy())
+    np.testing.assert_allclose(np.concatenate([first.numpy()] + rest, 1), full, atol=1e-5)
+    segments = tf.constant([[0] * 7 + [1] * 9] * 2)
+    packed = model(tokens, segment_ids=segments).numpy()
+    np.testing.assert_allclose(packed[:, :7], full[:, :7], atol=1e-5)
+    np.testing.assert_allclose(packed[:, 7:], model(tokens[:, 7:]).numpy(), atol=1e-5)
 
 
 def test_family_defaults_tie_and_bias():

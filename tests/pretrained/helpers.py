@@ -34,6 +34,15 @@ BACKBONES = {
     # query/key norms, head_dim apart from hidden / heads, tied
     "qwen3": (keras_hub.models.Qwen3Backbone, dict(_LLAMA, head_dim=8,
                                                    tie_word_embeddings=True)),
+    # Gemma 3: 6 layers so that keras-hub's fixed pattern has its global layer (5); a
+    # window of 4 < 40 tokens; head_dim apart from hidden / heads; linear RoPE scaling
+    # on the global layer
+    "gemma3": (keras_hub.models.Gemma3Backbone, dict(
+        vocabulary_size=VOCAB, image_size=None, num_layers=6, num_query_heads=8,
+        num_key_value_heads=4, hidden_dim=32, intermediate_dim=64, head_dim=8,
+        use_post_ffw_norm=True, use_post_attention_norm=True,
+        use_sliding_window_attention=True, sliding_window_size=4,
+        global_rope_scaling_factor=2.0, layer_norm_epsilon=1e-6)),
 }
 
 def random_weights(backbone, seed=0):
@@ -53,7 +62,8 @@ def make_backbone(name, seed=0, dtype="float32"):
 
 
 def make_causal_lm(name, seed=0, dtype="float32"):
-    """A keras-hub CausalLM with random weights and, for gpt2/llama3, a BPE tokenizer."""
+    """A keras-hub CausalLM with random weights and, for gpt2/llama3, a BPE tokenizer (for
+    gemma3 a SentencePiece one)."""
     backbone = make_backbone(name, seed, dtype)
     base = type(backbone).__name__.replace("Backbone", "")
     task_cls = getattr(keras_hub.models, base + "CausalLM")
@@ -63,6 +73,11 @@ def make_causal_lm(name, seed=0, dtype="float32"):
         tokenizer = getattr(keras_hub.models, base + "Tokenizer")(vocabulary=vocab,
                                                                   merges=merges)
         pre = getattr(keras_hub.models, base + "CausalLMPreprocessor")(tokenizer=tokenizer)
+        return task_cls(backbone=backbone, preprocessor=pre)
+    if name == "gemma3":  # Gemma's SentencePiece layout (see transformers_reference)
+        from tests.pretrained.transformers_reference import keras_hub_tokenizer
+        pre = keras_hub.models.Gemma3CausalLMPreprocessor(
+            tokenizer=keras_hub_tokenizer("gemma"), image_converter=None)
         return task_cls(backbone=backbone, preprocessor=pre)
     return task_cls(backbone=backbone, preprocessor=None)
 

@@ -32,6 +32,16 @@ def test_keras_hub_preset_logits_equal_keras_hub(name, tmp_path):
                                atol=ATOL, rtol=0)
 
 
+def test_gemma3_preset_whose_scaling_keras_hub_ignores_is_refused(tmp_path):
+    # keras-hub 0.32's Gemma 3 layers scale scores by head_dim whatever
+    # query_head_dim_normalize says: the preset's meaning is ambiguous, tfllm refuses.
+    from tfllm.pretrained.families import PretrainedError
+    cls, kwargs = helpers.BACKBONES["gemma3"]
+    cls(**kwargs, query_head_dim_normalize=False).save_to_preset(str(tmp_path / "p"))
+    with pytest.raises(PretrainedError, match="query_head_dim_normalize=False"):
+        from_preset(str(tmp_path / "p"))
+
+
 def test_every_family_is_tested():
     tested = {helpers.BACKBONES[n][0].__name__ for n in helpers.BACKBONES}
     assert tested == set(FAMILIES)

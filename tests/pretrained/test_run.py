@@ -96,7 +96,7 @@ def test_fine_tune_starts_from_the_imported_weights_then_resumes_normally(tmp_pa
                  "--set", "data.sequence_length=8"]) == 2
 
 
-@pytest.mark.parametrize("name", ["llama3", "gpt2"])
+@pytest.mark.parametrize("name", ["llama3", "gpt2", "gemma3"])
 def test_export_keras_hub_loads_in_keras_hub_and_round_trips_bit_exactly(name, tmp_path):
     import keras_hub
     helpers.save_preset(name, tmp_path / "preset")
@@ -108,7 +108,9 @@ def test_export_keras_hub_loads_in_keras_hub_and_round_trips_bit_exactly(name, t
     model = _restored(tmp_path / "run")
     np.testing.assert_allclose(np.asarray(model(ids)), helpers.keras_hub_logits(reloaded, ids),
                                atol=2e-5, rtol=0)  # float32 on both sides, as test_import
-    assert reloaded.generate("the cat", max_length=12)  # keras-hub generates text with it
+    if name != "gemma3":  # its tokenizer (200 pieces) is smaller than the model's 288
+        # ids, and keras-hub's own SentencePiece decoding fails on the ids past it
+        assert reloaded.generate("the cat", max_length=12)  # keras-hub generates with it
     again = _weights(from_preset(str(tmp_path / "out")))
     first = _weights(model)
     assert again.keys() == first.keys()

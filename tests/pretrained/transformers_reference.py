@@ -52,6 +52,19 @@ MODELS = {
     "qwen2": ("Qwen2Config", dict(_SMALL, tie_word_embeddings=True), "gpt2"),
     # Qwen3: query/key RMSNorm, head_dim apart from hidden / heads, untied (as 8B+)
     "qwen3": ("Qwen3Config", dict(_SMALL, head_dim=8, tie_word_embeddings=False), "gpt2"),
+    # Gemma 3: local layers (window 4, shorter than the test sequences) around a global
+    # one, each kind with its own RoPE base, linear scaling on the global layer only (as
+    # 4B+), query_pre_attn_scalar apart from head_dim, head_dim apart from hidden / heads
+    "gemma3": ("Gemma3TextConfig", dict(
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=3,
+        num_attention_heads=8, num_key_value_heads=4, head_dim=16,
+        max_position_embeddings=64, rms_norm_eps=1e-6, query_pre_attn_scalar=24,
+        sliding_window=4, pad_token_id=None,
+        layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+        rope_parameters={"full_attention": {"rope_type": "linear", "factor": 4.0,
+                                            "rope_theta": 1_000_000.0},
+                         "sliding_attention": {"rope_type": "default",
+                                               "rope_theta": 10_000.0}}), "gemma"),
 }
 
 
@@ -71,13 +84,20 @@ def make_model(name: str, seed: int = 0):
     return model.eval()
 
 
-_PROTO = []
+_PROTO = {}
+
+#: SentencePiece special-token layouts: SentencePiece's defaults (<unk>, <s>, </s>), as
+#: Mistral and Llama 2 ship them, and Gemma's (<pad> 0, <eos> 1, <bos> 2, <unk> 3; no
+#: dummy prefix, whitespace kept, as Gemma's tokenizer.model)
+_SPECIALS = {"sentencepiece": {},
+             "gemma": dict(pad_id=0, eos_id=1, bos_id=2, unk_id=3, pad_piece="<pad>",
+                           eos_piece="<eos>", bos_piece="<bos>", unk_piece="<unk>",
+                           add_dummy_prefix=False, remove_extra_whitespaces=False)}
 
 
-def sentencepiece_proto() -> bytes:
-    """A small BPE SentencePiece model with SentencePiece's default specials (<unk>, <s>,
-    </s>), as Mistral and Llama 2 ship it in tokenizer.model."""
-    if not _PROTO:
+def sentencepiece_proto(kind: str = "sentencepiece") -> bytes:
+    """A small BPE SentencePiece model (tokenizer.model) with `kind`'s special tokens."""
+    if kind not in _PROTO:
         import io
 
         import sentencepiece as spm
@@ -87,9 +107,9 @@ def sentencepiece_proto() -> bytes:
         out = io.BytesIO()
         spm.SentencePieceTrainer.train(sentence_iterator=iter(lines), model_writer=out,
                                        vocab_size=200, model_type="bpe", num_threads=1,
-                                       minloglevel=2)
-        _PROTO.append(out.getvalue())
-    return _PROTO[0]
+                                       minloglevel=2, **_SPECIALS[kind])
+        _PROTO[kind] = out.getvalue()
+    return _PROTO[kind]
 
 
 def keras_hub_tokenizer(kind: str):
@@ -98,6 +118,9 @@ def keras_hub_tokenizer(kind: str):
     from tfllm.pretrained.demo import SPECIAL_TOKENS, bpe_vocabulary
     if kind == "sentencepiece":
         return keras_hub.models.MistralTokenizer(proto=sentencepiece_proto())
+    if kind == "gemma":
+        return keras_hub.models.Gemma3Tokenizer(proto=sentencepiece_proto("gemma"),
+                                                has_vision_tokens=False)
     vocab, merges = bpe_vocabulary(SPECIAL_TOKENS[kind], VOCAB)
     cls = keras_hub.models.GPT2Tokenizer if kind == "gpt2" else \
         keras_hub.models.Llama3Tokenizer
@@ -125,6 +148,13 @@ def save(name: str, path, dtype: str = "float32", layout: str = "transformers5",
         with open(config_path) as f:
             config = json.load(f)
         rope = dict(config.pop("rope_parameters"))
+        if "full_attention" in rope:  # Gemma 3: a RoPE per layer type
+            local = rope["sliding_attention"]
+            config["rope_local_base_freq"] = local["rope_theta"]
+            rope = dict(rope["full_attention"])
+            # transformers 4.5x wrote the global layers as a period
+            types = config.pop("layer_types")
+            config["sliding_window_pattern"] = types.index("full_attention") + 1
         config["rope_theta"] = rope.pop("rope_theta")
         kind = rope.pop("rope_type")
         if kind != "default":

@@ -94,7 +94,10 @@ def assert_matches(run, ref):
 # part XLA clustering can break) and data + fsdp + model together. The other meshes run
 # as graphs above; tests/train/test_xla.py checks what XLA compiles on them.
 XLA_CASES = [("fsdp=8", "llama"), ("data=2,fsdp=2,model=2", "gpt")]
+# Gemma 3 shares Llama's sharded layers; its own parts (window masks, four norms per
+# block, embedding scale, GeGLU) are checked on the mesh that has every axis kind.
 CASES = ([(axes, family, False) for axes in MESHES for family in ("gpt", "llama")]
+         + [("data=2,fsdp=2,model=2", "gemma3", False)]
          + [(axes, family, True) for axes, family in XLA_CASES])
 
 

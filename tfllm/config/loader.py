@@ -218,9 +218,18 @@ def validate(cfg: schema.Config) -> None:
                           "rope_scaling=llama3 (Llama 3.1 uses 4.0 and 1.0).")
     if cfg.train.profile_steps:
         profile_steps(cfg.train)  # ConfigError when malformed
-    if m.qk_norm and m.family != "llama":
+    if m.qk_norm and m.family == "gpt":
         raise ConfigError("model.qk_norm=true is a llama-family setting (Qwen3); the gpt "
                           "family has no query/key norms: set model.family=llama.")
+    rope_only = [f"{k}={getattr(m, k)}" for k in ("sliding_window", "sliding_window_pattern",
+                                                   "rope_local_theta", "query_pre_attn_scalar")
+                 if getattr(m, k)]
+    if rope_only and m.family == "gpt":
+        raise ConfigError(f"model.{rope_only[0]} is a setting of the llama and gemma3 "
+                          "families; the gpt family has none: leave it 0.")
+    if m.sliding_window_pattern and not m.sliding_window:
+        raise ConfigError(f"model.sliding_window_pattern={m.sliding_window_pattern} needs "
+                          "model.sliding_window (the local layers' window), e.g. 4096.")
     if cfg.data.sequence_length > m.max_sequence_length:
         raise ConfigError(f"data.sequence_length ({cfg.data.sequence_length}) exceeds "
                           f"model.max_sequence_length ({m.max_sequence_length}); lower it or "

@@ -27,8 +27,11 @@ class ModelConfig:
     """Architecture of the causal language model."""
 
     family: str = _f("gpt", "Model family: gpt (learned positions, LayerNorm, GELU, tied "
-                     "embeddings) or llama (RoPE, RMSNorm, SwiGLU, GQA).",
-                     choices=("gpt", "llama"))
+                     "embeddings), llama (RoPE, RMSNorm, SwiGLU, GQA) or gemma3 (as llama "
+                     "with embeddings scaled by sqrt(hidden_dim), zero-centred RMSNorm "
+                     "scales (1 + scale), norms before and after attention and MLP, a tanh "
+                     "GELU-gated MLP, query/key norms, tied embeddings).",
+                     choices=("gpt", "llama", "gemma3"))
     vocab_size: int = _f(2048, "Vocabulary size.", min=2)
     hidden_dim: int = _f(128, "Width of the residual stream.", min=1)
     num_layers: int = _f(4, "Number of transformer blocks.", min=1)
@@ -63,7 +66,20 @@ class ModelConfig:
     qkv_bias: Optional[bool] = _f(None, "Biases on the query/key/value projections only "
                                   "(Qwen2); null means use_bias.")
     qk_norm: bool = _f(False, "RMSNorm (epsilon norm_epsilon, a scale per head_dim channel) "
-                       "over each head's queries and keys before RoPE (Qwen3, llama).")
+                       "over each head's queries and keys before RoPE (Qwen3, llama; gemma3 "
+                       "always has them).")
+    sliding_window: int = _f(0, "Local attention: a query sees only the last N keys, itself "
+                             "included (transformers' sliding_window); 0 means every layer "
+                             "attends to the whole context (rope families).", min=0)
+    sliding_window_pattern: int = _f(0, "With sliding_window: every Nth layer (N-1, 2N-1, "
+                                     "...) attends globally and the others locally (Gemma 3: "
+                                     "6); 0 means every layer is local.", min=0)
+    rope_local_theta: float = _f(0.0, "RoPE base of the local (sliding-window) layers, which "
+                                 "rope_scaling never scales (Gemma 3: 10000); 0 means "
+                                 "rope_theta.", min=0.0)
+    query_pre_attn_scalar: float = _f(0.0, "Attention scores are divided by the square root "
+                                      "of this (Gemma 3's query_pre_attn_scalar); 0 means "
+                                      "head_dim.", min=0.0)
     attention_chunk: int = _f(0, "Query-chunked attention: when > 0 and the sequence is "
                               "longer, attention runs over chunks of this many queries, each "
                               "recomputed in the backward pass, so no (T x T) scores are ever "

@@ -5,11 +5,12 @@ from __future__ import annotations
 from typing import Optional
 
 from tfllm.models.causal_lm import Block, CausalLM
+from tfllm.models.gemma3 import Gemma3
 from tfllm.models.gpt import GPT
 from tfllm.models.llama import Llama
 from tfllm.models.loss import loss_sum_and_count, packed_target_mask, token_nll
 
-FAMILIES = {"gpt": GPT, "llama": Llama}
+FAMILIES = {"gpt": GPT, "llama": Llama, "gemma3": Gemma3}
 
 
 def model_class(family: str):

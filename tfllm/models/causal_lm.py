@@ -44,20 +44,26 @@ _KV_CACHE = ("activation_batch", None, "activation_kv_heads",
 
 
 class Block(keras.layers.Layer):
-    """Pre-norm transformer block: x + attn(norm1(x)), then + mlp(norm2(x)).
+    """Pre-norm transformer block: x + attn(norm1(x)), then + mlp(norm2(x)); with post
+    norms (Gemma), x + post1(attn(norm1(x))), then + post2(mlp(norm2(x))).
 
     Args:
       attention, mlp, attention_norm, mlp_norm: the sublayers.
+      attention_post_norm, mlp_post_norm: norms of the sublayers' outputs, or None.
     """
 
-    def __init__(self, attention, mlp, attention_norm, mlp_norm, **kwargs):
+    def __init__(self, attention, mlp, attention_norm, mlp_norm, attention_post_norm=None,
+                 mlp_post_norm=None, **kwargs):
         super().__init__(**kwargs)
         self.attention_norm, self.attention = attention_norm, attention
         self.mlp_norm, self.mlp = mlp_norm, mlp
+        self.attention_post_norm, self.mlp_post_norm = attention_post_norm, mlp_post_norm
 
     def build(self, input_shape=None):
-        for layer in (self.attention_norm, self.attention, self.mlp_norm, self.mlp):
-            layer.build(None)
+        for layer in (self.attention_norm, self.attention, self.attention_post_norm,
+                      self.mlp_norm, self.mlp, self.mlp_post_norm):
+            if layer is not None:
+                layer.build(None)
 
     def call(self, x, attention_mask=None, positions=None, cache=None, cache_index=None):
         """x (B, T, E) -> (B, T, E); with a cache, ((B, T, E), the attention's new cache).
@@ -71,9 +77,13 @@ class Block(keras.layers.Layer):
         h = self.attention(self.attention_norm(x), **extra)
         if cache is not None:
             h, cache = h
+        if self.attention_post_norm is not None:
+            h = self.attention_post_norm(h)
         x = constrain(x + h, _EMBED)
-        x = x + self.mlp(self.mlp_norm(x))
-        x = constrain(x, _EMBED)
+        h = self.mlp(self.mlp_norm(x))
+        if self.mlp_post_norm is not None:
+            h = self.mlp_post_norm(h)
+        x = constrain(x + h, _EMBED)
         return x if cache is None else (x, cache)
 
 
@@ -173,8 +183,8 @@ class CausalLM(keras.Model):
         subclass without the flags are simply kept."""
         selective, attention = policy == "selective", policy in ("selective", "attention")
         for block in self.blocks:
-            for norm in (getattr(block, "attention_norm", None),
-                         getattr(block, "mlp_norm", None)):
+            for norm in (getattr(block, name, None) for name in (
+                    "attention_norm", "mlp_norm", "attention_post_norm", "mlp_post_norm")):
                 if hasattr(norm, "recompute"):
                     norm.recompute = selective
             if hasattr(getattr(block, "attention", None), "recompute_core"):

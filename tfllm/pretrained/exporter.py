@@ -16,7 +16,8 @@ import shutil
 
 import numpy as np
 
-from tfllm.pretrained.families import PretrainedError, default_backbone, family_for
+from tfllm.pretrained.families import (Permuted, PretrainedError, default_backbone,
+                                       family_for, keras_hub_path)
 from tfllm.pretrained.importer import read_origin
 
 
@@ -101,11 +102,14 @@ def export_preset(config, workdir: str, out_dir: str) -> dict:
         if getattr(var, "kind", None) == "fp8_state":
             continue
         path = var.path[len(prefix):] if var.path.startswith(prefix) else var.path
-        target = theirs.get(mapping.get(path, ""))
-        if target is None or tuple(target.shape) != tuple(var.shape):
-            raise PretrainedError(f"{name} has no variable shaped {list(var.shape)} for "
+        value = np.asarray(var.numpy(), np.float32)
+        if isinstance(mapping.get(path), Permuted):
+            value = mapping[path].to_theirs(value)
+        target = theirs.get(keras_hub_path(mapping.get(path, "")))
+        if target is None or tuple(target.shape) != value.shape:
+            raise PretrainedError(f"{name} has no variable shaped {list(value.shape)} for "
                                   f"tfllm's {path}; this model cannot be written as {name}.")
-        target.assign(np.asarray(var.numpy(), np.float32))
+        target.assign(value)
         done.add(target.path)
     if untie:
         embedding = theirs["token_embedding/embeddings"]

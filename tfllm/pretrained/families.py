@@ -16,7 +16,9 @@ weights into its own backbones; a family here maps that backbone onto a tfllm mo
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Dict, Optional
+from typing import Callable, Dict, Optional, Tuple
+
+import numpy as np
 
 #: keras-hub config keys that change nothing tfllm computes (dropout is off at inference
 #: and tfllm trains without it; name/dtype/trainable are Keras bookkeeping).
@@ -33,16 +35,42 @@ class PretrainedError(ValueError):
 
 
 @dataclass(frozen=True)
+class Permuted:
+    """A weight-map value whose keras-hub tensor is tfllm's with its axes permuted:
+    tfllm's = np.transpose(keras-hub's, perm)."""
+
+    path: str
+    perm: Tuple[int, ...]
+
+    def to_ours(self, theirs):
+        return np.transpose(theirs, self.perm)
+
+    def to_theirs(self, ours):
+        return np.transpose(ours, np.argsort(self.perm))
+
+
+def keras_hub_path(value) -> str:
+    """The keras-hub variable path of a weight-map value (a path or a `Permuted`)."""
+    return value.path if isinstance(value, Permuted) else value
+
+
+@dataclass(frozen=True)
 class Family:
-    """How one keras-hub backbone class maps onto a tfllm model."""
+    """How one keras-hub backbone class maps onto a tfllm model.
+
+    `hf_fields(config.json, path)`, when set, reads tfllm's model section straight from
+    a Hugging Face config.json: for architectures whose keras-hub backbone cannot express
+    every setting transformers has (Gemma 3's layer pattern and RoPE bases).
+    """
 
     backbone: str
     tfllm_family: str
     description: str
     model_fields: Callable[..., dict]  # (keras-hub config, max_length=None) -> fields
     backbone_kwargs: Callable[[object, dict], dict]
-    weight_map: Callable[[object], Dict[str, str]]
+    weight_map: Callable[[object], Dict[str, object]]  # values: paths or `Permuted`
     understood: frozenset
+    hf_fields: Optional[Callable[[dict, str], dict]] = None
 
 
 def _check_understood(family: "Family", kh: dict, source: str) -> None:
@@ -142,7 +170,21 @@ def _rope_llama_kwargs(m) -> dict:
     return out
 
 
+def _plain_attention(m, backbone: str, window_ok: bool = False) -> None:
+    """Refuses llama-family settings a keras-hub backbone other than Gemma3's lacks."""
+    head_dim = m.head_dim or m.hidden_dim // m.num_query_heads
+    bad = [f"model.{k}={getattr(m, k)}" for k in ("sliding_window_pattern",
+                                                    "rope_local_theta") if getattr(m, k)]
+    if m.sliding_window and not window_ok:
+        bad.append(f"model.sliding_window={m.sliding_window}")
+    if m.query_pre_attn_scalar and m.query_pre_attn_scalar != head_dim:
+        bad.append(f"model.query_pre_attn_scalar={m.query_pre_attn_scalar}")
+    if bad:
+        raise PretrainedError(f"keras-hub's {backbone} cannot express {', '.join(bad)}.")
+
+
 def _no_llama3(m, backbone: str) -> None:
+    _plain_attention(m, backbone, window_ok=backbone == "MistralBackbone")
     if m.rope_scaling == "llama3":
         raise PretrainedError(f"{backbone} has no llama3 RoPE scaling; export this model as "
                               "Llama3Backbone (--set model.qkv_bias=null).")
@@ -169,6 +211,7 @@ def _llama_family(backbone: str, description: str) -> Family:
                              max_length)
 
     def kwargs(m, original):
+        _plain_attention(m, backbone)
         if m.rope_scaling == "linear":
             raise PretrainedError(f"{backbone}'s layers ignore linear RoPE scaling; export "
                                   "this model as QwenBackbone or MistralBackbone.")
@@ -192,7 +235,8 @@ def _mistral_family() -> Family:
         return {**_llama_kwargs_common(m), "head_dim": m.head_dim or None,
                 "rope_scaling_factor": (m.rope_scaling_factor
                                         if m.rope_scaling == "linear" else 1.0),
-                "sliding_window": original.get("sliding_window", m.max_sequence_length),
+                "sliding_window": m.sliding_window or original.get("sliding_window",
+                                                                    m.max_sequence_length),
                 "dropout": original.get("dropout", 0.0)}
     keys = frozenset({"vocabulary_size", "num_layers", "num_query_heads", "hidden_dim",
                       "intermediate_dim", "num_key_value_heads", "rope_max_wavelength",
@@ -301,6 +345,242 @@ def _gpt2_weight_map(m) -> Dict[str, str]:
     return out
 
 
+# ---- Gemma 3 ---------------------------------------------------------------------------
+#: keras-hub's Gemma3Backbone (0.32) hard-codes what transformers' config sets: every 6th
+#: layer global, RoPE bases 10,000 (local) and 1,000,000 (global).
+_KH_GEMMA3 = {"pattern": 6, "local_theta": 10_000.0, "global_theta": 1_000_000.0}
+
+#: transformers' Gemma3TextConfig defaults, for keys a config.json leaves out
+_HF_GEMMA3_DEFAULTS = {"rms_norm_eps": 1e-6, "query_pre_attn_scalar": 256,
+                       "sliding_window": 4096, "tie_word_embeddings": True,
+                       "max_position_embeddings": 131_072, "head_dim": 256,
+                       "num_key_value_heads": 4, "num_attention_heads": 8}
+
+
+def _gemma3_refuse(path: str, key: str, value, why: str) -> PretrainedError:
+    return PretrainedError(f"{path}: {key}={value!r} is not implemented for Gemma 3 "
+                           f"({why}); importing it would compute other logits.")
+
+
+def _rope_global(rope: dict, path: str, key: str, shown) -> dict:
+    """tfllm's RoPE fields for Gemma 3's global layers from a transformers rope dict
+    (`shown`: the config value named in a refusal)."""
+    kind = (rope or {}).get("rope_type", (rope or {}).get("type", "default"))
+    if kind == "default":
+        return {"rope_scaling": "none", "rope_scaling_factor": 1.0}
+    if kind == "linear":
+        return {"rope_scaling": "linear", "rope_scaling_factor": float(rope["factor"])}
+    if kind == "llama3":
+        return {"rope_scaling": "llama3", "rope_scaling_factor": float(rope["factor"]),
+                "rope_low_freq_factor": float(rope["low_freq_factor"]),
+                "rope_high_freq_factor": float(rope["high_freq_factor"]),
+                "rope_original_max_length": int(rope["original_max_position_embeddings"])}
+    raise _gemma3_refuse(path, key, shown, "tfllm implements RoPE types default, linear "
+                         "and llama3 on global layers")
+
+
+def _gemma3_hf_fields(c: dict, path: str) -> dict:
+    """tfllm's model section of a transformers Gemma 3 text config.json, in the
+    transformers 5 layout (rope_parameters per layer type, layer_types) or the
+    transformers 4 one (rope_theta, rope_local_base_freq, rope_scaling,
+    sliding_window_pattern)."""
+    where = f"{path}/config.json"
+    if c.get("model_type") != "gemma3_text":
+        raise PretrainedError(f"{where}: model_type {c.get('model_type')!r} (Gemma 3 with its "
+                              "vision tower); tfllm imports Gemma 3 text models "
+                              "(model_type gemma3_text, Gemma3ForCausalLM).")
+    c = {**_HF_GEMMA3_DEFAULTS, **{k: v for k, v in c.items() if v is not None or k in (
+        "sliding_window",)}}
+    for key, ok, why in (
+            ("hidden_activation", lambda v: v in (None, "gelu_pytorch_tanh"),
+             "the tanh GELU"),
+            ("hidden_act", lambda v: v in (None, "gelu_pytorch_tanh"), "the tanh GELU"),
+            ("attention_bias", lambda v: not v, "no attention biases"),
+            ("use_bidirectional_attention", lambda v: not v, "causal attention"),
+            ("attn_logit_softcapping", lambda v: v is None, "no soft-capping"),
+            ("final_logit_softcapping", lambda v: v is None, "no soft-capping")):
+        if key in c and not ok(c[key]):
+            raise _gemma3_refuse(where, key, c[key], f"tfllm computes {why}")
+    layers = int(c["num_hidden_layers"])
+    types = c.get("layer_types")
+    if types is None:
+        pattern = int(c.get("sliding_window_pattern", _KH_GEMMA3["pattern"]))
+        types = ["sliding_attention" if (i + 1) % pattern else "full_attention"
+                 for i in range(layers)]
+    if len(types) != layers or set(types) - {"sliding_attention", "full_attention"}:
+        raise _gemma3_refuse(where, "layer_types", types, f"{layers} entries of "
+                             "sliding_attention / full_attention")
+    window = c.get("sliding_window") or 0
+    local = [t == "sliding_attention" for t in types]
+    if any(local) and not window:
+        raise _gemma3_refuse(where, "sliding_window", c.get("sliding_window"),
+                             "local layers need a window")
+    if not c["tie_word_embeddings"]:
+        raise _gemma3_refuse(where, "tie_word_embeddings", False, "every Gemma 3 is tied, "
+                             "and keras-hub's converter reads no lm_head")
+    pattern = _pattern_of(local)
+    if pattern is None:
+        raise _gemma3_refuse(where, "layer_types", types, "tfllm places global layers "
+                             "every Nth layer (model.sliding_window_pattern), or none")
+    params = c.get("rope_parameters")
+    if isinstance(params, dict) and ("full_attention" in params
+                                     or "sliding_attention" in params):  # transformers 5
+        full, sliding = params.get("full_attention") or {}, params.get("sliding_attention") or {}
+        global_theta = full.get("rope_theta", c.get("rope_theta", 1_000_000.0))
+        local_theta = sliding.get("rope_theta", c.get("rope_local_base_freq", 10_000.0))
+        rope_key = "rope_parameters"
+    else:  # transformers 4
+        full, sliding = c.get("rope_scaling") or {}, {}
+        global_theta = c.get("rope_theta", 1_000_000.0)
+        local_theta = c.get("rope_local_base_freq", 10_000.0)
+        rope_key = "rope_scaling"
+    if sliding.get("rope_type", "default") != "default":
+        raise _gemma3_refuse(where, "rope_parameters", params,
+                             "tfllm's local layers use unscaled RoPE")
+    fields = {
+        "family": "gemma3", "vocab_size": int(c["vocab_size"]),
+        "hidden_dim": int(c["hidden_size"]), "num_layers": layers,
+        "num_query_heads": int(c["num_attention_heads"]),
+        "num_key_value_heads": int(c["num_key_value_heads"]),
+        "head_dim": int(c["head_dim"]), "intermediate_dim": int(c["intermediate_size"]),
+        "norm_epsilon": float(c["rms_norm_eps"]), "rope_theta": float(global_theta),
+        "rope_local_theta": float(local_theta),
+        "sliding_window": int(window) if any(local) else 0,
+        "sliding_window_pattern": pattern,
+        "query_pre_attn_scalar": float(c["query_pre_attn_scalar"]),
+        "tie_embeddings": bool(c["tie_word_embeddings"]), "use_bias": False,
+        "qkv_bias": None, "qk_norm": True,
+        "max_sequence_length": int(c["max_position_embeddings"]),
+        **_rope_global(full, where, rope_key, c.get(rope_key)),
+    }
+    return fields
+
+
+def _pattern_of(local) -> Optional[int]:
+    """model.sliding_window_pattern giving this local/global list, or None: 0 when every
+    layer is local (or none is: the window is then unused), N when layers N-1, 2N-1, ...
+    are the global ones."""
+    if all(local) or not any(local):
+        return 0
+    first = local.index(False) + 1
+    expected = [(i + 1) % first != 0 for i in range(len(local))]
+    return first if expected == local else None
+
+
+def _gemma3_fields(kh: dict, max_length=None) -> dict:
+    """A keras-hub Gemma3Backbone preset (text only) -> tfllm's model section."""
+    where = "Gemma3Backbone config"
+    for key, ok, why in (
+            ("vision_encoder", lambda v: v is None, "text only"),
+            ("image_size", lambda v: v is None, "text only"),
+            ("is_embedding_model", lambda v: not v, "a causal language model"),
+            ("use_bidirectional_attention", lambda v: not v, "causal attention"),
+            ("attention_logit_soft_cap", lambda v: v is None, "no soft-capping"),
+            ("final_logit_soft_cap", lambda v: v is None, "no soft-capping"),
+            ("use_post_ffw_norm", bool, "norms after the MLP, as Gemma 3"),
+            ("use_post_attention_norm", bool, "norms after attention, as Gemma 3"),
+            ("use_query_key_norm", bool, "query/key norms, as Gemma 3"),
+            ("local_rope_scaling_factor", lambda v: float(v) == 1.0,
+             "unscaled RoPE on local layers"),
+            # keras-hub 0.32's Gemma3DecoderBlock passes True to its attention whatever
+            # the backbone says: what such a preset computes is ambiguous
+            ("query_head_dim_normalize", lambda v: v is None or bool(v),
+             "scores scaled by head_dim, which keras-hub's own layers apply whatever this "
+             "says")):
+        if not ok(kh.get(key)):
+            raise _gemma3_refuse(where, key, kh.get(key), f"tfllm computes {why}")
+    sliding = bool(kh.get("use_sliding_window_attention"))
+    factor = float(kh.get("global_rope_scaling_factor") or 1.0)
+    head_dim = int(kh["head_dim"])
+    return {
+        "family": "gemma3", "vocab_size": kh["vocabulary_size"],
+        "hidden_dim": kh["hidden_dim"], "num_layers": kh["num_layers"],
+        "num_query_heads": kh["num_query_heads"],
+        "num_key_value_heads": kh["num_key_value_heads"], "head_dim": head_dim,
+        "intermediate_dim": kh["intermediate_dim"],
+        "norm_epsilon": float(kh["layer_norm_epsilon"]),
+        "rope_theta": _KH_GEMMA3["global_theta"], "rope_local_theta": _KH_GEMMA3["local_theta"],
+        "sliding_window": int(kh["sliding_window_size"]) if sliding else 0,
+        "sliding_window_pattern": _KH_GEMMA3["pattern"] if sliding else 0,
+        "query_pre_attn_scalar": float(head_dim),
+        "rope_scaling": "linear" if factor != 1.0 else "none", "rope_scaling_factor": factor,
+        "tie_embeddings": True, "use_bias": False, "qkv_bias": None, "qk_norm": True,
+        "max_sequence_length": int(max_length or DEFAULT_MAX_LENGTH),
+    }
+
+
+def _gemma3_kwargs(m, original) -> dict:
+    """tfllm's model section -> Gemma3Backbone arguments; what keras-hub hard-codes must
+    match."""
+    head_dim = m.head_dim or m.hidden_dim // m.num_query_heads
+    problems = []
+    if m.sliding_window:
+        if m.sliding_window_pattern != _KH_GEMMA3["pattern"]:
+            problems.append(f"model.sliding_window_pattern={m.sliding_window_pattern} "
+                            f"(keras-hub: {_KH_GEMMA3['pattern']})")
+        if (m.rope_local_theta or m.rope_theta) != _KH_GEMMA3["local_theta"]:
+            problems.append(f"model.rope_local_theta={m.rope_local_theta} (keras-hub: "
+                            f"{_KH_GEMMA3['local_theta']:g})")
+    if m.rope_theta != _KH_GEMMA3["global_theta"]:
+        problems.append(f"model.rope_theta={m.rope_theta} (keras-hub: "
+                        f"{_KH_GEMMA3['global_theta']:g})")
+    scalar = m.query_pre_attn_scalar or head_dim
+    if scalar != head_dim:  # keras-hub 0.32's layers always scale by head_dim
+        problems.append(f"model.query_pre_attn_scalar={scalar} (keras-hub: head_dim, "
+                        f"{head_dim})")
+    if m.rope_scaling not in ("none", "linear"):
+        problems.append(f"model.rope_scaling={m.rope_scaling} (keras-hub: none or linear)")
+    if m.tie_embeddings is False:
+        problems.append("model.tie_embeddings=false (keras-hub's Gemma 3 is tied)")
+    if problems:
+        raise PretrainedError("keras-hub's Gemma3Backbone cannot express "
+                              f"{'; '.join(problems)}; export this run with --format hf.")
+    return {"vocabulary_size": m.vocab_size, "image_size": None,
+            "num_layers": m.num_layers, "num_query_heads": m.num_query_heads,
+            "num_key_value_heads": m.num_key_value_heads or m.num_query_heads,
+            "hidden_dim": m.hidden_dim, "intermediate_dim": m.intermediate_dim,
+            "head_dim": head_dim, "query_head_dim_normalize": True,
+            "use_query_key_norm": True, "use_post_ffw_norm": True,
+            "use_post_attention_norm": True,
+            "use_sliding_window_attention": bool(m.sliding_window),
+            "sliding_window_size": m.sliding_window or original.get("sliding_window_size",
+                                                                      1024),
+            "global_rope_scaling_factor": (m.rope_scaling_factor
+                                           if m.rope_scaling == "linear" else 1.0),
+            "local_rope_scaling_factor": 1.0, "layer_norm_epsilon": m.norm_epsilon,
+            "dropout": original.get("dropout", 0)}
+
+
+def _gemma3_weight_map(m) -> Dict[str, object]:
+    out = {"token_embedding/embeddings": "token_embedding/embeddings",
+           "final_norm/scale": "final_normalization/scale"}
+    for i in range(m.num_layers):
+        ours, theirs = f"block_{i}/", f"decoder_block_{i}/"
+        for a, b in (("attention_norm", "pre_attention_norm"),
+                     ("attention_post_norm", "post_attention_norm"),
+                     ("mlp_norm", "pre_ffw_norm"), ("mlp_post_norm", "post_ffw_norm")):
+            out[f"{ours}{a}/scale"] = f"{theirs}{b}/scale"
+        for a in ("query", "key", "value"):  # keras-hub: (heads, E, D); tfllm: (E, heads, D)
+            out[f"{ours}attention/{a}/kernel"] = Permuted(
+                f"{theirs}attention/{a}/kernel", (1, 0, 2))
+        out[f"{ours}attention/output/kernel"] = f"{theirs}attention/attention_output/kernel"
+        for a in ("query", "key"):
+            out[f"{ours}attention/{a}_norm/scale"] = f"{theirs}attention/{a}_norm/scale"
+        for a, b in (("gate", "ffw_gating"), ("up", "ffw_gating_2"), ("down", "ffw_linear")):
+            out[f"{ours}mlp/{a}/kernel"] = f"{theirs}{b}/kernel"
+    return out
+
+
+_GEMMA3_KEYS = frozenset({
+    "vocabulary_size", "image_size", "num_layers", "num_query_heads", "num_key_value_heads",
+    "hidden_dim", "intermediate_dim", "head_dim", "query_head_dim_normalize",
+    "use_query_key_norm", "use_post_ffw_norm", "use_post_attention_norm",
+    "attention_logit_soft_cap", "final_logit_soft_cap", "use_sliding_window_attention",
+    "sliding_window_size", "local_rope_scaling_factor", "global_rope_scaling_factor",
+    "vision_encoder", "layer_norm_epsilon", "use_bidirectional_attention",
+    "is_embedding_model", "pooling_intermediate_dim", "embedding_dim"})
+
+
 FAMILIES: Dict[str, Family] = {f.backbone: f for f in (
     Family("GPT2Backbone", "gpt", "GPT-2", _gpt2_fields, _gpt2_kwargs, _gpt2_weight_map,
            frozenset({"vocabulary_size", "num_layers", "num_heads", "hidden_dim",
@@ -311,6 +591,9 @@ FAMILIES: Dict[str, Family] = {f.backbone: f for f in (
     _mistral_family(),
     _qwen_family(),
     _qwen3_family(),
+    Family("Gemma3Backbone", "gemma3", "Gemma 3 text models (1B; the text decoder of 4B+: "
+           "local/global layers, query/key norms, GeGLU)", _gemma3_fields, _gemma3_kwargs,
+           _gemma3_weight_map, _GEMMA3_KEYS, hf_fields=_gemma3_hf_fields),
 )}
 
 
@@ -331,6 +614,8 @@ def default_backbone(model) -> str:
     """The keras-hub backbone a tfllm model config exports to when it was not imported."""
     if model.family == "gpt":
         return "GPT2Backbone"
+    if model.family == "gemma3":
+        return "Gemma3Backbone"
     if model.qk_norm:
         return "Qwen3Backbone"
     return "QwenBackbone" if model.qkv_bias else "Llama3Backbone"

@@ -58,7 +58,26 @@ def _linear(x):
 
 
 # ---- the weight tables ------------------------------------------------------------------
-def _llama_tensors(m, tie: bool) -> List[Tensor]:
+def _gemma3_tensors(m) -> List[Tensor]:
+    """Llama's tensors with Gemma 3's four norms per layer (its post_attention_layernorm
+    follows attention; the MLP's input norm is pre_feedforward_layernorm)."""
+    e = m.hidden_dim
+    out = []
+    for t in _llama_tensors(m, _tied(m), qk_norm=True):
+        if t.key.endswith(".post_attention_layernorm.weight"):  # tfllm's mlp_norm
+            layer, ours = t.key[: -len("post_attention_layernorm.weight")], t.sources[0]
+            block = ours[: -len("mlp_norm/scale")]
+            out += [Tensor(layer + "post_attention_layernorm.weight",
+                           (block + "attention_post_norm/scale",), (e,), _same),
+                    Tensor(layer + "pre_feedforward_layernorm.weight", (ours,), (e,), _same),
+                    Tensor(layer + "post_feedforward_layernorm.weight",
+                           (block + "mlp_post_norm/scale",), (e,), _same)]
+        else:
+            out.append(t)
+    return out
+
+
+def _llama_tensors(m, tie: bool, qk_norm: Optional[bool] = None) -> List[Tensor]:
     h, kv = m.num_query_heads, m.num_key_value_heads or m.num_query_heads
     hd = m.head_dim or m.hidden_dim // m.num_query_heads
     e, i_dim = m.hidden_dim, m.intermediate_dim
@@ -88,7 +107,7 @@ def _llama_tensors(m, tie: bool) -> List[Tensor]:
             Tensor(theirs + "mlp.down_proj.weight", (ours + "mlp/down/kernel",),
                    (e, i_dim), _linear),
         ]
-        if m.qk_norm:
+        if m.qk_norm if qk_norm is None else qk_norm:
             out += [Tensor(f"{theirs}self_attn.{n}_norm.weight",
                            (f"{ours}attention/{a}_norm/scale",), (hd,), _same)
                     for n, a in (("q", "query"), ("k", "key"))]
@@ -169,6 +188,22 @@ def model_type_for(m, backbone: Optional[str]) -> str:
     """
     if m.family == "gpt":
         return "gpt2"
+    if m.family == "gemma3":
+        return "gemma3_text"
+    head_dim = m.head_dim or m.hidden_dim // m.num_query_heads
+    if m.query_pre_attn_scalar and m.query_pre_attn_scalar != head_dim:
+        raise PretrainedError(f"model.query_pre_attn_scalar={m.query_pre_attn_scalar} (not "
+                              f"head_dim {head_dim}) exists in transformers only for Gemma "
+                              "3 (model.family=gemma3).")
+    if m.sliding_window:  # transformers' Mistral: one window in every layer
+        if (m.sliding_window_pattern or m.rope_local_theta or m.qk_norm or _qkv_bias(m)
+                or _tied(m) or m.query_pre_attn_scalar):
+            raise PretrainedError(
+                f"model.sliding_window={m.sliding_window} on the llama family is written as "
+                "Mistral, which has one window in every layer, untied embeddings and no "
+                "biases, query/key norms, local RoPE base or query_pre_attn_scalar; this "
+                "model has no transformers counterpart.")
+        return "mistral"
     if m.qk_norm:
         if _qkv_bias(m):
             raise PretrainedError("a model with query/key norms (model.qk_norm, Qwen3) and "
@@ -219,6 +254,8 @@ def hf_config(m, model_type: str, dtype: str, bos: Optional[int],
                 "attn_pdrop": 0.0, "embd_pdrop": 0.0, "resid_pdrop": 0.0,
                 "scale_attn_weights": True, "scale_attn_by_inverse_layer_idx": False,
                 "reorder_and_upcast_attn": False, **common}
+    if model_type == "gemma3_text":
+        return _gemma3_config(m, common)
     if _resolved(m, "use_bias"):
         raise PretrainedError("model.use_bias=true (biases on every projection) has no "
                               "Llama/Mistral/Qwen2 counterpart in transformers; only q/k/v "
@@ -238,7 +275,7 @@ def hf_config(m, model_type: str, dtype: str, bos: Optional[int],
     if model_type == "llama":
         out.update(mlp_bias=False, pretraining_tp=1)
     elif model_type == "mistral":
-        out["sliding_window"] = None  # tfllm computes full causal attention
+        out["sliding_window"] = m.sliding_window or None
     else:  # qwen2, qwen3: full attention in every layer, as tfllm computes
         out.update(use_sliding_window=False, sliding_window=None,
                    max_window_layers=m.num_layers,
@@ -246,10 +283,43 @@ def hf_config(m, model_type: str, dtype: str, bos: Optional[int],
     return out
 
 
+def _gemma3_config(m, common: dict) -> dict:
+    if _resolved(m, "use_bias") or _qkv_bias(m):
+        raise PretrainedError("Gemma 3 has no biases; this model (model.use_bias/qkv_bias) "
+                              "cannot be written as gemma3_text.")
+    head_dim = m.head_dim or m.hidden_dim // m.num_query_heads
+    scalar = float(m.query_pre_attn_scalar or head_dim)
+    if not scalar.is_integer():
+        raise PretrainedError(f"model.query_pre_attn_scalar={scalar}: transformers' "
+                              "Gemma3TextConfig takes a whole number.")
+    scalar = int(scalar)
+    local = ["sliding_attention" if m.sliding_window and not (
+        m.sliding_window_pattern and (i + 1) % m.sliding_window_pattern == 0)
+        else "full_attention" for i in range(m.num_layers)]
+    return {"architectures": ["Gemma3ForCausalLM"], "model_type": "gemma3_text",
+            "hidden_size": m.hidden_dim, "intermediate_size": m.intermediate_dim,
+            "num_hidden_layers": m.num_layers, "num_attention_heads": m.num_query_heads,
+            "num_key_value_heads": m.num_key_value_heads or m.num_query_heads,
+            "head_dim": head_dim, "hidden_activation": "gelu_pytorch_tanh",
+            "max_position_embeddings": m.max_sequence_length,
+            "rms_norm_eps": float(m.norm_epsilon),
+            "query_pre_attn_scalar": scalar,
+            "sliding_window": int(m.sliding_window) or None, "layer_types": local,
+            "rope_parameters": {
+                "full_attention": _rope_parameters(m),
+                "sliding_attention": {"rope_type": "default",
+                                      "rope_theta": float(m.rope_local_theta or m.rope_theta)}},
+            "attention_bias": False, "attention_dropout": 0.0,
+            "attn_logit_softcapping": None, "final_logit_softcapping": None,
+            "use_bidirectional_attention": False, "pad_token_id": None, **common}
+
+
 def tensors_for(m, model_type: str) -> List[Tensor]:
     """Every tensor of the Hugging Face folder, in the order written."""
     if model_type == "gpt2":
         return _gpt2_tensors(m)
+    if model_type == "gemma3_text":
+        return _gemma3_tensors(m)
     return _llama_tensors(m, _tied(m))
 
 

@@ -18,7 +18,7 @@ from typing import Dict, Iterable, Optional
 
 import numpy as np
 
-from tfllm.pretrained.families import PretrainedError
+from tfllm.pretrained.families import Permuted, PretrainedError, keras_hub_path
 from tfllm.pretrained.sources import Source, open_source
 from tfllm.train.workdir import MARKER, read_marker, write_marker
 
@@ -37,6 +37,8 @@ def preset_model_section(source: Source) -> dict:
     """tfllm's `model` section for the preset (config.json -> keras-hub -> tfllm)."""
     from tfllm.pretrained.families import _check_understood
     _check_understood(source.family, source.config, os.path.join(source.path, "config.json"))
+    if source.hf_config is not None and source.family.hf_fields is not None:
+        return source.family.hf_fields(source.hf_config, source.path)
     max_length = (source.hf_config or {}).get("max_position_embeddings")
     kh = source.config
     if (source.format == "keras-hub" and source.family.tfllm_family == "llama"
@@ -86,7 +88,7 @@ def load_weights(model, source: Source) -> dict:
         raise PretrainedError(f"tfllm's {model.config.family} model has weights no "
                               f"{source.backbone} tensor feeds: {unmapped[:5]}; a subclass "
                               "with extra weights cannot be imported from this preset.")
-    left = sorted(set(source.variables) - set(mapping.values()))
+    left = sorted(set(source.variables) - {keras_hub_path(v) for v in mapping.values()})
     if left:
         raise PretrainedError(f"{source.path}: the {source.backbone} weights {left[:5]} have "
                               "no place in tfllm's model (e.g. an untied output embedding "
@@ -94,13 +96,26 @@ def load_weights(model, source: Source) -> dict:
     stats = {"tensors": 0, "bytes_read": 0, "largest_read": 0}
     for path in sorted(ours):
         var = tf_variable(ours[path], path)
-        kh_name = mapping[path]
+        kh_name = keras_hub_path(mapping[path])
         if kh_name not in source.variables:
             raise PretrainedError(f"{source.path}: keras-hub's {source.backbone} has no "
                                   f"variable {kh_name} for tfllm's {path}; check the --set "
                                   "model.* overrides.")
         blocks = sorted({block for _, block in target_blocks(var)})
-        arrays = source.read(kh_name, blocks, tuple(int(n) for n in var.shape))
+        shape = tuple(int(n) for n in var.shape)
+        if isinstance(mapping[path], Permuted):  # read whole, permute, then cut the blocks
+            kh_shape = source.variables[kh_name]
+            whole = ((0,) * len(kh_shape), kh_shape)
+            theirs = source.read(kh_name, [whole], kh_shape)[whole]
+            full = mapping[path].to_ours(theirs)
+            if full.shape != shape:
+                raise PretrainedError(f"{source.describe(kh_name)}: shape {list(kh_shape)} "
+                                      f"does not give tfllm's {path} {list(shape)}; check the "
+                                      "--set model.* overrides.")
+            arrays = {b: full[tuple(slice(o, o + n) for o, n in zip(*b))] for b in blocks}
+            del theirs, full
+        else:
+            arrays = source.read(kh_name, blocks, shape)
         dtype = np.dtype(var.dtype.as_numpy_dtype)
         arrays = {b: np.asarray(a).astype(dtype) for b, a in arrays.items()}
         size = sum(a.nbytes for a in arrays.values())

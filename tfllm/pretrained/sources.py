@@ -441,7 +441,8 @@ def check_computation_keys(hf_config: dict, path: str) -> None:
 
 
 #: keras-hub backbone arguments that carry a RoPE scaling a converter implemented
-_SCALING_KEYS = ("rope_frequency_adjustment_factor", "rope_scaling_factor")
+_SCALING_KEYS = ("rope_frequency_adjustment_factor", "rope_scaling_factor",
+                 "global_rope_scaling_factor")
 
 
 def transformers4_rope(hf_config: dict, path: str = "config.json") -> dict:
@@ -459,6 +460,8 @@ def transformers4_rope(hf_config: dict, path: str = "config.json") -> dict:
     if not isinstance(params, dict):
         raise PretrainedError(f"{path}/config.json: rope_parameters={params!r} is not an "
                               "object; the file is damaged.")
+    if "full_attention" in params or "sliding_attention" in params:
+        return hf_config  # RoPE per layer type (Gemma 3): its family reads it itself
     config = dict(hf_config)
     theta = params.get("rope_theta")
     scaling = {k: v for k, v in params.items() if k != "rope_theta"}

@@ -34,7 +34,7 @@ def flops_per_token(model_config, sequence_length: int) -> int:
     kv = c.num_key_value_heads or heads
     head_dim = c.head_dim or c.hidden_dim // heads
     E, F, L, V, T = c.hidden_dim, c.intermediate_dim, c.num_layers, c.vocab_size, sequence_length
-    mlp_matrices = 3 if c.family == "llama" else 2
+    mlp_matrices = 2 if c.family == "gpt" else 3
     per_layer = E * heads * head_dim * 2 + E * kv * head_dim * 2 + mlp_matrices * E * F
     forward = 2 * (L * per_layer + E * V) + L * 2 * 2 * T * heads * head_dim
     return 3 * forward

@@ -114,6 +114,11 @@ class Attention(keras.layers.Layer):
       fp8_path: this layer's path for `fp8.exclude` (e.g. "block_0/attention").
       qk_norm_epsilon: an RMSNorm over each head's queries and keys (scales of head_dim
         channels, shared by the heads) before RoPE, with this epsilon (Qwen3); None: none.
+      qk_norm_zero_centered: those norms multiply by (1 + scale) (Gemma 3).
+      sliding_window: > 0: query t sees only keys t - sliding_window + 1 .. t (local
+        attention; transformers' sliding_window); 0: all earlier keys.
+      score_divisor: scores are divided by sqrt(score_divisor) (Gemma 3's
+        query_pre_attn_scalar); None: by sqrt(head_dim).
     """
 
     def __init__(self, hidden_dim: int, num_query_heads: int, num_key_value_heads: int,
@@ -121,8 +126,11 @@ class Attention(keras.layers.Layer):
                  init_std: float = 0.02, output_init_std: float = 0.02, fp8=None,
                  fp8_path: str = "attention", rope_scaling: Optional[RopeScaling] = None,
                  qkv_bias: Optional[bool] = None, query_chunk: int = 0,
-                 qk_norm_epsilon: Optional[float] = None, **kwargs):
+                 qk_norm_epsilon: Optional[float] = None, qk_norm_zero_centered: bool = False,
+                 sliding_window: int = 0, score_divisor: Optional[float] = None, **kwargs):
         super().__init__(**kwargs)
+        self.sliding_window = int(sliding_window)
+        self.score_divisor = float(score_divisor or head_dim)
         fp8_for = lambda name: fp8.for_layer(f"{fp8_path}/{name}") if fp8 else None
         self.num_query_heads = num_query_heads
         self.num_key_value_heads = num_key_value_heads
@@ -148,10 +156,10 @@ class Attention(keras.layers.Layer):
             name="output", fp8=fp8_for("output"), dtype=self.dtype_policy)
         self.query_norm = self.key_norm = None
         if qk_norm_epsilon is not None:
-            self.query_norm = RMSNorm(D, qk_norm_epsilon, name="query_norm",
-                                      dtype=self.dtype_policy)
-            self.key_norm = RMSNorm(D, qk_norm_epsilon, name="key_norm",
-                                    dtype=self.dtype_policy)
+            self.query_norm = RMSNorm(D, qk_norm_epsilon, qk_norm_zero_centered,
+                                      name="query_norm", dtype=self.dtype_policy)
+            self.key_norm = RMSNorm(D, qk_norm_epsilon, qk_norm_zero_centered,
+                                    name="key_norm", dtype=self.dtype_policy)
 
     def build(self, input_shape=None):
         for layer in (self.query, self.key, self.value, self.output_proj, self.query_norm,
@@ -175,10 +183,12 @@ class Attention(keras.layers.Layer):
             k = constrain(tf.repeat(k, groups, axis=2), _KEYS_REPEATED)  # (B, S, H, D)
             v = constrain(tf.repeat(v, groups, axis=2), _KEYS_REPEATED)  # (B, S, H, D)
         scores = tf.einsum("bthd,bshd->bhts", q, k)  # (B, H, T, S)
-        scores = tf.cast(scores, tf.float32) / math.sqrt(self.head_dim)
+        scores = tf.cast(scores, tf.float32) / math.sqrt(self.score_divisor)
         if attention_mask is None:
             length = tf.shape(scores)[-1]
             allowed = tf.linalg.band_part(tf.ones((length, length), tf.bool), -1, 0)  # (T, S)
+            if self.sliding_window:
+                allowed = allowed & window_mask(tf.range(length), length, self.sliding_window)
         else:
             allowed = tf.expand_dims(attention_mask, 1)  # (B, 1, T, S)
         # -1e30, not -inf: a query that sees no key (a left-pad slot) stays finite.
@@ -235,6 +245,8 @@ class Attention(keras.layers.Layer):
                                        (size,))  # (P*t,)
                 rows = (tf.expand_dims(tf.range(length), 0)
                         <= tf.expand_dims(query_pos, 1))  # (P*t, S)
+                if self.sliding_window:
+                    rows = rows & window_mask(query_pos, length, self.sliding_window)
                 rows = tf.broadcast_to(tf.expand_dims(rows, 0), (batch, size, length))
             else:
                 rows = tf.reshape(attention_mask[:, :, start:stop], (batch, size, -1))
@@ -262,6 +274,13 @@ class Attention(keras.layers.Layer):
         if self.rope_theta is not None:
             q = rotary(q, self.rope_theta, positions, self.rope_scaling)
             k = rotary(k, self.rope_theta, positions, self.rope_scaling)
+        if self.sliding_window and attention_mask is not None:
+            # (B, T, S) & (T, S): the queries are cache slots index .. index+T-1 (or row
+            # positions 0 .. T-1 when training), the keys slots (positions) 0 .. S-1.
+            first = 0 if cache is None else tf.cast(cache_index, tf.int32)
+            query_slots = first + tf.range(tf.shape(q)[1])
+            attention_mask = attention_mask & tf.expand_dims(
+                window_mask(query_slots, tf.shape(attention_mask)[-1], self.sliding_window), 0)
         if cache is None:
             if self.query_chunk and q.shape[1] is not None and q.shape[1] > self.query_chunk:
                 return self.output_proj(self.attend_chunked(q, k, v, attention_mask))
@@ -274,6 +293,13 @@ class Attention(keras.layers.Layer):
         values = write_cache(cache[1], v, cache_index)  # (B, S, K, D)
         out = self.output_proj(self.attend(q, keys, values, attention_mask))  # (B, T, E)
         return out, (keys, values)
+
+
+def window_mask(query_slots, key_length, window: int):
+    """(T, S) bool: True where key slot s is within the `window` keys ending at each query's
+    slot (query_slots (T,) int32): query - s < window. (Causality is the caller's mask.)"""
+    return (tf.expand_dims(query_slots, 1) - tf.expand_dims(tf.range(key_length), 0)
+            < window)
 
 
 def write_cache(cache, new, index):

@@ -189,15 +189,25 @@ class LayerNorm(keras.layers.Layer):
 
 
 class RMSNorm(keras.layers.Layer):
-    """RMSNorm over the last axis; statistics in float32."""
+    """RMSNorm over the last axis; statistics in float32.
 
-    def __init__(self, hidden_dim: int, epsilon: float = 1e-5, **kwargs):
+    Args:
+      hidden_dim: the normalized width.
+      epsilon: added to the mean square.
+      zero_centered: the output is multiplied by (1 + scale), scale initialized to zeros
+        (Gemma's convention, stored as Gemma checkpoints store it); else by scale, ones.
+    """
+
+    def __init__(self, hidden_dim: int, epsilon: float = 1e-5, zero_centered: bool = False,
+                 **kwargs):
         super().__init__(**kwargs)
         self.hidden_dim, self.epsilon = hidden_dim, epsilon
+        self.zero_centered = zero_centered
         self.recompute = False  # set by the model's remat policy
 
     def build(self, input_shape=None):
-        self.scale = add_param(self, "scale", (self.hidden_dim,), ("norm",), ("ones",), "norm")
+        init = ("zeros",) if self.zero_centered else ("ones",)
+        self.scale = add_param(self, "scale", (self.hidden_dim,), ("norm",), init, "norm")
 
     def call(self, x):
         return recompute(self._normalize)(x) if self.recompute else self._normalize(x)
@@ -205,5 +215,7 @@ class RMSNorm(keras.layers.Layer):
     def _normalize(self, x):
         x32 = tf.cast(x, tf.float32)
         y = x32 * tf.math.rsqrt(tf.reduce_mean(tf.square(x32), -1, keepdims=True) + self.epsilon)
-        scale = gather_weight(self.scale, ("norm",), self.name)
-        return tf.cast(y * tf.cast(scale, tf.float32), x.dtype)
+        scale = tf.cast(gather_weight(self.scale, ("norm",), self.name), tf.float32)
+        if self.zero_centered:
+            scale = 1.0 + scale
+        return tf.cast(y * scale, x.dtype)

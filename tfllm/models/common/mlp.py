@@ -1,4 +1,4 @@
-"""Feed-forward blocks: GELU MLP (GPT) and SwiGLU gated MLP (Llama)."""
+"""Feed-forward blocks: GELU MLP (GPT) and gated MLPs (SwiGLU: Llama; GeGLU: Gemma)."""
 
 from __future__ import annotations
 
@@ -18,6 +18,15 @@ def _gelu(h):
 
 def _swiglu(gate, up):
     return tf.nn.silu(gate) * up
+
+
+def _geglu(gate, up):
+    return tf.nn.gelu(gate, approximate=True) * up
+
+
+#: GatedMLP activations: silu (SwiGLU: Llama, Mistral, Qwen) or gelu_tanh (GeGLU with the
+#: tanh GELU: Gemma, transformers' gelu_pytorch_tanh)
+GATED_ACTIVATIONS = {"silu": _swiglu, "gelu_tanh": _geglu}
 
 
 class MLP(keras.layers.Layer):
@@ -57,12 +66,13 @@ class MLP(keras.layers.Layer):
 
 
 class GatedMLP(keras.layers.Layer):
-    """SwiGLU: down(silu(gate(x)) * up(x)).
+    """Gated MLP: down(act(gate(x)) * up(x)); SwiGLU by default.
 
     Args:
       hidden_dim: E.
       intermediate_dim: F.
       use_bias: biases on the projections.
+      activation: "silu" (SwiGLU) or "gelu_tanh" (GeGLU, Gemma).
       init_std: init of gate and up.
       output_init_std: init of down (scaled for depth).
       fp8: `Fp8Settings` for FP8 projections, or None.
@@ -71,8 +81,12 @@ class GatedMLP(keras.layers.Layer):
 
     def __init__(self, hidden_dim: int, intermediate_dim: int, use_bias: bool = False,
                  init_std: float = 0.02, output_init_std: float = 0.02, fp8=None,
-                 fp8_path: str = "mlp", **kwargs):
+                 fp8_path: str = "mlp", activation: str = "silu", **kwargs):
         super().__init__(**kwargs)
+        if activation not in GATED_ACTIVATIONS:
+            raise ValueError(f"{self.name}: activation {activation!r}; use one of "
+                             f"{sorted(GATED_ACTIVATIONS)}.")
+        self.activation = GATED_ACTIVATIONS[activation]
         fp8_for = lambda name: fp8.for_layer(f"{fp8_path}/{name}") if fp8 else None
         self.recompute_activation = False  # set by the model's remat policy
         kw = dict(use_bias=use_bias, init_std=init_std, output_axes=_MLP,
@@ -90,5 +104,5 @@ class GatedMLP(keras.layers.Layer):
             layer.build(None)
 
     def call(self, x):
-        act = recompute(_swiglu) if self.recompute_activation else _swiglu
+        act = recompute(self.activation) if self.recompute_activation else self.activation
         return self.down(act(self.gate(x), self.up(x)))

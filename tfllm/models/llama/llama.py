@@ -29,16 +29,32 @@ class Llama(CausalLM):
         return RopeScaling(c.rope_scaling, c.rope_scaling_factor, c.rope_low_freq_factor,
                            c.rope_high_freq_factor, c.rope_original_max_length)
 
+    def is_local(self, index: int) -> bool:
+        """Whether block `index` attends within model.sliding_window (see the config)."""
+        c = self.config
+        pattern = c.sliding_window_pattern
+        return bool(c.sliding_window) and not (pattern and (index + 1) % pattern == 0)
+
+    def attention_settings(self, index: int) -> dict:
+        """Block `index`'s Attention arguments that local and global layers set apart: a
+        local layer has the window, model.rope_local_theta and no RoPE scaling."""
+        c = self.config
+        if self.is_local(index):
+            return {"sliding_window": c.sliding_window, "rope_scaling": None,
+                    "rope_theta": c.rope_local_theta or c.rope_theta}
+        return {"sliding_window": 0, "rope_theta": c.rope_theta,
+                "rope_scaling": self.rope_scaling()}
+
     def make_attention(self, index):
         c = self.config
         return Attention(c.hidden_dim, c.num_query_heads, self.num_key_value_heads,
-                         self.head_dim, use_bias=self.use_bias, rope_theta=c.rope_theta,
+                         self.head_dim, use_bias=self.use_bias,
                          init_std=c.init_std, output_init_std=self.output_init_std,
                          fp8=self.fp8, fp8_path=f"block_{index}/attention", name="attention",
-                         rope_scaling=self.rope_scaling(), qkv_bias=c.qkv_bias,
-                         query_chunk=c.attention_chunk,
+                         qkv_bias=c.qkv_bias, query_chunk=c.attention_chunk,
                          qk_norm_epsilon=c.norm_epsilon if c.qk_norm else None,
-                         dtype=self.dtype_policy)
+                         score_divisor=c.query_pre_attn_scalar or None,
+                         dtype=self.dtype_policy, **self.attention_settings(index))
 
     def make_mlp(self, index):
         c = self.config

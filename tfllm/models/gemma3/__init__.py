@@ -1,0 +1,1 @@
+from tfllm.models.gemma3.gemma3 import Gemma3
