@@ -21,8 +21,8 @@ from tests.pretrained import transformers_reference as ref
 
 # float32 on both sides; only summation orders differ (torch's matmuls vs TF's einsums,
 # softmax, RMSNorm) over widths <= 64 with weights of std 0.3. Measured worst case over
-# the seven models: 5.1e-7 of the largest logit (2-3; Gemma 3: 4.0e-7); 1e-5 (the bound) leaves
-# 20x headroom and catches any wrong tensor, transpose, RoPE frequency or epsilon
+# the seven models: 5.1e-7 of the largest logit (2-3; Gemma 3: 4.0e-7); 1e-5 (the
+# issue's bound) leaves 20x headroom and catches any wrong tensor, transpose, RoPE frequency or epsilon
 # (errors of 1e-3 and more).
 REL = 1e-5
 
