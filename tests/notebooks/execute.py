@@ -10,8 +10,9 @@ code cell without re-executing makes the notebook stale, and `tests/notebooks` f
 
 What "the same outputs" means (`compare`): per code cell, the text outputs (stdout and
 `text/plain` results; stderr is never stored) line by line. Words must be equal;
-integers must be equal; decimals may differ by `REL_TOL` (losses trained on another
-CPU can sum in another order). A cell tagged `nondeterministic` (timings, process ids)
+integers must be equal; decimals may differ by `REL_TOL` or one unit of their last
+printed digit, and numbers in scientific notation by `REL_TOL` only (`tolerance`:
+losses trained on another CPU can sum in another order; a printed 0.0e+00 stays zero). A cell tagged `nondeterministic` (timings, process ids)
 is compared by the kinds of output it makes, not by its text. A figure must still be
 a figure.
 """
@@ -41,7 +42,6 @@ COMMAND = "python -m tests.notebooks.execute"
 NOTEBOOK_BUDGET_S = 240
 MAX_BYTES = 1_000_000  # stored size, figures included
 REL_TOL = 0.02  # decimals between a stored and a fresh run (float sums, other CPUs)
-ABS_TOL = 1e-3  # ... and for decimals near zero
 NONDETERMINISTIC = "nondeterministic"  # cell tag: compare output kinds, not text
 
 _NUMBER = re.compile(r"[-+]?(?:\d+\.\d*|\.\d+|\d+)(?:[eE][-+]?\d+)?")
@@ -150,15 +150,27 @@ def output_kinds(cell) -> list:
     return kinds
 
 
+def tolerance(printed: str) -> float:
+    """How far a fresh decimal may be from the stored `printed` one: REL_TOL of it, or
+    one unit of its last printed digit when that is larger ("0.000" vs "0.001"). Numbers
+    in scientific notation ("1.7e-06", "0.0e+00") state their scale: relative only, so
+    a printed zero must stay zero and 1.7e-06 cannot become 9e-04."""
+    value = abs(float(printed))
+    if "e" in printed.lower():
+        return REL_TOL * value
+    decimals = len(printed.split(".")[1]) if "." in printed else 0
+    return max(REL_TOL * value, 10.0 ** -decimals)
+
+
 def same_line(stored: str, fresh: str) -> bool:
-    """Equal words and integers; decimals within REL_TOL (or ABS_TOL near zero)."""
+    """Equal words and integers; decimals within `tolerance` of the stored ones."""
     if _NUMBER.sub("#", stored) != _NUMBER.sub("#", fresh):
         return False
     for a, b in zip(_NUMBER.findall(stored), _NUMBER.findall(fresh)):
         if not any(c in a + b for c in ".eE"):
             if int(a) != int(b):
                 return False
-        elif abs(float(a) - float(b)) > max(ABS_TOL, REL_TOL * abs(float(a))):
+        elif abs(float(a) - float(b)) > tolerance(a):
             return False
     return True
 

@@ -81,6 +81,16 @@ def test_compare_accepts_small_float_drift_and_nothing_else():
         assert len(problems) == 1 and what in problems[0], (text, problems)
 
 
+@pytest.mark.parametrize("stored, fresh, same", [
+    ("0.0e+00", "0.0e+00", True), ("0.0e+00", "9.9e-04", False),  # a bitwise claim
+    ("1.7e-06", "1.72e-06", True), ("1.7e-06", "9.0e-04", False),  # a parity figure
+    ("0.000", "0.001", True), ("0.000", "0.002", False),  # one unit of the last digit
+    ("4.8500", "4.9400", True), ("4.8500", "4.9500", False),  # 2% of a loss
+])
+def test_decimals_are_compared_at_their_printed_precision(stored, fresh, same):
+    assert execute.same_line(f"difference {stored}", f"difference {fresh}") is same
+
+
 def test_a_print_cut_in_two_by_the_kernel_is_one_line():
     stored = _notebook(("print(calls)", [_stdout("cuBLAS calls: {'f8': 36}\n")], None))
     fresh = copy.deepcopy(stored)

@@ -10,7 +10,8 @@ from tfllm.train.profile import summary, trace_files
 def test_profile_steps_writes_a_trace_of_those_steps_that_summary_reads(tmp_path, capsys):
     workdir = tmp_path / "run"
     assert main(["train", "--config", "configs/tiny.yaml", "--workdir", str(workdir),
-                 "--set", "mesh.axes=data=2", "--set", "train.steps=4",
+                 "--set", "mesh.axes=data=2,model=2", "--set", "train.steps=4",
+                 "--set", "model.family=llama",
                  "--set", "train.log_every=4", "--set", "train.eval_every=0",
                  "--set", "train.profile_steps=2-3", "--set", "train.xla_cache=off"]) == 0
     out = capsys.readouterr().out
@@ -24,6 +25,38 @@ def test_profile_steps_writes_a_trace_of_those_steps_that_summary_reads(tmp_path
     # heaviest events.
     step = [(name, n) for name, _, n in host["top"] if "train_step" in name]
     assert step and step[0][1] == 2, names
+    # data=2: the gradients' all-reduces ran, 2 steps' worth; memory has a peak and the
+    # op whose allocation reached it
+    collectives = host["collectives"]
+    assert collectives["count"] > 0 and collectives["count"] % 2 == 0
+    assert all("Collective" in name for name, _, _ in collectives["top"])
+
+
+def test_summary_reads_the_memory_peak_of_allocator_events(tmp_path):
+    # TF's plain CPU allocator (the tests turn oneDNN's off) traces no allocations; GPU
+    # and oneDNN allocators do. An XSpace as they write it: the peak is the most bytes
+    # held after any allocation, with the op that reached it.
+    from tensorflow.tsl.profiler.protobuf import xplane_pb2
+    space = xplane_pb2.XSpace()
+    plane = space.planes.add(name="/device:GPU:0")
+    plane.event_metadata[1].name = "MemoryAllocation"
+    plane.event_metadata[2].name = "fusion.3"
+    for key, name in enumerate(("bytes_allocated", "allocator_name", "tf_op"), start=1):
+        plane.stat_metadata[key].name = name
+    plane.stat_metadata[9].name = "GPU_0_bfc"  # allocator names are referenced stats
+    line = plane.lines.add(name="allocations")
+    for held, op in ((1000, "a/MatMul"), (5000, "b/Einsum"), (3000, "c/Add")):
+        event = line.events.add(metadata_id=1, duration_ps=0)
+        event.stats.add(metadata_id=1, uint64_value=held)
+        event.stats.add(metadata_id=2, ref_value=9)
+        event.stats.add(metadata_id=3, str_value=op)
+    line.events.add(metadata_id=2, duration_ps=2_000_000_000)  # 2 ms of compute
+    path = tmp_path / "t.xplane.pb"
+    path.write_bytes(space.SerializeToString())
+    gpu = summary(str(path))["planes"]["/device:GPU:0"]
+    assert gpu["memory"] == {"peak_bytes": 5000, "peak_allocator": "GPU_0_bfc",
+                             "peak_op": "b/Einsum", "allocations": 3}
+    assert gpu["top"][0][:2] == ("fusion.3", 2.0) and gpu["collectives"]["count"] == 0
 
 
 @pytest.mark.parametrize("value", ["0-2", "3-2", "x", "1-2-3", "9"])

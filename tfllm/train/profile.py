@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import glob
 import os
+import re
 from collections import defaultdict
 from typing import Dict, List, Optional, Tuple
 
@@ -78,7 +79,13 @@ def summary(path: str, top: int = 10) -> Dict[str, object]:
     Returns:
       {"file": path, "planes": {plane name: {"events": n, "event_ms": time summed over
        events (nested events count in each),
-       "top": [(op name, ms, count), ...]}}}.
+       "top": [(op name, ms, count), ...],
+       "collectives": {"count": collective ops run (DTensor's all-reduces and
+         all-gathers: TF's Collective* ops, NCCL kernels), "ms": their time,
+         "top": [(op name, ms, count), ...]},
+       "memory": {"peak_bytes": the most bytes an allocator held during the trace,
+         "peak_allocator", "peak_op": the op whose allocation reached it,
+         "allocations": allocations traced} (planes with allocator events only)}}}.
     """
     from tensorflow.tsl.profiler.protobuf import xplane_pb2
     if os.path.isdir(path):
@@ -93,17 +100,51 @@ def summary(path: str, top: int = 10) -> Dict[str, object]:
     planes = {}
     for plane in space.planes:
         totals: Dict[str, List[float]] = defaultdict(lambda: [0.0, 0])
-        events = 0
+        stat_names = {k: v.name for k, v in plane.stat_metadata.items()}
+        events, memory = 0, {"peak_bytes": 0, "peak_allocator": None, "peak_op": None,
+                             "allocations": 0}
         for line in plane.lines:
             for event in line.events:
                 name = plane.event_metadata[event.metadata_id].name
                 totals[name][0] += event.duration_ps / 1e9
                 totals[name][1] += 1
                 events += 1
+                if name == "MemoryAllocation":
+                    _allocation(event, stat_names, memory)
         if not events:
             continue
-        ranked = sorted(totals.items(), key=lambda kv: -kv[1][0])[:top]
-        planes[plane.name] = {"events": events,
-                              "event_ms": sum(ms for ms, _ in totals.values()),
-                              "top": [(name, ms, n) for name, (ms, n) in ranked]}
+        ranked = sorted(totals.items(), key=lambda kv: -kv[1][0])
+        collectives = [(n, ms, c) for n, (ms, c) in ranked if _COLLECTIVE.search(n)]
+        planes[plane.name] = {
+            "events": events, "event_ms": sum(ms for ms, _ in totals.values()),
+            "top": [(name, ms, n) for name, (ms, n) in ranked[:top]],
+            "collectives": {"count": sum(c for _, _, c in collectives),
+                            "ms": sum(ms for _, ms, _ in collectives),
+                            "top": collectives[:top]}}
+        if memory["allocations"]:
+            planes[plane.name]["memory"] = memory
     return {"file": path, "planes": planes}
+
+
+#: op events that are collectives: TF's Collective*V2 kernels DTensor's all-reduces and
+#: all-gathers lower to (their event names end in ":CollectiveReduceV2" etc.), NCCL
+#: kernels on GPUs, XLA's all-reduce/all-gather/reduce-scatter thunks
+_COLLECTIVE = re.compile(r":Collective\w+V\d|nccl|all-reduce|all-gather|reduce-scatter",
+                         re.I)
+
+
+def _allocation(event, stat_names, memory) -> None:
+    """Folds one MemoryAllocation event (its stats: bytes_allocated = bytes the
+    allocator holds after it, allocator_name, tf_op) into `memory`."""
+    stats = {}
+    for stat in event.stats:
+        key = stat_names.get(stat.metadata_id)
+        if key == "bytes_allocated":
+            stats[key] = stat.uint64_value or stat.int64_value
+        elif key in ("allocator_name", "tf_op"):  # a string, or a reference to one
+            stats[key] = stat.str_value or stat_names.get(stat.ref_value)
+    memory["allocations"] += 1
+    held = int(stats.get("bytes_allocated") or 0)
+    if held > memory["peak_bytes"]:
+        memory.update(peak_bytes=held, peak_allocator=stats.get("allocator_name"),
+                      peak_op=stats.get("tf_op"))
