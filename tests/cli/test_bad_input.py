@@ -494,6 +494,10 @@ ROWS = [
     pytest.param([*RESUME, "--set", "train.steps=3", "--set", "checkpoint.async_save=true"],
                  _storage_fails(errno.EACCES), IO_ERROR, "Permission denied",
                  id="permission-denied-async-save"),
+    # the case: with asynchronous saves a full disk exited 2 ("bad input")
+    pytest.param([*RESUME, "--set", "train.steps=3", "--set", "checkpoint.async_save=true"],
+                 _storage_fails(errno.ENOSPC), IO_ERROR, "No space left on device",
+                 id="disk-full-async-save"),
 ]
 
 

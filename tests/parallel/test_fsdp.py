@@ -201,3 +201,20 @@ def test_fsdp_step_holds_little_more_than_one_device():
     fsdp = bench.run_case("small", "fsdp=8", "float32")
     assert fsdp["peak_tensor_gib"] <= 1.3 * one["peak_tensor_gib"], (fsdp, one)
     assert 0 < fsdp["largest_collective"] <= fsdp["largest_weight"]
+
+
+def test_dtensor_settings_keep_the_users_and_drop_gathers_over_three_axes(monkeypatch):
+    # (No DTensor work: only what configure_dtensor leaves in the environment.)
+    from tfllm.parallel import fsdp
+    gather, combine = list(fsdp.DTENSOR_SETTINGS)
+    monkeypatch.setattr(fsdp, "_USER_SET", set())
+    for name in (gather, combine):
+        monkeypatch.delenv(name, raising=False)
+    assert fsdp.configure_dtensor({"fsdp": 8}) == {gather: "1", combine: "1"}
+    # data, fsdp and model all > 1: DTensor's gather lowering fails there; its default stays
+    assert fsdp.configure_dtensor({"data": 2, "fsdp": 2, "model": 2}) == {gather: None,
+                                                                         combine: "1"}
+    # a value the user set before tfllm was imported is theirs
+    monkeypatch.setenv(combine, "8")
+    monkeypatch.setattr(fsdp, "_USER_SET", {combine})
+    assert fsdp.configure_dtensor({"fsdp": 8}) == {gather: "1", combine: "8"}

@@ -84,3 +84,15 @@ def test_nvidia_smi_output_is_parsed(monkeypatch):
     assert gpu_checks.driver_gpus(fake) == [H100, H100]
     monkeypatch.setattr(gpu_checks.shutil, "which", lambda name: None)
     assert gpu_checks.driver_gpus(fake) == []
+
+
+def test_the_doctor_command_prints_every_check_and_exits_2_on_an_error(monkeypatch, capsys):
+    from tfllm.cli.main import main
+    assert main(["doctor"]) == 0  # this host: no GPU
+    assert capsys.readouterr().out.strip() == "ok: no GPU: meshes run on the CPU"
+    # FP8 asked for on A100s (compute capability 8.0): one error line, exit 2
+    monkeypatch.setattr(gpu_checks, "gather", lambda: _facts([A100] * 8))
+    assert main(["doctor", "--set", "precision.policy=fp8"]) == 2
+    lines = capsys.readouterr().out.splitlines()
+    assert [line.split(":")[0] for line in lines].count("error") == 1
+    assert any(line.startswith("error:") and "8.9" in line for line in lines), lines
