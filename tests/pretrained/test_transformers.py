@@ -189,3 +189,15 @@ def test_a_setting_keras_hub_would_drop_is_refused_naming_it(name, key, value, t
     path.write_text(json.dumps(config))
     with pytest.raises(PretrainedError, match=re.escape(f"{key}={value!r}")):
         from_preset(str(tmp_path / "hf"))
+
+
+def test_a_damaged_gemma3_config_is_one_error_naming_the_file(tmp_path):
+    from tfllm.pretrained.families import PretrainedError
+    ref.save("gemma3", tmp_path / "hf")
+    path = tmp_path / "hf" / "config.json"
+    config = json.loads(path.read_text())
+    config["rope_parameters"] = {"full_attention": {"rope_type": "linear"},  # no factor
+                                 "sliding_attention": {"rope_type": "default"}}
+    path.write_text(json.dumps(config))
+    with pytest.raises(PretrainedError, match="config.json: not a Gemma 3 text config"):
+        from_preset(str(tmp_path / "hf"))

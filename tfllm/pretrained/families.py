@@ -384,6 +384,17 @@ def _gemma3_hf_fields(c: dict, path: str) -> dict:
     transformers 5 layout (rope_parameters per layer type, layer_types) or the
     transformers 4 one (rope_theta, rope_local_base_freq, rope_scaling,
     sliding_window_pattern)."""
+    try:
+        return _gemma3_hf_fields_of(c, path)
+    except (KeyError, TypeError, ValueError, AttributeError) as e:
+        if isinstance(e, PretrainedError):
+            raise
+        raise PretrainedError(f"{path}/config.json: not a Gemma 3 text config tfllm can "
+                              f"read ({type(e).__name__}: {e}); the file is damaged or "
+                              "incomplete.") from None
+
+
+def _gemma3_hf_fields_of(c: dict, path: str) -> dict:
     where = f"{path}/config.json"
     if c.get("model_type") != "gemma3_text":
         raise PretrainedError(f"{where}: model_type {c.get('model_type')!r} (Gemma 3 with its "
