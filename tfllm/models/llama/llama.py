@@ -12,13 +12,18 @@ class Llama(CausalLM):
     """Llama architecture on `CausalLM`; see `CausalLM` for the hooks and arguments."""
 
     family_defaults = {"tie_embeddings": False, "use_bias": False}
+    #: the gated MLP's activation (`tfllm.models.common.mlp.GATED_ACTIVATIONS`)
+    mlp_activation = "silu"
+    #: RMSNorm scales applied as (1 + scale), stored zero-centred (Gemma)
+    zero_centered_norms = False
 
     def __init__(self, config, dtype="float32", fp8=None, **kwargs):
         kwargs.setdefault("name", "llama")
         super().__init__(config, dtype=dtype, fp8=fp8, **kwargs)
 
     def make_norm(self, name):
-        return RMSNorm(self.config.hidden_dim, self.config.norm_epsilon, name=name,
+        return RMSNorm(self.config.hidden_dim, self.config.norm_epsilon,
+                       zero_centered=self.zero_centered_norms, name=name,
                        dtype=self.dtype_policy)
 
     def rope_scaling(self):
@@ -52,13 +57,19 @@ class Llama(CausalLM):
                          init_std=c.init_std, output_init_std=self.output_init_std,
                          fp8=self.fp8, fp8_path=f"block_{index}/attention", name="attention",
                          qkv_bias=c.qkv_bias, query_chunk=c.attention_chunk,
-                         qk_norm_epsilon=c.norm_epsilon if c.qk_norm else None,
+                         qk_norm_epsilon=c.norm_epsilon if self.qk_norm else None,
+                         qk_norm_zero_centered=self.zero_centered_norms,
                          score_divisor=c.query_pre_attn_scalar or None,
                          dtype=self.dtype_policy, **self.attention_settings(index))
+
+    @property
+    def qk_norm(self) -> bool:
+        """Whether attention normalizes queries and keys (model.qk_norm)."""
+        return self.config.qk_norm
 
     def make_mlp(self, index):
         c = self.config
         return GatedMLP(c.hidden_dim, c.intermediate_dim, use_bias=self.use_bias,
                         init_std=c.init_std, output_init_std=self.output_init_std,
                         fp8=self.fp8, fp8_path=f"block_{index}/mlp", name="mlp",
-                        dtype=self.dtype_policy)
+                        activation=self.mlp_activation, dtype=self.dtype_policy)
