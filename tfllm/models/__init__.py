@@ -31,6 +31,7 @@ def build_model(config, parallel=None, seed: Optional[int] = None, model_cls=Non
       allocate: False builds shapes only (no memory), for `tfllm layouts`.
       zeros: allocate zero-filled variables (weights that will be loaded).
     """
+    from tfllm.parallel.keras_internal import forget_deferred
     from tfllm.parallel.placement import build_abstract, place_variables
     from tfllm.precision import fp8_settings, keras_policy
     from tfllm.precision.policies import apply_matmul_precision
@@ -40,8 +41,12 @@ def build_model(config, parallel=None, seed: Optional[int] = None, model_cls=Non
                 fp8=fp8_settings(config.precision))
     build_abstract(model)
     if parallel is not None:  # fail before allocating anything if a variable cannot be laid out
-        for var in model.variables:
-            parallel.variable_spec(var)
+        try:
+            for var in model.variables:
+                parallel.variable_spec(var)
+        except Exception:
+            forget_deferred(model.variables)  # see place_variables
+            raise
     if allocate:
         place_variables(model, parallel, config.train.seed if seed is None else seed, zeros)
     return model

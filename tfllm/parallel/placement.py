@@ -203,7 +203,16 @@ def place_variables(model: keras.Model, parallel: Optional[Parallel], seed: int,
         times a tensor's size in temporaries).
     """
     check_keras()
-    done = []
+    try:
+        _place(model, parallel, seed, zeros)
+    finally:
+        # Placed or not (a refused variable stops the build), none of the model's
+        # variables may stay in Keras' global list of variables awaiting deferred
+        # initialization: the next model Keras builds would initialize them.
+        forget_deferred(model.variables)
+
+
+def _place(model, parallel, seed: int, zeros: bool) -> None:
     for var in model.variables:
         if is_allocated(var):
             raise ValueError(f"{var.path}: already initialized; build the model with "
@@ -221,5 +230,3 @@ def place_variables(model: keras.Model, parallel: Optional[Parallel], seed: int,
                               ("zeros",) if zeros else var.init, var.dtype, var.name,
                               key=variable_key(seed, var.path), trainable=differentiable)
         adopt(var, tf_var)
-        done.append(var)
-    forget_deferred(done)
