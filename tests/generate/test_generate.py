@@ -14,7 +14,7 @@ from tfllm.config import load_config
 from tfllm.generate import Generator
 from tfllm.models import build_model
 from tfllm.parallel import make_parallel
-from tests.conftest import tiny_overrides
+from tests.conftest import run_in_child, tiny_overrides
 
 INIT = {"model.init_std": 0.3}
 PROMPTS = [[5, 17, 99, 3, 42, 7], [11, 2, 64]]  # different lengths: left padding is used
@@ -88,8 +88,7 @@ def test_bad_requests_name_the_limit():
 # on a mesh (GPU meshes) is tested below on 2 devices: it compiles its programs once per
 # device, which on 8 logical CPU devices took minutes.
 @pytest.mark.parametrize("family, axes", [("llama", "data=2,model=4"), ("gpt", "fsdp=8"),
-                                          ("llama", "data=2,fsdp=4"),
-                                          ("gemma3", "data=2,model=4")])  # windows of 5
+                                          ("llama", "data=2,fsdp=4")])
 def test_sharded_model_generates_the_same_tokens(family, axes):
     # build_model gives bit-identical weights on every mesh; one prompt (batch 1) is
     # padded to the batch axis' size, three prompts to the next multiple.
@@ -99,6 +98,15 @@ def test_sharded_model_generates_the_same_tokens(family, axes):
     assert sharded.generate(prompts, NEW) == single.generate(prompts, NEW)
     kw = dict(temperature=1.0, top_k=30, top_p=0.95, seed=5)
     assert sharded.generate(prompts, NEW, **kw) == single.generate(prompts, NEW, **kw)
+
+
+def test_gemma3_windows_on_a_mesh_generate_the_same_tokens(request):
+    # Local layers (window 5) on data=2,model=4. In a process of its own: after many
+    # loop programs in one process, DTensor's function-library name clash (see
+    # generator._Retraced) outlasted the retries once.
+    if not run_in_child(request):
+        return
+    test_sharded_model_generates_the_same_tokens("gemma3", "data=2,model=4")
 
 
 def test_compiled_decoding_on_a_mesh_runs_every_token_inside_xla():
