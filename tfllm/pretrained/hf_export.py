@@ -31,6 +31,8 @@ from typing import Callable, List, Optional, Sequence, Tuple
 
 import numpy as np
 
+from tfllm.models import model_class
+from tfllm.models.llama.llama import is_local_layer
 from tfllm.pretrained.families import PretrainedError
 
 #: --dtype -> safetensors dtype code
@@ -166,7 +168,6 @@ def _gpt2_tensors(m) -> List[Tensor]:
 # ---- the config -------------------------------------------------------------------------
 def _resolved(m, field: str) -> bool:
     """A config field left null, resolved as the model class does (its family_defaults)."""
-    from tfllm.models import model_class
     value = getattr(m, field)
     return bool(model_class(m.family).family_defaults[field] if value is None else value)
 
@@ -293,9 +294,8 @@ def _gemma3_config(m, common: dict) -> dict:
         raise PretrainedError(f"model.query_pre_attn_scalar={scalar}: transformers' "
                               "Gemma3TextConfig takes a whole number.")
     scalar = int(scalar)
-    local = ["sliding_attention" if m.sliding_window and not (
-        m.sliding_window_pattern and (i + 1) % m.sliding_window_pattern == 0)
-        else "full_attention" for i in range(m.num_layers)]
+    local = ["sliding_attention" if is_local_layer(m, i) else "full_attention"
+             for i in range(m.num_layers)]
     return {"architectures": ["Gemma3ForCausalLM"], "model_type": "gemma3_text",
             "hidden_size": m.hidden_dim, "intermediate_size": m.intermediate_dim,
             "num_hidden_layers": m.num_layers, "num_attention_heads": m.num_query_heads,

@@ -8,6 +8,13 @@ from tfllm.models.common.layers import RMSNorm
 from tfllm.models.common.mlp import GatedMLP
 
 
+def is_local_layer(config, index: int) -> bool:
+    """Whether layer `index` of a model section attends within model.sliding_window: all
+    layers with a window, except every model.sliding_window_pattern-th (N-1, 2N-1, ...)."""
+    pattern = config.sliding_window_pattern
+    return bool(config.sliding_window) and not (pattern and (index + 1) % pattern == 0)
+
+
 class Llama(CausalLM):
     """Llama architecture on `CausalLM`; see `CausalLM` for the hooks and arguments."""
 
@@ -36,9 +43,7 @@ class Llama(CausalLM):
 
     def is_local(self, index: int) -> bool:
         """Whether block `index` attends within model.sliding_window (see the config)."""
-        c = self.config
-        pattern = c.sliding_window_pattern
-        return bool(c.sliding_window) and not (pattern and (index + 1) % pattern == 0)
+        return is_local_layer(self.config, index)
 
     def attention_settings(self, index: int) -> dict:
         """Block `index`'s Attention arguments that local and global layers set apart: a
