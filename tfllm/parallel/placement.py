@@ -124,7 +124,7 @@ class Parallel:
         """A global numpy array as a DTensor; each local device receives only its slice."""
         spec = self.batch_spec(array.shape) if spec is None else spec
         def block(start, size):
-            return tf.constant(array[_block_slices(start, size)])
+            return tf.constant(array[block_slices(start, size)])
         return self.make_sharded(spec, array.shape, block)
 
 
@@ -137,7 +137,8 @@ def local_blocks(mesh, shape: Sequence[int], spec: rules_lib.Spec):
             for device, loc in zip(mesh.local_devices(), mesh.local_device_locations())]
 
 
-def _block_slices(start, size):
+def block_slices(start, size):
+    """The numpy index of the block at `start` with `size` (one slice per dimension)."""
     return tuple(slice(s, s + n) for s, n in zip(start, size))
 
 
@@ -158,7 +159,7 @@ def to_numpy(x) -> np.ndarray:
     out = np.zeros(x.shape.as_list(), dtype=x.dtype.as_numpy_dtype)
     blocks = local_blocks(layout.mesh, x.shape.as_list(), spec)
     for part, (_, start, size) in zip(dtensor.unpack(x), blocks):
-        out[_block_slices(start, size)] = part.numpy()
+        out[block_slices(start, size)] = part.numpy()
     return out
 
 

@@ -18,6 +18,7 @@ from typing import Dict, Iterable, Optional
 
 import numpy as np
 
+from tfllm.parallel.placement import block_slices
 from tfllm.pretrained.families import Permuted, PretrainedError, keras_hub_path
 from tfllm.pretrained.sources import Source, open_source
 from tfllm.train.workdir import MARKER, read_marker, write_marker
@@ -112,7 +113,7 @@ def load_weights(model, source: Source) -> dict:
                 raise PretrainedError(f"{source.describe(kh_name)}: shape {list(kh_shape)} "
                                       f"does not give tfllm's {path} {list(shape)}; check the "
                                       "--set model.* overrides.")
-            arrays = {b: full[tuple(slice(o, o + n) for o, n in zip(*b))] for b in blocks}
+            arrays = {b: full[block_slices(*b)] for b in blocks}
             del theirs, full
         else:
             arrays = source.read(kh_name, blocks, shape)

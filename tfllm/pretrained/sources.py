@@ -23,6 +23,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 import numpy as np
 
 from tfllm.confined import inside
+from tfllm.parallel.placement import block_slices
 from tfllm.pretrained import keras_internal
 from tfllm.pretrained.families import PretrainedError, family_for
 
@@ -57,11 +58,6 @@ def hf_cache_repository(path: str):
 def _file_names(weight_map: dict) -> list:
     """Every file name a weight map's values hold (each a name or a list of names)."""
     return [n for v in weight_map.values() for n in (v if isinstance(v, list) else [v])]
-
-
-def _slices(block: Block, offset: Sequence[int] = ()) -> tuple:
-    start, size = block
-    return tuple(slice(s, s + n) for s, n in zip(start, size))
 
 
 class Source:
@@ -259,7 +255,7 @@ class KerasPresetSource(Source):
         self._check(name, ds.shape, "bfloat16" if bf16 else ds.dtype, shape)
         out = {}
         for block in blocks:
-            part = ds[_slices(block)] if len(shape) else ds[()]
+            part = ds[block_slices(*block)] if len(shape) else ds[()]
             part = np.asarray(part)
             if bf16:  # h5py stores bfloat16 as 2-byte opaque values
                 part = part.view(ml_dtypes.bfloat16) if part.dtype.itemsize == 2 \
@@ -365,7 +361,7 @@ class HuggingFaceSource(Source):
                                       "not belong to this config.json.") from None
         tensor = np.asarray(tensor)
         self._check(name, tensor.shape, tensor.dtype, shape)
-        return {block: tensor[_slices(block)] if len(shape) else tensor for block in blocks}
+        return {block: tensor[block_slices(*block)] if len(shape) else tensor for block in blocks}
 
     def stored(self) -> List[str]:
         names = []
