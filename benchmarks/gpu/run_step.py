@@ -68,7 +68,7 @@ def random_inputs(desc, seed=0):
             out.append(np.zeros(shape, dtype))
         elif p["role"] == "step":
             out.append(np.full(shape, 10, dtype))
-        elif p["role"] == "optimizer_state" and p["name"].endswith("/v"):
+        elif p["role"] == "optimizer_state" and p["name"].startswith("optimizer/v/"):
             out.append((np.abs(rng.normal(size=shape)) * 1e-4 + 1e-6).astype(dtype))
         elif p["role"] == "fp8_state":
             out.append((np.abs(rng.normal(size=shape)) + 0.5).astype(dtype))

@@ -24,8 +24,9 @@ def test_round_trip_same_mesh(tmp_path, source_run):
     ckpt.save(5, variables, {"seed": 1}, {"data/iterator.json": b'{"pos": 3}'})
     _, parallel2, fresh = build_run("data=2,model=4")
     restorer = Checkpointer(str(tmp_path), parallel2)
-    assert restorer.restore_latest(fresh) == {"seed": 1, "step": 5}
-    assert restorer.restored_files == {"data/iterator.json": b'{"pos": 3}'}
+    files = []
+    assert restorer.restore_latest(fresh, client_files=files.append) == {"seed": 1, "step": 5}
+    assert files == [{"data/iterator.json": b'{"pos": 3}'}]
     assert_same(gathered(fresh), values)
 
 

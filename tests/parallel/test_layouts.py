@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 from tensorflow.experimental import dtensor
 
+from tfllm.checkpoint import state_name
 from tfllm.config import load_config
 from tfllm.models import build_model
 from tfllm.optim import AdamW
@@ -41,8 +42,8 @@ def test_actual_layouts_match_golden_table(family, axes, update_golden):
     cfg, parallel, model, optimizer = _build(family, axes)
     actual = {v.path: _specs(v.value) for v in model.variables}
     for var, (_, m, v) in zip(optimizer.variables, optimizer.states):
-        actual[f"optimizer/{var.path}/m"] = _specs(m)
-        actual[f"optimizer/{var.path}/v"] = _specs(v)
+        actual[state_name("optimizer/m", var.path)] = _specs(m)
+        actual[state_name("optimizer/v", var.path)] = _specs(v)
     path = os.path.join(GOLDEN, f"layouts_{family}_{axes.replace(',', '_').replace('=', '')}.json")
     if update_golden:
         with open(path, "w") as f:
@@ -54,7 +55,7 @@ def test_actual_layouts_match_golden_table(family, axes, update_golden):
     rows = layout_rows(model, parallel.rules, parallel.shape, zero1=True)
     for row in rows:
         assert list(row.spec) == actual[row.path], row.path
-        assert list(row.optimizer_spec) == actual[f"optimizer/{row.path}/m"], row.path
+        assert list(row.optimizer_spec) == actual[state_name("optimizer/m", row.path)], row.path
 
 
 @pytest.mark.parametrize("family, axes", CASES[:2])

@@ -22,7 +22,7 @@ from tfllm.data.sources import has_validation
 from tfllm.train.loop import train
 from tfllm.train.preemption import Preempted
 from tfllm.train.run import Run
-from tfllm.train.workdir import MARKER
+from tfllm.checkpoint.workdir import MARKER
 
 # Two rows: every row of the batch is a data stream of its own, each traced anew.
 ONE_DEVICE = {"model.num_layers": 1, "train.global_batch_size": 2, "train.log_every": 1,

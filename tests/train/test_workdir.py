@@ -18,9 +18,9 @@ from tfllm.data.tokenizer import ByteTokenizer, SentencePieceTokenizer, train_se
 from tfllm.pretrained import import_preset
 from tfllm.pretrained.families import PretrainedError
 from tfllm.config.loader import config_from_dict
-from tfllm.train.workdir import (MARKER, WorkdirError, check_tokenizer, check_workdir,
-                                 read_marker, saved_run_config, start_run,
-                                 tokenizer_fingerprint)
+from tfllm.checkpoint.workdir import (MARKER, Workdir, WorkdirError, check_tokenizer,
+                                      check_workdir, read_marker, start_run,
+                                      tokenizer_fingerprint)
 
 
 def _config(**extra):
@@ -187,10 +187,10 @@ def test_a_resumed_run_deletes_nothing_and_gets_a_marker_if_it_had_none(tmp_path
 
 
 def test_the_checkpoint_gives_back_the_runs_config(tmp_path):
-    assert saved_run_config(str(tmp_path)) is None
+    assert Workdir(str(tmp_path)).saved_config() is None
     saved = _config(**{"optimizer.learning_rate": 0.25})
     _checkpoint(tmp_path, saved)
-    assert config_from_dict(saved_run_config(str(tmp_path))) == saved
+    assert config_from_dict(Workdir(str(tmp_path)).saved_config()) == saved
 
 
 def test_an_imported_checkpoint_fixes_only_the_model(tmp_path):

@@ -23,6 +23,8 @@ from tfllm.exit_codes import io_failure
 log = logging.getLogger("tfllm.checkpoint")
 
 ClientFiles = Union[None, str, Dict[str, bytes], Callable[[], Dict[str, bytes]]]
+#: what a restore hands this client's saved files to (the data-iterator state)
+FilesConsumer = Optional[Callable[[Dict[str, bytes]], None]]
 
 
 def _client_info(parallel, client_id, num_clients):
@@ -94,7 +96,6 @@ class Checkpointer:
         self.client_id, self.num_clients = _client_info(parallel, client_id, num_clients)
         self.barrier_timeout_s = barrier_timeout_s
         self.timings: Dict[str, float] = {}
-        self.restored_files: Dict[str, bytes] = {}
         self._thread: Optional[threading.Thread] = None
         self._error: Optional[BaseException] = None
         os.makedirs(self.directory, exist_ok=True)
@@ -199,9 +200,25 @@ class Checkpointer:
         return steps[-1][0] if steps else None
 
     def restore(self, variables: Dict[str, object], step: Optional[int] = None,
-                strict: bool = True) -> dict:
+                strict: bool = True, client_files: FilesConsumer = None) -> dict:
         """Restores `variables` from a committed step (default: the newest); returns its
-        metadata. This client's saved files are left in `self.restored_files`."""
+        metadata.
+
+        Args:
+          variables: {name: variable}; with strict=False a subset of the saved ones
+            (e.g. the model's weights alone, `state.model_variables`).
+          step: a committed step, or None for the newest.
+          strict: the checkpoint must hold exactly `variables`.
+          client_files: called with this client's saved files ({name: bytes}, verified,
+            what `save`'s client_files gave) once the variables are restored.
+        """
+        metadata, files = self._restore(variables, step, strict)
+        if client_files is not None:
+            client_files(files)
+        return metadata
+
+    def _restore(self, variables, step, strict):
+        """(metadata, this client's files) of `step`, whose variables are restored."""
         self.wait()
         if step is None:
             step = self.latest_step()
@@ -213,17 +230,18 @@ class Checkpointer:
         metadata = reader.metadata()
         files = reader.client_files(self.client_id)
         reader.restore(variables, strict)
-        self.restored_files = files
         self.timings["restore_s"] = time.perf_counter() - start
-        return metadata
+        return metadata, files
 
-    def restore_latest(self, variables: Dict[str, object],
-                       strict: bool = True) -> Optional[dict]:
+    def restore_latest(self, variables: Dict[str, object], strict: bool = True,
+                       client_files: FilesConsumer = None) -> Optional[dict]:
         """Restores the newest committed checkpoint; None when there is none.
 
         With on_corruption="fallback", a checkpoint that fails verification is skipped
         with a warning and the previous committed one is tried (nothing is assigned from
-        a corrupt one); with "error" the CheckpointError propagates.
+        a corrupt one); with "error" the CheckpointError propagates. `client_files` (as
+        in `restore`) gets the files of the checkpoint restored; its errors are not
+        verification failures, so they propagate.
         """
         steps = [s for s, _ in storage.committed(self.directory)]
         if not steps:
@@ -231,7 +249,7 @@ class Checkpointer:
         failures = []
         for step in reversed(steps):
             try:
-                return self.restore(variables, step, strict)
+                metadata, files = self._restore(variables, step, strict)
             except CheckpointError as e:
                 if self.config.on_corruption != "fallback":
                     raise
@@ -240,6 +258,10 @@ class Checkpointer:
                            f"the previous one: {e}")
                 log.warning(message)
                 warnings.warn(message, RuntimeWarning, stacklevel=2)
+                continue
+            if client_files is not None:
+                client_files(files)
+            return metadata
         raise CheckpointError(f"{self.directory}: every committed checkpoint failed: "
                               + " | ".join(failures))
 

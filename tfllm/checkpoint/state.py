@@ -1,44 +1,98 @@
-"""The run state as one flat {name: variable} dict with stable, mesh-independent names."""
+"""The run state as one flat {name: variable} dict with stable, mesh-independent names.
+
+`state_name` is the one place a run-state variable gets its name: the checkpointer saves
+and restores by it, `tfllm export-step` describes the step's parameters by it, and an
+import writes its weights by it. The names are the checkpoints' on-disk names: changing
+one would stop old checkpoints from loading.
+"""
 
 from __future__ import annotations
 
-from typing import Dict
+from typing import Dict, Optional
+
+#: the groups of run-state variables: those with a Keras path after the group's name
+#: (a model variable; a moment of a trained variable) and single ones
+PATH_GROUPS = ("model", "optimizer/m", "optimizer/v")
+SINGLE_NAMES = ("optimizer/iterations", "loss_scale/scale", "loss_scale/good_steps",
+                "loss_scale/skipped_steps", "train/guard_skipped")
 
 
-def run_state_variables(model, optimizer=None, loss_scale=None) -> Dict[str, object]:
-    """Every variable a run must save to resume exactly.
+def state_name(group: str, path: Optional[str] = None) -> str:
+    """The name of a run-state variable in a checkpoint (and in export-step's step.json).
 
-    Names: "model/<keras path>" for all model variables (weights and FP8 amax histories,
-    which are model variables), "optimizer/iterations", "optimizer/m/<path>" and
-    "optimizer/v/<path>" for AdamW's moments of each trained variable, and
-    "loss_scale/{scale,good_steps,skipped_steps}" for fp16 loss scaling. Keras paths are
-    independent of the mesh, so a checkpoint restores onto any mesh.
+    Args:
+      group: "model" (a model variable: weights and FP8 amax histories), "optimizer/m" or
+        "optimizer/v" (AdamW's moments of a trained variable), all with `path`; or one of
+        the single variables "optimizer/iterations", "loss_scale/{scale,good_steps,
+        skipped_steps}" (fp16 loss scaling) and "train/guard_skipped" (the step guard's
+        count), without `path`.
+      path: the Keras path of the model variable (of the trained variable, for a
+        moment). Keras paths do not depend on the mesh, so a checkpoint restores onto
+        any mesh.
+
+    Returns:
+      "<group>/<path>", or the single variable's name.
+    """
+    if group in PATH_GROUPS and path:
+        return f"{group}/{path}"
+    if group in SINGLE_NAMES and path is None:
+        return group
+    raise ValueError(f"state_name({group!r}, {path!r}): a run-state variable is one of "
+                     f"{', '.join(PATH_GROUPS)} with a Keras path, or one of "
+                     f"{', '.join(SINGLE_NAMES)} without one.")
+
+
+def model_variables(model, fp8_state: bool = True) -> Dict[str, object]:
+    """The model's variables by their run-state names: the weights alone restore from a
+    checkpoint that holds more (`Reader.restore(..., strict=False)`).
+
+    Args:
+      model: a built Keras model.
+      fp8_state: include the FP8 amax histories (model variables of kind "fp8_state");
+        False for pretrained weights, whose run may not have used FP8.
+    """
+    return _unique((state_name("model", var.path), var) for var in model.variables
+                   if fp8_state or getattr(var, "kind", None) != "fp8_state")
+
+
+def run_state_variables(model, optimizer=None, loss_scale=None,
+                        guard_skipped=None) -> Dict[str, object]:
+    """Every variable a run must save to resume exactly, named by `state_name`.
 
     Args:
       model: a built Keras model (`tfllm.models.build_model`).
       optimizer: a built `tfllm.optim.AdamW`, or None.
       loss_scale: a `tfllm.precision.loss_scale.DynamicLossScale`, or None.
+      guard_skipped: the train step's count of steps its guard skipped
+        (`TrainStep.skipped`), or None.
     """
-    out: Dict[str, object] = {}
+    return _unique(_state_items(model, optimizer, loss_scale, guard_skipped))
 
-    def add(name, var):
-        if name in out:
-            raise ValueError(f"run_state_variables: two variables are named '{name}'; give "
-                             "the layers distinct names so that every Keras path is unique.")
-        out[name] = var
 
+def _state_items(model, optimizer, loss_scale, guard_skipped):
     for var in model.variables:
-        add(f"model/{var.path}", var)
+        yield state_name("model", var.path), var
     if optimizer is not None:
         if optimizer.iterations is None:
             raise ValueError("run_state_variables: the optimizer is not built; call "
                              "optimizer.build(model.trainable_variables) first.")
-        add("optimizer/iterations", optimizer.iterations)
+        yield state_name("optimizer/iterations"), optimizer.iterations
         for var, (_, m, v) in zip(optimizer.variables, optimizer.states):
-            add(f"optimizer/m/{var.path}", m)
-            add(f"optimizer/v/{var.path}", v)
+            yield state_name("optimizer/m", var.path), m
+            yield state_name("optimizer/v", var.path), v
     if loss_scale is not None:
         for name, var in (("scale", loss_scale.scale), ("good_steps", loss_scale.good_steps),
                           ("skipped_steps", loss_scale.skipped_steps)):
-            add(f"loss_scale/{name}", var)
+            yield state_name(f"loss_scale/{name}"), var
+    if guard_skipped is not None:
+        yield state_name("train/guard_skipped"), guard_skipped
+
+
+def _unique(items) -> Dict[str, object]:
+    out: Dict[str, object] = {}
+    for name, var in items:
+        if name in out:
+            raise ValueError(f"run_state_variables: two variables are named '{name}'; give "
+                             "the layers distinct names so that every Keras path is unique.")
+        out[name] = var
     return out

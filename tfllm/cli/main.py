@@ -109,7 +109,7 @@ def cmd_train(args) -> int:
     from tfllm.train.loop import train
     from tfllm.parallel.watchdog import PeerLost
     from tfllm.train.preemption import NonFiniteError, Preempted
-    from tfllm.train.workdir import check_workdir
+    from tfllm.checkpoint.workdir import check_workdir
     config = _load_for_workdir(args)
     check_workdir(args.workdir, config)  # a refused workdir gets no XLA cache folder either
     _persist_compiles(args, config, args.workdir)
@@ -140,9 +140,9 @@ def cmd_train(args) -> int:
 
 def _latest_checkpoint(workdir: str) -> str:
     """A sentence naming the run's latest committed checkpoint, for failure messages."""
-    from tfllm.checkpoint import committed
-    directory = os.path.join(workdir, "checkpoints")
-    steps = committed(directory) if os.path.isdir(directory) else []
+    from tfllm.checkpoint.workdir import Workdir
+    run_dir = Workdir(workdir)
+    directory, steps = run_dir.checkpoints, run_dir.committed()
     if not steps:
         return f"No checkpoint of this run is committed in {directory}"
     return (f"The latest committed checkpoint, step {steps[-1][0]} in {directory}, is "
@@ -160,24 +160,25 @@ def _run_config(args):
     """The config of the run in --workdir, with --set overrides: its config.yaml, else
     (deleted) the config saved in its newest committed checkpoint; None without either."""
     from tfllm.config import load_config
-    saved = os.path.join(args.workdir, "config.yaml")
+    from tfllm.config.loader import config_path
+    saved = config_path(args.workdir)  # the light path: no TensorFlow for a run's config
     if os.path.exists(saved):
         return load_config(saved, args.overrides)
-    if not os.path.isdir(os.path.join(args.workdir, "checkpoints")):
-        return None  # not a run: spares reading TensorFlow's checkpoint modules
+    from tfllm.checkpoint.workdir import Workdir
     from tfllm.config.loader import config_from_dict
-    from tfllm.train.workdir import saved_run_config
-    data = saved_run_config(args.workdir)
+    run_dir = Workdir(args.workdir)
+    data = run_dir.saved_config()
     if data is None:
         return None
-    return config_from_dict(data, args.overrides, f"{args.workdir}/checkpoints")
+    return config_from_dict(data, args.overrides, run_dir.checkpoints)
 
 
 def _saved_config(args):
     """The config of the run in --workdir (`_run_config`), which must exist."""
     config = _run_config(args)
     if config is None:
-        raise FileNotFoundError(f"{os.path.join(args.workdir, 'config.yaml')} does not exist "
+        from tfllm.config.loader import config_path
+        raise FileNotFoundError(f"{config_path(args.workdir)} does not exist "
                                 "and no checkpoint there holds a config; --workdir must name "
                                 "a directory written by tfllm train.")
     return config
@@ -185,21 +186,20 @@ def _saved_config(args):
 
 def _restored_run(args, config=None):
     """The run in --workdir with its latest checkpoint's weights (any mesh via --set)."""
-    from tfllm.checkpoint import Checkpointer, committed, run_state_variables
+    from tfllm.checkpoint.workdir import Workdir, WorkdirState, check_tokenizer
     from tfllm.train.run import Run
-    from tfllm.train.workdir import WorkdirState, check_tokenizer, newest_metadata
     config = _saved_config(args) if config is None else config
-    directory = os.path.join(args.workdir, "checkpoints")
-    if not committed(directory):  # before anything is built or written
-        raise FileNotFoundError(f"{directory} holds no committed checkpoint; train first "
-                                "(tfllm train --workdir ...).")
+    run_dir = Workdir(args.workdir)
+    if not run_dir.committed():  # before anything is built or written
+        raise FileNotFoundError(f"{run_dir.checkpoints} holds no committed checkpoint; "
+                                "train first (tfllm train --workdir ...).")
     _persist_compiles(args, config, args.workdir)
     run = Run(config, workdir=args.workdir, train_iterator=False, inference=True)
     # The weights were trained with the tokenizer whose fingerprint the checkpoint holds:
     # another one in WORKDIR/tokenizer would turn them into nonsense without a word.
-    check_tokenizer(WorkdirState(args.workdir, *newest_metadata(directory)), run.tokenizer)
-    checkpointer = Checkpointer(directory, run.parallel, config.checkpoint)
-    meta = checkpointer.restore_latest(run_state_variables(run.model), strict=False)
+    check_tokenizer(WorkdirState(args.workdir, *run_dir.newest_metadata()), run.tokenizer)
+    # The weights alone: the inference Run has no optimizer state to fill.
+    meta = run_dir.restore_weights(run.model, run.parallel, config.checkpoint)
     return run, meta
 
 

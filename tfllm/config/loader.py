@@ -279,10 +279,20 @@ def dump_yaml(cfg: schema.Config) -> str:
     return yaml.safe_dump(to_dict(cfg), sort_keys=False)
 
 
+#: the resolved config's file in a run directory (and in an export)
+CONFIG_FILE = "config.yaml"
+
+
+def config_path(directory: str) -> str:
+    """DIRECTORY/config.yaml: where a run (`tfllm.checkpoint.workdir.Workdir`) or an
+    export keeps its resolved config."""
+    return os.path.join(directory, CONFIG_FILE)
+
+
 def save_config(cfg: schema.Config, workdir: str) -> str:
     """Writes the resolved config to WORKDIR/config.yaml atomically; returns the path."""
     os.makedirs(workdir, exist_ok=True)
-    path = os.path.join(workdir, "config.yaml")
+    path = config_path(workdir)
     tmp = path + ".tmp"
     with open(tmp, "w", encoding="utf-8") as f:
         f.write(dump_yaml(cfg))

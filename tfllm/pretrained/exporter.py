@@ -71,13 +71,13 @@ def export_preset(config, workdir: str, out_dir: str) -> dict:
       A summary: out, step, backbone, tokenizer (true when written).
     """
     import keras_hub
-    from tfllm.checkpoint import Checkpointer, run_state_variables
+    from tfllm.checkpoint.workdir import Workdir
     from tfllm.models import build_model
 
     out_dir = require_new_folder(out_dir)
     origin = read_origin(workdir) or {}
     name = origin.get("backbone") or default_backbone(config.model)
-    family = family_for(name, os.path.join(workdir, "pretrained.json"))
+    family = family_for(name, Workdir(workdir).pretrained_file)
     if family.tfllm_family != config.model.family:
         raise PretrainedError(f"{workdir}: a {config.model.family} model cannot be written "
                               f"as {name}.")
@@ -88,11 +88,7 @@ def export_preset(config, workdir: str, out_dir: str) -> dict:
         # would load untied and fail; write the output embedding out explicitly instead.
         kwargs["tie_word_embeddings"], untie = False, True
     model = build_model(config, None)  # one device: the preset is written whole
-    checkpointer = Checkpointer(os.path.join(workdir, "checkpoints"), None, config.checkpoint)
-    meta = checkpointer.restore_latest(run_state_variables(model), strict=False)
-    if meta is None:
-        raise FileNotFoundError(f"{checkpointer.directory} holds no committed checkpoint; "
-                                "train or import first.")
+    meta = Workdir(workdir).restore_weights(model, config=config.checkpoint)
     backbone = getattr(keras_hub.models, name)(**kwargs, dtype="float32")
     theirs = {v.path: v for v in backbone.variables if "seed_generator" not in v.path}
     mapping = family.weight_map(config.model)

@@ -438,7 +438,7 @@ def export_hf(config, workdir: str, out: str, dtype: str = "float32",
     import tensorflow as tf
 
     from tfllm.checkpoint.reader import Reader
-    from tfllm.checkpoint.storage import latest
+    from tfllm.checkpoint.workdir import Workdir
     from tfllm.pretrained.exporter import require_new_folder, written_atomically
     from tfllm.pretrained.importer import read_origin
 
@@ -449,9 +449,10 @@ def export_hf(config, workdir: str, out: str, dtype: str = "float32",
     m = config.model
     origin = read_origin(workdir) or {}
     model_type = model_type_for(m, origin.get("backbone"))
-    path = latest(os.path.join(workdir, "checkpoints"))
+    run_dir = Workdir(workdir)
+    path = run_dir.latest_checkpoint()
     if path is None:
-        raise FileNotFoundError(f"{os.path.join(workdir, 'checkpoints')} holds no committed "
+        raise FileNotFoundError(f"{run_dir.checkpoints} holds no committed "
                                 "checkpoint; train or import first.")
     reader = Reader(path)
     prefix = _model_prefix(reader.variables)

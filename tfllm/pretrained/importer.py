@@ -18,10 +18,12 @@ from typing import Dict, Iterable, Optional
 
 import numpy as np
 
+from tfllm.checkpoint import model_variables
+from tfllm.checkpoint.workdir import (MARKER, TOKENIZER_DIR, Workdir, read_marker,
+                                      write_marker)
 from tfllm.parallel.placement import block_slices
 from tfllm.pretrained.families import Permuted, PretrainedError, keras_hub_path
 from tfllm.pretrained.sources import Source, open_source
-from tfllm.train.workdir import MARKER, read_marker, write_marker
 
 log = logging.getLogger("tfllm.pretrained")
 
@@ -30,8 +32,6 @@ log = logging.getLogger("tfllm.pretrained")
 FINE_TUNE_DEFAULTS = {"optimizer": {"learning_rate": 3e-5, "warmup_steps": 10,
                                     "weight_decay": 0.0},
                       "train": {"steps": 200, "log_every": 10, "eval_every": 100}}
-
-PRETRAINED_FILE = "pretrained.json"
 
 
 def preset_model_section(source: Source) -> dict:
@@ -155,8 +155,9 @@ def from_preset(preset: str, parallel=None, overrides: Iterable[str] = (), model
 
 
 # ---- tfllm import: a run directory at step 0 ------------------------------------------------
-def _write_tokenizer(source: Source, tokenizer: Optional[str], out: str) -> str:
-    """Writes the run's tokenizer under `out`; returns its name relative to `out`."""
+def _write_tokenizer(source: Source, tokenizer: Optional[str], out: Workdir) -> str:
+    """Writes the run's tokenizer into the run directory `out`; returns its name
+    relative to `out`."""
     import keras
 
     from tfllm.data import DataError
@@ -164,12 +165,12 @@ def _write_tokenizer(source: Source, tokenizer: Optional[str], out: str) -> str:
     if tokenizer:
         tokenizer = os.path.abspath(os.path.expanduser(tokenizer))
         if os.path.isdir(tokenizer):
-            shutil.copytree(tokenizer, os.path.join(out, "tokenizer"))
-            return "tokenizer"
+            shutil.copytree(tokenizer, out.tokenizer_dir)
+            return TOKENIZER_DIR
         if os.path.isfile(tokenizer):
-            os.makedirs(os.path.join(out, "tokenizer"))
-            shutil.copy(tokenizer, os.path.join(out, "tokenizer", "tokenizer.model"))
-            return "tokenizer/tokenizer.model"
+            os.makedirs(out.tokenizer_dir)
+            shutil.copy(tokenizer, os.path.join(out.tokenizer_dir, "tokenizer.model"))
+            return f"{TOKENIZER_DIR}/tokenizer.model"
         raise PretrainedError(f"--tokenizer {tokenizer}: no such file or directory.")
     try:
         hub = load_keras_hub_tokenizer(
@@ -177,12 +178,12 @@ def _write_tokenizer(source: Source, tokenizer: Optional[str], out: str) -> str:
             "pass --tokenizer (a keras-hub tokenizer preset or a SentencePiece .model file)")
     except DataError as e:
         raise PretrainedError(str(e)) from None
-    target = os.path.join(out, "tokenizer")
+    target = out.tokenizer_dir
     hub.save_to_preset(target)
     # Tokenizer.from_preset finds the tokenizer class through the backbone's config.json.
     with open(os.path.join(target, "config.json"), "w", encoding="utf-8") as f:
         json.dump(keras.saving.serialize_keras_object(source.abstract), f, indent=1)
-    return "tokenizer"
+    return TOKENIZER_DIR
 
 
 def import_preset(preset: str, workdir: str, overrides: Iterable[str] = (),
@@ -195,7 +196,7 @@ def import_preset(preset: str, workdir: str, overrides: Iterable[str] = (),
     `tfllm train` starts a fine-tuning run from it with any data and optimizer
     settings), the tokenizer, and pretrained.json (where the weights came from, for
     `tfllm export --format keras-hub`) and the `.tfllm-run` marker of a tfllm run
-    (`tfllm.train.workdir`). Everything is written under a temporary name
+    (`tfllm.checkpoint.workdir`). Everything is written under a temporary name
     and renamed last: a failed import leaves no workdir (a crashed one leaves
     WORKDIR.importing, whose marker lets the next import remove it).
 
@@ -209,8 +210,7 @@ def import_preset(preset: str, workdir: str, overrides: Iterable[str] = (),
     Returns:
       A summary: workdir, backbone, format, params, tensors, bytes_read, largest_read.
     """
-    from tfllm.checkpoint import Checkpointer, agree_nonce
-    from tfllm.config import save_config
+    from tfllm.checkpoint import agree_nonce
     from tfllm.config.loader import to_dict
     from tfllm.data.tokenizer import _check_vocab, from_file
     from tfllm.models import build_model
@@ -222,12 +222,13 @@ def import_preset(preset: str, workdir: str, overrides: Iterable[str] = (),
         raise PretrainedError(f"--workdir {workdir} exists and is not empty; import into a "
                               "new directory (an import never overwrites a run).")
     tmp = workdir.rstrip("/") + ".importing"
+    tmp_dir = Workdir(tmp)
     primary = client_id() == 0
     if primary:  # before any client joins
         _remove_crashed_import(tmp)
     source = open_source(preset)
     try:
-        config = preset_config(source, overrides, os.path.join(workdir, "tokenizer"))
+        config = preset_config(source, overrides, Workdir(workdir).tokenizer_dir)
         # The mesh next: splitting the CPU into logical devices must happen before
         # anything (the tokenizer, the abstract backbone) initializes TensorFlow; with
         # several clients it is also where they meet.
@@ -235,7 +236,7 @@ def import_preset(preset: str, workdir: str, overrides: Iterable[str] = (),
         if primary:
             # The marker first: a crash leaves a folder provably this import's own.
             write_marker(tmp, "import")
-            name = _write_tokenizer(source, tokenizer, tmp)
+            name = _write_tokenizer(source, tokenizer, tmp_dir)
             config.data.tokenizer_path = os.path.join(workdir, name)
             # The tokenizer must load and fit the vocabulary before any weight is read.
             _check_vocab(from_file(os.path.join(tmp, name)), config.model.vocab_size,
@@ -244,16 +245,15 @@ def import_preset(preset: str, workdir: str, overrides: Iterable[str] = (),
         stats = load_weights(model, source)
         origin = {"preset": source.path, "format": source.format,
                   "backbone": source.backbone, "backbone_config": source.config}
-        variables = {f"model/{v.path}": v for v in model.variables}
-        checkpointer = Checkpointer(os.path.join(tmp, "checkpoints"), parallel,
-                                    config.checkpoint)
-        checkpointer.save(0, variables, {"config": to_dict(config), "imported": origin})
+        checkpointer = tmp_dir.checkpointer(parallel, config.checkpoint)
+        checkpointer.save(0, model_variables(model),
+                          {"config": to_dict(config), "imported": origin})
         checkpointer.close()
         # Every client has seen the commit before client 0 moves the directory.
         agree_nonce(parallel.mesh, num_clients())
         if primary:
-            save_config(config, tmp)
-            with open(os.path.join(tmp, PRETRAINED_FILE), "w", encoding="utf-8") as f:
+            tmp_dir.save_config(config)
+            with open(tmp_dir.pretrained_file, "w", encoding="utf-8") as f:
                 json.dump(origin, f, indent=1, sort_keys=True)
             if os.path.isdir(workdir):
                 os.rmdir(workdir)  # empty (checked above)
@@ -284,7 +284,7 @@ def _remove_crashed_import(tmp: str) -> None:
 
 def read_origin(workdir: str) -> Optional[Dict]:
     """The pretrained.json of an imported run, or None."""
-    path = os.path.join(workdir, PRETRAINED_FILE)
+    path = Workdir(workdir).pretrained_file
     if not os.path.exists(path):
         return None
     with open(path, encoding="utf-8") as f:

@@ -17,6 +17,7 @@ import shutil
 
 import tensorflow as tf
 
+from tfllm.checkpoint.workdir import TOKENIZER_DIR, Workdir
 from tfllm.config import save_config
 from tfllm.models import build_model
 
@@ -33,13 +34,9 @@ def export_model(config, workdir: str, out_dir: str) -> dict:
     Returns:
       A summary: out, step, params.
     """
-    from tfllm.checkpoint import Checkpointer, run_state_variables
+    run_dir = Workdir(workdir)
     model = build_model(config, None)  # plain tf.Variables on one device
-    checkpointer = Checkpointer(os.path.join(workdir, "checkpoints"), None, config.checkpoint)
-    meta = checkpointer.restore_latest(run_state_variables(model), strict=False)
-    if meta is None:
-        raise FileNotFoundError(f"{checkpointer.directory} holds no committed checkpoint; "
-                                "train first.")
+    meta = run_dir.restore_weights(model, config=config.checkpoint)
     tmp = out_dir.rstrip("/") + ".tmp-export"
     shutil.rmtree(tmp, ignore_errors=True)
     os.makedirs(tmp)
@@ -50,9 +47,8 @@ def export_model(config, workdir: str, out_dir: str) -> dict:
                  input_signature=[tf.TensorSpec([None, None], tf.int32, name="token_ids")],
                  verbose=False)
     save_config(config, tmp)
-    tokenizer_dir = os.path.join(workdir, "tokenizer")
-    if os.path.isdir(tokenizer_dir):
-        shutil.copytree(tokenizer_dir, os.path.join(tmp, "tokenizer"))
+    if os.path.isdir(run_dir.tokenizer_dir):  # the export holds it as a run does
+        shutil.copytree(run_dir.tokenizer_dir, os.path.join(tmp, TOKENIZER_DIR))
     if os.path.exists(out_dir):
         shutil.rmtree(out_dir)
     os.replace(tmp, out_dir)

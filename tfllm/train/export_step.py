@@ -6,7 +6,8 @@
   `tfllm train` runs (forward, loss, backward, clipping, AdamW update);
 * `step.hlo.txt`: the same, as text;
 * `step.json`: each HLO parameter (shape, dtype, role: batch, weight, optimizer_state,
-  fp8_state, step), each output (metric name, or the parameter it updates), FLOPs per
+  fp8_state, step; named as in a checkpoint, `tfllm.checkpoint.state_name`:
+  "model/<path>", "optimizer/m/<path>", "optimizer/v/<path>", ...), each output (metric name, or the parameter it updates), FLOPs per
   token, tokens per step and versions;
 * `check.npz` (with `--check`): the inputs of one step and TensorFlow's outputs, so a
   runner can prove that it executes the same program (`benchmarks/gpu/run_step.py`).
@@ -21,6 +22,8 @@ import re
 import numpy as np
 import tensorflow as tf
 
+from tfllm.checkpoint import run_state_variables
+from tfllm.checkpoint.shards import tf_variable
 from tfllm.data import SyntheticTokens
 from tfllm.train.metrics import count_params, flops_per_token
 from tfllm.train.state import build_train_state
@@ -49,14 +52,19 @@ def export_step(config, out_dir: str, check: bool = False) -> dict:
     hlo_bytes, hlo_text = ir(stage="hlo_serialized"), ir(stage="hlo")
     concrete = step._step.get_concrete_function(batch, limit)
 
-    named = [(v.value, "weight", v.path) for v in model.trainable_variables]
-    named += [(v.value, "fp8_state", v.path) for v in model.fp8_state_variables()]
-    named += [(optimizer.iterations, "step", "optimizer/iterations")]
-    named += [(step.skipped, "counter", "train/guard_skipped")]
-    for var, (_, m, s) in zip(optimizer.variables, optimizer.states):
-        named += [(m, "optimizer_state", f"optimizer/{var.path}/m"),
-                  (s, "optimizer_state", f"optimizer/{var.path}/v")]
-    by_handle = {var.handle.ref(): (role, name, var) for var, role, name in named}
+    # The names a checkpoint gives the same variables; the role says what each one is.
+    ref = lambda var: tf_variable(var).handle.ref()  # noqa: E731
+    roles = {ref(v): "weight" for v in model.trainable_variables}
+    roles.update({ref(v): "fp8_state" for v in model.fp8_state_variables()})
+    roles[ref(optimizer.iterations)] = "step"
+    roles[ref(step.skipped)] = "counter"
+    for _, m, s in optimizer.states:
+        roles[ref(m)] = roles[ref(s)] = "optimizer_state"
+    by_handle = {}
+    for name, var in run_state_variables(model, optimizer, state.loss_scale,
+                                         step.skipped).items():
+        if ref(var) in roles:
+            by_handle[ref(var)] = (roles[ref(var)], name, tf_variable(var, name))
 
     params = [{"role": "batch", "name": f"tokens/{i}", "shape": list(b.shape),
                "dtype": b.dtype.name} for i, b in enumerate(batch)]

@@ -1,7 +1,7 @@
 """The training loop: resume, train, evaluate, checkpoint, stop cleanly, report.
 
 `train(config, workdir)` is what `tfllm train` runs. It checks the workdir
-(`tfllm.train.workdir`) and, before the first step, everything that could fail later
+(`tfllm.checkpoint.workdir`) and, before the first step, everything that could fail later
 (`tfllm.train.preflight`); resumes from the workdir's latest committed checkpoint when
 there is one, shows a progress bar (step, loss, tokens/s, MFU, ETA), appends to
 metrics.jsonl and TensorBoard, evaluates every `train.eval_every` steps and at the end
@@ -21,7 +21,8 @@ import sys
 import time
 from collections import deque
 
-from tfllm.config import save_config
+from tfllm.checkpoint.workdir import (Workdir, check_tokenizer, check_workdir, start_run,
+                                      tokenizer_fingerprint)
 from tfllm.data.tokenizer import save_to_run
 from tfllm.config.loader import to_dict
 from tfllm.parallel.coordination import any_client
@@ -36,8 +37,6 @@ from tfllm.train.preflight import no_validation_reason, preflight
 from tfllm.train.progress import Progress
 from tfllm.train.run import Run, sample_text
 from tfllm.train.tensorboard import TensorBoard
-from tfllm.train.workdir import (check_tokenizer, check_workdir, start_run,
-                                 tokenizer_fingerprint, truncate_metrics, write_costs)
 
 __all__ = ["Run", "train"]
 
@@ -45,10 +44,10 @@ __all__ = ["Run", "train"]
 class _Outputs:
     """What client 0 writes: metrics.jsonl, TensorBoard, the progress display."""
 
-    def __init__(self, workdir: str, primary: bool, progress: Progress):
+    def __init__(self, workdir: Workdir, primary: bool, progress: Progress):
         self.primary, self.progress = primary, progress
-        self.metrics_path = os.path.join(workdir, "metrics.jsonl")
-        self.tensorboard = TensorBoard(os.path.join(workdir, "tensorboard")) if primary else None
+        self.metrics_path = workdir.metrics_file
+        self.tensorboard = TensorBoard(workdir.tensorboard_dir) if primary else None
         self.file = open(self.metrics_path if primary else os.devnull, "a", encoding="utf-8")
 
     def record(self, record: dict, model) -> None:
@@ -90,8 +89,8 @@ def train(config, workdir: str, model_cls=None, out=None) -> dict:
 
 
 def _train(config, workdir, model_cls, out, signals, watchdog: list) -> dict:
-    from tfllm.checkpoint import Checkpointer
     t = config.train
+    run_dir = Workdir(workdir)
     primary = client_id() == 0
     # Another run, or files tfllm did not write, are refused before anything is written;
     # bad input (data, tokenizer, what `preflight` checks) fails before the run writes
@@ -99,12 +98,11 @@ def _train(config, workdir, model_cls, out, signals, watchdog: list) -> dict:
     state = check_workdir(workdir, config)
     has_checkpoint, imported = state.has_checkpoint, state.imported
     if not primary:  # other clients log to their own file
-        os.makedirs(os.path.join(workdir, "logs"), exist_ok=True)
-        out = open(os.path.join(workdir, "logs", f"client_{client_id()}.log"), "a")
+        os.makedirs(run_dir.logs_dir, exist_ok=True)
+        out = open(os.path.join(run_dir.logs_dir, f"client_{client_id()}.log"), "a")
     if t.deterministic:
         import tensorflow as tf
         tf.config.experimental.enable_op_determinism()
-    ckpt_dir = os.path.join(workdir, "checkpoints")
     # A new run does not read the workdir's tokenizer (a dead run's is not its own): it
     # trains one or takes it from the data_dir cache, and saves it below.
     run = Run(config, model_cls, workdir if has_checkpoint else None, capture_hlo=True)
@@ -115,35 +113,34 @@ def _train(config, workdir, model_cls, out, signals, watchdog: list) -> dict:
         start_run(state, config)
         if not has_checkpoint:
             save_to_run(run.tokenizer, config, workdir)
-    checkpointer = Checkpointer(ckpt_dir, run.parallel, config.checkpoint)
+    checkpointer = run_dir.checkpointer(run.parallel, config.checkpoint)
     if num_clients() > 1 and t.peer_timeout_s > 0:  # from here a lost peer is reported
         watchdog.append(PeerWatchdog(workdir, client_id(), num_clients(), t.peer_timeout_s,
                                      checkpointer.latest_step).start())
 
     start_step, first_step_s = 0, None
     if imported:  # pretrained weights: a new run starts from them at step 0
-        weights = {k: v for k, v in run.state_variables().items() if k.startswith("model/")
-                   and getattr(v, "kind", None) != "fp8_state"}
-        meta = checkpointer.restore(weights, step=0, strict=False)
+        meta = run_dir.restore_weights(run.model, step=0, fp8_state=False,
+                                       checkpointer=checkpointer)
         progress_note = f"; fine-tuning from {meta['imported'].get('preset', 'imported weights')}"
         meta = None
     else:
         progress_note = ""
-        meta = checkpointer.restore_latest(run.state_variables())
+        meta = checkpointer.restore_latest(run.state_variables(),
+                                           client_files=run.restore_data_state)
     if meta is not None:
         start_step = int(meta["step"])
-        run.restore_data_state(checkpointer.restored_files)
         if primary:
-            truncate_metrics(os.path.join(workdir, "metrics.jsonl"), start_step)
+            run_dir.truncate_metrics(start_step)
     if primary:  # after the checkpoint was read: a refused one leaves config.yaml as it was
-        save_config(config, workdir)
+        run_dir.save_config(config)
 
     tokens_per_step = t.global_batch_size * config.data.sequence_length
     fpt = flops_per_token(config.model, config.data.sequence_length)
     progress = Progress(t.steps, t.progress if primary else "lines", out,
                         mesh_peak(run.parallel, config.precision.policy,
                                   config.precision.tf32), fpt)
-    outputs = _Outputs(workdir, primary, progress)
+    outputs = _Outputs(run_dir, primary, progress)
     mesh = ", ".join(f"{k}={v}" for k, v in run.parallel.shape.items())
     progress.message(f"tfllm: {config.model.family} on mesh [{mesh}] "
                      f"({run.parallel.device_type}), jit_compile={run.jit_compile}, "
@@ -252,7 +249,7 @@ def _train(config, workdir, model_cls, out, signals, watchdog: list) -> dict:
         outputs.close()
     if primary:
         from tfllm.train.plots import plot_loss
-        plot_loss(outputs.metrics_path, os.path.join(workdir, "loss.png"))
+        plot_loss(outputs.metrics_path, run_dir.plot_file)
     if t.sample_tokens and run.tokenizer is not None:
         text = sample_text(run, t.sample_prompt, t.sample_tokens, temperature=0.8, top_k=40,
                            seed=0)
@@ -272,7 +269,7 @@ def _report_costs(run, workdir: str, primary: bool, progress) -> None:
     for line in report.lines():
         progress.message("tfllm: " + line)
     if primary:
-        write_costs(workdir, report.as_dict())
+        Workdir(workdir).write_costs(report.as_dict())
 
 
 def _step_or_peer_lost(run, step: int, limit: float, checkpointer) -> dict:

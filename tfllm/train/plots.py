@@ -2,22 +2,9 @@
 
 from __future__ import annotations
 
-import json
 import os
 
-
-def read_metrics(path: str) -> list:
-    """The records of a metrics.jsonl file (skipping a torn last line)."""
-    records = []
-    if not os.path.exists(path):
-        return records
-    with open(path, encoding="utf-8") as f:
-        for line in f:
-            try:
-                records.append(json.loads(line))
-            except json.JSONDecodeError:
-                continue  # a line cut short by a crash; the rest is still good
-    return records
+from tfllm.checkpoint.workdir import read_metrics
 
 
 def plot_loss(metrics_path: str, png_path: str) -> str:

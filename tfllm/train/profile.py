@@ -23,10 +23,12 @@ import re
 from collections import defaultdict
 from typing import Dict, List, Optional, Tuple
 
+from tfllm.checkpoint.workdir import Workdir
+
 
 def profile_dir(workdir: str, client: int = 0) -> str:
     """Where a client's traces go (TensorBoard's log directory for them)."""
-    base = os.path.join(workdir, "tensorboard")
+    base = Workdir(workdir).tensorboard_dir
     return base if client == 0 else os.path.join(base, f"client_{client}")
 
 

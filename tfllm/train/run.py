@@ -169,9 +169,8 @@ class Run:
     def state_variables(self) -> dict:
         """Every variable a checkpoint must hold, by a stable name."""
         from tfllm.checkpoint import run_state_variables
-        state = run_state_variables(self.model, self.optimizer, self.loss_scale)
-        state["train/guard_skipped"] = self.step.skipped
-        return state
+        return run_state_variables(self.model, self.optimizer, self.loss_scale,
+                                   self.step.skipped)
 
     def data_state_files(self) -> dict:
         """This client's data-iterator state as {file name: bytes} (for a checkpoint)."""

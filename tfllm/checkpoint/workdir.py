@@ -1,4 +1,12 @@
-"""The run directory: what a run writes there, and when it may start in one.
+"""The run directory (workdir): the one owner of its paths, its saved run and its rules.
+
+`Workdir` names every file and folder a run keeps there (checkpoints/, config.yaml,
+metrics.jsonl, tensorboard/, loss.png, costs.json, tokenizer/, pretrained.json, logs/
+and the `.tfllm-run` marker): no other module joins those names. It reads what the run
+saved (the newest committed checkpoint's metadata and config), makes the run's
+`Checkpointer` on WORKDIR/checkpoints, and restores a model's weights alone (no optimizer
+state) from the latest committed checkpoint or a given step, for `tfllm generate`, `eval`
+and the exports. The module's functions hold the rules of when a run may start there.
 
 A workdir "holds a run" once it has a committed checkpoint. Starting in such a workdir
 resumes that run, which is only allowed when the settings that define the run (model,
@@ -16,6 +24,9 @@ of their atomic writes). Those outputs are cleared and the run starts afresh. An
 else, or tfllm-named files without the marker, is refused with one line naming it. The
 `logs/` and `xla_cache/` folders (written by `tfllm launch` and the XLA cache before a
 run starts) are allowed anywhere and never cleared.
+
+It imports only the checkpoint package and the config (never `train`, `models` or
+`pretrained`): every layer that touches a run directory can use it.
 """
 
 from __future__ import annotations
@@ -31,9 +42,12 @@ from typing import Optional
 
 import yaml
 
-from tfllm.checkpoint import CheckpointError, Reader, committed, latest
-from tfllm.checkpoint.storage import write_json_atomic
-from tfllm.config.loader import ConfigError, to_dict
+from tfllm.checkpoint.checkpointer import Checkpointer
+from tfllm.checkpoint.reader import Reader
+from tfllm.checkpoint.shards import CheckpointError
+from tfllm.checkpoint.state import model_variables
+from tfllm.checkpoint.storage import committed, latest, write_json_atomic
+from tfllm.config.loader import CONFIG_FILE, ConfigError, config_path, save_config, to_dict
 
 #: (section, key or None for the whole section) that define a run and must not change.
 RUN_DEFINING = (("model", None), ("data", None), ("optimizer", None),
@@ -43,22 +57,194 @@ RUN_DEFINING = (("model", None), ("data", None), ("optimizer", None),
 #: the marker a run (or an import) writes first: the workdir is tfllm's
 MARKER = ".tfllm-run"
 
+#: the names of what a run keeps in its workdir (`Workdir` joins them)
+CHECKPOINTS_DIR = "checkpoints"
+METRICS_FILE = "metrics.jsonl"
+TENSORBOARD_DIR = "tensorboard"
+PLOT_FILE = "loss.png"
 #: the cost report of the step (`tfllm.train.costs.CostReport.as_dict()`), after step one
 COSTS_FILE = "costs.json"
+TOKENIZER_DIR = "tokenizer"
+#: where an imported run's weights came from (`tfllm.pretrained.importer`)
+PRETRAINED_FILE = "pretrained.json"
+LOGS_DIR = "logs"
 
 #: files and folders a run writes; cleared when a dead run without checkpoints is reused
-RUN_OUTPUTS = ("metrics.jsonl", "tensorboard", "loss.png", "config.yaml", COSTS_FILE,
-               "tokenizer", "pretrained.json")
+RUN_OUTPUTS = (METRICS_FILE, TENSORBOARD_DIR, PLOT_FILE, CONFIG_FILE, COSTS_FILE,
+               TOKENIZER_DIR, PRETRAINED_FILE)
 
 #: tfllm's folders that are kept: checkpoints (the checkpointer removes interrupted saves
 #: itself), and those written before a run starts (`tfllm launch`'s logs, heartbeats and
 #: client logs; the XLA cache of `train.xla_cache=auto`), which may exist without a marker
-KEPT_DIRS = ("checkpoints",)
-SHARED_DIRS = ("logs", "xla_cache")
+KEPT_DIRS = (CHECKPOINTS_DIR,)
+SHARED_DIRS = (LOGS_DIR, "xla_cache")
 
 #: suffixes of tfllm's atomic writes (a temporary name, then a rename): config.yaml.tmp,
 #: metrics.jsonl.tmp, costs.json.part, loss.png.tmp.png
 _LEFTOVER_SUFFIXES = (".tmp", ".part", ".tmp.png")
+
+
+class Workdir:
+    """A run directory: the paths of what a run keeps there, and its saved run.
+
+    Args:
+      path: the run directory (need not exist yet).
+    """
+
+    def __init__(self, path: str):
+        self.path = path
+
+    def __repr__(self) -> str:
+        return f"Workdir({self.path!r})"
+
+    # ---- paths ---------------------------------------------------------------------------
+    @property
+    def checkpoints(self) -> str:
+        """WORKDIR/checkpoints: the committed checkpoints (`tfllm.checkpoint.storage`)."""
+        return os.path.join(self.path, CHECKPOINTS_DIR)
+
+    @property
+    def config_file(self) -> str:
+        """WORKDIR/config.yaml: the resolved config (written after the checkpoint is read)."""
+        return config_path(self.path)
+
+    @property
+    def metrics_file(self) -> str:
+        return os.path.join(self.path, METRICS_FILE)
+
+    @property
+    def tensorboard_dir(self) -> str:
+        return os.path.join(self.path, TENSORBOARD_DIR)
+
+    @property
+    def plot_file(self) -> str:
+        return os.path.join(self.path, PLOT_FILE)
+
+    @property
+    def costs_file(self) -> str:
+        return os.path.join(self.path, COSTS_FILE)
+
+    @property
+    def tokenizer_dir(self) -> str:
+        return os.path.join(self.path, TOKENIZER_DIR)
+
+    @property
+    def pretrained_file(self) -> str:
+        return os.path.join(self.path, PRETRAINED_FILE)
+
+    @property
+    def marker_file(self) -> str:
+        return os.path.join(self.path, MARKER)
+
+    @property
+    def logs_dir(self) -> str:
+        return os.path.join(self.path, LOGS_DIR)
+
+    # ---- the saved run -------------------------------------------------------------------
+    def committed(self) -> list:
+        """(step, path) of every committed checkpoint, oldest first."""
+        return committed(self.checkpoints)
+
+    def latest_checkpoint(self) -> Optional[str]:
+        """The newest committed checkpoint's path, or None."""
+        return latest(self.checkpoints)
+
+    def newest_metadata(self):
+        """(path, metadata) of the newest committed checkpoint whose metadata can be read
+        (corrupt ones are passed over: restoring decides what to do with them, per
+        checkpoint.on_corruption), or (None, None) when there is none."""
+        steps = self.committed()
+        for _, path in reversed(steps):
+            try:
+                meta = Reader(path).metadata()
+            except (CheckpointError, OSError, ValueError):
+                continue
+            if isinstance(meta, dict):
+                return path, meta
+        if steps:  # none readable: the restore reports the newest one's corruption
+            return steps[-1][1], {}
+        return None, None
+
+    def saved_config(self) -> Optional[dict]:
+        """The config (a nested dict) saved in the newest readable committed checkpoint,
+        or None: what a resume without --config may use when config.yaml is gone
+        (`tfllm.config.loader.config_from_dict`)."""
+        _, meta = self.newest_metadata()
+        config = (meta or {}).get("config")
+        return config if isinstance(config, dict) else None
+
+    def checkpointer(self, parallel=None, config=None) -> Checkpointer:
+        """The run's `Checkpointer` on WORKDIR/checkpoints (created if missing).
+
+        Args:
+          parallel: the run's `tfllm.parallel.Parallel`, or None (one device).
+          config: the run's `CheckpointConfig`, or None (defaults).
+        """
+        return Checkpointer(self.checkpoints, parallel, config)
+
+    def restore_weights(self, model, parallel=None, config=None, step: Optional[int] = None,
+                        fp8_state: bool = True, checkpointer: Optional[Checkpointer] = None
+                        ) -> dict:
+        """Restores the model's variables alone (no optimizer state is needed or built)
+        from the latest committed checkpoint (falling back past corrupt ones per
+        config.on_corruption) or from `step`; returns that checkpoint's metadata.
+
+        Args:
+          model: a built Keras model, in the layouts of `parallel`.
+          parallel: the model's `Parallel`, or None (one device).
+          config: the run's `CheckpointConfig`, or None (defaults).
+          step: a committed step, or None for the latest.
+          fp8_state: restore the FP8 amax histories too (False for pretrained weights).
+          checkpointer: the run's own `Checkpointer` (else one is made).
+
+        Raises:
+          FileNotFoundError: no committed checkpoint.
+        """
+        checkpointer = checkpointer or self.checkpointer(parallel, config)
+        weights = model_variables(model, fp8_state)
+        if step is not None:
+            return checkpointer.restore(weights, step, strict=False)
+        meta = checkpointer.restore_latest(weights, strict=False)
+        if meta is None:
+            raise FileNotFoundError(f"{self.checkpoints} holds no committed checkpoint; "
+                                    "train or import first.")
+        return meta
+
+    # ---- outputs -------------------------------------------------------------------------
+    def save_config(self, config) -> str:
+        """Writes the resolved config to WORKDIR/config.yaml; returns the path."""
+        return save_config(config, self.path)
+
+    def truncate_metrics(self, last_step: int) -> None:
+        """Drops metrics.jsonl records after `last_step` (they are recomputed on resume)."""
+        path = self.metrics_file
+        if not os.path.exists(path):
+            return
+        keep = [r for r in read_metrics(path) if r.get("step", 0) <= last_step]
+        tmp = path + ".tmp"
+        with open(tmp, "w", encoding="utf-8") as f:
+            f.writelines(json.dumps(r) + "\n" for r in keep)
+        os.replace(tmp, path)
+
+    def write_costs(self, costs: dict) -> str:
+        """Writes the step's cost report as WORKDIR/costs.json (whole or not at all);
+        returns the path."""
+        write_json_atomic(self.costs_file, costs)
+        return self.costs_file
+
+
+def read_metrics(path: str) -> list:
+    """The records of a metrics.jsonl file (skipping a torn last line)."""
+    records = []
+    if not os.path.exists(path):
+        return records
+    with open(path, encoding="utf-8") as f:
+        for line in f:
+            try:
+                records.append(json.loads(line))
+            except json.JSONDecodeError:
+                continue  # a line cut short by a crash; the rest is still good
+    return records
 
 
 class WorkdirError(ConfigError):
@@ -89,12 +275,16 @@ class WorkdirState:
     def has_checkpoint(self) -> bool:
         return self.checkpoint is not None
 
+    @property
+    def workdir(self) -> Workdir:
+        return Workdir(self.path)
+
 
 # ---- the marker ----------------------------------------------------------------------------
 def read_marker(directory: str) -> Optional[dict]:
     """The marker of a tfllm run (or import) in `directory`, or None when there is none (an
     unreadable or foreign file counts as none)."""
-    path = os.path.join(directory, MARKER)
+    path = Workdir(directory).marker_file
     if os.path.islink(path) or not os.path.isfile(path):
         return None
     try:
@@ -119,7 +309,7 @@ def write_marker(directory: str, kind: str) -> dict:
     marker = {"tfllm": "run", "kind": kind, "run_id": uuid.uuid4().hex,
               "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "host": socket.gethostname(),
               "pid": os.getpid()}
-    write_json_atomic(os.path.join(directory, MARKER), marker)
+    write_json_atomic(Workdir(directory).marker_file, marker)
     return marker
 
 
@@ -139,43 +329,16 @@ def check_workdir(workdir: str, config) -> WorkdirState:
         raise WorkdirError(f"--workdir {workdir} is a file, not a directory; choose another "
                            "path.")
     state = WorkdirState(workdir)
-    checkpoints = os.path.join(workdir, "checkpoints")
-    state.checkpoint, state.metadata = newest_metadata(checkpoints)
+    state.checkpoint, state.metadata = state.workdir.newest_metadata()
     if state.has_checkpoint:
         # The newest committed checkpoint only: an import under a corrupt later one is
         # not a fresh start (restoring reports the corruption, or falls back).
-        state.imported = (state.checkpoint == latest(checkpoints)
+        state.imported = (state.checkpoint == state.workdir.latest_checkpoint()
                           and _is_import(state.metadata))
         _check_same_run(state, config)
         return state
     state.dead_run = _check_reusable(workdir)
     return state
-
-
-def newest_metadata(checkpoint_dir: str):
-    """(path, metadata) of the newest committed checkpoint whose metadata can be read
-    (corrupt ones are passed over: restoring decides what to do with them, per
-    checkpoint.on_corruption), or (None, None) when there is none."""
-    steps = committed(checkpoint_dir)
-    for _, path in reversed(steps):
-        try:
-            meta = Reader(path).metadata()
-        except (CheckpointError, OSError, ValueError):
-            continue
-        if isinstance(meta, dict):
-            return path, meta
-    if steps:  # none readable: the restore reports the newest one's corruption
-        return steps[-1][1], {}
-    return None, None
-
-
-def saved_run_config(workdir: str) -> Optional[dict]:
-    """The config (a nested dict) saved in the workdir's newest readable committed
-    checkpoint, or None: what a resume without --config may use when config.yaml is
-    gone (`tfllm.config.loader.config_from_dict`)."""
-    _, meta = newest_metadata(os.path.join(workdir, "checkpoints"))
-    config = (meta or {}).get("config")
-    return config if isinstance(config, dict) else None
 
 
 def _is_import(meta: dict) -> bool:
@@ -184,7 +347,7 @@ def _is_import(meta: dict) -> bool:
 
 def _check_same_run(state: WorkdirState, config) -> None:
     workdir, meta = state.path, state.metadata
-    yaml_path = os.path.join(workdir, "config.yaml")
+    yaml_path = state.workdir.config_file
     meta_path = os.path.join(state.checkpoint, "metadata.json")
     saved, source = meta.get("config"), meta_path
     if not isinstance(saved, dict):  # a checkpoint of no tfllm run, or unreadable
@@ -350,24 +513,3 @@ def tokenizer_fingerprint(tokenizer) -> Optional[str]:
 
 def _short(fingerprint) -> str:
     return "none" if fingerprint is None else str(fingerprint)[:28]
-
-
-# ---- outputs -------------------------------------------------------------------------------
-def truncate_metrics(path: str, last_step: int) -> None:
-    """Drops metrics.jsonl records after `last_step` (they are recomputed on resume)."""
-    if not os.path.exists(path):
-        return
-    from tfllm.train.plots import read_metrics
-    keep = [r for r in read_metrics(path) if r.get("step", 0) <= last_step]
-    tmp = path + ".tmp"
-    with open(tmp, "w", encoding="utf-8") as f:
-        f.writelines(json.dumps(r) + "\n" for r in keep)
-    os.replace(tmp, path)
-
-
-def write_costs(workdir: str, costs: dict) -> str:
-    """Writes the step's cost report as WORKDIR/costs.json (whole or not at all); returns
-    the path."""
-    path = os.path.join(workdir, COSTS_FILE)
-    write_json_atomic(path, costs)
-    return path
