@@ -4,9 +4,22 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from tfllm.checkpoint import Checkpointer, CheckpointError, Reader
+from tfllm.checkpoint import Checkpointer, CheckpointError, Reader, state_name
 from tfllm.config.schema import CheckpointConfig
 from tests.checkpoint.helpers import assert_same, build_run, gathered
+
+
+def test_state_name_is_the_one_naming_of_the_run_state():
+    # The checkpoints' on-disk names: old checkpoints load only while these stay.
+    assert state_name("model", "gpt/block_0/mlp/kernel") == "model/gpt/block_0/mlp/kernel"
+    assert state_name("optimizer/m", "gpt/a/kernel") == "optimizer/m/gpt/a/kernel"
+    assert state_name("optimizer/v", "gpt/a/kernel") == "optimizer/v/gpt/a/kernel"
+    assert state_name("optimizer/iterations") == "optimizer/iterations"
+    assert state_name("train/guard_skipped") == "train/guard_skipped"
+    for group, path in (("optimizer", "a"), ("model", None), ("optimizer/iterations", "a"),
+                        ("loss_scale", None)):
+        with pytest.raises(ValueError, match="a run-state variable is one of"):
+            state_name(group, path)
 
 
 def test_run_state_names_cover_model_optimizer_and_loss_scale(source_run):

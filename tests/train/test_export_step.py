@@ -30,6 +30,13 @@ def test_export_describes_every_parameter_and_output(tmp_path, policy):
     assert {o["name"] for o in desc["outputs"] if o["role"] == "metric"} == {
         "loss", "grad_norm", "learning_rate", "skipped_steps", "step_ok"}
     assert roles.count("loss_limit") == 1 and roles.count("counter") == 1  # the step guard
+    # named as in a checkpoint (tfllm.checkpoint.state_name)
+    named = lambda role: [p["name"] for p in desc["params"] if p["role"] == role]
+    assert all(n.startswith(("optimizer/m/", "optimizer/v/"))
+               for n in named("optimizer_state"))
+    assert all(n.startswith("model/") for n in named("weight") + named("fp8_state"))
+    assert named("step") == ["optimizer/iterations"]
+    assert named("counter") == ["train/guard_skipped"]
     updated = {o["param"] for o in desc["outputs"] if o["role"] == "update"}
     # all state moves
     assert updated == {i for i, r in enumerate(roles) if r not in ("batch", "loss_limit")}

@@ -1,6 +1,8 @@
-"""The workdir rules: what a run may start in, what it clears, and what a resume compares.
+"""The workdir: its paths, the weights it restores, and its rules (what a run may start
+in, what it clears, and what a resume compares).
 
-No training: checkpoints here hold one small variable and the metadata a run saves.
+No training: checkpoints here hold one small variable and the metadata a run saves, or
+the tiny run state of `source_run`.
 """
 
 import json
@@ -10,17 +12,19 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
+from tests.checkpoint.helpers import assert_same, gathered
 from tests.conftest import snapshot_tree, tiny_overrides
-from tfllm.checkpoint import Checkpointer
+from tfllm.checkpoint import Checkpointer, model_variables
 from tfllm.config import load_config
 from tfllm.config.loader import to_dict
 from tfllm.data.tokenizer import ByteTokenizer, SentencePieceTokenizer, train_sentencepiece
 from tfllm.pretrained import import_preset
 from tfllm.pretrained.families import PretrainedError
 from tfllm.config.loader import config_from_dict
-from tfllm.checkpoint.workdir import (MARKER, Workdir, WorkdirError, check_tokenizer,
-                                      check_workdir, read_marker, start_run,
-                                      tokenizer_fingerprint)
+from tfllm.checkpoint.workdir import (MARKER, RUN_OUTPUTS, Workdir, WorkdirError,
+                                      check_tokenizer, check_workdir, read_marker,
+                                      start_run, tokenizer_fingerprint)
+from tfllm.models import build_model
 
 
 def _config(**extra):
@@ -236,3 +240,31 @@ def test_an_importing_folder_is_removed_only_when_a_crashed_import_left_it(tmp_p
     with pytest.raises(PretrainedError):  # the preset is missing; the leftover went first
         import_preset(str(tmp_path / "no-preset"), str(tmp_path / "run"))
     assert not leftover.exists()
+
+
+# ---- the Workdir object ---------------------------------------------------------------------
+def test_the_workdir_names_every_file_a_run_keeps(tmp_path):
+    run = Workdir(str(tmp_path))
+    paths = (run.checkpoints, run.config_file, run.metrics_file, run.tensorboard_dir,
+             run.plot_file, run.costs_file, run.tokenizer_dir, run.pretrained_file,
+             run.marker_file, run.logs_dir)
+    assert all(os.path.dirname(p) == str(tmp_path) for p in paths)
+    names = {os.path.basename(p) for p in paths}
+    assert set(RUN_OUTPUTS) | {MARKER, "checkpoints", "logs"} == names
+
+
+def test_the_weights_restore_alone_from_a_checkpoint_of_the_whole_run(tmp_path, source_run):
+    """What generate, eval and the exports do: a model without optimizer state, on one
+    device, restored from a checkpoint that also holds AdamW's moments and the loss scale."""
+    parallel, variables, values = source_run
+    run = Workdir(str(tmp_path / "run"))
+    model = build_model(load_config(None, tiny_overrides("gpt")), None)
+    with pytest.raises(FileNotFoundError, match="checkpoints holds no committed checkpoint"):
+        run.restore_weights(model)
+    run.checkpointer(parallel).save(4, variables, {"note": "whole run"})
+    assert any(n.startswith("optimizer/m/") for n in variables)  # more than the weights
+    assert run.restore_weights(model)["step"] == 4
+    weights = model_variables(model)
+    assert_same(gathered(weights), {name: values[name] for name in weights})
+    assert run.restore_weights(model, step=4)["note"] == "whole run"
+
