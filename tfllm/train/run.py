@@ -176,13 +176,17 @@ class Run:
         """This client's data-iterator state as {file name: bytes} (for a checkpoint)."""
         if self.train_data is None:
             return {}
+        # TensorFlow writes (and reads) an iterator's state only as a tf.train.Checkpoint
+        # under a path prefix, and those files are what a checkpoint holds: their bytes
+        # pass through a temporary folder.
         with tempfile.TemporaryDirectory() as tmp:
             self.train_data.save_state(os.path.join(tmp, "iterator"))
             return {name: open(os.path.join(tmp, name), "rb").read()
                     for name in sorted(os.listdir(tmp))}
 
     def restore_data_state(self, files: dict) -> None:
-        """Restores the iterator from `data_state_files` output."""
+        """Restores the iterator from `data_state_files` output (the checkpointer hands
+        it this client's files: `Checkpointer.restore_latest(client_files=...)`)."""
         if self.train_data is None:
             return
         if not files:
