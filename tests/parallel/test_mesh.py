@@ -4,7 +4,8 @@ import pytest
 
 from tfllm.parallel import mesh
 
-from tfllm.parallel.mesh import MeshError, check_batch, num_clients, parse_axes, resolve_axes
+from tfllm.contracts import num_clients
+from tfllm.parallel.mesh import MeshError, check_batch, parse_axes, resolve_axes
 from tfllm.parallel.rules import DEFAULT_RULES, candidate_axis
 
 

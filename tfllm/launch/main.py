@@ -19,7 +19,7 @@ import sys
 from dataclasses import dataclass, field
 from typing import List, Optional
 
-from tfllm.exit_codes import BAD_INPUT_EXIT_CODE
+from tfllm.contracts import BAD_INPUT_EXIT_CODE
 from tfllm.launch import device as dev
 from tfllm.launch import supervisor as sup
 from tfllm.launch import topology as topo

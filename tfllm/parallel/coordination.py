@@ -9,7 +9,7 @@ from __future__ import annotations
 import hashlib
 import json
 
-from tfllm.parallel.mesh import client_id, num_clients
+from tfllm.contracts import client_id, num_clients
 
 _TIMEOUT_MS = 10 * 60 * 1000  # a client slower than this is treated as gone
 

@@ -25,7 +25,7 @@ from tfllm.config import save_config
 from tfllm.data.tokenizer import save_to_run
 from tfllm.config.loader import to_dict
 from tfllm.parallel.coordination import any_client
-from tfllm.parallel.mesh import client_id, num_clients
+from tfllm.contracts import client_id, num_clients
 from tfllm.parallel.placement import to_numpy
 from tfllm.parallel.watchdog import PeerLost, PeerWatchdog, lost_message, peer_from_error
 from tfllm.precision import describe

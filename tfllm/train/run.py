@@ -102,8 +102,7 @@ class Run:
     def _announce_ready(self) -> None:
         """Every client says it joined the mesh, and answers the launcher's readiness
         handshake (TFLLM_READY_FILE / TFLLM_READY_KEY, see `tfllm.launch`)."""
-        from tfllm.launch.topology import announce_ready
-        from tfllm.parallel.mesh import client_id, num_clients
+        from tfllm.contracts import announce_ready, client_id, num_clients
         if num_clients() > 1:
             mesh = ", ".join(f"{k}={v}" for k, v in self.parallel.shape.items())
             print(f"tfllm: client {client_id()}/{num_clients()} ready on mesh [{mesh}]",
