@@ -51,9 +51,3 @@ def build_model(config, parallel=None, seed: Optional[int] = None, model_cls=Non
         place_variables(model, parallel, config.train.seed if seed is None else seed, zeros)
     return model
 
-
-def from_preset(preset: str, parallel=None, overrides=(), model_cls=None) -> CausalLM:
-    """A model holding a local keras-hub preset's or Hugging Face checkpoint's weights,
-    loaded block by block into its layouts; see `tfllm.pretrained.from_preset`."""
-    from tfllm.pretrained import from_preset as load  # keras-hub only when used
-    return load(preset, parallel, overrides, model_cls)
