@@ -8,7 +8,7 @@ from tfllm.config import load_config
 from tfllm.models import build_model
 from tfllm.parallel import context, make_parallel
 from tfllm.parallel.placement import to_numpy
-from tfllm.train.tf_internal import collect_executed_graphs
+from tfllm.internals import collect_executed_graphs
 from tfllm.train.costs import KINDS
 from tests.conftest import tiny_overrides
 from tests.train.test_parity import _run, assert_matches, reference

@@ -64,15 +64,6 @@ def test_num_clients_from_dtensor_jobs(monkeypatch):
     assert num_clients() == 1
 
 
-def test_keras_version_is_checked_before_the_bridge_uses_internals():
-    from tfllm.parallel.keras_internal import check_keras
-    check_keras()  # the installed one
-    check_keras("3.5.0")
-    for bad in ("4.0.0", "3.4.1", "2.15.0"):
-        with pytest.raises(RuntimeError, match=r"keras>=3.5,<4"):
-            check_keras(bad)
-
-
 class _FakeDTensor:
     """Records what build_mesh asks of DTensor on a host with (faked) GPUs."""
 

@@ -136,9 +136,9 @@ def test_cli_prints_one_json_object_and_rejects_unknown_targets(tmp_path):
 _CLUSTER_FLOPS = r"""
 import glob, json, os, sys
 from jax._src.lib import xla_client
-from tfllm.plan import hlo_stats
+from tfllm.compiler import hlo_stats
 from tfllm.plan.gpu_compile import compile_for_target
-from tfllm.plan.targets import TARGETS
+from tfllm.compiler.targets import TARGETS
 target = TARGETS["h100"]
 backward, compiled = 0.0, 0
 for path in sorted(glob.glob(os.path.join(sys.argv[1], "*before_optimizations.txt"))):

@@ -115,7 +115,7 @@ def test_fp8_matmuls_lower_to_f8_dots_and_only_those():
     step = build_train_state(cfg, None, jit_compile=True).step
     data = SyntheticTokens(cfg.model.vocab_size, cfg.data.sequence_length + 1)
     batch = step.to_device(data.batch(0, cfg.train.global_batch_size))
-    hlo = step._step.experimental_get_compiler_ir(
+    hlo = step.compiled.experimental_get_compiler_ir(
         batch, step.loss_limit_input(float("inf")))(stage="hlo")
     dots = classify_dots(hlo)
     assert not [d.op_name for d in dots if d.kind == "half"], "dots mix FP8 and other operands"

@@ -23,7 +23,8 @@ from tests.conftest import run_in_child, tiny_overrides
 from tfllm.config import load_config
 from tfllm.data import SyntheticTokens
 from tfllm.parallel import make_parallel
-from tfllm.train import costs, hlo_dump, tf_internal
+from tfllm import internals
+from tfllm.train import costs, hlo_dump
 from tfllm.train.loop import train
 from tfllm.train.metrics import count_params
 from tfllm.train.state import build_train_state
@@ -253,7 +254,7 @@ def test_a_collective_inside_a_dtensor_while_loop_is_flagged():
         _, s = tf.while_loop(lambda i, s: i < 3, body, (tf.constant(0), s))
         return s + tf.reduce_sum(v)
 
-    with tf_internal.collect_executed_graphs() as graphs:
+    with internals.collect_executed_graphs() as graphs:
         f(v, s)
     report = costs.report_from_graphs(graphs())
     assert sorted(c.in_loop for c in report.collectives) == [False, True]

@@ -25,7 +25,6 @@ from tfllm.data import SyntheticTokens
 from tfllm.parallel import make_parallel
 from tfllm.train import xla
 from tfllm.train.state import build_train_state
-from tfllm.train.step import resolve_jit
 from tests.conftest import tiny_overrides
 from tests.launch.helpers import (PY, ROOT, assert_no_leftovers, finish, kill_workers,
                                   launcher_env, start)
@@ -70,12 +69,6 @@ def test_a_step_without_clusters_is_an_error():
     with pytest.raises(xla.XlaNotCompiledError, match="compiled no part"):
         xla.check_compiled(report)
     xla.check_compiled(None)  # jit_compile off: nothing to check
-
-
-def test_auto_is_decided_per_device_type():
-    assert resolve_jit("auto", "GPU") is True
-    assert resolve_jit("auto", "CPU") is False
-    assert resolve_jit("true", "CPU") is True and resolve_jit("false", "GPU") is False
 
 
 # ---- one device, and several in one process ---------------------------------------------

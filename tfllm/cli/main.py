@@ -306,7 +306,7 @@ def cmd_plan(args) -> int:
 
 
 def cmd_export_step(args) -> int:
-    from tfllm.train.export_step import export_step
+    from tfllm.plan.export_step import export_step
     config = _load(args)
     desc = export_step(config, args.out, check=args.check)
     print(json.dumps({"out": args.out, "params": len(desc["params"]),

@@ -31,7 +31,7 @@ def build_model(config, parallel=None, seed: Optional[int] = None, model_cls=Non
       allocate: False builds shapes only (no memory), for `tfllm layouts`.
       zeros: allocate zero-filled variables (weights that will be loaded).
     """
-    from tfllm.parallel.keras_internal import forget_deferred
+    from tfllm.internals import forget_deferred
     from tfllm.parallel.placement import build_abstract, place_variables
     from tfllm.precision import fp8_settings, keras_policy
     from tfllm.precision.policies import apply_matmul_precision

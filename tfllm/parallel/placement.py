@@ -21,7 +21,7 @@ from tensorflow.experimental import dtensor
 from tfllm.parallel import fsdp
 from tfllm.parallel import rules as rules_lib
 from tfllm.parallel.init import initial_block, variable_key
-from tfllm.parallel.keras_internal import adopt, check_keras, forget_deferred, is_allocated
+from tfllm.internals import adopt, check_keras, forget_deferred, is_allocated
 from tfllm.parallel.mesh import mesh_shape
 
 

@@ -20,7 +20,7 @@ from tfllm.parallel.mesh import check_batch, check_gpus
 from tfllm.train import hlo_dump
 from tfllm.train.evaluate import Evaluator
 from tfllm.train.state import build_train_state
-from tfllm.train.step import resolve_jit
+from tfllm.compiler.jit import resolve_jit
 
 
 class Run:

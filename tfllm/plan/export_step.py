@@ -45,9 +45,9 @@ def export_step(config, out_dir: str, check: bool = False) -> dict:
                            config.data.seed)
     batch = step.to_device(data.batch(0, t.global_batch_size, t.grad_accum_steps))
     limit = step.loss_limit_input(float("inf"))
-    ir = step._step.experimental_get_compiler_ir(batch, limit)
+    ir = step.compiled.experimental_get_compiler_ir(batch, limit)
     hlo_bytes, hlo_text = ir(stage="hlo_serialized"), ir(stage="hlo")
-    concrete = step._step.get_concrete_function(batch, limit)
+    concrete = step.compiled.get_concrete_function(batch, limit)
 
     named = [(v.value, "weight", v.path) for v in model.trainable_variables]
     named += [(v.value, "fp8_state", v.path) for v in model.fp8_state_variables()]
@@ -107,7 +107,7 @@ def export_step(config, out_dir: str, check: bool = False) -> dict:
     if check:  # one step's inputs and TensorFlow's results, for the runner to match
         inputs = ([b.numpy() for b in batch] + [limit.numpy()]
                   + [var.numpy() for var in captured])
-        result = step._step(batch, limit)
+        result = step.compiled(batch, limit)
         arrays = {f"input/{i}": x for i, x in enumerate(inputs)}
         arrays.update({f"metric/{k}": np.asarray(v) for k, v in result.items()})
         arrays.update({f"update/{i}": captured[i - len(batch) - 1].numpy() for i in written})

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from tfllm.config import load_config
-from tfllm.train.export_step import export_step
+from tfllm.plan.export_step import export_step
 from tests.conftest import tiny_overrides
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
