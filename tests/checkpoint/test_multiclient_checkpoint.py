@@ -11,8 +11,8 @@ import pytest
 from tfllm.checkpoint import Checkpointer, Reader
 from tests.checkpoint.helpers import gathered
 from tests.checkpoint.multiclient_save import ROOT, build_state, reference_value
-from tests.conftest import tiny_overrides
-from tests.conftest import free_ports as _free_ports
+from tests.harness import tiny_overrides
+from tests.harness import free_ports as _free_ports
 
 TIMEOUT_S = 240
 SCRIPT = os.path.join(ROOT, "tests", "checkpoint", "multiclient_save.py")

@@ -34,7 +34,7 @@ import numpy as np
 import pytest
 import safetensors.numpy as safetensors
 
-from tests.conftest import snapshot_tree, write_text_corpus
+from tests.harness import snapshot_tree, write_text_corpus
 from tests.pretrained import helpers
 from tests.launch.helpers import kill_group
 from tfllm.checkpoint import storage

@@ -10,7 +10,7 @@ import pytest
 
 from tfllm.config import load_config
 from tfllm.plan.planner import format_plan, plan
-from tests.conftest import tiny_overrides
+from tests.harness import tiny_config, tiny_overrides
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -20,7 +20,7 @@ pytestmark = pytest.mark.skipif(
 
 
 def tiny(family="llama", **extra):
-    return load_config(None, tiny_overrides(family, **extra))
+    return tiny_config(family, **extra)
 
 
 # Each plan exports and compiles a step (~25 s on 2 cores): the plans several tests

@@ -9,7 +9,7 @@ import pytest
 from tfllm.cli.main import main
 from tfllm.config import load_config
 from tfllm.pretrained import from_preset
-from tests.conftest import write_text_corpus
+from tests.harness import write_text_corpus
 from tests.pretrained import helpers
 
 
@@ -204,7 +204,7 @@ def test_two_clients_import_each_reading_its_own_blocks(tmp_path):
     import subprocess
     import sys
     from tests.checkpoint.multiclient_save import ROOT
-    from tests.conftest import free_ports
+    from tests.harness import free_ports
     helpers.save_preset("llama3", tmp_path / "preset")
     ports = free_ports(2)
     env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3", PYTHONPATH=ROOT,

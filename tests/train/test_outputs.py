@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from tests.conftest import text_overrides
+from tests.harness import text_overrides
 from tfllm.config import load_config
 from tfllm.train.loop import train
 

@@ -13,7 +13,7 @@ import time
 
 import pytest
 
-from tests.conftest import write_text_corpus
+from tests.harness import write_text_corpus
 from tests.launch.helpers import kill_group
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))

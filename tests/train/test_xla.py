@@ -20,13 +20,12 @@ import pytest
 import tensorflow as tf
 from tensorflow.core.framework import graph_pb2
 
-from tfllm.config import load_config
 from tfllm.data import SyntheticTokens
 from tfllm.parallel import make_parallel
 from tfllm.train import xla
 from tfllm.train.state import build_train_state
 from tfllm.train.step import resolve_jit
-from tests.conftest import tiny_overrides
+from tests.harness import tiny_config
 from tests.launch.helpers import (PY, ROOT, assert_no_leftovers, finish, kill_workers,
                                   launcher_env, start)
 
@@ -80,7 +79,7 @@ def test_auto_is_decided_per_device_type():
 
 # ---- one device, and several in one process ---------------------------------------------
 def _step(axes, jit, family="llama", **extra):
-    cfg = load_config(None, tiny_overrides(family, axes, **extra))
+    cfg = tiny_config(family, axes, **extra)
     parallel = make_parallel(cfg)
     step = build_train_state(cfg, parallel, jit).step
     data = SyntheticTokens(cfg.model.vocab_size, cfg.data.sequence_length + 1, seed=3)
