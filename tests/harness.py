@@ -65,7 +65,7 @@ def tiny_overrides(family="gpt", axes="data=1", **extra):
 
 
 def tiny_config(family="gpt", axes="data=1", **extra):
-    """The Config of the test model: `load_config(None, tiny_overrides(...))`.
+    """The Config of the test model: `tiny_overrides(...)` loaded over the defaults.
 
     Args:
       family: "gpt", "llama" or "gemma3".
@@ -73,7 +73,8 @@ def tiny_config(family="gpt", axes="data=1", **extra):
       **extra: more settings by dotted key, e.g. `**{"precision.policy": "fp8"}`.
     """
     from tfllm.config import load_config
-    return load_config(None, tiny_overrides(family, axes, **extra))
+    overrides = tiny_overrides(family, axes, **extra)
+    return load_config(None, overrides)
 
 
 def write_text_corpus(directory, files=4, docs_per_file=12, seed=0):

@@ -7,16 +7,13 @@ process groups killed in `finally` so that nothing is left behind.
 import json
 import os
 import signal
-import subprocess
-import sys
 import time
 
 import pytest
 
-from tests.harness import write_text_corpus
-from tests.launch.helpers import kill_group
+from tests.harness import (finish, kill_group, start_process, tfllm_command, tfllm_env,
+                           write_text_corpus)
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 TIMEOUT_S = 300
 PREEMPTED, NONFINITE = 75, 3
 
@@ -30,7 +27,7 @@ def _args(workdir, *extra):
             "--set", "mesh.num_cpu_devices=8"]
     for e in extra:
         base += ["--set", e]
-    return [sys.executable, "-m", "tfllm.cli.main", "train"] + base
+    return tfllm_command("train", *base)
 
 
 # lr 1e30 without clipping blows the weights up after the first update: from step 2 on
@@ -39,23 +36,13 @@ _EXPLODE = ("data.source=synthetic", "optimizer.learning_rate=1e30", "optimizer.
             "optimizer.warmup_steps=0")
 
 
-def _env():
-    return dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3", PYTHONUNBUFFERED="1")
-
-
 def _start(cmd):
     """cmd in its own process group (kill_group reaps it and anything it started)."""
-    return subprocess.Popen(cmd, cwd=ROOT, env=_env(), stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    return start_process(cmd, tfllm_env(PYTHONUNBUFFERED="1"), merge_stderr=True)
 
 
 def _run(cmd, timeout=TIMEOUT_S):
-    proc = _start(cmd)
-    try:
-        out = proc.communicate(timeout=timeout)[0]
-    finally:
-        kill_group(proc)
-    return proc.returncode, out
+    return finish(_start(cmd), timeout)[:2]
 
 
 def _losses(workdir):
@@ -102,8 +89,7 @@ def test_signal_saves_exits_75_and_resume_is_exact(tmp_path, sig, source):
     stopped = max(_losses(tmp_path / "cut"))
     assert 3 <= stopped < 30
     # Resume: the same command (no --config needed: the workdir has its config).
-    rc, out = _run([sys.executable, "-m", "tfllm.cli.main", "train", "--workdir",
-                    str(tmp_path / "cut")])
+    rc, out = _run(tfllm_command("train", "--workdir", str(tmp_path / "cut")))
     assert rc == 0, out[-3000:]
     assert f"resuming after step {stopped}" in out
     resumed = _losses(tmp_path / "cut")
