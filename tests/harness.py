@@ -14,7 +14,8 @@ first).
   `finish`, `run_process`, `kill_group` (a child in its own process group, a hard
   timeout, nothing left behind), `run_clients` (N real DTensor clients),
   `run_in_child` (a test alone in a fresh pytest process), `train_with_xla_dump`.
-* Small shared pieces: `free_ports`, `snapshot_tree`, `forward_on_mesh`.
+* Small shared pieces: `free_ports`, `snapshot_tree`, `metrics_records`,
+  `forward_on_mesh`.
 """
 
 import functools
@@ -441,6 +442,15 @@ def train_with_xla_dump(tmp_path, axes, extra=(), dump=True):
 
 
 # ---- files -------------------------------------------------------------------------------
+def metrics_records(workdir):
+    """The records of a run's metrics.jsonl, in order (one dict per line).
+
+    Args:
+      workdir: the run's folder (a pathlib.Path).
+    """
+    return [json.loads(l) for l in (workdir / "metrics.jsonl").read_text().splitlines()]
+
+
 def snapshot_tree(directory):
     """Every file and folder under `directory`, with its content (None for a folder): what
     a refused command must leave unchanged."""

@@ -5,7 +5,7 @@ import json
 import pytest
 
 from tfllm.cli.main import build_parser
-from tests.harness import run_tfllm
+from tests.harness import metrics_records, run_tfllm
 
 
 def test_cli_surface_is_frozen():
@@ -43,7 +43,7 @@ def test_train_tiny_on_a_mesh_writes_metrics_and_config(tmp_path):
                   "--set", "train.steps=12", "--set", "train.log_every=5", "--set", "data.source=synthetic",
                   "--set", "mesh.axes=data=2,fsdp=2,model=2")
     assert r.returncode == 0, r.stderr
-    records = [json.loads(l) for l in (workdir / "metrics.jsonl").read_text().splitlines()]
+    records = metrics_records(workdir)
     lines = [r for r in records if "loss" in r]
     assert [l["step"] for l in lines] == [1, 5, 10, 12]
     for line in lines:

@@ -2,7 +2,6 @@
 
 import glob
 import io
-import json
 
 import numpy as np
 import tensorflow as tf
@@ -11,7 +10,7 @@ from tensorflow.core.util import event_pb2
 from tfllm.models import build_model
 from tfllm.parallel.placement import to_numpy
 from tfllm.train.loop import train
-from tests.harness import tiny_config
+from tests.harness import metrics_records, tiny_config
 
 
 def _tensorboard_scalars(workdir):
@@ -45,7 +44,7 @@ def test_float16_run_logs_loss_scale_and_skipped_steps(tmp_path):
     out = io.StringIO()
     train(cfg, str(tmp_path), out=out)
     assert "dynamic loss scale from 3e+38" in out.getvalue()
-    lines = [json.loads(l) for l in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    lines = metrics_records(tmp_path)
     assert [l["skipped_steps"] for l in lines if "loss" in l] == [1, 2]
     assert "skipped 2" in out.getvalue()
     assert _tensorboard_scalars(tmp_path)["skipped_steps"] == [1.0, 2.0]

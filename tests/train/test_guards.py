@@ -1,15 +1,10 @@
 """The loss-spike guard and asynchronous checkpoint saves inside the training loop."""
 
-import json
 import os
 
-from tests.harness import tiny_config
+from tests.harness import metrics_records, tiny_config
 from tfllm.parallel.placement import to_numpy
 from tfllm.train import loop
-
-
-def _records(workdir):
-    return [json.loads(l) for l in (workdir / "metrics.jsonl").read_text().splitlines()]
 
 
 def test_loss_spike_guard_skips_steps_above_the_limit(tmp_path, monkeypatch):
@@ -22,7 +17,7 @@ def test_loss_spike_guard_skips_steps_above_the_limit(tmp_path, monkeypatch):
     real_run = loop.Run
     monkeypatch.setattr(loop, "Run", lambda *a, **k: runs.append(real_run(*a, **k)) or runs[-1])
     loop.train(cfg, str(tmp_path))
-    steps = [r for r in _records(tmp_path) if "loss" in r]
+    steps = [r for r in metrics_records(tmp_path) if "loss" in r]
     assert [r["skipped_steps"] for r in steps] == [0, 0, 1, 2, 3, 4]
     assert int(to_numpy(runs[0].optimizer.iterations)) == 2
 

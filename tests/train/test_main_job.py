@@ -1,7 +1,6 @@
 """The main job: `tfllm train` with no config, shortened; and the progress display."""
 
 import io
-import json
 import math
 import os
 
@@ -9,7 +8,7 @@ import pytest
 
 from tfllm.train.metrics import Peak
 from tfllm.train.progress import Progress
-from tests.harness import run_tfllm
+from tests.harness import metrics_records, run_tfllm
 
 
 @pytest.mark.slow
@@ -27,7 +26,7 @@ def test_default_run_on_the_embedded_corpus(tmp_path):
     out = r.stdout
     assert "step 40/40" in out and "tok/s" in out and "MFU" in out and "ETA" in out
     assert "sample: def " in out
-    records = [json.loads(l) for l in (workdir / "metrics.jsonl").read_text().splitlines()]
+    records = metrics_records(workdir)
     evals = [r["eval_loss"] for r in records if "eval_loss" in r]
     assert len(evals) == 2
     # 40 steps already beat a uniform guess over the 2048 pieces by a wide margin

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from tests.harness import run_tfllm, text_overrides
+from tests.harness import metrics_records, run_tfllm, text_overrides
 from tfllm.config import load_config
 from tfllm.train.loop import train
 
@@ -28,7 +28,7 @@ def run_dir(tmp_path_factory):
 
 def test_workdir_holds_metrics_tensorboard_plot_checkpoints_config(run_dir):
     workdir, cfg, last = run_dir
-    records = [json.loads(l) for l in (workdir / "metrics.jsonl").read_text().splitlines()]
+    records = metrics_records(workdir)
     train_steps = [r["step"] for r in records if "loss" in r]
     assert train_steps == [1, 2, 4, 6, 8]
     for r in records:

@@ -4,15 +4,14 @@ Real processes (`python -m tfllm.cli.main train`), real signals, hard timeouts, 
 process groups killed in `finally` so that nothing is left behind.
 """
 
-import json
 import os
 import signal
 import time
 
 import pytest
 
-from tests.harness import (finish, kill_group, start_process, tfllm_command, tfllm_env,
-                           write_text_corpus)
+from tests.harness import (finish, kill_group, metrics_records, start_process, tfllm_command,
+                           tfllm_env, write_text_corpus)
 
 TIMEOUT_S = 300
 PREEMPTED, NONFINITE = 75, 3
@@ -46,7 +45,7 @@ def _run(cmd, timeout=TIMEOUT_S):
 
 
 def _losses(workdir):
-    records = [json.loads(l) for l in (workdir / "metrics.jsonl").read_text().splitlines()]
+    records = metrics_records(workdir)
     return {r["step"]: r["loss"] for r in records if "loss" in r}
 
 
@@ -117,7 +116,7 @@ def test_nonfinite_skip_counts_every_skipped_step(tmp_path):
     cmd = _args(tmp_path / "w", "train.steps=5", *_EXPLODE, "train.on_nonfinite=skip")
     rc, out = _run(cmd)
     assert rc == 0, out[-3000:]
-    records = [json.loads(l) for l in (tmp_path / "w" / "metrics.jsonl").read_text().splitlines()]
+    records = metrics_records(tmp_path / "w")
     last = [r for r in records if "skipped_steps" in r][-1]
     assert last["step"] == 5 and last["skipped_steps"] == 4
 
