@@ -15,7 +15,8 @@ import os
 import shutil
 import sys
 
-from tests.harness import tiny_config  # first: splits the CPU into 8 devices
+import tests.conftest  # noqa: F401  first: splits the CPU into 8 devices
+from tests.harness import tiny_config
 from tfllm.data import SyntheticTokens
 from tfllm.parallel import make_parallel
 from tfllm.train.state import build_train_state
