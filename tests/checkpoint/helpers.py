@@ -4,13 +4,12 @@ import numpy as np
 
 from tfllm.checkpoint import run_state_variables
 from tfllm.checkpoint.shards import tf_variable
-from tfllm.config import load_config
 from tfllm.data import SyntheticTokens
 from tfllm.parallel import make_parallel
 from tfllm.parallel.placement import to_numpy
 from tfllm.precision.loss_scale import DynamicLossScale
 from tfllm.train.state import build_train_state
-from tests.conftest import tiny_overrides
+from tests.harness import tiny_config
 
 
 def build_run(axes, train_steps=0, family="gpt", **extra):
@@ -19,7 +18,7 @@ def build_run(axes, train_steps=0, family="gpt", **extra):
     With train_steps > 0 the optimizer states and counter are non-zero, as in a real
     resume. The loss scale (replicated scalars) is included to cover int64/scalar state.
     """
-    cfg = load_config(None, tiny_overrides(family, axes or "data=1", **extra))
+    cfg = tiny_config(family, axes or "data=1", **extra)
     parallel = None if axes is None else make_parallel(cfg)
     state = build_train_state(cfg, parallel, jit_compile=False)
     model, optimizer, step = state.model, state.optimizer, state.step

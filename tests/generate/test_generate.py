@@ -10,11 +10,10 @@ import functools
 import numpy as np
 import pytest
 
-from tfllm.config import load_config
 from tfllm.generate import Generator
 from tfllm.models import build_model
 from tfllm.parallel import make_parallel
-from tests.conftest import run_in_child, tiny_overrides
+from tests.harness import run_in_child, tiny_config
 
 INIT = {"model.init_std": 0.3}
 PROMPTS = [[5, 17, 99, 3, 42, 7], [11, 2, 64]]  # different lengths: left padding is used
@@ -27,7 +26,7 @@ def generator(family, axes=None, jit_compile=True):
     # logits against the same table): untied, its continuations vary, so that a wrong
     # window or cache shows.
     extra = {"model.tie_embeddings": False} if family == "gemma3" else {}
-    cfg = load_config(None, tiny_overrides(family, axes or "data=1", **INIT, **extra))
+    cfg = tiny_config(family, axes or "data=1", **INIT, **extra)
     parallel = make_parallel(cfg) if axes else None
     return Generator(build_model(cfg, parallel), parallel, jit_compile=jit_compile)
 

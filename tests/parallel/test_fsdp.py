@@ -25,12 +25,11 @@ import numpy as np
 import pytest
 
 import benchmarks.fsdp_memory as bench
-from tfllm.config import load_config
 from tfllm.data import SyntheticTokens
 from tfllm.parallel import make_parallel
 from tfllm.train import costs
 from tfllm.train.state import build_train_state
-from tests.conftest import tiny_overrides
+from tests.harness import tiny_config
 
 MESHES = ["fsdp=8", "data=2,fsdp=4", "fsdp=4,model=2"]
 _BLOCK = re.compile(r"block_(\d+)")
@@ -38,8 +37,8 @@ _BLOCK = re.compile(r"block_(\d+)")
 
 def _first_step(axes, policy="float32", family="llama", **extra):
     """(train state, parallel, the executed graphs of the first step)."""
-    cfg = load_config(None, tiny_overrides(family, axes, **{"precision.policy": policy},
-                                           **extra))
+    cfg = tiny_config(family, axes, **{"precision.policy": policy},
+                      **extra)
     parallel = make_parallel(cfg)
     state = build_train_state(cfg, parallel, jit_compile=False)
     data = SyntheticTokens(cfg.model.vocab_size, cfg.data.sequence_length + 1, seed=7)
@@ -137,7 +136,7 @@ def test_bf16_fsdp_loss_matches_data_parallel_through_float16_bit_gathers():
     # two differ only in the order of their sums, and all gradients stay finite.
     losses = []
     for axes in ("fsdp=8", "data=8"):
-        cfg = load_config(None, tiny_overrides("llama", axes, **{"precision.policy": "bfloat16"}))
+        cfg = tiny_config("llama", axes, **{"precision.policy": "bfloat16"})
         parallel = make_parallel(cfg)
         state = build_train_state(cfg, parallel, jit_compile=False)
         data = SyntheticTokens(cfg.model.vocab_size, cfg.data.sequence_length + 1, seed=7)

@@ -158,7 +158,7 @@ def test_tfllm_train_builds_the_mesh_before_tensorflow_starts(tmp_path):
     # _initialize_gpus_single_client): nothing on `tfllm train`'s path may start it first.
     import subprocess
     import sys
-    from tests.launch.helpers import ROOT
+    from tests.harness import ROOT
     run = subprocess.run([sys.executable, "-c", _SPY, "train", "--config", "configs/tiny.yaml",
                           "--workdir", str(tmp_path / "run")], cwd=ROOT, capture_output=True,
                          text=True, timeout=300, env=dict(os.environ, PYTHONPATH=ROOT))

@@ -6,7 +6,6 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from tfllm.config import load_config
 from tfllm.data import SyntheticTokens
 from tfllm.models import build_model
 from tfllm.models.common import Projection
@@ -14,7 +13,7 @@ from tfllm.parallel.placement import to_numpy
 from tfllm.precision.fp8_hlo import classify_dots
 from tfllm.train.loop import Run
 from tfllm.train.state import build_train_state
-from tests.conftest import tiny_overrides
+from tests.harness import tiny_config
 
 FP8_PROJECTIONS = ("query", "key", "value", "output", "up", "down", "gate")
 
@@ -23,8 +22,8 @@ FP8_PROJECTIONS = ("query", "key", "value", "output", "up", "down", "gate")
                                              ("float16", "float16"), ("fp8", "bfloat16")])
 @pytest.mark.parametrize("family", ["gpt", "llama"])
 def test_every_sublayer_dtype(family, policy, compute):
-    cfg = load_config(None, tiny_overrides(family, **{"precision.policy": policy,
-                                                      "precision.fp8_exclude": "block_1/mlp"}))
+    cfg = tiny_config(family, **{"precision.policy": policy,
+                                 "precision.fp8_exclude": "block_1/mlp"})
     model = build_model(cfg)
     for layer in model._flatten_layers():
         assert layer.dtype_policy.compute_dtype == compute, layer.name
@@ -43,9 +42,9 @@ def test_every_sublayer_dtype(family, policy, compute):
 
 
 def _run(policy, axes, family="gpt", steps=12, **extra):
-    cfg = load_config(None, tiny_overrides(family, axes, **{
+    cfg = tiny_config(family, axes, **{
         "precision.policy": policy, "train.steps": max(steps, 1), "optimizer.learning_rate": 3e-3,
-        "optimizer.warmup_steps": 5, **extra}))
+        "optimizer.warmup_steps": 5, **extra})
     run = Run(cfg)
     return run, np.array([run.step(run.batch(i))["loss"] for i in range(steps)])
 
@@ -110,8 +109,8 @@ def test_float16_overflow_skips_the_step_and_halves_the_scale():
 
 def test_fp8_matmuls_lower_to_f8_dots_and_only_those():
     # One device without DTensor: get_compiler_ir needs plain tensors.
-    cfg = load_config(None, tiny_overrides("gpt", **{"precision.policy": "fp8",
-                                                     "model.num_layers": 1}))
+    cfg = tiny_config("gpt", **{"precision.policy": "fp8",
+                                "model.num_layers": 1})
     step = build_train_state(cfg, None, jit_compile=True).step
     data = SyntheticTokens(cfg.model.vocab_size, cfg.data.sequence_length + 1)
     batch = step.to_device(data.batch(0, cfg.train.global_batch_size))
@@ -142,7 +141,7 @@ def test_tf32_setting_reaches_the_compiled_dots(tf32, highest):
     # with it off, every float32 dot XLA compiles asks for HIGHEST precision (IEEE float32
     # GEMMs on a GPU); with it on (the default) the dots keep the default precision, which
     # a GPU runs on the TF32 tensor cores. The CPU's HLO carries the same attribute.
-    cfg = load_config(None, tiny_overrides("llama", **{"precision.tf32": tf32}))
+    cfg = tiny_config("llama", **{"precision.tf32": tf32})
     try:
         model = build_model(cfg, None)
         tokens = tf.zeros((1, 8), tf.int32)

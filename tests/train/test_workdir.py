@@ -10,9 +10,8 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from tests.conftest import snapshot_tree, tiny_overrides
+from tests.harness import snapshot_tree, tiny_config
 from tfllm.checkpoint import Checkpointer
-from tfllm.config import load_config
 from tfllm.config.loader import to_dict
 from tfllm.data.tokenizer import ByteTokenizer, SentencePieceTokenizer, train_sentencepiece
 from tfllm.pretrained import import_preset
@@ -24,7 +23,7 @@ from tfllm.train.workdir import (MARKER, WorkdirError, check_tokenizer, check_wo
 
 
 def _config(**extra):
-    return load_config(None, tiny_overrides("gpt", **extra))
+    return tiny_config("gpt", **extra)
 
 
 
@@ -167,7 +166,7 @@ def test_a_resume_is_compared_with_the_checkpoints_own_config(tmp_path, override
     check_workdir(str(tmp_path), saved)  # the same settings resume
     check_workdir(str(tmp_path), _config(**{"train.steps": 99, "mesh.axes": "data=2"}))
     with pytest.raises(WorkdirError) as e:
-        check_workdir(str(tmp_path), load_config(None, tiny_overrides("gpt") + [override]))
+        check_workdir(str(tmp_path), tiny_config("gpt", **dict([override.split("=", 1)])))
     message = str(e.value)
     assert f"{tmp_path} holds a different run ({key}:" in message and "\n" not in message
     assert "step_00000002/metadata.json" in message and "config.yaml being missing" in message
