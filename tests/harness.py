@@ -170,7 +170,7 @@ def parity_run(family, axes, jit, extra=()):
       A dict: loss, grads (per trainable variable), history (each step's metrics),
       weights ({path: numpy}), paths, model, optimizer, parallel (None on one device).
     """
-    from tfllm.data import SyntheticTokens
+    from tfllm.data import SyntheticTokens, feed
     from tfllm.parallel import make_parallel
     from tfllm.parallel.placement import to_numpy
     from tfllm.train.state import build_train_state
@@ -181,7 +181,8 @@ def parity_run(family, axes, jit, extra=()):
     model, optimizer, step = state.model, state.optimizer, state.step
     data = SyntheticTokens(cfg.model.vocab_size, cfg.data.sequence_length + 1, seed=7)
     t = cfg.train
-    batch = lambda i: step.to_device(data.batch(i, t.global_batch_size, t.grad_accum_steps))
+    batch = lambda i: feed.to_device(parallel, data.batch(i, t.global_batch_size,  # noqa: E731
+                                                          t.grad_accum_steps))
     loss, grads = step.loss_and_grads(batch(0))
     history = [step(batch(i)) for i in range(PARITY_STEPS)]
     if jit and not single:
@@ -243,17 +244,16 @@ def forward_on_mesh(model, parallel, tokens, segments):
       The gathered logits, numpy.
     """
     import tensorflow as tf
+    from tfllm.data import feed
     from tfllm.parallel import context
     from tfllm.parallel.placement import to_numpy
-    spec = parallel.batch_spec(tokens.shape)
 
     @tf.function(jit_compile=True)
     def forward(t, s):
         with context.use(parallel):
             return model(t, segment_ids=s)
 
-    return to_numpy(forward(parallel.shard_array(tokens, spec),
-                            parallel.shard_array(segments, spec)))
+    return to_numpy(forward(feed.place(parallel, tokens), feed.place(parallel, segments)))
 
 
 # ---- real processes ----------------------------------------------------------------------

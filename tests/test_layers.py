@@ -70,3 +70,16 @@ def test_imports_only_look_down():
                 upward.append(f"{path.relative_to(ROOT.parent)}:{line}: {here} "
                               f"(floor {FLOOR[here]}) imports {target} (floor {FLOOR[target]})")
     assert not upward, "\n".join(upward)
+
+
+def test_tests_import_no_private_names():
+    """Tests use tfllm (and each other) through public names only: `tests/harness.py`
+    holds what they share."""
+    private = []
+    for path in sorted(pathlib.Path(__file__).parent.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if (isinstance(node, ast.ImportFrom) and node.module
+                    and node.module.split(".")[0] in ("tfllm", "tests")):
+                private += [f"{path.name}:{node.lineno}: {node.module}.{a.name}"
+                            for a in node.names if a.name.startswith("_")]
+    assert not private, private

@@ -2,6 +2,7 @@
 
 import numpy as np
 
+from tfllm.data import feed
 from tfllm.checkpoint import run_state_variables
 from tfllm.checkpoint.shards import tf_variable
 from tfllm.data import SyntheticTokens
@@ -27,7 +28,8 @@ def build_run(axes, train_steps=0, family="gpt", **extra):
         data = SyntheticTokens(cfg.model.vocab_size, cfg.data.sequence_length + 1, seed=3)
         t = cfg.train
         for i in range(train_steps):
-            step(step.to_device(data.batch(i, t.global_batch_size, t.grad_accum_steps)))
+            step(feed.to_device(parallel, data.batch(i, t.global_batch_size,
+                                                     t.grad_accum_steps)))
         loss_scale.scale.assign(loss_scale.scale * 3.0)  # a non-default value
     return cfg, parallel, run_state_variables(model, optimizer, loss_scale)
 

@@ -4,6 +4,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
+from tfllm.data import feed
 from tfllm.models import build_model
 from tfllm.parallel import context, make_parallel
 from tfllm.internals import collect_executed_graphs
@@ -93,7 +94,7 @@ def _forward_collectives(chunk):
     """Collective ops of one forward pass on the split-sequence mesh."""
     model, parallel = _hybrid_model(chunk)
     tokens, _ = _tokens_and_segments(batch=2, length=16)
-    tokens = parallel.shard_array(tokens, parallel.batch_spec(tokens.shape))
+    tokens = feed.place(parallel, tokens)
 
     @tf.function
     def forward(t):

@@ -25,6 +25,7 @@ import numpy as np
 import pytest
 
 import benchmarks.fsdp_memory as bench
+from tfllm.data import feed
 from tfllm.data import SyntheticTokens
 from tfllm.parallel import make_parallel
 from tfllm.train import costs
@@ -48,7 +49,8 @@ def _first_step(axes, policy="float32", family="llama", **extra):
     # The step reads its executed graphs once, for its cost report: keep them too.
     with mock.patch.object(costs, "report_from_graphs",
                            lambda graphs, *a, **k: seen.extend(graphs) or report(graphs, *a, **k)):
-        state.step(state.step.to_device(data.batch(0, t.global_batch_size, t.grad_accum_steps)))
+        state.step(feed.to_device(parallel, data.batch(0, t.global_batch_size,
+                                                       t.grad_accum_steps)))
     return state, parallel, seen
 
 
@@ -142,7 +144,8 @@ def test_bf16_fsdp_loss_matches_data_parallel_through_float16_bit_gathers():
         data = SyntheticTokens(cfg.model.vocab_size, cfg.data.sequence_length + 1, seed=7)
         t = cfg.train
         loss, grads = state.step.loss_and_grads(
-            state.step.to_device(data.batch(0, t.global_batch_size, t.grad_accum_steps)))
+            feed.to_device(state.step.parallel,
+                           data.batch(0, t.global_batch_size, t.grad_accum_steps)))
         losses.append((loss, grads))
         assert all(np.all(np.isfinite(g)) for g in grads)
     # bf16 compute: 8 mantissa bits, so sums of 64 products reordered differ by about

@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
+from tfllm.data import feed
 from tfllm.data import SyntheticTokens
 from tfllm.models import build_model
 from tfllm.models.common import Projection
@@ -46,7 +47,7 @@ def _run(policy, axes, family="gpt", steps=12, **extra):
         "precision.policy": policy, "train.steps": max(steps, 1), "optimizer.learning_rate": 3e-3,
         "optimizer.warmup_steps": 5, **extra})
     run = Run(cfg)
-    return run, np.array([run.step(run.batch(i))["loss"] for i in range(steps)])
+    return run, np.array([run.step(run.feed.train_batch(i))["loss"] for i in range(steps)])
 
 
 # Measured (12-20 steps of the tiny models, lr 3e-3): max |loss difference| bf16 vs fp32
@@ -95,14 +96,14 @@ def test_float16_overflow_skips_the_step_and_halves_the_scale():
                   **{"precision.loss_scale_initial": 3e38})
     before = {v.path: to_numpy(v) for v in run.model.trainable_variables}
     for i in range(2):
-        out = run.step(run.batch(i))
+        out = run.step(run.feed.train_batch(i))
     assert out["skipped_steps"] == 2 and out["loss_scale"] == pytest.approx(3e38 / 4)
     assert int(to_numpy(run.optimizer.iterations)) == 0
     for v in run.model.trainable_variables:
         np.testing.assert_array_equal(to_numpy(v), before[v.path])
     # With a sane scale the next step applies.
     run.loss_scale.scale.assign(run.loss_scale.scale * 0 + 1024.0)
-    out = run.step(run.batch(2))
+    out = run.step(run.feed.train_batch(2))
     assert out["skipped_steps"] == 2 and np.isfinite(out["loss"])
     assert int(to_numpy(run.optimizer.iterations)) == 1
 
@@ -113,9 +114,9 @@ def test_fp8_matmuls_lower_to_f8_dots_and_only_those():
                                 "model.num_layers": 1})
     step = build_train_state(cfg, None, jit_compile=True).step
     data = SyntheticTokens(cfg.model.vocab_size, cfg.data.sequence_length + 1)
-    batch = step.to_device(data.batch(0, cfg.train.global_batch_size))
+    batch = feed.to_device(step.parallel, data.batch(0, cfg.train.global_batch_size))
     hlo = step.compiled.experimental_get_compiler_ir(
-        batch, step.loss_limit_input(float("inf")))(stage="hlo")
+        batch, feed.place(None, np.float32(float("inf")), ()))(stage="hlo")
     dots = classify_dots(hlo)
     assert not [d.op_name for d in dots if d.kind == "half"], "dots mix FP8 and other operands"
     fp8_dots = [d.op_name for d in dots if d.kind == "full"]

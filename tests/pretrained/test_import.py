@@ -5,6 +5,7 @@ import os
 import numpy as np
 import pytest
 
+from tfllm.data import feed
 from tfllm.config import load_config
 from tfllm.parallel import make_parallel
 from tfllm.pretrained import FAMILIES, from_preset
@@ -51,8 +52,7 @@ def sharded_logits(model, parallel, ids):
     import tensorflow as tf
     from tfllm.parallel import context
     from tfllm.parallel.placement import to_numpy
-    spec = parallel.batch_spec(ids.shape)
-    batch = parallel.shard_array(ids, spec)
+    batch = feed.place(parallel, ids)
 
     @tf.function
     def forward(x):

@@ -20,6 +20,7 @@ from tensorflow.core.framework import graph_pb2
 from tensorflow.experimental import dtensor
 
 from tests.harness import run_in_child, tiny_config
+from tfllm.data import feed
 from tfllm.data import SyntheticTokens
 from tfllm.parallel import make_parallel
 from tfllm import internals
@@ -225,7 +226,7 @@ def _first_step(axes, jit, **extra):
     parallel = None if axes is None else make_parallel(cfg)
     step = build_train_state(cfg, parallel, jit).step
     data = SyntheticTokens(cfg.model.vocab_size, cfg.data.sequence_length + 1, seed=3)
-    step(step.to_device(data.batch(0, cfg.train.global_batch_size, 1)))
+    step(feed.to_device(step.parallel, data.batch(0, cfg.train.global_batch_size, 1)))
     return step
 
 

@@ -12,6 +12,7 @@ import pytest
 import tensorflow as tf
 
 from tests.harness import metrics_records, run_tfllm, text_overrides
+from tfllm.data import feed
 from tfllm.config import load_config
 from tfllm.train.loop import train
 
@@ -86,7 +87,7 @@ def test_export_serves_the_sharded_models_logits(run_dir, tmp_path):
     model = build_model(cfg, parallel)
     Checkpointer(str(workdir / "checkpoints"), parallel, cfg.checkpoint).restore_latest(
         run_state_variables(model), strict=False)
-    batch = parallel.shard_array(np.repeat(ids, 2, axis=0))  # 2 rows: one per data shard
+    batch = feed.place(parallel, np.repeat(ids, 2, axis=0))  # 2 rows: one per data shard
 
     @tf.function
     def logits(x):

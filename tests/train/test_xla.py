@@ -18,6 +18,7 @@ import pytest
 import tensorflow as tf
 from tensorflow.core.framework import graph_pb2
 
+from tfllm.data import feed
 from tfllm.data import SyntheticTokens
 from tfllm.parallel import make_parallel
 from tfllm.train import xla
@@ -74,7 +75,7 @@ def _step(axes, jit, family="llama", **extra):
     parallel = make_parallel(cfg)
     step = build_train_state(cfg, parallel, jit).step
     data = SyntheticTokens(cfg.model.vocab_size, cfg.data.sequence_length + 1, seed=3)
-    batch = step.to_device(data.batch(0, cfg.train.global_batch_size, 1))
+    batch = feed.to_device(step.parallel, data.batch(0, cfg.train.global_batch_size, 1))
     return step, step(batch)
 
 
@@ -109,8 +110,8 @@ def test_what_xla_compiles_of_evaluation_and_generation_on_a_mesh():
     step, _ = _step("data=2", True, family="gpt")
     data = SyntheticTokens(128, 17, seed=5)
     evaluator = Evaluator(step.model, step.parallel, True)
-    _, report = xla.run_and_report(evaluator._sums, (step.to_device(data.batch(0, 16, 1)),),
-                                   step.parallel, True)
+    batch = feed.to_device(step.parallel, data.batch(0, 16, 1))
+    _, report = xla.run_and_report(evaluator.compiled, (batch,), step.parallel, True)
     assert report.clusters >= 1 and report.core_outside() == {}, report.examples
     generator = Generator(step.model, step.parallel, jit_compile=True)
     tokens, start, options, _, _ = generator._request([[1, 2, 3], [4, 5, 6]], 4, 0.0, 0,

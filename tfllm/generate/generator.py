@@ -16,7 +16,6 @@ copies of its last prompt, and the copies' outputs are dropped.
 from __future__ import annotations
 
 import itertools
-import math
 import time
 from typing import Optional, Sequence, Union
 
@@ -26,10 +25,11 @@ import tensorflow as tf
 from tfllm.generate.sampling import next_token
 from tfllm.parallel import context
 from tfllm.compiler.jit import Retraced
+from tfllm.data import feed
 
-_BATCH = ("activation_batch",)
+_BATCH = feed.BATCH_AXES
 _LOOP_IDS = itertools.count()
-_TOKENS = ("activation_batch", None)
+_TOKENS = feed.TOKEN_AXES
 
 Prompts = Union[Sequence[int], Sequence[Sequence[int]]]
 
@@ -255,7 +255,7 @@ class Generator:
                              "temperature >= 0 (0: greedy), top_k >= 0 (0: off) and "
                              "0 < top_p <= 1 (1: off).")
         rows = len(prompts)
-        multiple = batch_multiple(self.parallel)
+        multiple = feed.batch_multiple(self.parallel)
         padded_rows = -(-rows // multiple) * multiple
         prompts = prompts + [prompts[-1]] * (padded_rows - rows)  # copies, dropped later
         tokens = np.zeros((padded_rows, longest), np.int32)  # (B, P) left-padded
@@ -274,30 +274,12 @@ class Generator:
         return (self._put(tokens, _TOKENS), self._put(start, _BATCH), options, rows, single)
 
     def _put(self, array, logical_axes):
-        """A numpy array as a tensor, laid out by its logical axes on the mesh."""
-        array = np.asarray(array)
-        if self.parallel is None:
-            return tf.constant(array)
-        spec = self.parallel.spec("generate input", array.shape, logical_axes)
-        return self.parallel.shard_array(array, spec)
+        """A numpy array as a tensor, laid out by its logical axes (the device feed)."""
+        return feed.place(self.parallel, array, logical_axes, "generate input")
 
     def _to_numpy(self, x) -> np.ndarray:
         from tfllm.parallel.placement import to_numpy
         return to_numpy(x)
-
-
-def batch_multiple(parallel) -> int:
-    """The number of rows a batch must be a multiple of on this mesh (1 without one).
-
-    The rules table shards "activation_batch" over one mesh axis (data if it has size
-    > 1, else fsdp, by default); resolving the spec of a dimension every axis divides
-    tells which one.
-    """
-    if parallel is None:
-        return 1
-    size = math.prod(parallel.shape.values())
-    (axis,) = parallel.spec("generate batch", (size,), _BATCH)
-    return parallel.shape[axis] if axis else 1
 
 
 #: tokens between the host's looks at whether every row has finished (mesh decoding)

@@ -1,4 +1,9 @@
-"""Model families on the `CausalLM` base, and `build_model`."""
+"""Model families on the `CausalLM` base, and `build_model` (floor 4).
+
+Model code names logical axes only; the mesh is `tfllm.parallel`'s, precision
+`tfllm.precision`'s. Loading pretrained weights is `tfllm.pretrained.from_preset` (a floor
+above: it builds models).
+"""
 
 from __future__ import annotations
 

@@ -62,10 +62,6 @@ class Parallel:
             spec = rules_lib.zero1_spec(var.path, tuple(var.shape), spec, self.shape)
         return spec
 
-    def batch_spec(self, shape: Sequence[int]) -> rules_lib.Spec:
-        """The layout of token rows (M, T+1, ...): see `rules.token_batch_spec`."""
-        return rules_lib.token_batch_spec(shape, self.rules, self.shape)
-
     @property
     def batch_mesh_axes(self):
         """Mesh axes that the rules can split tokens over, by rows or by sequence (data
@@ -120,9 +116,9 @@ class Parallel:
                 components.append(block_fn(start, size))
         return dtensor.pack(components, self.layout(spec))
 
-    def shard_array(self, array: np.ndarray, spec: Optional[rules_lib.Spec] = None):
-        """A global numpy array as a DTensor; each local device receives only its slice."""
-        spec = self.batch_spec(array.shape) if spec is None else spec
+    def shard_array(self, array: np.ndarray, spec: rules_lib.Spec):
+        """A global numpy array as a DTensor laid out by `spec`; each local device receives
+        only its slice (batches: `tfllm.data.feed.place`)."""
         def block(start, size):
             return tf.constant(array[block_slices(start, size)])
         return self.make_sharded(spec, array.shape, block)

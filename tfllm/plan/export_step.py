@@ -21,7 +21,7 @@ import re
 import numpy as np
 import tensorflow as tf
 
-from tfllm.data import SyntheticTokens
+from tfllm.data import SyntheticTokens, feed
 from tfllm.train.metrics import count_params, flops_per_token
 from tfllm.train.state import build_train_state
 
@@ -43,8 +43,8 @@ def export_step(config, out_dir: str, check: bool = False) -> dict:
     t = config.train
     data = SyntheticTokens(config.model.vocab_size, config.data.sequence_length + 1,
                            config.data.seed)
-    batch = step.to_device(data.batch(0, t.global_batch_size, t.grad_accum_steps))
-    limit = step.loss_limit_input(float("inf"))
+    batch = feed.to_device(None, data.batch(0, t.global_batch_size, t.grad_accum_steps))
+    limit = feed.place(None, np.float32(float("inf")), ())
     ir = step.compiled.experimental_get_compiler_ir(batch, limit)
     hlo_bytes, hlo_text = ir(stage="hlo_serialized"), ir(stage="hlo")
     concrete = step.compiled.get_concrete_function(batch, limit)

@@ -24,7 +24,8 @@ class Evaluator:
 
     def __init__(self, model, parallel, jit_compile: bool, packing_mask: bool = False):
         self.model, self.parallel, self.packing_mask = model, parallel, packing_mask
-        self._sums = compile_fn(self._nll_sum, parallel, jit_compile)
+        #: the compiled sums of one batch (a `tf.function` of its micro-batches)
+        self.compiled = compile_fn(self._nll_sum, parallel, jit_compile)
 
     def _nll_sum(self, micro_batches):
         total, count = 0.0, 0.0
@@ -45,7 +46,7 @@ class Evaluator:
         """
         total, count = 0.0, 0.0
         for _, batch in zip(range(steps), batches):
-            s, n = self._sums(batch)
+            s, n = self.compiled(batch)
             total += float(to_numpy(s))
             count += float(to_numpy(n))
         if not count:  # batches past the end of the data are padding: fewer never help

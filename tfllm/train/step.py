@@ -17,6 +17,7 @@ from tfllm.optim.adamw import global_norm
 from tfllm.parallel.placement import Parallel, new_variable, to_numpy
 from tfllm import internals
 from tfllm.compiler.jit import compile_fn
+from tfllm.data import feed
 from tfllm.train import costs, hlo_dump, xla
 
 
@@ -63,51 +64,6 @@ class TrainStep:
         #: the step's collectives and FP8 GEMMs (`tfllm.train.costs.CostReport`), likewise
         self.cost_report = None
         self._called = False
-
-    def batch_spec(self, shape):
-        return self.parallel.batch_spec(shape) if self.parallel else None
-
-    def to_device(self, tokens: np.ndarray, segment_ids: Optional[np.ndarray] = None):
-        """A global (A, M, T+1) token array as this step's input: a tuple of A micro-batches
-        (M, T+1), each sharded over the batch axis when on a mesh. With `segment_ids` (same
-        shape) each micro-batch is a (tokens, segment_ids) pair.
-
-        Separate tensors, not one (A, M, T+1) DTensor: DTensor loses the layout of the
-        micro-batch dimension when slicing out one micro-batch with a shrinking index.
-        """
-        if self.parallel is None:
-            put = tf.constant
-        else:
-            spec = self.batch_spec(tokens.shape[1:])
-            put = lambda a: self.parallel.shard_array(a, spec)  # noqa: E731
-        if segment_ids is None:
-            return tuple(put(t) for t in tokens)
-        return tuple((put(t), put(s)) for t, s in zip(tokens, segment_ids))
-
-    def from_local(self, local_tokens: np.ndarray, rows, micro_batch_rows: int,
-                   local_segments: Optional[np.ndarray] = None):
-        """Like `to_device`, from only this client's rows of each micro-batch.
-
-        Args:
-          local_tokens: (A, len(rows), T+1): the rows `rows` of every micro-batch.
-          rows: the global row indices (within a micro-batch) this client holds.
-          micro_batch_rows: M, the global micro-batch size.
-          local_segments: segment ids of the same shape, or None.
-        """
-        if self.parallel is None:
-            return self.to_device(local_tokens, local_segments)
-        shape = (micro_batch_rows,) + tuple(local_tokens.shape[2:])
-        spec = self.batch_spec(shape)
-        position = {r: i for i, r in enumerate(rows)}
-
-        def put(block_source):
-            def block(start, size):
-                picked = [position[r] for r in range(start[0], start[0] + size[0])]
-                return tf.constant(block_source[picked][:, start[1]:start[1] + size[1]])
-            return self.parallel.make_sharded(spec, shape, block)
-        if local_segments is None:
-            return tuple(put(t) for t in local_tokens)
-        return tuple((put(t), put(s)) for t, s in zip(local_tokens, local_segments))
 
     def _micro(self, micro):
         logits, targets, _ = lm_forward(self.model, micro, self.packing_mask)
@@ -169,23 +125,17 @@ class TrainStep:
             out["loss_scale"] = new_scale
         return out
 
-    def loss_limit_input(self, value: float):
-        """The step's second argument: skip the update when the loss exceeds `value`."""
-        limit = np.float32(value)
-        if self.parallel is None:
-            return tf.constant(limit)
-        return self.parallel.shard_array(np.asarray(limit), ())
-
     def __call__(self, tokens, loss_limit: float = float("inf"), fetch: bool = True) -> dict:
         """Runs one optimizer step on device tokens; returns its metrics.
 
         Args:
-          tokens: micro-batches from `to_device` / `from_local`.
+          tokens: micro-batches from the device feed (`tfllm.data.feed.to_device`,
+            `DeviceFeed.train_batch`).
           loss_limit: skip the update when the loss exceeds this (the spike guard).
           fetch: return Python floats (waits for the step); False returns the device
             tensors at once, so the host can prepare the next step while this one runs.
         """
-        args = (tokens, self.loss_limit_input(loss_limit))
+        args = (tokens, feed.place(self.parallel, np.float32(loss_limit), ()))
         out = self.compiled(*args) if self._called else self._first_call(args)
         if not fetch:
             return dict(out)
