@@ -12,9 +12,8 @@ setup(
     packages=find_packages(include=["tfllm", "tfllm.*"]),
     install_requires=[
         "tensorflow>=2.16,<2.22",
-        # tfllm.parallel.keras_internal, tfllm.pretrained.keras_internal and
-        # tfllm.train.tf_internal fence the private
-        # APIs used; these bounds are the versions they were written for.
+        # tfllm.internals fences the private APIs used; these bounds are the versions
+        # its table (WRITTEN_FOR) says they were written for.
         # keras >= 3.13.2: the first release past every known deserialization advisory
         # (safe_mode bypasses CVE-2025-1550 < 3.9, CVE-2025-8747/9906 < 3.11,
         # CVE-2025-9905 < 3.11.3, CVE-2026-1462 < 3.12.1 and 3.13.0-3.13.1; file access

@@ -54,6 +54,7 @@ def child(size: str, mesh: str, policy: str, out_path: str) -> None:
     the first step's largest collective to `out_path` (JSON)."""
     from tfllm.parallel.mesh import setup_cpu_devices
     setup_cpu_devices(8)
+    from tfllm.data import feed
     from tfllm.config import load_config
     from tfllm.data import SyntheticTokens
     from tfllm.parallel import make_parallel
@@ -67,7 +68,7 @@ def child(size: str, mesh: str, policy: str, out_path: str) -> None:
     params = sum(int(v.shape.num_elements()) for v in state.model.trainable_variables)
     largest_weight = max(int(v.shape.num_elements()) for v in state.model.trainable_variables)
     data = SyntheticTokens(cfg.model.vocab_size, cfg.data.sequence_length + 1, seed=7)
-    batch = state.step.to_device(data.batch(0, cfg.train.global_batch_size, 1))
+    batch = feed.to_device(state.step.parallel, data.batch(0, cfg.train.global_batch_size, 1))
     import tensorflow as tf
     # Peaks of live tensor bytes per step (TF_CPU_ALLOCATOR_USE_BFC: the host's one
     # allocator, shared by the logical devices, keeps exact statistics).

@@ -28,13 +28,11 @@ import jax
 
 jax.config.update("jax_enable_x64", True)  # the step has int64 parameters
 import jax.numpy as jnp  # noqa: E402
-from jax._src import xla_bridge  # noqa: E402
-from jax._src.interpreters import mlir as jax_mlir  # noqa: E402
-from jax._src.lib import _jax, xla_client  # noqa: E402
 
 # tfllm.plan.gpu_compile needs only jax: import it from this checkout (no TensorFlow here)
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(
     __file__)))))
+from tfllm import internals  # noqa: E402
 from tfllm.plan.gpu_compile import hlo_to_mlir  # noqa: E402
 
 # Dense bf16 tensor-core peaks from NVIDIA's datasheets (SXM parts), TFLOP/s.
@@ -44,13 +42,13 @@ DATASHEET_BF16_TFLOPS = {"H100": 989.4, "H200": 989.4, "A100": 312.0}
 def compile_step(directory, backend):
     with open(os.path.join(directory, "step.hlo.pb"), "rb") as f:
         hlo = f.read()
-    client = xla_bridge.get_backend(backend)
-    device = client.local_devices()[0]
+    device = jax.devices(backend)[0]
+    jx = internals.jax_compiler()
     # hlo_to_mlir drops the HLO copies of TensorFlow's returned variables, which have no
     # StableHLO form: PJRT plugins (CUDA) refuse them (see tfllm/plan/gpu_compile.py)
-    with jax_mlir.make_ir_context():
-        exe = client.compile_and_load(hlo_to_mlir(hlo), _jax.DeviceList((device,)),
-                                      xla_client.CompileOptions())
+    with jx.make_ir_context():
+        exe = device.client.compile_and_load(hlo_to_mlir(hlo), jx.native.DeviceList((device,)),
+                                             jx.CompileOptions())
     return exe, device
 
 

@@ -2,15 +2,15 @@
 
 import numpy as np
 
+from tfllm.data import feed
 from tfllm.checkpoint import run_state_variables
 from tfllm.checkpoint.shards import tf_variable
-from tfllm.config import load_config
 from tfllm.data import SyntheticTokens
 from tfllm.parallel import make_parallel
 from tfllm.parallel.placement import to_numpy
 from tfllm.precision.loss_scale import DynamicLossScale
 from tfllm.train.state import build_train_state
-from tests.conftest import tiny_overrides
+from tests.harness import tiny_config
 
 
 def build_run(axes, train_steps=0, family="gpt", **extra):
@@ -19,7 +19,7 @@ def build_run(axes, train_steps=0, family="gpt", **extra):
     With train_steps > 0 the optimizer states and counter are non-zero, as in a real
     resume. The loss scale (replicated scalars) is included to cover int64/scalar state.
     """
-    cfg = load_config(None, tiny_overrides(family, axes or "data=1", **extra))
+    cfg = tiny_config(family, axes or "data=1", **extra)
     parallel = None if axes is None else make_parallel(cfg)
     state = build_train_state(cfg, parallel, jit_compile=False)
     model, optimizer, step = state.model, state.optimizer, state.step
@@ -28,7 +28,8 @@ def build_run(axes, train_steps=0, family="gpt", **extra):
         data = SyntheticTokens(cfg.model.vocab_size, cfg.data.sequence_length + 1, seed=3)
         t = cfg.train
         for i in range(train_steps):
-            step(step.to_device(data.batch(i, t.global_batch_size, t.grad_accum_steps)))
+            step(feed.to_device(parallel, data.batch(i, t.global_batch_size,
+                                                     t.grad_accum_steps)))
         loss_scale.scale.assign(loss_scale.scale * 3.0)  # a non-default value
     return cfg, parallel, run_state_variables(model, optimizer, loss_scale)
 

@@ -13,7 +13,7 @@ import tensorflow as tf
 from tfllm.checkpoint import Checkpointer, CheckpointError, cleanup, latest, verify
 from tfllm.checkpoint import checkpointer, storage
 from tfllm.config.schema import CheckpointConfig
-from tfllm.exit_codes import io_failure
+from tfllm.contracts import io_failure
 
 
 def _vars(value=0.0):

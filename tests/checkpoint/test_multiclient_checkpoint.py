@@ -2,41 +2,16 @@
 
 import json
 import os
-import signal
-import subprocess
-import sys
 
 import pytest
 
 from tfllm.checkpoint import Checkpointer, Reader
 from tests.checkpoint.helpers import gathered
-from tests.checkpoint.multiclient_save import ROOT, build_state, reference_value
-from tests.conftest import tiny_overrides
-from tests.conftest import free_ports as _free_ports
+from tests.checkpoint.multiclient_save import build_state, reference_value
+from tests.harness import PY, ROOT, run_clients, tiny_overrides
 
 TIMEOUT_S = 240
 SCRIPT = os.path.join(ROOT, "tests", "checkpoint", "multiclient_save.py")
-
-
-def _run_clients(directory, overrides):
-    ports = _free_ports(2)
-    jobs = ",".join(f"localhost:{p}" for p in ports)
-    base = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3", PYTHONPATH=ROOT)
-    procs = [subprocess.Popen(
-        [sys.executable, SCRIPT, str(directory), json.dumps(overrides)], cwd=ROOT,
-        env=dict(base, DTENSOR_JOBS=jobs, DTENSOR_JOB_NAME="worker", DTENSOR_CLIENT_ID=str(i)),
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
-        for i in range(2)]
-    try:
-        outputs = [p.communicate(timeout=TIMEOUT_S)[0] for p in procs]
-    finally:
-        for p in procs:  # a hung client (e.g. a barrier never met) must not outlive the test
-            if p.poll() is None:
-                os.killpg(p.pid, signal.SIGKILL)
-                p.wait()
-    for p, out in zip(procs, outputs):
-        assert p.returncode == 0, out[-3000:]
-    return [json.loads(out.strip().splitlines()[-1]) for out in outputs]
 
 
 @pytest.mark.multiprocess
@@ -45,7 +20,9 @@ def _run_clients(directory, overrides):
 def test_two_client_save_restores_in_one_process(tmp_path_factory, target_axes):
     directory = tmp_path_factory.getbasetemp() / "multiclient_ckpt"
     if not directory.exists():
-        reports = _run_clients(directory, tiny_overrides("gpt", "data=2,model=4"))
+        reports = run_clients([PY, SCRIPT, str(directory),
+                               json.dumps(tiny_overrides("gpt", "data=2,model=4"))],
+                              clients=2, timeout=TIMEOUT_S)
         assert [r["checkpointer"] for r in reports] == [[0, 2], [1, 2]]
         assert [r["client_id"] for r in reports] == [0, 1]
         assert all(r["local_devices"] == 4 for r in reports)

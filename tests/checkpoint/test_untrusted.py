@@ -16,7 +16,8 @@ import pytest
 import tensorflow as tf
 
 from tfllm.checkpoint import Checkpointer, CheckpointError, Reader, verify
-from tfllm.train.run import Run
+from tfllm.data import DataError
+from tfllm.data.feed import DeviceFeed
 
 
 def _vars(value=0.0):
@@ -127,7 +128,7 @@ def test_hmac_refuses_unsigned_and_other_keys(tmp_path, monkeypatch):
 @pytest.mark.parametrize("name", ["../escaped", "iterator/../../escaped", "ABSOLUTE",
                                   "escaped", "iterator.json/x"])
 def test_data_state_names_are_confined_to_the_private_temp_dir(tmp_path, monkeypatch, name):
-    """Run.restore_data_state writes the checkpoint's iterator files into a temporary
+    """DeviceFeed.restore_state writes the checkpoint's iterator files into a temporary
     directory: a name from the checkpoint never reaches outside it."""
     sandbox = tmp_path / "sandbox"
     sandbox.mkdir()
@@ -135,10 +136,10 @@ def test_data_state_names_are_confined_to_the_private_temp_dir(tmp_path, monkeyp
     monkeypatch.setattr(tempfile, "tempdir", str(sandbox))
     restored = []
     stand_in = types.SimpleNamespace(
-        train_data=types.SimpleNamespace(restore_state=restored.append), _peeked=None)
-    with pytest.raises(CheckpointError, match="data-iterator state: .* is not a file name"):
-        Run.restore_data_state(stand_in, {"iterator.json": b"{}", name: b"x"})
+        _train=types.SimpleNamespace(restore_state=restored.append), _peeked=None)
+    with pytest.raises(DataError, match="data-iterator state: .* is not a file name"):
+        DeviceFeed.restore_state(stand_in, {"iterator.json": b"{}", name: b"x"})
     assert not restored
     assert sorted(os.listdir(tmp_path)) == ["sandbox"] and os.listdir(sandbox) == []
-    Run.restore_data_state(stand_in, {"iterator.json": b"{}", "iterator.index": b""})
+    DeviceFeed.restore_state(stand_in, {"iterator.json": b"{}", "iterator.index": b""})
     assert len(restored) == 1 and restored[0].endswith("iterator")

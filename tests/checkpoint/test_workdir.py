@@ -13,9 +13,8 @@ import pytest
 import tensorflow as tf
 
 from tests.checkpoint.helpers import assert_same, gathered
-from tests.conftest import snapshot_tree, tiny_overrides
+from tests.harness import snapshot_tree, tiny_config
 from tfllm.checkpoint import Checkpointer, model_variables
-from tfllm.config import load_config
 from tfllm.config.loader import to_dict
 from tfllm.data.tokenizer import ByteTokenizer, SentencePieceTokenizer, train_sentencepiece
 from tfllm.pretrained import import_preset
@@ -28,7 +27,7 @@ from tfllm.models import build_model
 
 
 def _config(**extra):
-    return load_config(None, tiny_overrides("gpt", **extra))
+    return tiny_config("gpt", **extra)
 
 
 
@@ -171,7 +170,7 @@ def test_a_resume_is_compared_with_the_checkpoints_own_config(tmp_path, override
     check_workdir(str(tmp_path), saved)  # the same settings resume
     check_workdir(str(tmp_path), _config(**{"train.steps": 99, "mesh.axes": "data=2"}))
     with pytest.raises(WorkdirError) as e:
-        check_workdir(str(tmp_path), load_config(None, tiny_overrides("gpt") + [override]))
+        check_workdir(str(tmp_path), tiny_config("gpt", **dict([override.split("=", 1)])))
     message = str(e.value)
     assert f"{tmp_path} holds a different run ({key}:" in message and "\n" not in message
     assert "step_00000002/metadata.json" in message and "config.yaml being missing" in message
@@ -258,7 +257,7 @@ def test_the_weights_restore_alone_from_a_checkpoint_of_the_whole_run(tmp_path, 
     device, restored from a checkpoint that also holds AdamW's moments and the loss scale."""
     parallel, variables, values = source_run
     run = Workdir(str(tmp_path / "run"))
-    model = build_model(load_config(None, tiny_overrides("gpt")), None)
+    model = build_model(tiny_config("gpt"), None)
     with pytest.raises(FileNotFoundError, match="checkpoints holds no committed checkpoint"):
         run.restore_weights(model)
     run.checkpointer(parallel).save(4, variables, {"note": "whole run"})

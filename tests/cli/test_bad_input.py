@@ -25,7 +25,6 @@ import json
 import os
 import shutil
 import signal
-import subprocess
 import sys
 import tempfile
 
@@ -34,15 +33,14 @@ import numpy as np
 import pytest
 import safetensors.numpy as safetensors
 
-from tests.conftest import snapshot_tree, write_text_corpus
+from tests.harness import (ROOT, kill_group, snapshot_tree, start_process, tfllm_command,
+                           write_text_corpus)
 from tests.pretrained import helpers
-from tests.launch.helpers import kill_group
 from tfllm.checkpoint import storage
 from tfllm.cli.main import main
 from tfllm.data.tokenizer import train_sentencepiece
 from tfllm.train import metrics
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 BAD_INPUT, IO_ERROR, PREEMPTED = 2, 74, 75
 #: the trained run: 2 steps, a checkpoint after each, a 128-piece sentencepiece tokenizer
 RUN_SETTINGS = {
@@ -565,7 +563,7 @@ def _command(storage_errno):
     """The `tfllm` command as a process; with checkpoint writes failing (an errno) and no
     CPU peak measurement when an errno is given (a run that trains)."""
     if storage_errno is None:
-        return [sys.executable, "-m", "tfllm.cli.main"]
+        return tfllm_command()
     return [sys.executable, "-c", (
         "import os, sys, tfllm, tfllm.quiet\n"
         "tfllm.quiet.install(tfllm.USER_TF_LOG_LEVEL)  # as `command()`: before TensorFlow\n"
@@ -599,10 +597,7 @@ def test_bad_input_in_a_process(argv, storage_errno, sig, expected_code, fragmen
     before, committed = snapshot_tree(tmp_path), _committed(run)
     # TF_CPP_MIN_LOG_LEVEL unset, as for most users: the command's filter hides the noise
     env = {k: v for k, v in os.environ.items() if k != "TF_CPP_MIN_LOG_LEVEL"}
-    proc = subprocess.Popen([*_command(storage_errno), *_resolve(argv, tmp_path, run)],
-                            cwd=ROOT, env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            start_new_session=True)
+    proc = start_process([*_command(storage_errno), *_resolve(argv, tmp_path, run)], env)
     try:
         if sig is not None:  # after the first step of this process
             for line in proc.stdout:

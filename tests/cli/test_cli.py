@@ -1,21 +1,11 @@
 """The `tfllm` command: its surface, and each subcommand end to end."""
 
 import json
-import os
-import subprocess
-import sys
 
 import pytest
 
 from tfllm.cli.main import build_parser
-
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-
-def _tfllm(*args, timeout=300):
-    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3")
-    return subprocess.run([sys.executable, "-m", "tfllm.cli.main", *args], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=timeout)
+from tests.harness import metrics_records, run_tfllm
 
 
 def test_cli_surface_is_frozen():
@@ -49,11 +39,11 @@ def test_cli_surface_is_frozen():
 
 def test_train_tiny_on_a_mesh_writes_metrics_and_config(tmp_path):
     workdir = tmp_path / "run"
-    r = _tfllm("train", "--config", "configs/tiny.yaml", "--workdir", str(workdir),
-               "--set", "train.steps=12", "--set", "train.log_every=5", "--set", "data.source=synthetic",
-               "--set", "mesh.axes=data=2,fsdp=2,model=2")
+    r = run_tfllm("train", "--config", "configs/tiny.yaml", "--workdir", str(workdir),
+                  "--set", "train.steps=12", "--set", "train.log_every=5", "--set", "data.source=synthetic",
+                  "--set", "mesh.axes=data=2,fsdp=2,model=2")
     assert r.returncode == 0, r.stderr
-    records = [json.loads(l) for l in (workdir / "metrics.jsonl").read_text().splitlines()]
+    records = metrics_records(workdir)
     lines = [r for r in records if "loss" in r]
     assert [l["step"] for l in lines] == [1, 5, 10, 12]
     for line in lines:
@@ -71,7 +61,7 @@ def test_train_tiny_on_a_mesh_writes_metrics_and_config(tmp_path):
 
 
 def test_layouts_for_llama_70b_without_allocating():
-    r = _tfllm("layouts", "--config", "configs/llama-70b.yaml")
+    r = run_tfllm("layouts", "--config", "configs/llama-70b.yaml")
     assert r.returncode == 0, r.stderr
     assert "parameters: 70,553,706,496" in r.stdout
     assert "llama/block_79/mlp/down/kernel" in r.stdout
@@ -96,15 +86,15 @@ def test_layouts_for_llama_70b_without_allocating():
 def test_bad_input_exits_2_with_a_message(args, message, tmp_path):
     if args[0] == "layouts" and "--num-devices" not in args:
         args = args + ["--num-devices", "8"]
-    r = _tfllm(*args, "--workdir", str(tmp_path)) if args[0] == "train" else _tfllm(*args)
+    r = run_tfllm(*args, "--workdir", str(tmp_path)) if args[0] == "train" else run_tfllm(*args)
     assert r.returncode == 2
     assert message in r.stderr
 
 
 @pytest.mark.slow
 def test_bench_prints_one_json_line():
-    r = _tfllm("bench", "--config", "configs/bench/gpt_5m.yaml", "--steps", "2",
-               "--warmup", "1")
+    r = run_tfllm("bench", "--config", "configs/bench/gpt_5m.yaml", "--steps", "2",
+                  "--warmup", "1")
     assert r.returncode == 0, r.stderr
     out = json.loads(r.stdout.strip().splitlines()[-1])
     assert out["params"] == 5_322_240

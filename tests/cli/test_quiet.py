@@ -1,14 +1,11 @@
 """A quiet start: TensorFlow's C++ start-up records stay off stderr unless asked for."""
 
 import os
-import subprocess
-import sys
 
 import pytest
 
 from tfllm.quiet import is_noise
-
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from tests.harness import run_tfllm
 
 ONEDNN = ("I0000 00:00:1795338973.266483    4674 port.cc:153] oneDNN custom operations are "
           "on.")
@@ -35,10 +32,8 @@ def test_noise_by_level():
 
 def _layouts_stderr(**env):
     base = {k: v for k, v in os.environ.items() if k != "TF_CPP_MIN_LOG_LEVEL"}
-    r = subprocess.run([sys.executable, "-m", "tfllm.cli.main", "layouts", "--config",
-                        "configs/tiny.yaml", "--set", "mesh.axes=data=2",
-                        "--set", "model.bogus=1"], cwd=ROOT, env=dict(base, **env),
-                       capture_output=True, text=True, timeout=120)
+    r = run_tfllm("layouts", "--config", "configs/tiny.yaml", "--set", "mesh.axes=data=2",
+                  "--set", "model.bogus=1", env=dict(base, **env), timeout=120)
     assert r.returncode == 2
     return r.stderr
 

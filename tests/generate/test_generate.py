@@ -10,11 +10,10 @@ import functools
 import numpy as np
 import pytest
 
-from tfllm.config import load_config
 from tfllm.generate import Generator
 from tfllm.models import build_model
 from tfllm.parallel import make_parallel
-from tests.conftest import run_in_child, tiny_overrides
+from tests.harness import run_in_child, tiny_config
 
 INIT = {"model.init_std": 0.3}
 PROMPTS = [[5, 17, 99, 3, 42, 7], [11, 2, 64]]  # different lengths: left padding is used
@@ -27,7 +26,7 @@ def generator(family, axes=None, jit_compile=True):
     # logits against the same table): untied, its continuations vary, so that a wrong
     # window or cache shows.
     extra = {"model.tie_embeddings": False} if family == "gemma3" else {}
-    cfg = load_config(None, tiny_overrides(family, axes or "data=1", **INIT, **extra))
+    cfg = tiny_config(family, axes or "data=1", **INIT, **extra)
     parallel = make_parallel(cfg) if axes else None
     return Generator(build_model(cfg, parallel), parallel, jit_compile=jit_compile)
 
@@ -114,7 +113,7 @@ def test_compiled_decoding_on_a_mesh_runs_every_token_inside_xla():
     # Switch around plain Einsums), so compiled decoding on a mesh calls one compiled
     # step per token: its executed graphs are XLA clusters with no matmul, norm or
     # softmax outside, and the tokens are the single device's, greedy and sampled.
-    from tfllm.train.tf_internal import collect_executed_graphs
+    from tfllm.internals import collect_executed_graphs
     from tfllm.train.xla import report_from_graphs
     gen, single = generator("llama", "model=2"), generator("llama")
     with collect_executed_graphs() as graphs:
@@ -129,38 +128,3 @@ def test_compiled_decoding_on_a_mesh_runs_every_token_inside_xla():
     # A stop at eos inside a check interval: the rows end where the loop's rows end.
     eos = tokens[0][3]
     assert gen.generate(PROMPTS, NEW, eos_id=eos) == single.generate(PROMPTS, NEW, eos_id=eos)
-
-
-def test_dtensor_function_name_clash_is_retraced_once_more_and_nothing_else():
-    from tfllm.generate.generator import _Retraced
-    import tensorflow as tf
-
-    clash = tf.errors.InvalidArgumentError(
-        None, None, "Cannot add function 'decode_i_body' because a different function "
-        "with the same name already exists. [Op:__inference__decode_fn_65556]")
-    traces = []
-
-    def compile_fn(fn):
-        traces.append(fn)
-        failing = len(traces) == 1  # the first trace trips, the second runs
-
-        def compiled(x):
-            if failing:
-                raise clash
-            return fn(x)
-        return compiled
-
-    retraced = _Retraced(lambda x: x + 1, compile_fn, on_mesh=True)
-    assert retraced(1) == 2 and retraced.retraces == 1 and len(traces) == 2
-    # Without a mesh, or for any other error, nothing is retried.
-    traces.clear()
-    with pytest.raises(tf.errors.InvalidArgumentError, match="same name"):
-        _Retraced(lambda x: x, compile_fn, on_mesh=False)(1)
-    other = tf.errors.InvalidArgumentError(None, None, "Incompatible shapes")
-
-    def always(fn):
-        def compiled(x):
-            raise other
-        return compiled
-    with pytest.raises(tf.errors.InvalidArgumentError, match="Incompatible"):
-        _Retraced(lambda x: x, always, on_mesh=True)(1)

@@ -4,12 +4,13 @@ import os
 import shutil
 import signal
 import subprocess
-import sys
 import time
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+# The process helpers every real-process test shares (tests/harness.py), for the launch
+# tests' imports too.
+from tests.harness import PY, ROOT, finish, kill_group, start_process  # noqa: F401
+
 LAUNCHER = os.path.join(ROOT, "launch", "multiworker.sh")
-PY = sys.executable
 
 
 def launcher_env(**extra):
@@ -24,32 +25,12 @@ def launcher_env(**extra):
 
 def start(args, env=None, cwd=ROOT):
     """Starts the launcher in its own process group (so a test can kill all it started)."""
-    return subprocess.Popen(["bash", LAUNCHER, *args], cwd=cwd, env=env or launcher_env(),
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            start_new_session=True)
-
-
-def finish(proc, timeout):
-    """Waits for `proc`; SIGKILLs its process group if it is still there (timeout or not)."""
-    try:
-        out, err = proc.communicate(timeout=timeout)
-    finally:
-        kill_group(proc)
-    return proc.returncode, out, err
+    return start_process(["bash", LAUNCHER, *args], env or launcher_env(), cwd)
 
 
 def run(args, timeout=60, env=None, cwd=ROOT):
     """Runs the launcher to completion: (exit code, stdout, stderr)."""
     return finish(start(args, env, cwd), timeout)
-
-
-def kill_group(proc):
-    try:
-        os.killpg(proc.pid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
-    if proc.poll() is None:
-        proc.wait()
 
 
 def leftovers(marker):

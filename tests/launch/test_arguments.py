@@ -8,7 +8,7 @@ import subprocess
 
 import pytest
 
-from tfllm.launch.main import _FLAGS, _VALUED, reserve_free_ports
+from tfllm.launch.main import FLAG_OPTIONS, VALUED_OPTIONS, reserve_free_ports
 from tests.launch.helpers import LAUNCHER, PY, ROOT, launcher_env, run
 
 CMD = ["--", "true"]
@@ -144,7 +144,7 @@ def test_port_in_use(tmp_path):
 def test_help_documents_every_option():
     code, out, _ = run(["--help"], timeout=30)
     assert code == 0
-    parsed = set(_VALUED) | set(_FLAGS)  # what the parser accepts
+    parsed = set(VALUED_OPTIONS) | set(FLAG_OPTIONS)  # what the parser accepts
     assert len(parsed) > 15
     for option in sorted(parsed):
         assert re.search(rf"^\s+(-h, )?{option}\b", out, re.M), f"{option} is not in --help"

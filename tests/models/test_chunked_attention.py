@@ -4,21 +4,20 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from tfllm.config import load_config
+from tfllm.data import feed
 from tfllm.models import build_model
 from tfllm.parallel import context, make_parallel
-from tfllm.parallel.placement import to_numpy
-from tfllm.train.tf_internal import collect_executed_graphs
+from tfllm.internals import collect_executed_graphs
 from tfllm.train.costs import KINDS
-from tests.conftest import tiny_overrides
-from tests.train.test_parity import _run, assert_matches, reference
+from tests.harness import (assert_parity, forward_on_mesh, parity_reference, parity_run,
+                           tiny_config)
 
 # At most 6 queries per chunk over 16 tokens: three uneven chunks (5, 5, 6).
 CHUNK = (("model.attention_chunk", 6),)
 
 
 def _model(family, chunk):
-    cfg = load_config(None, tiny_overrides(family, **{"model.attention_chunk": chunk}))
+    cfg = tiny_config(family, **{"model.attention_chunk": chunk})
     return build_model(cfg, None)
 
 
@@ -53,8 +52,8 @@ def test_chunked_forward_and_gradients_equal_standard(family):
 
 
 def test_chunked_training_on_a_mesh_matches_single_device():
-    run = _run("llama", "data=2,model=4", False, CHUNK)
-    assert_matches(run, reference("llama", False))
+    run = parity_run("llama", "data=2,model=4", False, CHUNK)
+    assert_parity(run, parity_reference("llama", False))
     assert run["model"].blocks[0].attention.query_chunk == 6
 
 
@@ -72,12 +71,12 @@ HYBRID, PIECE_CHUNK = "data=2,fsdp=4", (("model.attention_chunk", 2),)
 
 
 def test_chunked_training_on_a_split_sequence_matches_single_device():
-    run = _run("llama", HYBRID, False, PIECE_CHUNK)
-    assert_matches(run, reference("llama", False))
+    run = parity_run("llama", HYBRID, False, PIECE_CHUNK)
+    assert_parity(run, parity_reference("llama", False))
 
 
 def _hybrid_model(chunk):
-    cfg = load_config(None, tiny_overrides("llama", HYBRID, **{"model.attention_chunk": chunk}))
+    cfg = tiny_config("llama", HYBRID, **{"model.attention_chunk": chunk})
     parallel = make_parallel(cfg)
     return build_model(cfg, parallel), parallel
 
@@ -87,15 +86,7 @@ def test_chunked_packing_on_a_split_sequence_under_jit():
     segments[1, 5:] = 9  # rows split differently
     want = _model("llama", 0)(tokens, segment_ids=segments).numpy()
     model, parallel = _hybrid_model(2)
-    spec = parallel.batch_spec(tokens.shape)
-
-    @tf.function(jit_compile=True)
-    def forward(t, s):
-        with context.use(parallel):
-            return model(t, segment_ids=s)
-
-    got = to_numpy(forward(parallel.shard_array(tokens, spec),
-                           parallel.shard_array(segments, spec)))
+    got = forward_on_mesh(model, parallel, tokens, segments)
     np.testing.assert_allclose(got, want, atol=1e-5)  # sharded float32 sums, logits O(1)
 
 
@@ -103,7 +94,7 @@ def _forward_collectives(chunk):
     """Collective ops of one forward pass on the split-sequence mesh."""
     model, parallel = _hybrid_model(chunk)
     tokens, _ = _tokens_and_segments(batch=2, length=16)
-    tokens = parallel.shard_array(tokens, parallel.batch_spec(tokens.shape))
+    tokens = feed.place(parallel, tokens)
 
     @tf.function
     def forward(t):

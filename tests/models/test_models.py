@@ -5,10 +5,9 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from tfllm.config import load_config
 from tfllm.models import GPT, CausalLM, Gemma3, Llama, build_model
 from tfllm.models.common import MLP, add_param, rotary
-from tests.conftest import tiny_overrides
+from tests.harness import tiny_config
 
 
 def _tokens(batch=2, length=12, vocab=128, seed=0):
@@ -17,7 +16,7 @@ def _tokens(batch=2, length=12, vocab=128, seed=0):
 
 @pytest.mark.parametrize("family, cls", [("gpt", GPT), ("llama", Llama), ("gemma3", Gemma3)])
 def test_forward_shape_and_causality(family, cls):
-    model = build_model(load_config(None, tiny_overrides(family)))
+    model = build_model(tiny_config(family))
     assert isinstance(model, cls) and isinstance(model, CausalLM)
     tokens = _tokens()
     logits = model(tokens)
@@ -30,8 +29,8 @@ def test_forward_shape_and_causality(family, cls):
 
 def test_sliding_window_sees_exactly_the_last_keys():
     # One local layer, window 5: the logits at t depend on tokens t-4 .. t only.
-    model = build_model(load_config(None, tiny_overrides(
-        "gemma3", **{"model.num_layers": 1, "model.sliding_window_pattern": 0})))
+    model = build_model(tiny_config(
+        "gemma3", **{"model.num_layers": 1, "model.sliding_window_pattern": 0}))
     assert model.is_local(0)
     tokens = _tokens()
     logits = model(tokens).numpy()
@@ -43,7 +42,7 @@ def test_sliding_window_sees_exactly_the_last_keys():
 def test_gemma3_cached_decoding_and_packing_equal_the_full_forward():
     # Local (window 5) and global layers: the cache path and packed documents apply the
     # same windows as the training path.
-    model = build_model(load_config(None, tiny_overrides("gemma3")))
+    model = build_model(tiny_config("gemma3"))
     assert [model.is_local(i) for i in range(2)] == [True, False]
     tokens = _tokens(length=16)
     full = model(tokens).numpy()
@@ -61,8 +60,8 @@ def test_gemma3_cached_decoding_and_packing_equal_the_full_forward():
 
 
 def test_family_defaults_tie_and_bias():
-    gpt = build_model(load_config(None, tiny_overrides("gpt")))
-    llama = build_model(load_config(None, tiny_overrides("llama")))
+    gpt = build_model(tiny_config("gpt"))
+    llama = build_model(tiny_config("llama"))
     assert gpt.tie_embeddings and gpt.lm_head is None and gpt.use_bias
     assert not llama.tie_embeddings and llama.lm_head is not None and not llama.use_bias
     assert not any(v.path.endswith("bias") for v in llama.variables)
@@ -70,7 +69,7 @@ def test_family_defaults_tie_and_bias():
 
 def test_gqa_equals_mha_with_repeated_kv_heads():
     # A GQA layer equals an MHA layer whose k/v kernels repeat each kv head per group.
-    cfg = load_config(None, tiny_overrides("llama"))
+    cfg = tiny_config("llama")
     gqa = build_model(cfg).blocks[0].attention
     x = tf.random.stateless_normal((2, 5, 64), seed=(1, 2))
     q, k, v = gqa.query(x), gqa.key(x), gqa.value(x)
@@ -124,8 +123,8 @@ class MyLlama(Llama):
 
 def test_subclass_replaces_mlp_and_loss_and_trains_on_a_mesh(tmp_path):
     from tfllm.train.loop import train
-    cfg = load_config(None, tiny_overrides("llama", "data=2,model=4",
-                                           **{"train.steps": 2, "train.log_every": 1}))
+    cfg = tiny_config("llama", "data=2,model=4",
+                      **{"train.steps": 2, "train.log_every": 1})
     model = build_model(cfg, None, model_cls=MyLlama)
     assert any("block_0/mlp/kernel" in v.path for v in model.variables)
     assert not any(isinstance(l, MLP) for l in model._flatten_layers())
@@ -147,12 +146,12 @@ def test_weights_without_logical_axes_are_rejected():
             return PlainKerasWeight(name="mlp")
 
     with pytest.raises(ValueError, match="created without tfllm.models.common.add_param"):
-        build_model(load_config(None, tiny_overrides("gpt")), model_cls=Bad)
+        build_model(tiny_config("gpt"), model_cls=Bad)
 
 
 @pytest.mark.parametrize("policy, compute", [("float32", "float32"), ("bfloat16", "bfloat16")])
 def test_precision_policy_dtypes(policy, compute):
-    cfg = load_config(None, tiny_overrides("llama", **{"precision.policy": policy}))
+    cfg = tiny_config("llama", **{"precision.policy": policy})
     model = build_model(cfg)
     assert all(v.dtype == "float32" for v in model.variables)  # master weights stay fp32
     for layer in model._flatten_layers():

@@ -4,12 +4,10 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from tfllm.config import load_config
 from tfllm.models import build_model, loss_sum_and_count, packed_target_mask
 from tfllm.models.common import segment_mask_and_positions
-from tfllm.parallel import context, make_parallel
-from tfllm.parallel.placement import to_numpy
-from tests.conftest import tiny_overrides
+from tfllm.parallel import make_parallel
+from tests.harness import forward_on_mesh, tiny_config
 
 # Same weights, same tokens; only the shapes of the matmuls and reductions differ
 # (a 12-token row against a 5- or 7-token one), so float32 rounding: logits are O(1).
@@ -23,7 +21,7 @@ def _docs(seed=0):
 
 @pytest.mark.parametrize("family", ["gpt", "llama"])
 def test_packed_documents_equal_separate_documents(family):
-    model = build_model(load_config(None, tiny_overrides(family)))
+    model = build_model(tiny_config(family))
     a, b = _docs()
     row = tf.constant([np.concatenate([a, b])], tf.int32)  # (1, 12)
     segments = tf.constant([[1] * 5 + [2] * 7], tf.int32)
@@ -39,7 +37,7 @@ def test_packed_documents_equal_separate_documents(family):
 
 @pytest.mark.parametrize("family", ["gpt", "llama"])
 def test_one_segment_is_the_plain_causal_model(family):
-    model = build_model(load_config(None, tiny_overrides(family)))
+    model = build_model(tiny_config(family))
     tokens = tf.constant(np.random.default_rng(1).integers(0, 128, (2, 9)), tf.int32)
     np.testing.assert_allclose(model(tokens, segment_ids=tf.ones((2, 9), tf.int32)).numpy(),
                                model(tokens).numpy(), atol=ATOL)
@@ -53,7 +51,7 @@ def test_segment_positions_restart_at_each_document():
 
 @pytest.mark.parametrize("family", ["gpt", "llama"])
 def test_cached_forward_equals_full_forward(family):
-    model = build_model(load_config(None, tiny_overrides(family)))
+    model = build_model(tiny_config(family))
     tokens = tf.constant(np.random.default_rng(2).integers(0, 128, (2, 10)), tf.int32)
     full = model(tokens).numpy()
     cache = model.init_cache(2, 12)
@@ -68,8 +66,8 @@ def test_cached_forward_equals_full_forward(family):
 @pytest.mark.parametrize("family, axes", [("gpt", "data=2,model=4"),
                                           ("llama", "data=2,fsdp=2,model=2")])
 def test_packing_on_a_mesh_under_jit(family, axes):
-    ref_model = build_model(load_config(None, tiny_overrides(family)))
-    cfg = load_config(None, tiny_overrides(family, axes))
+    ref_model = build_model(tiny_config(family))
+    cfg = tiny_config(family, axes)
     parallel = make_parallel(cfg)
     model = build_model(cfg, parallel)
     rng = np.random.default_rng(3)
@@ -77,21 +75,13 @@ def test_packing_on_a_mesh_under_jit(family, axes):
     segments = np.repeat(np.array([[1] * 4 + [2] * 5 + [3] * 3]), 4, axis=0).astype(np.int32)
     segments[1] = [1] * 12  # rows split differently
     segments[2, 7:] = 2
-    spec = parallel.batch_spec(tokens.shape)
-
-    @tf.function(jit_compile=True)
-    def forward(t, s):
-        with context.use(parallel):
-            return model(t, segment_ids=s)
-
-    got = to_numpy(forward(parallel.shard_array(tokens, spec),
-                           parallel.shard_array(segments, spec)))
+    got = forward_on_mesh(model, parallel, tokens, segments)
     want = ref_model(tf.constant(tokens), segment_ids=tf.constant(segments)).numpy()
     np.testing.assert_allclose(got, want, atol=ATOL)  # sharded sums: float32 rounding
 
 
 def test_loss_sum_and_count_combine_to_the_mean_loss():
-    model = build_model(load_config(None, tiny_overrides("gpt")))
+    model = build_model(tiny_config("gpt"))
     rng = np.random.default_rng(4)
     tokens = tf.constant(rng.integers(0, 128, (2, 9)), tf.int32)
     segments = tf.constant([[1, 1, 1, 2, 2, 2, 2, 0, 0], [1] * 9], tf.int32)

@@ -3,12 +3,12 @@
 import numpy as np
 import pytest
 
-from tests.conftest import run_in_child
-from tests.train.test_parity import _run, assert_matches, reference
+from tests.harness import (assert_parity, parity_config, parity_reference, parity_run,
+                           run_in_child)
 
 # Each policy on its own mesh, the families alternating (every mesh axis is covered),
 # against the single-device float32 run without remat: recomputation reorders nothing
-# but the backward's own sums, so the parity tolerances of tests/train/test_parity.py
+# but the backward's own sums, so the parity tolerances of tests/harness.py
 # (justified there) apply unchanged.
 CASES = [("full", "data=2,model=4", "gpt"), ("selective", "fsdp=8", "llama"),
          ("attention", "data=2,fsdp=2,model=2", "gpt")]
@@ -16,8 +16,8 @@ CASES = [("full", "data=2,model=4", "gpt"), ("selective", "fsdp=8", "llama"),
 
 @pytest.mark.parametrize("policy,axes,family", CASES)
 def test_remat_on_a_mesh_matches_single_device_without_remat(policy, axes, family):
-    run = _run(family, axes, False, (("model.remat", policy),))
-    assert_matches(run, reference(family, False))
+    run = parity_run(family, axes, False, (("model.remat", policy),))
+    assert_parity(run, parity_reference(family, False))
     model = run["model"]
     assert model.remat == policy
     assert model.blocks[0].attention.recompute_core == (policy != "full")
@@ -27,8 +27,8 @@ def test_remat_on_a_mesh_matches_single_device_without_remat(policy, axes, famil
 def test_remat_through_xla_matches(request):
     if not run_in_child(request):
         return  # XLA: a process of its own, like the XLA parity cases
-    run = _run("llama", None, True, (("model.remat", "full"),))
-    assert_matches(run, reference("llama", True))
+    run = parity_run("llama", None, True, (("model.remat", "full"),))
+    assert_parity(run, parity_reference("llama", True))
 
 
 # full: the FP8 projections themselves run again in the backward (selective recomputes
@@ -38,8 +38,8 @@ def test_fp8_amax_bookkeeping_is_unchanged_by_remat(policy):
     """The recomputed forward feeds the same amax bookkeeping: histories and weights
     after 3 steps equal the fp8 run without remat."""
     fp8 = (("precision.policy", "fp8"),)
-    base = _run("gpt", "data=2,model=4", False, fp8)
-    run = _run("gpt", "data=2,model=4", False, fp8 + (("model.remat", policy),))
+    base = parity_run("gpt", "data=2,model=4", False, fp8)
+    run = parity_run("gpt", "data=2,model=4", False, fp8 + (("model.remat", policy),))
     hist = lambda r: {v.path: np.asarray(v.numpy()) for v in r["model"].fp8_state_variables()}
     want, got = hist(base), hist(run)
     assert want and want.keys() == got.keys()
@@ -68,11 +68,8 @@ def test_fp8_amax_bookkeeping_is_unchanged_by_remat(policy):
 
 
 def _initial_weights(extra):
-    from tfllm.config import load_config
     from tfllm.models import build_model
-    from tests.conftest import tiny_overrides
-    from tests.train.test_parity import PARITY_SETTINGS
-    cfg = load_config(None, tiny_overrides("gpt", "data=1", **dict(PARITY_SETTINGS + extra)))
+    cfg = parity_config("gpt", None, extra)
     return {v.path: np.asarray(v.numpy()) for v in build_model(cfg, None).trainable_variables}
 
 

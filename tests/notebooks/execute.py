@@ -66,7 +66,7 @@ _NOT_INHERITED = ("TF_ENABLE_ONEDNN_OPTS", "XLA_FLAGS", "TF_XLA_FLAGS")
 
 
 @contextlib.contextmanager
-def _kernel_environment():
+def kernel_environment():
     """The kernel inherits os.environ: quiet TensorFlow, fixed hashing, CPU only, and
     TensorFlow's own defaults for the settings that change numerics."""
     wanted = {"TF_CPP_MIN_LOG_LEVEL": "3", "PYTHONHASHSEED": "0", "CUDA_VISIBLE_DEVICES": "",
@@ -99,7 +99,7 @@ def execute(path: str, budget_s: float = NOTEBOOK_BUDGET_S):
         timeout_func=lambda cell: max(1, int(deadline - time.monotonic())),
         resources={"metadata": {"path": NOTEBOOK_DIR}})
     start = time.monotonic()
-    with _kernel_environment():
+    with kernel_environment():
         client.execute()
     seconds = time.monotonic() - start
     return _finish(nb, seconds), seconds

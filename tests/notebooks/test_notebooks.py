@@ -173,7 +173,7 @@ def test_the_kernel_does_not_inherit_settings_that_change_numerics(monkeypatch):
     # The tests' conftest turns oneDNN off; a kernel inheriting that computed other
     # bfloat16 losses than the stored ones (notebook 03 failed in CI this way).
     monkeypatch.setenv("TF_ENABLE_ONEDNN_OPTS", "0")
-    with execute._kernel_environment():
+    with execute.kernel_environment():
         assert "TF_ENABLE_ONEDNN_OPTS" not in os.environ
         assert os.environ["PYTHONHASHSEED"] == "0"
     assert os.environ["TF_ENABLE_ONEDNN_OPTS"] == "0"

@@ -25,12 +25,12 @@ import numpy as np
 import pytest
 
 import benchmarks.fsdp_memory as bench
-from tfllm.config import load_config
+from tfllm.data import feed
 from tfllm.data import SyntheticTokens
 from tfllm.parallel import make_parallel
 from tfllm.train import costs
 from tfllm.train.state import build_train_state
-from tests.conftest import tiny_overrides
+from tests.harness import tiny_config
 
 MESHES = ["fsdp=8", "data=2,fsdp=4", "fsdp=4,model=2"]
 _BLOCK = re.compile(r"block_(\d+)")
@@ -38,8 +38,8 @@ _BLOCK = re.compile(r"block_(\d+)")
 
 def _first_step(axes, policy="float32", family="llama", **extra):
     """(train state, parallel, the executed graphs of the first step)."""
-    cfg = load_config(None, tiny_overrides(family, axes, **{"precision.policy": policy},
-                                           **extra))
+    cfg = tiny_config(family, axes, **{"precision.policy": policy},
+                      **extra)
     parallel = make_parallel(cfg)
     state = build_train_state(cfg, parallel, jit_compile=False)
     data = SyntheticTokens(cfg.model.vocab_size, cfg.data.sequence_length + 1, seed=7)
@@ -49,7 +49,8 @@ def _first_step(axes, policy="float32", family="llama", **extra):
     # The step reads its executed graphs once, for its cost report: keep them too.
     with mock.patch.object(costs, "report_from_graphs",
                            lambda graphs, *a, **k: seen.extend(graphs) or report(graphs, *a, **k)):
-        state.step(state.step.to_device(data.batch(0, t.global_batch_size, t.grad_accum_steps)))
+        state.step(feed.to_device(parallel, data.batch(0, t.global_batch_size,
+                                                       t.grad_accum_steps)))
     return state, parallel, seen
 
 
@@ -137,13 +138,14 @@ def test_bf16_fsdp_loss_matches_data_parallel_through_float16_bit_gathers():
     # two differ only in the order of their sums, and all gradients stay finite.
     losses = []
     for axes in ("fsdp=8", "data=8"):
-        cfg = load_config(None, tiny_overrides("llama", axes, **{"precision.policy": "bfloat16"}))
+        cfg = tiny_config("llama", axes, **{"precision.policy": "bfloat16"})
         parallel = make_parallel(cfg)
         state = build_train_state(cfg, parallel, jit_compile=False)
         data = SyntheticTokens(cfg.model.vocab_size, cfg.data.sequence_length + 1, seed=7)
         t = cfg.train
         loss, grads = state.step.loss_and_grads(
-            state.step.to_device(data.batch(0, t.global_batch_size, t.grad_accum_steps)))
+            feed.to_device(state.step.parallel,
+                           data.batch(0, t.global_batch_size, t.grad_accum_steps)))
         losses.append((loss, grads))
         assert all(np.all(np.isfinite(g)) for g in grads)
     # bf16 compute: 8 mantissa bits, so sums of 64 products reordered differ by about

@@ -9,13 +9,12 @@ import pytest
 from tensorflow.experimental import dtensor
 
 from tfllm.checkpoint import state_name
-from tfllm.config import load_config
 from tfllm.models import build_model
 from tfllm.optim import AdamW
 from tfllm.parallel import make_parallel
 from tfllm.parallel.layouts import layout_rows
 from tfllm.parallel.placement import to_numpy
-from tests.conftest import tiny_overrides
+from tests.harness import tiny_config
 
 GOLDEN = os.path.join(os.path.dirname(__file__), "..", "golden")
 CASES = [("gpt", "data=2,fsdp=2,model=2"), ("llama", "data=2,fsdp=2,model=2"),
@@ -28,8 +27,8 @@ def _specs(tensor):
 
 
 def _build(family, axes, zero1=True):
-    cfg = load_config(None, tiny_overrides(family, axes, **{
-        "optimizer.shard_optimizer_state": str(zero1).lower()}))
+    cfg = tiny_config(family, axes, **{
+        "optimizer.shard_optimizer_state": str(zero1).lower()})
     parallel = make_parallel(cfg)
     model = build_model(cfg, parallel)
     optimizer = AdamW(cfg.optimizer, 3, parallel)
@@ -73,7 +72,7 @@ def test_no_weight_is_materialized_whole(family, axes):
 
 @pytest.mark.parametrize("family", ["gpt", "llama"])
 def test_initial_values_do_not_depend_on_the_mesh(family):
-    reference = build_model(load_config(None, tiny_overrides(family)), None)
+    reference = build_model(tiny_config(family), None)
     want = {v.path: to_numpy(v) for v in reference.variables}
     for axes in ("data=2,fsdp=2,model=2", "fsdp=8", "model=8"):
         _, _, model, _ = _build(family, axes, zero1=False)
@@ -82,7 +81,7 @@ def test_initial_values_do_not_depend_on_the_mesh(family):
 
 
 def test_initial_values_have_the_configured_statistics():
-    cfg = load_config(None, tiny_overrides("llama"))
+    cfg = tiny_config("llama")
     model = build_model(cfg, None)
     for v in model.variables:
         w = to_numpy(v)
@@ -99,8 +98,8 @@ def test_initial_values_have_the_configured_statistics():
 
 def test_indivisible_heads_fail_before_allocating():
     from tfllm.parallel.rules import ShardingError
-    cfg = load_config(None, tiny_overrides("llama", "model=8", **{
-        "model.num_key_value_heads": 4}))
+    cfg = tiny_config("llama", "model=8", **{
+        "model.num_key_value_heads": 4})
     with pytest.raises(ShardingError, match=r"llama/block_0/attention/key/kernel: dimension 1 "
                                             r"\('kv_heads', size 4\) is not divisible by mesh "
                                             r"axis 'model' \(size 8\)"):

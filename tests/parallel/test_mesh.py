@@ -4,7 +4,8 @@ import pytest
 
 from tfllm.parallel import mesh
 
-from tfllm.parallel.mesh import MeshError, check_batch, num_clients, parse_axes, resolve_axes
+from tfllm.contracts import num_clients
+from tfllm.parallel.mesh import MeshError, check_batch, parse_axes, resolve_axes
 from tfllm.parallel.rules import DEFAULT_RULES, candidate_axis
 
 
@@ -61,15 +62,6 @@ def test_num_clients_from_dtensor_jobs(monkeypatch):
     assert num_clients() == 2
     monkeypatch.delenv("DTENSOR_JOBS")
     assert num_clients() == 1
-
-
-def test_keras_version_is_checked_before_the_bridge_uses_internals():
-    from tfllm.parallel.keras_internal import check_keras
-    check_keras()  # the installed one
-    check_keras("3.5.0")
-    for bad in ("4.0.0", "3.4.1", "2.15.0"):
-        with pytest.raises(RuntimeError, match=r"keras>=3.5,<4"):
-            check_keras(bad)
 
 
 class _FakeDTensor:
@@ -166,7 +158,7 @@ def test_tfllm_train_builds_the_mesh_before_tensorflow_starts(tmp_path):
     # _initialize_gpus_single_client): nothing on `tfllm train`'s path may start it first.
     import subprocess
     import sys
-    from tests.launch.helpers import ROOT
+    from tests.harness import ROOT
     run = subprocess.run([sys.executable, "-c", _SPY, "train", "--config", "configs/tiny.yaml",
                           "--workdir", str(tmp_path / "run")], cwd=ROOT, capture_output=True,
                          text=True, timeout=300, env=dict(os.environ, PYTHONPATH=ROOT))

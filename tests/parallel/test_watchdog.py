@@ -5,7 +5,7 @@ import json
 import time
 
 from tfllm.parallel.watchdog import PeerWatchdog, heartbeat_path, lost_message, peer_from_error
-from tfllm.exit_codes import PEER_LOST_EXIT_CODE
+from tfllm.contracts import PEER_LOST_EXIT_CODE
 
 
 def _beat(workdir, client, beat, done=False):

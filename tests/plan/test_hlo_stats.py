@@ -2,8 +2,8 @@
 
 import pytest
 
-from tfllm.plan import hlo_stats
-from tfllm.plan.targets import TARGETS, get_target
+from tfllm.compiler import hlo_stats
+from tfllm.compiler.targets import TARGETS, get_target
 
 # A hand-written optimized module: one cuBLAS bf16 GEMM with its workspace, one FP8 GEMM,
 # a loop fusion, and a while loop of 4 trips around a fusion holding a dot.

@@ -7,15 +7,14 @@ from types import SimpleNamespace
 
 import pytest
 
-from tfllm.config import load_config
 from tfllm.plan import measured, sharded
 from tfllm.plan.planner import format_plan
-from tests.conftest import tiny_overrides
+from tests.harness import tiny_config
 
 
 def tiny(axes, **extra):
-    return load_config(None, tiny_overrides("llama", axes, **{"precision.policy": "bfloat16",
-                                                               **extra}))
+    return tiny_config("llama", axes, **{"precision.policy": "bfloat16",
+                                          **extra})
 
 
 def test_tiny_weight_kinds_have_distinct_sizes_and_scale_to_the_model():

@@ -10,9 +10,7 @@ import pytest
 
 from tfllm.config import load_config
 from tfllm.plan.planner import format_plan, plan
-from tests.conftest import tiny_overrides
-
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from tests.harness import ROOT, run_tfllm, tiny_config, tiny_overrides, train_with_xla_dump
 
 pytestmark = pytest.mark.skipif(
     importlib.util.find_spec("jax_plugins") is None,
@@ -20,7 +18,7 @@ pytestmark = pytest.mark.skipif(
 
 
 def tiny(family="llama", **extra):
-    return load_config(None, tiny_overrides(family, **extra))
+    return tiny_config(family, **extra)
 
 
 # Each plan exports and compiles a step (~25 s on 2 cores): the plans several tests
@@ -119,15 +117,13 @@ def test_a_mesh_that_needs_more_devices_names_the_flag():
 
 @pytest.mark.slow
 def test_cli_prints_one_json_object_and_rejects_unknown_targets(tmp_path):
-    args = [sys.executable, "-m", "tfllm.cli.main", "plan"]
-    r = subprocess.run(args + ["--json"] + sum((["--set", o] for o in tiny_overrides(
-        "gpt", **{"precision.policy": "fp8"})), []), capture_output=True, text=True,
-        timeout=600)
+    env = dict(os.environ)  # as it is: TensorFlow's log level not changed
+    r = run_tfllm("plan", "--json", *sum((["--set", o] for o in tiny_overrides(
+        "gpt", **{"precision.policy": "fp8"})), []), timeout=600, env=env)
     assert r.returncode == 0, r.stderr[-2000:]
     out = json.loads(r.stdout)
     assert out["target"] == "h100" and out["fp8_gemm_calls"] == 3 * out["fp8_projections"]
-    r = subprocess.run(args + ["--target", "v100"], capture_output=True, text=True,
-                       timeout=120)
+    r = run_tfllm("plan", "--target", "v100", timeout=120, env=env)
     assert r.returncode == 2 and "invalid choice: 'v100'" in r.stderr
 
 
@@ -136,9 +132,9 @@ def test_cli_prints_one_json_object_and_rejects_unknown_targets(tmp_path):
 _CLUSTER_FLOPS = r"""
 import glob, json, os, sys
 from jax._src.lib import xla_client
-from tfllm.plan import hlo_stats
+from tfllm.compiler import hlo_stats
 from tfllm.plan.gpu_compile import compile_for_target
-from tfllm.plan.targets import TARGETS
+from tfllm.compiler.targets import TARGETS
 target = TARGETS["h100"]
 backward, compiled = 0.0, 0
 for path in sorted(glob.glob(os.path.join(sys.argv[1], "*before_optimizations.txt"))):
@@ -156,10 +152,9 @@ print(json.dumps({"backward_flops": backward, "compiled": compiled}))
 
 @pytest.mark.slow
 def test_dtensor_clusters_compile_for_h100_and_match_the_per_device_plan(tmp_path):
-    from tests.train.test_xla import _train
     extra = ["--set", "model.family=llama", "--set", "model.num_key_value_heads=2",
              "--set", "train.steps=1"]
-    _, modules = _train(tmp_path, "fsdp=2", extra)
+    _, modules = train_with_xla_dump(tmp_path, "fsdp=2", extra)
     assert modules
     env = dict(os.environ, JAX_SKIP_CUDA_CONSTRAINTS_CHECK="1",
                XLA_FLAGS="--xla_gpu_autotune_level=0 --xla_gpu_enable_triton_gemm=false")

@@ -5,14 +5,13 @@ from types import SimpleNamespace
 
 import pytest
 
-from tfllm.config import load_config
 from tfllm.parallel.rules import DEFAULT_RULES, without_sequence_sharding
 from tfllm.plan.sharded import apply_mesh, per_device_config
-from tests.conftest import tiny_overrides
+from tests.harness import tiny_config
 
 
 def tiny(axes, **extra):
-    return load_config(None, tiny_overrides("llama", axes, **extra))
+    return tiny_config("llama", axes, **extra)
 
 
 @pytest.mark.parametrize("axes, batch, length", [

@@ -15,8 +15,9 @@ import os
 import shutil
 import sys
 
-from tests.conftest import tiny_overrides  # first: splits the CPU into 8 devices
-from tfllm.config import load_config
+import tests.conftest  # noqa: F401  first: splits the CPU into 8 devices
+from tests.harness import tiny_config
+from tfllm.data import feed
 from tfllm.data import SyntheticTokens
 from tfllm.parallel import make_parallel
 from tfllm.train.state import build_train_state
@@ -25,13 +26,14 @@ from tfllm.train.state import build_train_state
 def run_case(axes, recipe, remat) -> dict:
     # One block: 7 FP8 projections are enough to see every kind of GEMM, at half the
     # compile time of the usual two.
-    cfg = load_config(None, tiny_overrides("llama", axes or "data=1", **{
+    cfg = tiny_config("llama", axes or "data=1", **{
         "precision.policy": "fp8", "precision.fp8_recipe": recipe, "model.remat": remat,
-        "model.num_layers": 1, "train.jit_compile": "true"}))
+        "model.num_layers": 1, "train.jit_compile": "true"})
     parallel = make_parallel(cfg) if axes else None
     step = build_train_state(cfg, parallel, jit_compile=True).step
     data = SyntheticTokens(cfg.model.vocab_size, cfg.data.sequence_length + 1, seed=3)
-    step(step.to_device(data.batch(0, cfg.train.global_batch_size, 1)))  # returns numpy
+    # returns numpy
+    step(feed.to_device(step.parallel, data.batch(0, cfg.train.global_batch_size, 1)))
     devices = 1 if parallel is None else parallel.mesh.num_local_devices()
     # Three amax histories (x, w, output gradient) per FP8 projection.
     return {"devices": devices, "projections": len(step.model.fp8_state_variables()) // 3}

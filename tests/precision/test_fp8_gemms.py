@@ -19,7 +19,7 @@ import sys
 import pytest
 
 from tfllm.precision.fp8_hlo import dump_fp8_dot_counts
-from tests.launch.helpers import ROOT
+from tests.harness import ROOT
 
 E4M3, E5M2 = "f8e4m3fn", "f8e5m2"
 # name: (mesh axes, None without a mesh; recipe; remat)

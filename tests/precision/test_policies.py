@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from tfllm.config import load_config
+from tfllm.data import feed
 from tfllm.data import SyntheticTokens
 from tfllm.models import build_model
 from tfllm.models.common import Projection
@@ -14,7 +14,7 @@ from tfllm.parallel.placement import to_numpy
 from tfllm.precision.fp8_hlo import classify_dots
 from tfllm.train.loop import Run
 from tfllm.train.state import build_train_state
-from tests.conftest import tiny_overrides
+from tests.harness import tiny_config
 
 FP8_PROJECTIONS = ("query", "key", "value", "output", "up", "down", "gate")
 
@@ -23,8 +23,8 @@ FP8_PROJECTIONS = ("query", "key", "value", "output", "up", "down", "gate")
                                              ("float16", "float16"), ("fp8", "bfloat16")])
 @pytest.mark.parametrize("family", ["gpt", "llama"])
 def test_every_sublayer_dtype(family, policy, compute):
-    cfg = load_config(None, tiny_overrides(family, **{"precision.policy": policy,
-                                                      "precision.fp8_exclude": "block_1/mlp"}))
+    cfg = tiny_config(family, **{"precision.policy": policy,
+                                 "precision.fp8_exclude": "block_1/mlp"})
     model = build_model(cfg)
     for layer in model._flatten_layers():
         assert layer.dtype_policy.compute_dtype == compute, layer.name
@@ -43,11 +43,11 @@ def test_every_sublayer_dtype(family, policy, compute):
 
 
 def _run(policy, axes, family="gpt", steps=12, **extra):
-    cfg = load_config(None, tiny_overrides(family, axes, **{
+    cfg = tiny_config(family, axes, **{
         "precision.policy": policy, "train.steps": max(steps, 1), "optimizer.learning_rate": 3e-3,
-        "optimizer.warmup_steps": 5, **extra}))
+        "optimizer.warmup_steps": 5, **extra})
     run = Run(cfg)
-    return run, np.array([run.step(run.batch(i))["loss"] for i in range(steps)])
+    return run, np.array([run.step(run.feed.train_batch(i))["loss"] for i in range(steps)])
 
 
 # Measured (12-20 steps of the tiny models, lr 3e-3): max |loss difference| bf16 vs fp32
@@ -96,27 +96,27 @@ def test_float16_overflow_skips_the_step_and_halves_the_scale():
                   **{"precision.loss_scale_initial": 3e38})
     before = {v.path: to_numpy(v) for v in run.model.trainable_variables}
     for i in range(2):
-        out = run.step(run.batch(i))
+        out = run.step(run.feed.train_batch(i))
     assert out["skipped_steps"] == 2 and out["loss_scale"] == pytest.approx(3e38 / 4)
     assert int(to_numpy(run.optimizer.iterations)) == 0
     for v in run.model.trainable_variables:
         np.testing.assert_array_equal(to_numpy(v), before[v.path])
     # With a sane scale the next step applies.
     run.loss_scale.scale.assign(run.loss_scale.scale * 0 + 1024.0)
-    out = run.step(run.batch(2))
+    out = run.step(run.feed.train_batch(2))
     assert out["skipped_steps"] == 2 and np.isfinite(out["loss"])
     assert int(to_numpy(run.optimizer.iterations)) == 1
 
 
 def test_fp8_matmuls_lower_to_f8_dots_and_only_those():
     # One device without DTensor: get_compiler_ir needs plain tensors.
-    cfg = load_config(None, tiny_overrides("gpt", **{"precision.policy": "fp8",
-                                                     "model.num_layers": 1}))
+    cfg = tiny_config("gpt", **{"precision.policy": "fp8",
+                                "model.num_layers": 1})
     step = build_train_state(cfg, None, jit_compile=True).step
     data = SyntheticTokens(cfg.model.vocab_size, cfg.data.sequence_length + 1)
-    batch = step.to_device(data.batch(0, cfg.train.global_batch_size))
-    hlo = step._step.experimental_get_compiler_ir(
-        batch, step.loss_limit_input(float("inf")))(stage="hlo")
+    batch = feed.to_device(step.parallel, data.batch(0, cfg.train.global_batch_size))
+    hlo = step.compiled.experimental_get_compiler_ir(
+        batch, feed.place(None, np.float32(float("inf")), ()))(stage="hlo")
     dots = classify_dots(hlo)
     assert not [d.op_name for d in dots if d.kind == "half"], "dots mix FP8 and other operands"
     fp8_dots = [d.op_name for d in dots if d.kind == "full"]
@@ -142,7 +142,7 @@ def test_tf32_setting_reaches_the_compiled_dots(tf32, highest):
     # with it off, every float32 dot XLA compiles asks for HIGHEST precision (IEEE float32
     # GEMMs on a GPU); with it on (the default) the dots keep the default precision, which
     # a GPU runs on the TF32 tensor cores. The CPU's HLO carries the same attribute.
-    cfg = load_config(None, tiny_overrides("llama", **{"precision.tf32": tf32}))
+    cfg = tiny_config("llama", **{"precision.tf32": tf32})
     try:
         model = build_model(cfg, None)
         tokens = tf.zeros((1, 8), tf.int32)

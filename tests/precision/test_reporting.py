@@ -2,17 +2,15 @@
 
 import glob
 import io
-import json
 
 import numpy as np
 import tensorflow as tf
 from tensorflow.core.util import event_pb2
 
-from tfllm.config import load_config
 from tfllm.models import build_model
 from tfllm.parallel.placement import to_numpy
 from tfllm.train.loop import train
-from tests.conftest import tiny_overrides
+from tests.harness import metrics_records, tiny_config
 
 
 def _tensorboard_scalars(workdir):
@@ -26,9 +24,9 @@ def _tensorboard_scalars(workdir):
 
 
 def test_fp8_run_logs_recipe_and_scale_statistics(tmp_path):
-    cfg = load_config(None, tiny_overrides("llama", "data=2,model=4", **{
+    cfg = tiny_config("llama", "data=2,model=4", **{
         "precision.policy": "fp8", "precision.fp8_recipe": "current", "train.steps": 4,
-        "train.log_every": 2}))
+        "train.log_every": 2})
     out = io.StringIO()
     train(cfg, str(tmp_path), out=out)
     assert "precision=fp8 (keras policy mixed_bfloat16), fp8 recipe=current" in out.getvalue()
@@ -40,13 +38,13 @@ def test_fp8_run_logs_recipe_and_scale_statistics(tmp_path):
 
 
 def test_float16_run_logs_loss_scale_and_skipped_steps(tmp_path):
-    cfg = load_config(None, tiny_overrides("gpt", **{
+    cfg = tiny_config("gpt", **{
         "precision.policy": "float16", "precision.loss_scale_initial": 3e38,
-        "train.steps": 2, "train.log_every": 1}))
+        "train.steps": 2, "train.log_every": 1})
     out = io.StringIO()
     train(cfg, str(tmp_path), out=out)
     assert "dynamic loss scale from 3e+38" in out.getvalue()
-    lines = [json.loads(l) for l in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    lines = metrics_records(tmp_path)
     assert [l["skipped_steps"] for l in lines if "loss" in l] == [1, 2]
     assert "skipped 2" in out.getvalue()
     assert _tensorboard_scalars(tmp_path)["skipped_steps"] == [1.0, 2.0]
@@ -55,7 +53,7 @@ def test_float16_run_logs_loss_scale_and_skipped_steps(tmp_path):
 def test_fp8_state_is_checkpointed_with_the_model(tmp_path):
     # FP8 histories are model variables: a checkpoint of every model variable by path
     # carries them. (tf.train.Checkpoint(model=...) does not see Keras 3 variables.)
-    cfg = load_config(None, tiny_overrides("gpt", **{"precision.policy": "fp8"}))
+    cfg = tiny_config("gpt", **{"precision.policy": "fp8"})
     model = build_model(cfg)
     history = model.fp8_state_variables()[0]
     history.assign(tf.range(history.shape[0], dtype=tf.float32))

@@ -5,7 +5,7 @@ import os
 import numpy as np
 import pytest
 
-import tfllm.models
+from tfllm.data import feed
 from tfllm.config import load_config
 from tfllm.parallel import make_parallel
 from tfllm.pretrained import FAMILIES, from_preset
@@ -52,8 +52,7 @@ def sharded_logits(model, parallel, ids):
     import tensorflow as tf
     from tfllm.parallel import context
     from tfllm.parallel.placement import to_numpy
-    spec = parallel.batch_spec(ids.shape)
-    batch = parallel.shard_array(ids, spec)
+    batch = feed.place(parallel, ids)
 
     @tf.function
     def forward(x):
@@ -71,7 +70,7 @@ def test_sharded_load_on_data2_model4_equals_keras_hub(name, tmp_path):
     ids = helpers.token_ids(batch=2)
     axes = "mesh.axes=data=2,model=4"
     parallel = make_parallel(load_config(None, [axes]))
-    model = tfllm.models.from_preset(str(tmp_path / "preset"), parallel, [axes])
+    model = from_preset(str(tmp_path / "preset"), parallel, [axes])
     kernel = next(v for v in model.variables if v.path.endswith("block_0/mlp/up/kernel"))
     assert "model" in dtensor.fetch_layout(kernel.value).sharding_specs  # really sharded
     np.testing.assert_allclose(sharded_logits(model, parallel, ids),

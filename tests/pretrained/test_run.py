@@ -9,7 +9,7 @@ import pytest
 from tfllm.cli.main import main
 from tfllm.config import load_config
 from tfllm.pretrained import from_preset
-from tests.conftest import write_text_corpus
+from tests.harness import write_text_corpus
 from tests.pretrained import helpers
 
 
@@ -200,32 +200,11 @@ def test_an_existing_run_is_never_overwritten(tmp_path, capsys):
 def test_two_clients_import_each_reading_its_own_blocks(tmp_path):
     """2 real clients x 4 devices import onto fsdp=8: each reads only its half of every
     sharded weight, and the run restores in one process to exactly the preset."""
-    import signal
-    import subprocess
-    import sys
-    from tests.checkpoint.multiclient_save import ROOT
-    from tests.conftest import free_ports
+    from tests.harness import run_clients, tfllm_command
     helpers.save_preset("llama3", tmp_path / "preset")
-    ports = free_ports(2)
-    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3", PYTHONPATH=ROOT,
-               DTENSOR_JOBS=",".join(f"localhost:{p}" for p in ports),
-               DTENSOR_JOB_NAME="worker")
-    args = [sys.executable, "-m", "tfllm.cli.main", "import", "--preset",
-            str(tmp_path / "preset"), "--workdir", str(tmp_path / "run"), "--set",
-            "mesh.axes=fsdp=8"]
-    procs = [subprocess.Popen(args, cwd=ROOT, env=dict(env, DTENSOR_CLIENT_ID=str(i)),
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                              start_new_session=True) for i in range(2)]
-    try:
-        outputs = [p.communicate(timeout=240)[0] for p in procs]
-    finally:
-        for p in procs:  # never leave a client behind
-            if p.poll() is None:
-                os.killpg(p.pid, signal.SIGKILL)
-                p.wait()
-    for p, out in zip(procs, outputs):
-        assert p.returncode == 0, out[-3000:]
-    reports = [json.loads(out.strip().splitlines()[-1]) for out in outputs]
+    reports = run_clients(tfllm_command("import", "--preset", str(tmp_path / "preset"),
+                                        "--workdir", str(tmp_path / "run"),
+                                        "--set", "mesh.axes=fsdp=8"), clients=2, timeout=240)
     reference = from_preset(str(tmp_path / "preset"))
     total = sum(int(np.prod(v.shape)) * 4 for v in reference.variables)
     replicated = sum(int(np.prod(v.shape)) * 4 for v in reference.variables

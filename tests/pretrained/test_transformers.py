@@ -108,7 +108,7 @@ def test_export_hf_loads_in_transformers_and_writes_the_source_tensors(name, tmp
     ids = helpers.token_ids()
     _assert_same_model(ref.logits(ref.load(out), ids), ref.logits(ref.load(source), ids))
     # the tokenizer loads in transformers and encodes like the run's own
-    _, transformers = ref._load()
+    _, transformers = ref.load_torch_transformers()
     text = "Hello world, and a longer sentence."
     hub = ref.keras_hub_tokenizer(ref.MODELS[name][2])
     assert transformers.AutoTokenizer.from_pretrained(str(out)).encode(
@@ -130,7 +130,7 @@ def test_export_hf_bfloat16_in_shards_with_an_index(tmp_path):
                                               if n.endswith(".safetensors"))
     for name in files:  # no shard above the limit unless one tensor is
         assert os.path.getsize(out / name) < 40_000 + 4096
-    torch, _ = ref._load()
+    torch, _ = ref.load_torch_transformers()
     theirs, ours = ref.safetensors_of(source), ref.safetensors_of(out)
     assert index["metadata"]["total_size"] == sum(a.nbytes for a in ours.values())
     for key, value in theirs.items():  # round to nearest even, as torch does

@@ -17,7 +17,8 @@ torch = None
 transformers = None
 
 
-def _load():
+def load_torch_transformers():
+    """(torch, transformers), imported on first use (the `hf` extra; slow to import)."""
     global torch, transformers
     if transformers is None:
         import torch as _torch
@@ -71,7 +72,7 @@ MODELS = {
 def make_model(name: str, seed: int = 0):
     """A transformers CausalLM with every parameter drawn from N(0, 0.3^2) (norm scales
     included), so that the logits depend on every tensor."""
-    torch, transformers = _load()
+    torch, transformers = load_torch_transformers()
     cls_name, kwargs, _ = MODELS[name]
     config = getattr(transformers, cls_name)(**kwargs)
     torch.manual_seed(seed)
@@ -136,7 +137,7 @@ def save(name: str, path, dtype: str = "float32", layout: str = "transformers5",
       `transformers4` (the same config rewritten as transformers 4 wrote it: rope_theta
       and rope_scaling at the top level).
     """
-    torch, transformers = _load()
+    torch, transformers = load_torch_transformers()
     from keras_hub.src.utils.transformers.export.hf_exporter import export_tokenizer
     model = make_model(name, seed)
     if dtype == "bfloat16":
@@ -167,13 +168,13 @@ def save(name: str, path, dtype: str = "float32", layout: str = "transformers5",
 
 def load(path):
     """The folder loaded by transformers in float32 (eager attention: plain matmuls)."""
-    torch, transformers = _load()
+    torch, transformers = load_torch_transformers()
     return transformers.AutoModelForCausalLM.from_pretrained(
         str(path), dtype=torch.float32, attn_implementation="eager").eval()
 
 
 def logits(model, ids) -> np.ndarray:
-    torch, _ = _load()
+    torch, _ = load_torch_transformers()
     with torch.no_grad():
         return model(torch.tensor(np.asarray(ids, np.int64))).logits.float().numpy()
 

@@ -19,11 +19,12 @@ import tensorflow as tf
 from tensorflow.core.framework import graph_pb2
 from tensorflow.experimental import dtensor
 
-from tests.conftest import run_in_child, tiny_overrides
-from tfllm.config import load_config
+from tests.harness import run_in_child, tiny_config
+from tfllm.data import feed
 from tfllm.data import SyntheticTokens
 from tfllm.parallel import make_parallel
-from tfllm.train import costs, hlo_dump, tf_internal
+from tfllm import internals
+from tfllm.train import costs, hlo_dump
 from tfllm.train.loop import train
 from tfllm.train.metrics import count_params
 from tfllm.train.state import build_train_state
@@ -193,9 +194,9 @@ def _sharded_elements(model):
 def test_train_on_fsdp_reports_per_weight_gathers(tmp_path):
     # Graph mode (XLA on CPU is slow to compile; the collectives are the same, see
     # test_xla's reports): tfllm train prints the report and writes costs.json.
-    cfg = load_config(None, tiny_overrides("llama", "fsdp=8", **{
+    cfg = tiny_config("llama", "fsdp=8", **{
         "train.steps": 1, "train.eval_steps": 1, "train.jit_compile": "false",
-        "train.progress": "lines"}))
+        "train.progress": "lines"})
     out = io.StringIO()
     train(cfg, str(tmp_path / "run"), out=out)
     saved = json.loads((tmp_path / "run" / "costs.json").read_text())
@@ -221,11 +222,11 @@ def test_train_on_fsdp_reports_per_weight_gathers(tmp_path):
 
 
 def _first_step(axes, jit, **extra):
-    cfg = load_config(None, tiny_overrides("llama", axes or "data=1", **extra))
+    cfg = tiny_config("llama", axes or "data=1", **extra)
     parallel = None if axes is None else make_parallel(cfg)
     step = build_train_state(cfg, parallel, jit).step
     data = SyntheticTokens(cfg.model.vocab_size, cfg.data.sequence_length + 1, seed=3)
-    step(step.to_device(data.batch(0, cfg.train.global_batch_size, 1)))
+    step(feed.to_device(step.parallel, data.batch(0, cfg.train.global_batch_size, 1)))
     return step
 
 
@@ -253,7 +254,7 @@ def test_a_collective_inside_a_dtensor_while_loop_is_flagged():
         _, s = tf.while_loop(lambda i, s: i < 3, body, (tf.constant(0), s))
         return s + tf.reduce_sum(v)
 
-    with tf_internal.collect_executed_graphs() as graphs:
+    with internals.collect_executed_graphs() as graphs:
         f(v, s)
     report = costs.report_from_graphs(graphs())
     assert sorted(c.in_loop for c in report.collectives) == [False, True]

@@ -3,8 +3,7 @@
 import numpy as np
 import tensorflow as tf
 
-from tests.conftest import tiny_overrides
-from tfllm.config import load_config
+from tests.harness import tiny_config
 from tfllm.train.run import Run
 
 
@@ -13,8 +12,8 @@ def _bytes(variables):
 
 
 def test_an_inference_run_holds_the_weights_and_evaluates_like_a_training_run():
-    cfg = load_config(None, tiny_overrides("llama", "fsdp=2", **{
-        "precision.policy": "float16", "train.eval_steps": 2}))
+    cfg = tiny_config("llama", "fsdp=2", **{
+        "precision.policy": "float16", "train.eval_steps": 2})
     full = Run(cfg, train_iterator=False)
     lean = Run(cfg, train_iterator=False, inference=True)
     assert full.optimizer is not None and full.loss_scale is not None

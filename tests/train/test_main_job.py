@@ -1,18 +1,14 @@
 """The main job: `tfllm train` with no config, shortened; and the progress display."""
 
 import io
-import json
 import math
 import os
-import subprocess
-import sys
 
 import pytest
 
 from tfllm.train.metrics import Peak
 from tfllm.train.progress import Progress
-
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from tests.harness import metrics_records, run_tfllm
 
 
 @pytest.mark.slow
@@ -20,18 +16,17 @@ def test_default_run_on_the_embedded_corpus(tmp_path):
     # Every default (corpus, SentencePiece at 2048, the 1.1M-parameter GPT, data=-1)
     # except the length: 40 steps instead of 1200 and a private cache directory.
     workdir = tmp_path / "run"
-    r = subprocess.run(
-        [sys.executable, "-m", "tfllm.cli.main", "train", "--workdir", str(workdir),
-         "--set", "train.steps=40", "--set", "train.log_every=10",
-         "--set", "train.eval_every=20", "--set", "train.eval_steps=4",
-         "--set", f"data.data_dir={tmp_path / 'cache'}", "--set", "train.sample_tokens=16"],
-        cwd=ROOT, capture_output=True, text=True, timeout=900,
-        env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3"))
+    r = run_tfllm(
+        "train", "--workdir", str(workdir),
+        "--set", "train.steps=40", "--set", "train.log_every=10",
+        "--set", "train.eval_every=20", "--set", "train.eval_steps=4",
+        "--set", f"data.data_dir={tmp_path / 'cache'}", "--set", "train.sample_tokens=16",
+        timeout=900)
     assert r.returncode == 0, r.stderr[-3000:]
     out = r.stdout
     assert "step 40/40" in out and "tok/s" in out and "MFU" in out and "ETA" in out
     assert "sample: def " in out
-    records = [json.loads(l) for l in (workdir / "metrics.jsonl").read_text().splitlines()]
+    records = metrics_records(workdir)
     evals = [r["eval_loss"] for r in records if "eval_loss" in r]
     assert len(evals) == 2
     # 40 steps already beat a uniform guess over the 2048 pieces by a wide margin

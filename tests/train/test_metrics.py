@@ -97,12 +97,11 @@ def test_the_timed_peak_copies_one_element_not_the_product(monkeypatch):
 
 @pytest.mark.slow
 def test_bench_reports_the_same_peak_as_train(monkeypatch):
-    from tfllm.config import load_config
-    from tests.conftest import tiny_overrides
+    from tests.harness import tiny_config
     # A peak far above what the tiny step reaches, so that it is not raised.
     monkeypatch.setattr(metrics, "measure_matmul_peak",
                         lambda n=2048, repeats=10, dtype=None: 1e12)
-    cfg = load_config(None, tiny_overrides("gpt", "data=8"))
+    cfg = tiny_config("gpt", "data=8")
     out = bench.benchmark(cfg, steps=2, warmup=1)
     # 8 logical CPU devices share one host: the peak is the host's, not 8x it (the
     # figure `tfllm train` divides by), and the MFU follows from the same function.

@@ -6,18 +6,15 @@ One tiny byte-tokenized text run on data=2,model=4 (module-scoped: trained once)
 import glob
 import json
 import os
-import subprocess
-import sys
 
 import numpy as np
 import pytest
 import tensorflow as tf
 
-from tests.conftest import text_overrides
+from tests.harness import metrics_records, run_tfllm, text_overrides
+from tfllm.data import feed
 from tfllm.config import load_config
 from tfllm.train.loop import train
-
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 @pytest.fixture(scope="module")
@@ -30,15 +27,9 @@ def run_dir(tmp_path_factory):
     return tmp / "run", cfg, last
 
 
-def _tfllm(*args, timeout=300):
-    return subprocess.run([sys.executable, "-m", "tfllm.cli.main", *args], cwd=ROOT,
-                          capture_output=True, text=True, timeout=timeout,
-                          env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3"))
-
-
 def test_workdir_holds_metrics_tensorboard_plot_checkpoints_config(run_dir):
     workdir, cfg, last = run_dir
-    records = [json.loads(l) for l in (workdir / "metrics.jsonl").read_text().splitlines()]
+    records = metrics_records(workdir)
     train_steps = [r["step"] for r in records if "loss" in r]
     assert train_steps == [1, 2, 4, 6, 8]
     for r in records:
@@ -59,7 +50,7 @@ def test_workdir_holds_metrics_tensorboard_plot_checkpoints_config(run_dir):
 @pytest.mark.slow
 def test_eval_on_another_mesh_matches_training_eval(run_dir):
     workdir, _, last = run_dir
-    r = _tfllm("eval", "--workdir", str(workdir), "--set", "mesh.axes=fsdp=8")
+    r = run_tfllm("eval", "--workdir", str(workdir), "--set", "mesh.axes=fsdp=8")
     assert r.returncode == 0, r.stderr[-3000:]
     result = json.loads(r.stdout.strip().splitlines()[-1])
     # The same weights and batches on another mesh: only float32 summation order differs.
@@ -73,7 +64,7 @@ def test_generate_cli_is_seeded(run_dir):
     workdir, _, _ = run_dir
     args = ["generate", "--workdir", str(workdir), "--prompt", "the cat", "--max-new-tokens",
             "6", "--temperature", "1.0", "--top-k", "20", "--top-p", "0.9", "--seed", "3"]
-    first, second = _tfllm(*args), _tfllm(*args)
+    first, second = run_tfllm(*args), run_tfllm(*args)
     assert first.returncode == 0, first.stderr[-3000:]
     assert first.stdout == second.stdout and first.stdout.startswith("the cat")
 
@@ -96,7 +87,7 @@ def test_export_serves_the_sharded_models_logits(run_dir, tmp_path):
     model = build_model(cfg, parallel)
     Checkpointer(str(workdir / "checkpoints"), parallel, cfg.checkpoint).restore_latest(
         run_state_variables(model), strict=False)
-    batch = parallel.shard_array(np.repeat(ids, 2, axis=0))  # 2 rows: one per data shard
+    batch = feed.place(parallel, np.repeat(ids, 2, axis=0))  # 2 rows: one per data shard
 
     @tf.function
     def logits(x):
@@ -113,8 +104,8 @@ def test_export_serves_the_sharded_models_logits(run_dir, tmp_path):
 
 def test_a_workdir_with_a_different_run_is_refused(run_dir):
     workdir, _, _ = run_dir
-    r = _tfllm("train", "--workdir", str(workdir), "--config", "configs/tiny.yaml",
-               "--set", "model.hidden_dim=32")
+    r = run_tfllm("train", "--workdir", str(workdir), "--config", "configs/tiny.yaml",
+                  "--set", "model.hidden_dim=32")
     assert r.returncode == 2
     assert f"{workdir} holds a different run" in r.stderr and "model.hidden_dim" in r.stderr
 
@@ -131,10 +122,10 @@ def test_a_corrupt_checkpoint_is_named_or_skipped(run_dir, tmp_path):
     data = bytearray(shards.read_bytes())
     data[index[name]["blocks"][0]["offset"]] ^= 0xFF
     shards.write_bytes(bytes(data))
-    r = _tfllm("eval", "--workdir", str(copy), "--steps", "1")
+    r = run_tfllm("eval", "--workdir", str(copy), "--steps", "1")
     assert r.returncode == 2 and "shards.bin" in r.stderr and "corrupt" in r.stderr
-    r = _tfllm("eval", "--workdir", str(copy), "--steps", "1",
-               "--set", "checkpoint.on_corruption=fallback")
+    r = run_tfllm("eval", "--workdir", str(copy), "--steps", "1",
+                  "--set", "checkpoint.on_corruption=fallback")
     assert r.returncode == 0, r.stderr[-3000:]
     assert json.loads(r.stdout.strip().splitlines()[-1])["step"] == 4
     assert "falling back" in r.stderr

@@ -15,7 +15,7 @@ import signal
 
 import pytest
 
-from tests.conftest import text_overrides, tiny_overrides
+from tests.harness import text_overrides, tiny_config
 from tfllm.config import ConfigError, load_config
 from tfllm.data import DataError
 from tfllm.data.sources import has_validation
@@ -120,8 +120,8 @@ def test_a_sample_prompt_too_long_for_the_model_fails_before_the_first_step(tmp_
 
 
 def test_the_final_checkpoint_is_saved_before_the_final_evaluation(tmp_path, monkeypatch):
-    cfg = load_config(None, tiny_overrides("gpt", "data=1", **{**ONE_DEVICE,
-                                                               "train.steps": 2}))
+    cfg = tiny_config("gpt", "data=1", **{**ONE_DEVICE,
+                                          "train.steps": 2})
     _fail_evaluation(monkeypatch)
     _without_compute(monkeypatch)
     with pytest.raises(RuntimeError, match="evaluation failed"):
@@ -155,8 +155,8 @@ def test_a_signal_whose_save_fails_still_stops_as_preempted(tmp_path, monkeypatc
         raise OSError(errno.ENOSPC, "No space left on device")
     monkeypatch.setattr(Checkpointer, "save", full_disk)
     _without_compute(monkeypatch, on_call=lambda: os.kill(os.getpid(), signal.SIGTERM))
-    cfg = load_config(None, tiny_overrides("gpt", "data=1", **{**ONE_DEVICE,
-                                                               "train.steps": 5}))
+    cfg = tiny_config("gpt", "data=1", **{**ONE_DEVICE,
+                                          "train.steps": 5})
     with pytest.raises(Preempted) as e:
         train(cfg, str(tmp_path))
     assert e.value.step == 1 and isinstance(e.value.__cause__, OSError)

@@ -4,19 +4,15 @@ Real processes (`python -m tfllm.cli.main train`), real signals, hard timeouts, 
 process groups killed in `finally` so that nothing is left behind.
 """
 
-import json
 import os
 import signal
-import subprocess
-import sys
 import time
 
 import pytest
 
-from tests.conftest import write_text_corpus
-from tests.launch.helpers import kill_group
+from tests.harness import (finish, kill_group, metrics_records, start_process, tfllm_command,
+                           tfllm_env, write_text_corpus)
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 TIMEOUT_S = 300
 PREEMPTED, NONFINITE = 75, 3
 
@@ -30,7 +26,7 @@ def _args(workdir, *extra):
             "--set", "mesh.num_cpu_devices=8"]
     for e in extra:
         base += ["--set", e]
-    return [sys.executable, "-m", "tfllm.cli.main", "train"] + base
+    return tfllm_command("train", *base)
 
 
 # lr 1e30 without clipping blows the weights up after the first update: from step 2 on
@@ -39,27 +35,17 @@ _EXPLODE = ("data.source=synthetic", "optimizer.learning_rate=1e30", "optimizer.
             "optimizer.warmup_steps=0")
 
 
-def _env():
-    return dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3", PYTHONUNBUFFERED="1")
-
-
 def _start(cmd):
     """cmd in its own process group (kill_group reaps it and anything it started)."""
-    return subprocess.Popen(cmd, cwd=ROOT, env=_env(), stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    return start_process(cmd, tfllm_env(PYTHONUNBUFFERED="1"), merge_stderr=True)
 
 
 def _run(cmd, timeout=TIMEOUT_S):
-    proc = _start(cmd)
-    try:
-        out = proc.communicate(timeout=timeout)[0]
-    finally:
-        kill_group(proc)
-    return proc.returncode, out
+    return finish(_start(cmd), timeout)[:2]
 
 
 def _losses(workdir):
-    records = [json.loads(l) for l in (workdir / "metrics.jsonl").read_text().splitlines()]
+    records = metrics_records(workdir)
     return {r["step"]: r["loss"] for r in records if "loss" in r}
 
 
@@ -102,8 +88,7 @@ def test_signal_saves_exits_75_and_resume_is_exact(tmp_path, sig, source):
     stopped = max(_losses(tmp_path / "cut"))
     assert 3 <= stopped < 30
     # Resume: the same command (no --config needed: the workdir has its config).
-    rc, out = _run([sys.executable, "-m", "tfllm.cli.main", "train", "--workdir",
-                    str(tmp_path / "cut")])
+    rc, out = _run(tfllm_command("train", "--workdir", str(tmp_path / "cut")))
     assert rc == 0, out[-3000:]
     assert f"resuming after step {stopped}" in out
     resumed = _losses(tmp_path / "cut")
@@ -131,7 +116,7 @@ def test_nonfinite_skip_counts_every_skipped_step(tmp_path):
     cmd = _args(tmp_path / "w", "train.steps=5", *_EXPLODE, "train.on_nonfinite=skip")
     rc, out = _run(cmd)
     assert rc == 0, out[-3000:]
-    records = [json.loads(l) for l in (tmp_path / "w" / "metrics.jsonl").read_text().splitlines()]
+    records = metrics_records(tmp_path / "w")
     last = [r for r in records if "skipped_steps" in r][-1]
     assert last["step"] == 5 and last["skipped_steps"] == 4
 

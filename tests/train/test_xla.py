@@ -13,22 +13,19 @@ usual 8-device meshes.
 import glob
 import os
 import re
-import subprocess
-import sys
 
 import pytest
 import tensorflow as tf
 from tensorflow.core.framework import graph_pb2
 
-from tfllm.config import load_config
+from tfllm.data import feed
 from tfllm.data import SyntheticTokens
 from tfllm.parallel import make_parallel
 from tfllm.train import xla
 from tfllm.train.state import build_train_state
-from tfllm.train.step import resolve_jit
-from tests.conftest import tiny_overrides
-from tests.launch.helpers import (PY, ROOT, assert_no_leftovers, finish, kill_workers,
-                                  launcher_env, start)
+from tests.harness import (ROOT, finish, run_tfllm, tfllm_command, tfllm_env, tiny_config,
+                           train_with_xla_dump)
+from tests.launch.helpers import assert_no_leftovers, kill_workers, launcher_env, start
 
 TIMEOUT_S = 600
 
@@ -72,19 +69,13 @@ def test_a_step_without_clusters_is_an_error():
     xla.check_compiled(None)  # jit_compile off: nothing to check
 
 
-def test_auto_is_decided_per_device_type():
-    assert resolve_jit("auto", "GPU") is True
-    assert resolve_jit("auto", "CPU") is False
-    assert resolve_jit("true", "CPU") is True and resolve_jit("false", "GPU") is False
-
-
 # ---- one device, and several in one process ---------------------------------------------
 def _step(axes, jit, family="llama", **extra):
-    cfg = load_config(None, tiny_overrides(family, axes, **extra))
+    cfg = tiny_config(family, axes, **extra)
     parallel = make_parallel(cfg)
     step = build_train_state(cfg, parallel, jit).step
     data = SyntheticTokens(cfg.model.vocab_size, cfg.data.sequence_length + 1, seed=3)
-    batch = step.to_device(data.batch(0, cfg.train.global_batch_size, 1))
+    batch = feed.to_device(step.parallel, data.batch(0, cfg.train.global_batch_size, 1))
     return step, step(batch)
 
 
@@ -119,8 +110,8 @@ def test_what_xla_compiles_of_evaluation_and_generation_on_a_mesh():
     step, _ = _step("data=2", True, family="gpt")
     data = SyntheticTokens(128, 17, seed=5)
     evaluator = Evaluator(step.model, step.parallel, True)
-    _, report = xla.run_and_report(evaluator._sums, (step.to_device(data.batch(0, 16, 1)),),
-                                   step.parallel, True)
+    batch = feed.to_device(step.parallel, data.batch(0, 16, 1))
+    _, report = xla.run_and_report(evaluator.compiled, (batch,), step.parallel, True)
     assert report.clusters >= 1 and report.core_outside() == {}, report.examples
     generator = Generator(step.model, step.parallel, jit_compile=True)
     tokens, start, options, _, _ = generator._request([[1, 2, 3], [4, 5, 6]], 4, 0.0, 0,
@@ -140,31 +131,11 @@ def test_what_xla_compiles_of_evaluation_and_generation_on_a_mesh():
 
 
 # ---- what XLA itself compiled (HLO dumps), through `tfllm train` ------------------------
-def _train(tmp_path, axes, extra=(), dump=True):
-    dump_dir = tmp_path / "xla_dump"
-    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3", PYTHONPATH=ROOT)
-    env.pop("TF_XLA_FLAGS", None)  # a fresh workdir's own cache: every cluster compiles
-    if dump:
-        # The HLO read here is XLA's input; LLVM at -O0 only shortens CPU code generation.
-        env["XLA_FLAGS"] = f"--xla_dump_to={dump_dir} --xla_backend_optimization_level=0"
-    cmd = [PY, "-m", "tfllm.cli.main", "train", "--config", "configs/tiny.yaml",
-           "--workdir", str(tmp_path / "run"), "--set", f"mesh.axes={axes}",
-           "--set", "train.jit_compile=true", "--set", "train.steps=2",
-           "--set", "train.log_every=1", "--set", "train.eval_steps=1",
-           "--set", "train.progress=lines", *extra]
-    out = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True,
-                         timeout=TIMEOUT_S)
-    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
-    modules = {os.path.basename(p): open(p).read()
-               for p in glob.glob(str(dump_dir / "*before_optimizations.txt"))}
-    return out.stdout, modules
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("axes", ["data=1", "fsdp=2"])
 def test_train_compiles_matmuls_norms_softmax_and_update_in_xla(tmp_path, axes):
-    stdout, modules = _train(tmp_path, axes, ["--set", "model.family=llama",
-                                              "--set", "model.num_key_value_heads=2"])
+    stdout, modules = train_with_xla_dump(tmp_path, axes, [
+        "--set", "model.family=llama", "--set", "model.num_key_value_heads=2"])
     line = re.search(r"XLA: (\d+) clusters per device on (\d+) device", stdout)
     assert line, stdout[-2000:]
     assert int(line.group(2)) == (1 if axes == "data=1" else 2)
@@ -180,8 +151,8 @@ def test_train_compiles_matmuls_norms_softmax_and_update_in_xla(tmp_path, axes):
 
 @pytest.mark.slow
 def test_fp8_step_executes_its_casts_in_xla(tmp_path):
-    stdout, modules = _train(tmp_path, "data=1", ["--set", "precision.policy=fp8",
-                                                  "--set", "model.num_layers=1"])
+    stdout, modules = train_with_xla_dump(tmp_path, "data=1", [
+        "--set", "precision.policy=fp8", "--set", "model.num_layers=1"])
     assert "XLA: " in stdout
     text = "\n".join(m for n, m in modules.items() if "cluster_" in n)
     # The executed program quantizes activations to E4M3 and gradients to E5M2.
@@ -197,12 +168,12 @@ def test_each_client_of_a_two_process_run_compiles_its_step(tmp_path, policy):
     # fp8 under TF's global auto-clustering failed in this shape ("Multiple CPU devices"
     # across /job:worker and /job:localhost); the marked clusters compile.
     log_dir = tmp_path / "logs"
-    cmd = [PY, "-m", "tfllm.cli.main", "train", "--config", "configs/tiny.yaml",
-           "--workdir", str(tmp_path / "run"), "--set", "mesh.axes=data=2",
-           "--set", "mesh.num_cpu_devices=1", "--set", "train.jit_compile=true",
-           "--set", "train.steps=2", "--set", "train.log_every=1",
-           "--set", "train.eval_steps=1", "--set", "train.progress=lines",
-           "--set", f"precision.policy={policy}"]
+    cmd = tfllm_command("train", "--config", "configs/tiny.yaml",
+                        "--workdir", str(tmp_path / "run"), "--set", "mesh.axes=data=2",
+                        "--set", "mesh.num_cpu_devices=1", "--set", "train.jit_compile=true",
+                        "--set", "train.steps=2", "--set", "train.log_every=1",
+                        "--set", "train.eval_steps=1", "--set", "train.progress=lines",
+                        "--set", f"precision.policy={policy}")
     proc = start(["--mode", "local", "--num-workers", "2", "--log-dir", str(log_dir),
                   "--startup-timeout", str(TIMEOUT_S), "--", *cmd],
                  env=launcher_env(PYTHONPATH=ROOT))
@@ -225,16 +196,14 @@ def test_a_resumed_run_loads_its_compiled_step_instead_of_compiling(tmp_path):
     run = tmp_path / "run"
 
     def train(steps, dump):
-        env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3", PYTHONPATH=ROOT,
-                   XLA_FLAGS=f"--xla_dump_to={dump}")
+        env = tfllm_env(PYTHONPATH=ROOT, XLA_FLAGS=f"--xla_dump_to={dump}")
         env.pop("TF_XLA_FLAGS", None)
-        cmd = [PY, "-m", "tfllm.cli.main", "train", "--config", "configs/tiny.yaml",
-               "--workdir", str(run), "--set", "train.jit_compile=true",
-               "--set", "mesh.axes=data=1", "--set", "model.num_layers=1",
-               "--set", f"train.steps={steps}", "--set", "checkpoint.every=2",
-               "--set", "train.sample_tokens=0", "--set", "train.eval_steps=1"]
-        out = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True,
-                             timeout=TIMEOUT_S)
+        out = run_tfllm("train", "--config", "configs/tiny.yaml",
+                        "--workdir", str(run), "--set", "train.jit_compile=true",
+                        "--set", "mesh.axes=data=1", "--set", "model.num_layers=1",
+                        "--set", f"train.steps={steps}", "--set", "checkpoint.every=2",
+                        "--set", "train.sample_tokens=0", "--set", "train.eval_steps=1",
+                        timeout=TIMEOUT_S, env=env)
         assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
         compiled = glob.glob(str(dump / "*cluster_*before_optimizations.txt"))
         return compiled, sorted(os.listdir(run / "xla_cache" / "client_0"))

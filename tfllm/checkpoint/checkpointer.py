@@ -18,7 +18,8 @@ from tfllm.checkpoint import storage
 from tfllm.checkpoint.reader import Reader
 from tfllm.checkpoint.shards import CheckpointError, owned_blocks, tf_variable
 from tfllm.confined import relative_name
-from tfllm.exit_codes import io_failure
+from tfllm import contracts
+from tfllm.contracts import io_failure
 
 log = logging.getLogger("tfllm.checkpoint")
 
@@ -31,9 +32,8 @@ def _client_info(parallel, client_id, num_clients):
     if parallel is not None:  # DTensor's own view (multi-client: from DTENSOR_* env vars)
         return (dtensor.client_id() if client_id is None else client_id,
                 dtensor.num_clients() if num_clients is None else num_clients)
-    from tfllm.parallel.mesh import num_clients as env_clients
-    return (int(os.environ.get("DTENSOR_CLIENT_ID", 0)) if client_id is None else client_id,
-            env_clients() if num_clients is None else num_clients)
+    return (contracts.client_id() if client_id is None else client_id,
+            contracts.num_clients() if num_clients is None else num_clients)
 
 
 def _read_client_files(client_files: ClientFiles) -> Dict[str, bytes]:
@@ -175,7 +175,7 @@ class Checkpointer:
                 # the waiting clients learn it at once, and fail as this one does
                 storage.mark_failed(tmp, e, io_failure(e))
             if isinstance(e, OSError):  # full disk, quota, permissions: the command's
-                # I/O exit code (tfllm.exit_codes), which finds this OSError as the cause
+                # I/O exit code (tfllm.contracts), which finds this OSError as the cause
                 raise CheckpointError(f"saving the checkpoint of step {step} failed: {e}; "
                                       "the committed checkpoints are untouched") from e
             raise

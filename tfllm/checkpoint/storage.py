@@ -197,7 +197,7 @@ def wait_committed(directory: str, tmp: str, step: int, nonce: str, timeout_s: f
     Raises:
       CheckpointError: client 0 marked the save failed (`mark_failed`); raised from an
         OSError when the storage failed, so that every client exits as client 0 does
-        (74, tfllm.exit_codes), or after `timeout_s`.
+        (74, tfllm.contracts), or after `timeout_s`.
     """
     marker = os.path.join(directory, step_name(step), "COMMIT")
 
@@ -219,7 +219,7 @@ def mark_failed(tmp: str, error: BaseException, io_error: Optional[OSError] = No
     Args:
       tmp: the save's temporary directory.
       error: why the save failed.
-      io_error: the OSError of a failed storage (`tfllm.exit_codes.io_failure`), or None.
+      io_error: the OSError of a failed storage (`tfllm.contracts.io_failure`), or None.
     """
     record = {"error": str(error) or type(error).__name__}
     if io_error is not None:

@@ -11,7 +11,7 @@ import traceback
 from typing import Optional
 
 import tfllm  # noqa: F401  (sets KERAS_BACKEND before keras is imported)
-from tfllm.exit_codes import (BAD_INPUT_EXIT_CODE, HARD_STOP_EXIT_CODE, IO_ERROR_EXIT_CODE,
+from tfllm.contracts import (BAD_INPUT_EXIT_CODE, HARD_STOP_EXIT_CODE, IO_ERROR_EXIT_CODE,
                               NONFINITE_EXIT_CODE, PEER_LOST_EXIT_CODE, PREEMPTED_EXIT_CODE,
                               InputError, io_failure)
 
@@ -80,7 +80,7 @@ def _persist_compiles(args, config, workdir) -> None:
     creates are kept in `args.created`: a command that fails removes them while they are
     still empty (`main`), so that a refused run leaves its workdir as it was."""
     from tfllm.parallel import runtime_env
-    from tfllm.parallel.mesh import client_id
+    from tfllm.contracts import client_id
     directory = runtime_env.xla_cache_dir(config.train.xla_cache, workdir, client_id())
     if directory:
         args.created = _missing_folders(os.path.join(directory, "autotune"))
@@ -306,7 +306,7 @@ def cmd_plan(args) -> int:
 
 
 def cmd_export_step(args) -> int:
-    from tfllm.train.export_step import export_step
+    from tfllm.plan.export_step import export_step
     config = _load(args)
     desc = export_step(config, args.out, check=args.check)
     print(json.dumps({"out": args.out, "params": len(desc["params"]),

@@ -1,7 +1,13 @@
-"""Token sources for training: embedded corpus, text/TFRecord/TFDS pipelines, tokenizers.
+"""Token sources and the device feed (floor 2: imports parallel and the ground floor).
 
-Entry points: `load_tokenizer(config, workdir)` then `Batches(config, tokenizer, split,
-rows=...)`; `SyntheticTokens` for the synthetic source; `DataError` for bad input.
+Owns the data: embedded corpus, text/TFRecord/TFDS pipelines, tokenizers, synthetic
+tokens; and, in `feed`, everything about how token rows reach the devices (which rows a
+client reads, sharded device batches for training, evaluation and generation, the
+first-batch peek, the iterator's position as bytes).
+
+Entry points: `feed.DeviceFeed(config, parallel, tokenizer)` for a run's batches;
+`load_tokenizer(config, workdir)`; `Batches(config, tokenizer, split, rows=...)` for host
+arrays; `SyntheticTokens` for the synthetic source; `DataError` for bad input.
 """
 from tfllm.data.errors import DataError
 from tfllm.data.synthetic import SyntheticTokens

@@ -17,7 +17,7 @@ from typing import Callable, Iterable, List, Optional
 import tensorflow as tf
 
 from tfllm.data.errors import DataError
-from tfllm.parallel.keras_internal import safe_mode
+from tfllm.internals import safe_mode
 
 BYTE_VOCAB_SIZE = 257  # 256 byte values + the end-of-document id
 MAX_SENTENCES = 50_000  # lines fed to the SentencePiece trainer; bounds training time
@@ -160,7 +160,7 @@ def load_keras_hub_tokenizer(path: str, fix: str = "give a keras-hub tokenizer p
 
     A preset's tokenizer.json is deserialized by Keras; safe mode refuses the Python code
     (lambdas) a crafted one could carry, even when this process enabled unsafe
-    deserialization for something else (`tfllm.parallel.keras_internal.safe_mode`).
+    deserialization for something else (`tfllm.internals.safe_mode`).
 
     Args:
       path: the preset directory.

@@ -1,4 +1,8 @@
-"""Text generation: a KV-cached, XLA-compiled decode loop with greedy and sampled decoding."""
+"""Text generation: a KV-cached, XLA-compiled decode loop with greedy and sampled decoding.
 
-from tfllm.generate.generator import Generator, batch_multiple
+Floor 5: computes on models; its inputs come from `tfllm.data.feed`, its compiled
+functions from `tfllm.compiler.jit`.
+"""
+
+from tfllm.generate.generator import Generator
 from tfllm.generate.sampling import filter_logits, next_token

@@ -16,20 +16,20 @@ copies of its last prompt, and the copies' outputs are dropped.
 from __future__ import annotations
 
 import itertools
-import math
 import time
-from typing import List, Optional, Sequence, Union
+from typing import Optional, Sequence, Union
 
 import numpy as np
 import tensorflow as tf
 
 from tfllm.generate.sampling import next_token
 from tfllm.parallel import context
-from tfllm.train import xla
+from tfllm.compiler.jit import Retraced
+from tfllm.data import feed
 
-_BATCH = ("activation_batch",)
+_BATCH = feed.BATCH_AXES
 _LOOP_IDS = itertools.count()
-_TOKENS = ("activation_batch", None)
+_TOKENS = feed.TOKEN_AXES
 
 Prompts = Union[Sequence[int], Sequence[Sequence[int]]]
 
@@ -49,8 +49,7 @@ class Generator:
         self.model = model
         self.parallel = parallel.for_decoding() if parallel is not None else None
         def compiled(fn):
-            return _Retraced(fn, lambda f: xla.compile_fn(f, parallel, jit_compile),
-                             parallel is not None)
+            return Retraced(fn, self.parallel, jit_compile)
         self._prefill = compiled(self._prefill_fn)
         self._decode = compiled(self._decode_fn)
         self._token_step = compiled(self._token_step_fn)
@@ -162,66 +161,62 @@ class Generator:
 
     # ---- compiled parts ------------------------------------------------------------------
     def _prefill_fn(self, tokens, start, scalars, cache_length):
-        with context.use(self.parallel):
-            cache = self.model.init_cache(tokens.shape[0], cache_length)
-            logits, cache = self.model.call_with_cache(tokens, cache, 0, start,
-                                                       last_only=True)  # (B, 1, V)
-            first = self._sample(logits[:, 0], tf.constant(0, tf.int32), scalars)
-            return first, cache
+        cache = self.model.init_cache(tokens.shape[0], cache_length)
+        logits, cache = self.model.call_with_cache(tokens, cache, 0, start,
+                                                   last_only=True)  # (B, 1, V)
+        first = self._sample(logits[:, 0], tf.constant(0, tf.int32), scalars)
+        return first, cache
 
     def _decode_fn(self, first, cache, start, scalars, cache_length, prompt_length,
                    max_new_tokens):
         del cache_length  # part of the trace key only: it shapes the cache
-        with context.use(self.parallel):
-            batch = first.shape[0]
-            column = tf.expand_dims(tf.range(max_new_tokens), 0)  # (1, N)
-            out = tf.where(column == 0, tf.expand_dims(first, 1), tf.zeros((batch, max_new_tokens),
-                                                                  tf.int32))  # (B, N)
-            out = context.constrain(out, _TOKENS, "generated")
-            done = context.constrain(tf.equal(first, scalars["eos_id"]), _BATCH, "done")
+        batch = first.shape[0]
+        column = tf.expand_dims(tf.range(max_new_tokens), 0)  # (1, N)
+        out = tf.where(column == 0, tf.expand_dims(first, 1), tf.zeros((batch, max_new_tokens),
+                                                              tf.int32))  # (B, N)
+        out = context.constrain(out, _TOKENS, "generated")
+        done = context.constrain(tf.equal(first, scalars["eos_id"]), _BATCH, "done")
 
-            def more(step, token, cache, out, done):
-                return tf.logical_and(step < max_new_tokens,
-                                      tf.logical_not(tf.reduce_all(done)))
+        def more(step, token, cache, out, done):
+            return tf.logical_and(step < max_new_tokens,
+                                  tf.logical_not(tf.reduce_all(done)))
 
-            def one_token(step, token, cache, out, done):
-                # Token `step - 1` goes into slot P + step - 1; its logits give `step`.
-                logits, cache = self.model.call_with_cache(
-                    tf.expand_dims(token, 1), cache, prompt_length + step - 1, start)  # (B, 1, V)
-                token = self._sample(logits[:, 0], step, scalars)
-                token = tf.where(done, scalars["eos_id"], token)  # finished rows repeat eos
-                out = tf.where(column == step, tf.expand_dims(token, 1), out)
-                done = tf.logical_or(done, tf.equal(token, scalars["eos_id"]))
-                return (step + 1, context.constrain(token, _BATCH, "token"), cache,
-                        context.constrain(out, _TOKENS, "generated"),
-                        context.constrain(done, _BATCH, "done"))
-
-            state = (tf.constant(1), context.constrain(first, _BATCH, "token"), cache, out,
-                     done)
-            # A name unique to this trace. DTensor failed with "Cannot add function
-            # 'while_cond' because a different function with the same name already
-            # exists" when several loop programs ran on one mesh; unique names were not
-            # the whole fix (see `_sample`), but they keep loop functions apart.
-            name = "decode_" + _letters(next(_LOOP_IDS))
-            return tf.while_loop(more, one_token, state, name=name)[3]
-
-    def _token_step_fn(self, token, done, cache, start, step, scalars, prompt_length):
-        with context.use(self.parallel):
-            done = tf.logical_or(done, tf.equal(token, scalars["eos_id"]))
+        def one_token(step, token, cache, out, done):
             # Token `step - 1` goes into slot P + step - 1; its logits give `step`.
             logits, cache = self.model.call_with_cache(
                 tf.expand_dims(token, 1), cache, prompt_length + step - 1, start)  # (B, 1, V)
             token = self._sample(logits[:, 0], step, scalars)
             token = tf.where(done, scalars["eos_id"], token)  # finished rows repeat eos
-            return token, context.constrain(done, _BATCH, "done"), cache
+            out = tf.where(column == step, tf.expand_dims(token, 1), out)
+            done = tf.logical_or(done, tf.equal(token, scalars["eos_id"]))
+            return (step + 1, context.constrain(token, _BATCH, "token"), cache,
+                    context.constrain(out, _TOKENS, "generated"),
+                    context.constrain(done, _BATCH, "done"))
+
+        state = (tf.constant(1), context.constrain(first, _BATCH, "token"), cache, out,
+                 done)
+        # A name unique to this trace. DTensor failed with "Cannot add function
+        # 'while_cond' because a different function with the same name already
+        # exists" when several loop programs ran on one mesh; unique names were not
+        # the whole fix (see `_sample`), but they keep loop functions apart.
+        name = "decode_" + _letters(next(_LOOP_IDS))
+        return tf.while_loop(more, one_token, state, name=name)[3]
+
+    def _token_step_fn(self, token, done, cache, start, step, scalars, prompt_length):
+        done = tf.logical_or(done, tf.equal(token, scalars["eos_id"]))
+        # Token `step - 1` goes into slot P + step - 1; its logits give `step`.
+        logits, cache = self.model.call_with_cache(
+            tf.expand_dims(token, 1), cache, prompt_length + step - 1, start)  # (B, 1, V)
+        token = self._sample(logits[:, 0], step, scalars)
+        token = tf.where(done, scalars["eos_id"], token)  # finished rows repeat eos
+        return token, context.constrain(done, _BATCH, "done"), cache
 
     def _reference_step_fn(self, buffer, segment_ids, position, step, scalars,
                            cache_length):
         del cache_length
-        with context.use(self.parallel):
-            logits = self.model(buffer, segment_ids=segment_ids)  # (B, P + N, V)
-            last = tf.gather(logits, position, axis=1)  # (B, V)
-            return self._sample(last, step, scalars)
+        logits = self.model(buffer, segment_ids=segment_ids)  # (B, P + N, V)
+        last = tf.gather(logits, position, axis=1)  # (B, V)
+        return self._sample(last, step, scalars)
 
     def _sample(self, logits, step, scalars):
         # Every row needs its whole vocabulary to pick a token.
@@ -260,7 +255,7 @@ class Generator:
                              "temperature >= 0 (0: greedy), top_k >= 0 (0: off) and "
                              "0 < top_p <= 1 (1: off).")
         rows = len(prompts)
-        multiple = batch_multiple(self.parallel)
+        multiple = feed.batch_multiple(self.parallel)
         padded_rows = -(-rows // multiple) * multiple
         prompts = prompts + [prompts[-1]] * (padded_rows - rows)  # copies, dropped later
         tokens = np.zeros((padded_rows, longest), np.int32)  # (B, P) left-padded
@@ -279,65 +274,14 @@ class Generator:
         return (self._put(tokens, _TOKENS), self._put(start, _BATCH), options, rows, single)
 
     def _put(self, array, logical_axes):
-        """A numpy array as a tensor, laid out by its logical axes on the mesh."""
-        array = np.asarray(array)
-        if self.parallel is None:
-            return tf.constant(array)
-        spec = self.parallel.spec("generate input", array.shape, logical_axes)
-        return self.parallel.shard_array(array, spec)
+        """A numpy array as a tensor, laid out by its logical axes (the device feed)."""
+        return feed.place(self.parallel, array, logical_axes, "generate input")
 
     def _to_numpy(self, x) -> np.ndarray:
         from tfllm.parallel.placement import to_numpy
         return to_numpy(x)
 
 
-def batch_multiple(parallel) -> int:
-    """The number of rows a batch must be a multiple of on this mesh (1 without one).
-
-    The rules table shards "activation_batch" over one mesh axis (data if it has size
-    > 1, else fsdp, by default); resolving the spec of a dimension every axis divides
-    tells which one.
-    """
-    if parallel is None:
-        return 1
-    size = math.prod(parallel.shape.values())
-    (axis,) = parallel.spec("generate batch", (size,), _BATCH)
-    return parallel.shape[axis] if axis else 1
-
-
-class _Retraced:
-    """A compiled function that is traced anew when DTensor trips over its own names.
-
-    On a mesh, DTensor (TF 2.21) now and then fails a loop program's first run with
-    "Cannot add function 'decode_x_body' because a different function with the same
-    name already exists": the function library it registers its expanded loop under
-    already holds another version of that name. It happened in about one run in three
-    of the sharded generation tests, on different calls each time. A fresh trace gives
-    the loop new names; it is retried up to `_RETRACES` times, and only for that error.
-    """
-
-    def __init__(self, fn, compile_fn, on_mesh: bool):
-        self._fn, self._compile_fn, self._on_mesh = fn, compile_fn, on_mesh
-        self.compiled = compile_fn(fn)
-        self.retraces = 0
-
-    def __call__(self, *args, **kwargs):
-        for attempt in range(_RETRACES + 1):
-            try:
-                return self.compiled(*args, **kwargs)
-            except tf.errors.InvalidArgumentError as error:
-                if (not self._on_mesh or attempt == _RETRACES
-                        or "a different function with the same name" not in str(error)):
-                    raise
-                self.compiled = self._compile_fn(self._fn)
-                self.retraces += 1
-
-    def get_concrete_function(self, *args, **kwargs):
-        """The current trace's concrete function (what `xla.run_and_report` reads)."""
-        return self.compiled.get_concrete_function(*args, **kwargs)
-
-
-_RETRACES = 3
 #: tokens between the host's looks at whether every row has finished (mesh decoding)
 _STOP_CHECK = 8
 

@@ -19,7 +19,7 @@ import sys
 from dataclasses import dataclass, field
 from typing import List, Optional
 
-from tfllm.exit_codes import BAD_INPUT_EXIT_CODE
+from tfllm.contracts import BAD_INPUT_EXIT_CODE
 from tfllm.launch import device as dev
 from tfllm.launch import supervisor as sup
 from tfllm.launch import topology as topo
@@ -132,11 +132,13 @@ Signals: SIGINT, SIGTERM and SIGHUP to the launcher are forwarded to every worke
 group as SIGTERM, then SIGKILL after --kill-timeout.
 """
 
-_VALUED = ("--mode", "--num-workers", "--gpus-per-host", "--port", "--job-name", "--device",
-           "--hostfile", "--ssh", "--export", "--rank", "--world-size", "--hosts",
-           "--host-pattern", "--log-dir", "--kill-timeout", "--startup-timeout",
-           "--ready-pattern", "--max-restarts", "--expand-nodelist")
-_FLAGS = ("--per-gpu", "--dry-run")
+#: the options that take a value, and the flags, that the launcher parser accepts
+VALUED_OPTIONS = ("--mode", "--num-workers", "--gpus-per-host", "--port", "--job-name",
+                  "--device", "--hostfile", "--ssh", "--export", "--rank", "--world-size",
+                  "--hosts", "--host-pattern", "--log-dir", "--kill-timeout",
+                  "--startup-timeout", "--ready-pattern", "--max-restarts",
+                  "--expand-nodelist")
+FLAG_OPTIONS = ("--per-gpu", "--dry-run")
 
 
 @dataclass
@@ -164,12 +166,12 @@ def parse(argv: List[str]) -> Options:
         if arg in ("-h", "--help"):
             opts.help = True
             return opts
-        if arg in _FLAGS:
+        if arg in FLAG_OPTIONS:
             opts.flags.add(arg)
         elif arg == "--":
             opts.command = args
             break
-        elif arg in _VALUED:
+        elif arg in VALUED_OPTIONS:
             if not args:
                 raise LaunchError(f"{arg} needs a value")
             opts.values[arg] = args.pop(0)

@@ -23,9 +23,10 @@ import time
 from dataclasses import dataclass
 from typing import Callable, Dict, Optional, Sequence
 
-from tfllm.exit_codes import (BAD_INPUT_EXIT_CODE, IO_ERROR_EXIT_CODE, PEER_LOST_EXIT_CODE,
+from tfllm.contracts import (BAD_INPUT_EXIT_CODE, IO_ERROR_EXIT_CODE, PEER_LOST_EXIT_CODE,
                               PREEMPTED_EXIT_CODE, STARTUP_TIMEOUT_EXIT_CODE)
-from tfllm.launch.topology import READY_LINE, WorkerSpec
+from tfllm.contracts import READY_LINE
+from tfllm.launch.topology import WorkerSpec
 
 _POLL_S = 0.2
 #: how long a lost-peer exit (76) waits for the rank that really failed to show

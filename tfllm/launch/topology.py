@@ -10,13 +10,12 @@ rule is unit-tested without processes. `tfllm.launch.supervisor` starts what the
 
 from __future__ import annotations
 
-import os
 import re
 import shlex
-import sys
 from dataclasses import dataclass, field
 from typing import Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
+from tfllm.contracts import READY_FILE_ENV, READY_KEY_ENV
 from tfllm.launch.device import DEVICE_ENV, NCCL_ENV, NCCL_PROBE_SH, resolve_device_env
 
 #: default first port when ports are not picked free on this host
@@ -32,25 +31,6 @@ EXPORT_PREFIXES = ("TFLLM_", "NCCL_")
 #: of a host (hostfile mode sends them on the remote shell's stdin, `secret_input`); the
 #: workers of the other modes inherit them from the environment
 SECRET_ENV = ("TFLLM_CHECKPOINT_KEY",)
-
-
-#: the line a worker prints once its mesh is up when given TFLLM_READY_KEY
-READY_LINE = "tfllm: ready {}"
-
-
-def announce_ready(environ: Mapping[str, str], out=None) -> None:
-    """The worker's side of the readiness handshake (tfllm calls it once its mesh is up):
-    creates TFLLM_READY_FILE and prints the TFLLM_READY_KEY line, whichever are set."""
-    path = environ.get("TFLLM_READY_FILE")
-    if path:
-        with open(path + ".tmp", "w") as f:
-            f.write(str(environ.get("DTENSOR_CLIENT_ID", "0")))
-        os.replace(path + ".tmp", path)  # appears complete or not at all
-    key = environ.get("TFLLM_READY_KEY")
-    if key:
-        # The process's real stdout: the launcher reads it even where tfllm sends its
-        # progress of clients other than 0 to a log file.
-        print(READY_LINE.format(key), file=out or sys.__stdout__, flush=True)
 
 
 class LaunchError(ValueError):
@@ -398,9 +378,9 @@ def worker_specs(topology: Topology, ports: Sequence[int], job_name: str = "work
                     task_bound=topology.mode in ("slurm", "env"),
                     option=_WORKERS_OPTION[topology.mode])
         if ready_files and rank in ready_files:
-            env["TFLLM_READY_FILE"] = ready_files[rank]
+            env[READY_FILE_ENV] = ready_files[rank]
         if ready_keys and rank in ready_keys:
-            env["TFLLM_READY_KEY"] = ready_keys[rank]
+            env[READY_KEY_ENV] = ready_keys[rank]
         specs.append(WorkerSpec(rank, host, ports[rank], env, setup))
     return specs
 

@@ -1,4 +1,9 @@
-"""Model families on the `CausalLM` base, and `build_model`."""
+"""Model families on the `CausalLM` base, and `build_model` (floor 4).
+
+Model code names logical axes only; the mesh is `tfllm.parallel`'s, precision
+`tfllm.precision`'s. Loading pretrained weights is `tfllm.pretrained.from_preset` (a floor
+above: it builds models).
+"""
 
 from __future__ import annotations
 
@@ -31,7 +36,7 @@ def build_model(config, parallel=None, seed: Optional[int] = None, model_cls=Non
       allocate: False builds shapes only (no memory), for `tfllm layouts`.
       zeros: allocate zero-filled variables (weights that will be loaded).
     """
-    from tfllm.parallel.keras_internal import forget_deferred
+    from tfllm.internals import forget_deferred
     from tfllm.parallel.placement import build_abstract, place_variables
     from tfllm.precision import fp8_settings, keras_policy
     from tfllm.precision.policies import apply_matmul_precision
@@ -51,9 +56,3 @@ def build_model(config, parallel=None, seed: Optional[int] = None, model_cls=Non
         place_variables(model, parallel, config.train.seed if seed is None else seed, zeros)
     return model
 
-
-def from_preset(preset: str, parallel=None, overrides=(), model_cls=None) -> CausalLM:
-    """A model holding a local keras-hub preset's or Hugging Face checkpoint's weights,
-    loaded block by block into its layouts; see `tfllm.pretrained.from_preset`."""
-    from tfllm.pretrained import from_preset as load  # keras-hub only when used
-    return load(preset, parallel, overrides, model_cls)

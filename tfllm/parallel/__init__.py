@@ -1,4 +1,10 @@
-"""Meshes, sharding rules, layouts and variable placement (the Keras 3 <-> DTensor bridge)."""
+"""Meshes, sharding rules, layouts and variable placement (the Keras 3 <-> DTensor bridge).
+
+Floor 1 (imports only the ground floor). Owns the rules table (`rules`: which mesh axis
+each logical axis takes, the batch's included), the mesh context model code sees
+(`context`), how weights are placed and gathered (`placement`, `fsdp`) and agreement
+between clients (`coordination`). Batches are placed by `tfllm.data.feed`.
+"""
 
 from tfllm.parallel.context import constrain, current, use
 from tfllm.parallel.rules import DEFAULT_RULES, ShardingError, resolve_spec, zero1_spec

@@ -9,18 +9,14 @@ from __future__ import annotations
 import hashlib
 import json
 
-from tfllm.parallel.mesh import client_id, num_clients
+from tfllm import internals
+from tfllm.contracts import client_id, num_clients
 
 _TIMEOUT_MS = 10 * 60 * 1000  # a client slower than this is treated as gone
 
 
 class ClientMismatchError(RuntimeError):
     """The clients of one job were started with different settings."""
-
-
-def _context():
-    from tensorflow.python.eager import context
-    return context.context()
 
 
 def config_digest(config_dict: dict) -> str:
@@ -35,7 +31,7 @@ def check_same_config(config_dict: dict) -> None:
     """
     if num_clients() == 1:
         return
-    ctx = _context()
+    ctx = internals.eager_context()
     mine = json.dumps(config_dict, sort_keys=True)
     ctx.set_config_key_value(f"tfllm/config/{client_id()}", mine)
     theirs = ctx.get_config_key_value("tfllm/config/0")
@@ -56,7 +52,7 @@ def check_same_devices(device_type: str, local_devices: int) -> None:
     sees fewer GPUs would otherwise build a mesh that hangs at the first collective."""
     if num_clients() == 1:
         return
-    ctx = _context()
+    ctx = internals.eager_context()
     mine = f"{device_type}:{local_devices}"
     ctx.set_config_key_value(f"tfllm/devices/{client_id()}", mine)
     theirs = ctx.get_config_key_value("tfllm/devices/0")
@@ -87,7 +83,7 @@ def any_client(flag: bool, step: int, mesh=None) -> bool:
         return flag
     if mesh is not None:
         return _any_on_mesh(flag, mesh)
-    ctx = _context()
+    ctx = internals.eager_context()
     ctx.set_config_key_value(f"tfllm/stop/{step}/{client_id()}", "1" if flag else "0")
     votes = [ctx.get_config_key_value(f"tfllm/stop/{step}/{i}") for i in range(n)]
     if step > 2:  # keep the store small; every client has read step - 2 by now
@@ -119,4 +115,4 @@ def _any_on_mesh(flag: bool, mesh) -> bool:
 def barrier(name: str) -> None:
     """Waits until every client reaches the barrier `name`."""
     if num_clients() > 1:
-        _context().wait_at_barrier(f"tfllm/{name}", _TIMEOUT_MS)
+        internals.eager_context().wait_at_barrier(f"tfllm/{name}", _TIMEOUT_MS)

@@ -3,8 +3,8 @@
 `mesh.axes: "data=2,fsdp=2,model=2"` names the axes in order, the last varying
 fastest over devices. On CPU tfllm splits the host into as many logical devices as the
 mesh needs, so an 8-device mesh runs on a laptop. Multi-client runs use DTensor's own
-environment (`DTENSOR_CLIENT_ID`, `DTENSOR_JOB_NAME`, `DTENSOR_JOBS`; the client count is
-the number of entries in `DTENSOR_JOBS`).
+environment (`DTENSOR_CLIENT_ID`, `DTENSOR_JOB_NAME`, `DTENSOR_JOBS`), read by
+`tfllm.contracts.client_id/num_clients`.
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ import os
 import re
 from typing import List, Optional, Sequence, Tuple
 
+from tfllm.contracts import num_clients
 from tfllm.parallel import runtime_env
 from tfllm.parallel.rules import KNOWN_MESH_AXES
 
@@ -71,17 +72,6 @@ def resolve_axes(axes: Sequence[Tuple[str, int]], num_devices: Optional[int]
         raise MeshError(f"mesh.axes: the mesh has {fixed} devices but {num_devices} are "
                         "available; make the sizes multiply to the device count (or use -1).")
     return list(axes)
-
-
-def num_clients() -> int:
-    """Clients of a DTensor multi-client job: the entries of DTENSOR_JOBS (else 1)."""
-    jobs = os.environ.get("DTENSOR_JOBS", "")
-    return len([j for j in jobs.split(",") if j]) or 1
-
-
-def client_id() -> int:
-    """This process's index in a DTensor multi-client job (DTENSOR_CLIENT_ID, else 0)."""
-    return int(os.environ.get("DTENSOR_CLIENT_ID", "0") or 0)
 
 
 def _gpu_count() -> int:

@@ -21,7 +21,7 @@ from tensorflow.experimental import dtensor
 from tfllm.parallel import fsdp
 from tfllm.parallel import rules as rules_lib
 from tfllm.parallel.init import initial_block, variable_key
-from tfllm.parallel.keras_internal import adopt, check_keras, forget_deferred, is_allocated
+from tfllm.internals import adopt, check_keras, forget_deferred, is_allocated
 from tfllm.parallel.mesh import mesh_shape
 
 
@@ -61,10 +61,6 @@ class Parallel:
         if self.shard_optimizer_state:
             spec = rules_lib.zero1_spec(var.path, tuple(var.shape), spec, self.shape)
         return spec
-
-    def batch_spec(self, shape: Sequence[int]) -> rules_lib.Spec:
-        """The layout of token rows (M, T+1, ...): see `rules.token_batch_spec`."""
-        return rules_lib.token_batch_spec(shape, self.rules, self.shape)
 
     @property
     def batch_mesh_axes(self):
@@ -120,9 +116,9 @@ class Parallel:
                 components.append(block_fn(start, size))
         return dtensor.pack(components, self.layout(spec))
 
-    def shard_array(self, array: np.ndarray, spec: Optional[rules_lib.Spec] = None):
-        """A global numpy array as a DTensor; each local device receives only its slice."""
-        spec = self.batch_spec(array.shape) if spec is None else spec
+    def shard_array(self, array: np.ndarray, spec: rules_lib.Spec):
+        """A global numpy array as a DTensor laid out by `spec`; each local device receives
+        only its slice (batches: `tfllm.data.feed.place`)."""
         def block(start, size):
             return tf.constant(array[block_slices(start, size)])
         return self.make_sharded(spec, array.shape, block)

@@ -26,7 +26,7 @@ import threading
 import time
 from typing import Callable, Dict, Optional, Tuple
 
-from tfllm.exit_codes import PEER_LOST_EXIT_CODE
+from tfllm.contracts import PEER_LOST_EXIT_CODE
 
 
 class PeerLost(RuntimeError):

@@ -25,30 +25,14 @@ import json
 import os
 import time
 
+from tfllm import internals
+
 # Compile flags for deviceless planning:
 # * no autotuning (it would run kernels on a device);
 # * cuBLAS / cuBLASLt for GEMMs instead of Triton fusions, whose tiles are chosen by
 #   autotuning and otherwise default to small ones; this is also how FP8 dots become
 #   `__cublas$lt$matmul$f8` calls.
 PLAN_XLA_FLAGS = ("--xla_gpu_autotune_level=0", "--xla_gpu_enable_triton_gemm=false")
-
-# jax internals used below (jax._src.lib, jax._src.interpreters.mlir, the compile-only
-# client's compile signature) were checked against these releases (setup.py's `plan`).
-JAX_VERSIONS = ("0.10.2",)
-
-
-def check_jax():
-    """Raises ImportError with the fix when jax is missing or another release."""
-    try:
-        import jax
-    except ImportError:
-        raise ImportError("planning needs jax and its CUDA plugin: "
-                          "pip install -e '.[plan]'") from None
-    if jax.__version__ not in JAX_VERSIONS:
-        raise ImportError(f"tfllm.plan.gpu_compile was written for jax "
-                          f"{', '.join(JAX_VERSIONS)}, found {jax.__version__}: "
-                          f"pip install -e '.[plan]'")
-
 
 def remove_copies(module) -> int:
     """Erases every `mhlo.copy` of an MLIR module (forwarding its operand); returns how many."""
@@ -72,11 +56,10 @@ def remove_copies(module) -> int:
 def hlo_to_mlir(hlo_proto: bytes):
     """A serialized HloModuleProto as an MLIR module that PJRT plugins accept.
 
-    Must be called inside `jax._src.interpreters.mlir.make_ir_context()`.
+    Must be called inside `tfllm.internals.jax_compiler().make_ir_context()`.
     """
-    from jax._src.lib import _jax
-    from jax._src.lib.mlir import ir
-    module = ir.Module.parse(_jax.mlir.hlo_to_stablehlo(hlo_proto))
+    jx = internals.jax_compiler()
+    module = jx.ir.Module.parse(jx.native.mlir.hlo_to_stablehlo(hlo_proto))
     remove_copies(module)
     return module
 
@@ -88,20 +71,18 @@ def compile_for_target(hlo_proto: bytes, target_config: str) -> dict:
       {"memory": {arguments, outputs, alias, temp, generated_code} in bytes,
        "optimized_hlo": text, "compile_s": seconds, "jax": version}
     """
-    check_jax()
+    jx = internals.jax_compiler()
     import jax
-    from jax._src.interpreters import mlir as jax_mlir
-    from jax._src.lib import _jax, xla_client
     from jax.experimental import topologies
 
     topology = topologies.get_topology_desc(platform="cuda", target_config=target_config,
                                             topology="1x1x1")
     client = topology.devices[0].client
     start = time.perf_counter()
-    with jax_mlir.make_ir_context():
+    with jx.make_ir_context():
         module = hlo_to_mlir(hlo_proto)
-        exe = client.compile(module, _jax.DeviceList(tuple(topology.devices[:1])),
-                             xla_client.CompileOptions())
+        exe = client.compile(module, jx.native.DeviceList(tuple(topology.devices[:1])),
+                             jx.CompileOptions())
     compile_s = time.perf_counter() - start
     stats = exe.get_compiled_memory_stats()
     return {
@@ -124,17 +105,15 @@ def compile_for_cpu(hlo_proto: bytes) -> dict:
       {"memory": {arguments, outputs, alias, temp, generated_code} in bytes,
        "compile_s": seconds, "jax": version}
     """
-    check_jax()
+    jx = internals.jax_compiler()
     import jax
-    from jax._src.interpreters import mlir as jax_mlir
-    from jax._src.lib import _jax, xla_client
 
     device = jax.devices("cpu")[0]
     start = time.perf_counter()
-    with jax_mlir.make_ir_context():
+    with jx.make_ir_context():
         module = hlo_to_mlir(hlo_proto)
-        exe = device.client.compile_and_load(module, _jax.DeviceList((device,)),
-                                             xla_client.CompileOptions())
+        exe = device.client.compile_and_load(module, jx.native.DeviceList((device,)),
+                                             jx.CompileOptions())
     stats = exe.get_compiled_memory_stats()
     return {"memory": {"arguments": stats.argument_size_in_bytes,
                        "outputs": stats.output_size_in_bytes,

@@ -262,15 +262,16 @@ def _child(job_path: str) -> None:
         raise SystemExit(f"could not make {job['devices']} logical CPU devices")
     import keras
     from tfllm.config.loader import config_from_dict
-    from tfllm.data import SyntheticTokens
+    from tfllm.data import SyntheticTokens, feed
     from tfllm.parallel import make_parallel
     from tfllm.train.state import build_train_state
     out = {}
     for layers, data in job["configs"].items():
         cfg = config_from_dict(data)
-        step = build_train_state(cfg, make_parallel(cfg), False).step
         tokens = SyntheticTokens(cfg.model.vocab_size, cfg.data.sequence_length + 1, seed=0)
-        step(step.to_device(tokens.batch(0, cfg.train.global_batch_size, 1)))
+        parallel = make_parallel(cfg)
+        step = build_train_state(cfg, parallel, False).step
+        step(feed.to_device(parallel, tokens.batch(0, cfg.train.global_batch_size, 1)))
         out[layers] = [c.as_dict() for c in step.cost_report.collectives]
         keras.backend.clear_session()
     with open(job_path + ".out", "w") as f:

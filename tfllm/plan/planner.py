@@ -2,11 +2,11 @@
 
 1. The one-device train step that `tfllm train` runs (its precision policy, batch,
    sequence length and grad accumulation; `jit_compile=True`) is lowered to HLO by
-   `tfllm.train.export_step`, in this process (TensorFlow).
+   `tfllm.plan.export_step`, in this process (TensorFlow).
 2. A child process (jax only: two XLA builds never share a process) compiles it with
    jaxlib's compile-only CUDA client for the target (`tfllm.plan.gpu_compile`).
 3. Memory comes from XLA's buffer assignment of the compiled program; kernels, FLOPs,
-   bytes and the roofline time from its optimized HLO (`tfllm.plan.hlo_stats`).
+   bytes and the roofline time from its optimized HLO (`tfllm.compiler.hlo_stats`).
 
 Models too large to hold on this host (their variables must exist to be lowered) are
 planned from two compiles of the same model with 1 and 2 layers: every figure is then
@@ -32,8 +32,8 @@ import tempfile
 from typing import Optional
 
 from tfllm.parallel.mesh import MeshError
-from tfllm.plan import hlo_stats
-from tfllm.plan.targets import Target, get_target
+from tfllm.compiler import hlo_stats
+from tfllm.compiler.targets import Target, get_target
 
 
 class PlanError(RuntimeError):
@@ -100,7 +100,7 @@ def plan_program(config, target: Target, keep_dir: Optional[str] = None) -> dict
     resets Keras's global settings such as the dtype policy.
     """
     import keras
-    from tfllm.train.export_step import export_step
+    from tfllm.plan.export_step import export_step
     with tempfile.TemporaryDirectory(prefix="tfllm-plan-") as tmp:
         work = keep_dir or tmp
         desc = export_step(config, work)
@@ -163,7 +163,7 @@ def plan(config, target_name: str = "h100", layers: str = "auto", devices=None,
 
     Args:
       config: a loaded tfllm config.
-      target_name: one of `tfllm.plan.targets.TARGETS`.
+      target_name: one of `tfllm.compiler.targets.TARGETS`.
       layers: "full" compiles the whole model; "extrapolate" compiles 1 and 2 layers;
         "auto" extrapolates when the model's variables would take more than half of
         this host's memory.

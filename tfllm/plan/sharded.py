@@ -49,14 +49,6 @@ def mesh_shape(config, devices=None) -> Dict[str, int]:
     return mesh_shape_from_config(config, (devices or 1) if has_free_axis else None)
 
 
-def _axis_for(rules, logical: str, mesh_shape) -> str:
-    """The mesh axis the first applicable rule maps `logical` to (size > 1), or ''."""
-    for l, m in rules:
-        if l == logical and m is not None and mesh_shape.get(m, 1) > 1:
-            return m
-    return ""
-
-
 def per_device_config(config, devices=None) -> Tuple[object, str]:
     """(the config of what one device computes, a description of the mesh).
 
@@ -86,7 +78,7 @@ def per_device_config(config, devices=None) -> Tuple[object, str]:
             # Too few rows to fold the sequence split into them: a (T/seq)-token program
             # (its attention sees T/seq keys, not T: scores are underestimated).
             local.data.sequence_length = length // seq
-    tp_axis = _axis_for(rules, "heads", shape)
+    tp_axis = rules_lib.candidate_axis("heads", rules, shape) or ""
     if tp_axis:
         tp = shape[tp_axis]
         lm = local.model

@@ -26,7 +26,7 @@ between: `convert(convert(f8) -> f32) -> bf16` is a bf16 GEMM on H100 (measured 
 deviceless H100 compile of `tfllm.plan.gpu_compile`). Each dot is read both ways
 (`DotOperands.gpu`, "gpu_full").
 
-Pure Python, no TensorFlow: the HLO text parser is `tfllm.plan.hlo_stats`'s.
+Pure Python, no TensorFlow: the HLO text parser is `tfllm.compiler.hlo_stats`'s.
 """
 
 from __future__ import annotations
@@ -38,7 +38,7 @@ from collections import Counter
 from dataclasses import dataclass
 from typing import Dict, List, Optional, Sequence, Tuple
 
-from tfllm.plan.hlo_stats import Computation, Instruction, arrays, parse_module
+from tfllm.compiler.hlo_stats import Computation, Instruction, arrays, parse_module
 
 # Ops a dequantized value may pass through on its way to a dot, unchanged in value
 # (layout and shape only).

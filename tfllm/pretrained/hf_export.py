@@ -31,6 +31,7 @@ from typing import Callable, List, Optional, Sequence, Tuple
 
 import numpy as np
 
+from tfllm import internals
 from tfllm.models import model_class
 from tfllm.models.llama.llama import is_local_layer
 from tfllm.pretrained.families import PretrainedError
@@ -407,14 +408,13 @@ def _tokenizer_files(config, out: str) -> Tuple[bool, Optional[int], Optional[in
         return False, None, None, (f"the run's tokenizer (data.tokenizer={d.tokenizer}) is "
                                    "not a keras-hub tokenizer preset")
     tokenizer = load_keras_hub_tokenizer(path)
-    from keras_hub.src.utils.transformers.export import hf_exporter
     bos = eos = None
     if getattr(tokenizer, "start_token", None) is not None:
         bos = int(tokenizer.token_to_id(tokenizer.start_token))
     if getattr(tokenizer, "end_token", None) is not None:
         eos = int(tokenizer.token_to_id(tokenizer.end_token))
     try:
-        hf_exporter.export_tokenizer(tokenizer, out)
+        internals.export_hf_tokenizer(tokenizer, out)
     except ValueError as e:  # a tokenizer class keras-hub cannot write
         return False, bos, eos, str(e)
     return True, bos, eos, ""

@@ -215,7 +215,7 @@ def import_preset(preset: str, workdir: str, overrides: Iterable[str] = (),
     from tfllm.data.tokenizer import _check_vocab, from_file
     from tfllm.models import build_model
     from tfllm.parallel import make_parallel
-    from tfllm.parallel.mesh import client_id, num_clients
+    from tfllm.contracts import client_id, num_clients
 
     workdir = os.path.abspath(os.path.expanduser(workdir))
     if os.path.exists(workdir) and (not os.path.isdir(workdir) or os.listdir(workdir)):

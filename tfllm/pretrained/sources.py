@@ -24,7 +24,7 @@ import numpy as np
 
 from tfllm.confined import inside
 from tfllm.parallel.placement import block_slices
-from tfllm.pretrained import keras_internal
+from tfllm import internals
 from tfllm.pretrained.families import PretrainedError, family_for
 
 Block = Tuple[Tuple[int, ...], Tuple[int, ...]]  # (start, size)
@@ -96,7 +96,7 @@ class Source:
     def abstract(self):
         """The keras-hub backbone with shapes and paths only (no memory)."""
         if self._abstract is None:
-            self._abstract = keras_internal.abstract_backbone(
+            self._abstract = internals.abstract_backbone(
                 self.backbone_cls, {**self.config, "dtype": "float32"})
             self._prepare()
         return self._abstract
@@ -182,7 +182,7 @@ class KerasPresetSource(Source):
                                   "with save_to_preset, or copy its weights file here.")
 
     def _prepare(self):
-        self.locations = keras_internal.h5_locations(self._abstract)
+        self.locations = internals.h5_locations(self._abstract)
 
     def stores_output_embedding(self) -> bool:
         """Whether the weights hold a separate output embedding (a ReversibleEmbedding's
@@ -289,7 +289,7 @@ class HuggingFaceSource(Source):
         self._files()  # every weight file name checked before keras-hub's reader opens one
 
     def _prepare(self):
-        self._reader = keras_internal.recording_safetensor_loader(self.path)
+        self._reader = internals.recording_safetensor_loader(self.path)
         self._reader.__enter__()
         try:
             self.loader.converter.convert_weights(self._abstract, self._reader,
@@ -505,7 +505,7 @@ def open_source(path: str) -> Source:
     inside(path, "config.json", path, PretrainedError,  # not a link out of the folder
            root=hf_cache_repository(path))
     try:
-        loader = keras_internal.preset_loader(path)
+        loader = internals.preset_loader(path)
     except ValueError as e:
         message = str(e).split("\n")[0]
         raise PretrainedError(f"{path}/config.json: {message} Supported: {supported()}.") \

@@ -28,7 +28,7 @@ def benchmark(config, steps: int = 20, warmup: int = 3, repeats: int = 1) -> dic
     run = Run(config, capture_hlo=True)
     t = config.train
     tokens_per_step = t.global_batch_size * config.data.sequence_length
-    batches = [run.batch(i) for i in range(4)]  # input preparation is not timed
+    batches = [run.feed.train_batch(i) for i in range(4)]  # input preparation is not timed
     started = time.perf_counter()
     run.step(batches[0])  # the first call traces and compiles
     first_step_s = time.perf_counter() - started

@@ -4,13 +4,11 @@ from __future__ import annotations
 
 import math
 
-import tensorflow as tf
 
 from tfllm.data.errors import DataError
 from tfllm.models.loss import loss_sum_and_count
-from tfllm.parallel import context
 from tfllm.parallel.placement import to_numpy
-from tfllm.train import xla
+from tfllm.compiler.jit import compile_fn
 from tfllm.train.step import lm_forward
 
 
@@ -26,19 +24,19 @@ class Evaluator:
 
     def __init__(self, model, parallel, jit_compile: bool, packing_mask: bool = False):
         self.model, self.parallel, self.packing_mask = model, parallel, packing_mask
-        self._sums = xla.compile_fn(self._nll_sum, parallel, jit_compile)
+        #: the compiled sums of one batch (a `tf.function` of its micro-batches)
+        self.compiled = compile_fn(self._nll_sum, parallel, jit_compile)
 
     def _nll_sum(self, micro_batches):
-        with context.use(self.parallel):
-            total, count = 0.0, 0.0
-            for micro in micro_batches:
-                logits, targets, segment_ids = lm_forward(self.model, micro,
-                                                          self.packing_mask)
-                # Validation rows end in padding (segment 0): not counted.
-                mask = None if segment_ids is None else segment_ids[:, 1:] > 0
-                s, n = loss_sum_and_count(logits, targets, mask)
-                total, count = total + s, count + n
-            return total, count
+        total, count = 0.0, 0.0
+        for micro in micro_batches:
+            logits, targets, segment_ids = lm_forward(self.model, micro,
+                                                      self.packing_mask)
+            # Validation rows end in padding (segment 0): not counted.
+            mask = None if segment_ids is None else segment_ids[:, 1:] > 0
+            s, n = loss_sum_and_count(logits, targets, mask)
+            total, count = total + s, count + n
+        return total, count
 
     def __call__(self, batches, steps: int) -> dict:
         """Mean loss over `steps` device batches drawn from the iterable `batches`.
@@ -48,7 +46,7 @@ class Evaluator:
         """
         total, count = 0.0, 0.0
         for _, batch in zip(range(steps), batches):
-            s, n = self._sums(batch)
+            s, n = self.compiled(batch)
             total += float(to_numpy(s))
             count += float(to_numpy(n))
         if not count:  # batches past the end of the data are padding: fewer never help

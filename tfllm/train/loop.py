@@ -26,7 +26,7 @@ from tfllm.checkpoint.workdir import (Workdir, check_tokenizer, check_workdir, s
 from tfllm.data.tokenizer import save_to_run
 from tfllm.config.loader import to_dict
 from tfllm.parallel.coordination import any_client
-from tfllm.parallel.mesh import client_id, num_clients
+from tfllm.contracts import client_id, num_clients
 from tfllm.parallel.placement import to_numpy
 from tfllm.parallel.watchdog import PeerLost, PeerWatchdog, lost_message, peer_from_error
 from tfllm.precision import describe
@@ -127,7 +127,7 @@ def _train(config, workdir, model_cls, out, signals, watchdog: list) -> dict:
     else:
         progress_note = ""
         meta = checkpointer.restore_latest(run.state_variables(),
-                                           client_files=run.restore_data_state)
+                                           client_files=run.feed.restore_state)
     if meta is not None:
         start_step = int(meta["step"])
         if primary:
@@ -147,19 +147,20 @@ def _train(config, workdir, model_cls, out, signals, watchdog: list) -> dict:
                      f"{describe(config.precision)}"
                      + (f"; resuming after step {start_step}" if start_step else "")
                      + progress_note)
-    idle = run.idle_batch_axes()
+    feed = run.feed
+    idle = feed.idle_batch_axes()
     if idle:
-        progress.message(f"tfllm: note: the batch is sharded over '{run.batch_axis}' only; "
+        progress.message(f"tfllm: note: the batch is sharded over '{feed.batch_axis}' only; "
                          f"the devices along {', '.join(repr(a) for a in idle)} repeat the "
                          "same activations: the custom mesh.rules map neither "
                          "'activation_batch' nor 'activation_length' to them.")
     if not evaluating:
         progress.message("tfllm: no validation data "
                          f"({no_validation_reason(config.data)}): no evaluation")
-    if run.sequence_axis:
-        progress.message(f"tfllm: batch rows over '{run.batch_axis}', sequence over "
-                         f"'{run.sequence_axis}' (attention gathers keys and values over "
-                         f"'{run.sequence_axis}')")
+    if feed.sequence_axis:
+        progress.message(f"tfllm: batch rows over '{feed.batch_axis}', sequence over "
+                         f"'{feed.sequence_axis}' (attention gathers keys and values over "
+                         f"'{feed.sequence_axis}')")
 
     last, recent = {}, deque(maxlen=t.loss_spike_window)
     throughput, first_step_s = Throughput(), None
@@ -231,12 +232,12 @@ def _train(config, workdir, model_cls, out, signals, watchdog: list) -> dict:
                                signals.signame or "a signal on another client")
             if save_now:
                 checkpointer.save(number, run.state_variables(),
-                                  _meta(config, number, run.tokenizer), run.data_state_files)
+                                  _meta(config, number, run.tokenizer), run.feed.state_files)
         # The final checkpoint first, committed before anything after the last step
         # (evaluation, plot, sample) can fail.
         if start_step < t.steps or checkpointer.latest_step() != t.steps:
             checkpointer.save(t.steps, run.state_variables(),
-                              _meta(config, t.steps, run.tokenizer), run.data_state_files)
+                              _meta(config, t.steps, run.tokenizer), run.feed.state_files)
         checkpointer.wait()
         if evaluating:
             final = run.evaluate()
@@ -276,7 +277,7 @@ def _step_or_peer_lost(run, step: int, limit: float, checkpointer) -> dict:
     """One train step, its metrics left on the devices; a collective aborted by a lost
     peer becomes `PeerLost` (one line)."""
     with _peer_lost_as_one_line(step + 1, checkpointer):
-        return run.step(run.batch(step), loss_limit=limit, fetch=False)
+        return run.step(run.feed.train_batch(step), loss_limit=limit, fetch=False)
 
 
 @contextlib.contextmanager
@@ -325,7 +326,7 @@ def _save_and_stop(checkpointer, run, config, step: int, signame: str) -> None:
     stops), chained to the save's error when the save failed, so the command can say so."""
     try:
         checkpointer.save(step, run.state_variables(), _meta(config, step, run.tokenizer),
-                          run.data_state_files)
+                          run.feed.state_files)
         checkpointer.wait()
     except Exception as e:  # noqa: BLE001  (a full disk, a permission, a failed client)
         raise Preempted(step, signame) from e

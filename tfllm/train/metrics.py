@@ -16,6 +16,8 @@ from typing import Optional, Tuple
 
 import tensorflow as tf
 
+from tfllm.compiler.targets import TARGETS
+
 
 def count_params(model) -> int:
     """Trainable parameters (FP8 amax histories and other state excluded)."""
@@ -76,7 +78,7 @@ def peak_dtype(precision_policy: str):
 # GPU names (as TensorFlow's device details give them) whose datasheet peaks tfllm knows,
 # as (substring, substrings that must also be there or None, substrings that exclude,
 # target). PCIe and NVL boards of the H100/H200 have lower clocks and peaks than the
-# SXM parts of `tfllm.plan.targets`; they are measured instead.
+# SXM parts of `tfllm.compiler.targets`; they are measured instead.
 _DATASHEET_GPUS = (("H100", ("HBM3", "SXM"), ("PCIE", "NVL"), "h100"),
                    ("H200", None, ("NVL",), "h200"),
                    ("B200", None, (), "b200"),
@@ -85,7 +87,7 @@ _DATASHEET_GPUS = (("H100", ("HBM3", "SXM"), ("PCIE", "NVL"), "h100"),
 
 def datasheet_peak(device_name: str, precision_policy: str,
                    tf32: bool = True) -> Optional[Tuple[float, str]]:
-    """One GPU's dense tensor-core peak for the policy, from `tfllm.plan.targets`.
+    """One GPU's dense tensor-core peak for the policy, from `tfllm.compiler.targets`.
 
     Returns (FLOP/s, description) or None when the GPU is not in the table, or when a
     float32 run has TF32 off (IEEE float32 GEMMs do not use the tensor cores).
@@ -96,8 +98,6 @@ def datasheet_peak(device_name: str, precision_policy: str,
         as MaxText and torchtitan report it.
       tf32: precision.tf32.
     """
-    # Lazy: tfllm.plan's package imports nothing at import time, and targets is plain data.
-    from tfllm.plan.targets import TARGETS
     name = device_name.upper()
     for key, need, exclude, target in _DATASHEET_GPUS:
         if key not in name or any(x in name for x in exclude):

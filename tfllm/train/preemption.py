@@ -4,7 +4,7 @@ Clusters announce preemption with SIGTERM (SLURM, Kubernetes) and users press Ct
 The first signal only sets a flag; the loop checks it at each step boundary (after the
 first compilation, after an evaluation), saves a checkpoint and exits with
 `PREEMPTED_EXIT_CODE` (75). A second signal stops at once without saving (exit 130). The
-codes live in `tfllm.exit_codes`.
+codes live in `tfllm.contracts`.
 """
 
 from __future__ import annotations
@@ -12,12 +12,12 @@ from __future__ import annotations
 import os
 import signal
 
-from tfllm.exit_codes import HARD_STOP_EXIT_CODE
+from tfllm.contracts import HARD_STOP_EXIT_CODE
 
 
 class Preempted(Exception):
     """The run saved its state after a signal and should exit `PREEMPTED_EXIT_CODE`
-    (tfllm.exit_codes)."""
+    (tfllm.contracts)."""
 
     def __init__(self, step: int, signame: str):
         super().__init__(f"stopped by {signame} after step {step}; the checkpoint of step "

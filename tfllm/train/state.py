@@ -43,8 +43,8 @@ def build_train_state(config, parallel, jit_compile: bool, model_cls=None,
       model_cls: a `CausalLM` subclass to use instead of the config's family.
       packing_mask: the step masks attention to each packed document.
       optimizer: False for inference (`tfllm generate`, `eval`): no AdamW and no loss
-        scale, whose moments alone are twice the float32 weights; the step can then
-        place batches but not train.
+        scale, whose moments alone are twice the float32 weights; the step cannot
+        train.
     """
     model = build_model(config, parallel, model_cls=model_cls)
     if not optimizer:

@@ -14,29 +14,11 @@ import numpy as np
 import tensorflow as tf
 
 from tfllm.optim.adamw import global_norm
-from tfllm.parallel import context
 from tfllm.parallel.placement import Parallel, new_variable, to_numpy
-from tfllm.train import costs, hlo_dump, tf_internal, xla
-
-
-# train.jit_compile=auto, by device type: measured in benchmarks/results/cpu_jit.md.
-# On the 2-core CPU, XLA clusters of DTensor's per-device programs were no faster than
-# plain graphs in fp32 (0.95-1.21x, within noise), slower in bf16 (0.65x), and compiled
-# 2-5x longer, so CPU runs use graphs for every precision. On GPU XLA is the point:
-# fusion and FP8 GEMMs.
-AUTO_JIT = {"GPU": True, "CPU": False}
-
-
-def resolve_jit(setting: str, device_type: str = "GPU") -> bool:
-    """train.jit_compile as a bool: 'true'/'false' as given; 'auto' by device type.
-
-    Args:
-      setting: 'auto', 'true' or 'false'.
-      device_type: the mesh's device type (CPU or GPU).
-    """
-    if setting in ("true", "false"):
-        return setting == "true"
-    return AUTO_JIT.get(device_type, True)
+from tfllm import internals
+from tfllm.compiler.jit import compile_fn
+from tfllm.data import feed
+from tfllm.train import costs, hlo_dump, xla
 
 
 def lm_forward(model, micro, packing_mask: bool):
@@ -73,58 +55,15 @@ class TrainStep:
         self.variables = list(model.trainable_variables)
         # FP8 amax histories: their "gradients" are their new values (overwrite).
         self.fp8_state = list(model.fp8_state_variables())
-        self._step = xla.compile_fn(self._train_step, parallel, jit_compile)
-        self._grads = xla.compile_fn(self._loss_and_grads, parallel, jit_compile)
+        #: the compiled step (a `tf.function` of (micro-batches, loss limit)) that calls run;
+        #: `tfllm.plan.export_step` reads its HLO
+        self.compiled = compile_fn(self._train_step, parallel, jit_compile)
+        self._grads = compile_fn(self._loss_and_grads, parallel, jit_compile)
         #: what XLA compiled of the step (`tfllm.train.xla.XlaReport`), after the first call
         self.xla_report = None
         #: the step's collectives and FP8 GEMMs (`tfllm.train.costs.CostReport`), likewise
         self.cost_report = None
         self._called = False
-
-    def batch_spec(self, shape):
-        return self.parallel.batch_spec(shape) if self.parallel else None
-
-    def to_device(self, tokens: np.ndarray, segment_ids: Optional[np.ndarray] = None):
-        """A global (A, M, T+1) token array as this step's input: a tuple of A micro-batches
-        (M, T+1), each sharded over the batch axis when on a mesh. With `segment_ids` (same
-        shape) each micro-batch is a (tokens, segment_ids) pair.
-
-        Separate tensors, not one (A, M, T+1) DTensor: DTensor loses the layout of the
-        micro-batch dimension when slicing out one micro-batch with a shrinking index.
-        """
-        if self.parallel is None:
-            put = tf.constant
-        else:
-            spec = self.batch_spec(tokens.shape[1:])
-            put = lambda a: self.parallel.shard_array(a, spec)  # noqa: E731
-        if segment_ids is None:
-            return tuple(put(t) for t in tokens)
-        return tuple((put(t), put(s)) for t, s in zip(tokens, segment_ids))
-
-    def from_local(self, local_tokens: np.ndarray, rows, micro_batch_rows: int,
-                   local_segments: Optional[np.ndarray] = None):
-        """Like `to_device`, from only this client's rows of each micro-batch.
-
-        Args:
-          local_tokens: (A, len(rows), T+1): the rows `rows` of every micro-batch.
-          rows: the global row indices (within a micro-batch) this client holds.
-          micro_batch_rows: M, the global micro-batch size.
-          local_segments: segment ids of the same shape, or None.
-        """
-        if self.parallel is None:
-            return self.to_device(local_tokens, local_segments)
-        shape = (micro_batch_rows,) + tuple(local_tokens.shape[2:])
-        spec = self.batch_spec(shape)
-        position = {r: i for i, r in enumerate(rows)}
-
-        def put(block_source):
-            def block(start, size):
-                picked = [position[r] for r in range(start[0], start[0] + size[0])]
-                return tf.constant(block_source[picked][:, start[1]:start[1] + size[1]])
-            return self.parallel.make_sharded(spec, shape, block)
-        if local_segments is None:
-            return tuple(put(t) for t in local_tokens)
-        return tuple((put(t), put(s)) for t, s in zip(local_tokens, local_segments))
 
     def _micro(self, micro):
         logits, targets, _ = lm_forward(self.model, micro, self.packing_mask)
@@ -132,29 +71,28 @@ class TrainStep:
 
     def _loss_and_grads(self, micro_batches):
         """Mean loss, gradients and new FP8 histories over a tuple of micro-batches."""
-        with context.use(self.parallel):
-            accum = len(micro_batches)
-            scale = self.loss_scale.scale if self.loss_scale is not None else None
-            fp8_handles = [v.value for v in self.fp8_state]
-            total_loss, total_grads, fp8_new = 0.0, None, None
-            for tokens in micro_batches:  # unrolled: grad_accum_steps is small and static
-                with tf.GradientTape() as tape:
-                    tape.watch(fp8_handles)
-                    loss = self._micro(tokens)
-                    scaled = loss * scale if scale is not None else loss
-                out = tape.gradient(scaled, self.variables + fp8_handles)
-                # Embedding lookups give IndexedSlices; accumulate and clip dense tensors.
-                grads = [tf.convert_to_tensor(g) for g in out[:len(self.variables)]]
-                histories = out[len(self.variables):]
-                total_loss = total_loss + loss
-                total_grads = grads if total_grads is None else [
-                    a + b for a, b in zip(total_grads, grads)]
-                # Each micro-batch rolls the same old history; keep the largest amaxes.
-                fp8_new = histories if fp8_new is None else [
-                    tf.maximum(a, b) for a, b in zip(fp8_new, histories)]
-            divisor = accum * scale if scale is not None else accum
-            grads = [g / divisor for g in total_grads]
-            return total_loss / accum, grads, fp8_new
+        accum = len(micro_batches)
+        scale = self.loss_scale.scale if self.loss_scale is not None else None
+        fp8_handles = [v.value for v in self.fp8_state]
+        total_loss, total_grads, fp8_new = 0.0, None, None
+        for tokens in micro_batches:  # unrolled: grad_accum_steps is small and static
+            with tf.GradientTape() as tape:
+                tape.watch(fp8_handles)
+                loss = self._micro(tokens)
+                scaled = loss * scale if scale is not None else loss
+            out = tape.gradient(scaled, self.variables + fp8_handles)
+            # Embedding lookups give IndexedSlices; accumulate and clip dense tensors.
+            grads = [tf.convert_to_tensor(g) for g in out[:len(self.variables)]]
+            histories = out[len(self.variables):]
+            total_loss = total_loss + loss
+            total_grads = grads if total_grads is None else [
+                a + b for a, b in zip(total_grads, grads)]
+            # Each micro-batch rolls the same old history; keep the largest amaxes.
+            fp8_new = histories if fp8_new is None else [
+                tf.maximum(a, b) for a, b in zip(fp8_new, histories)]
+        divisor = accum * scale if scale is not None else accum
+        grads = [g / divisor for g in total_grads]
+        return total_loss / accum, grads, fp8_new
 
     def _train_step(self, micro_batches, loss_limit):
         """One guarded optimizer step.
@@ -164,48 +102,41 @@ class TrainStep:
         is made in the graph from globally reduced values, so every client skips together.
         """
         loss, grads, fp8_new = self._loss_and_grads(micro_batches)
-        with context.use(self.parallel):
-            raw_norm = global_norm(grads)  # reported: inf or NaN on a non-finite step
-            grads_finite = tf.math.is_finite(raw_norm)
-            ok = tf.logical_and(tf.logical_and(grads_finite, tf.math.is_finite(loss)),
-                                loss <= loss_limit)
-            # Non-finite values must not reach the update arithmetic (multiply_no_nan
-            # gives 0 for NaN * 0; DTensor crashes on a scalar-condition where).
-            on = tf.cast(ok, tf.float32)
-            grads = [tf.math.multiply_no_nan(g, on) for g in grads]
-            _, lr = self.optimizer.apply(grads, apply_update=ok)
-            for var, new in zip(self.fp8_state, fp8_new):
-                # A skipped step keeps the old histories (its amaxes may be inf/NaN).
-                var.assign(tf.math.multiply_no_nan(new, on) + var.value * (1.0 - on))
-            one = tf.ones_like(self.skipped)
-            skipped = self.skipped + one * tf.cast(tf.logical_not(ok), one.dtype)
-            self.skipped.assign(skipped)
-            out = {"loss": loss, "grad_norm": raw_norm, "learning_rate": lr,
-                   "skipped_steps": tf.cast(skipped, tf.float32),
-                   "step_ok": tf.cast(ok, tf.float32)}
-            if self.loss_scale is not None:
-                new_scale, _ = self.loss_scale.update(grads_finite)
-                out["loss_scale"] = new_scale
+        raw_norm = global_norm(grads)  # reported: inf or NaN on a non-finite step
+        grads_finite = tf.math.is_finite(raw_norm)
+        ok = tf.logical_and(tf.logical_and(grads_finite, tf.math.is_finite(loss)),
+                            loss <= loss_limit)
+        # Non-finite values must not reach the update arithmetic (multiply_no_nan
+        # gives 0 for NaN * 0; DTensor crashes on a scalar-condition where).
+        on = tf.cast(ok, tf.float32)
+        grads = [tf.math.multiply_no_nan(g, on) for g in grads]
+        _, lr = self.optimizer.apply(grads, apply_update=ok)
+        for var, new in zip(self.fp8_state, fp8_new):
+            # A skipped step keeps the old histories (its amaxes may be inf/NaN).
+            var.assign(tf.math.multiply_no_nan(new, on) + var.value * (1.0 - on))
+        one = tf.ones_like(self.skipped)
+        skipped = self.skipped + one * tf.cast(tf.logical_not(ok), one.dtype)
+        self.skipped.assign(skipped)
+        out = {"loss": loss, "grad_norm": raw_norm, "learning_rate": lr,
+               "skipped_steps": tf.cast(skipped, tf.float32),
+               "step_ok": tf.cast(ok, tf.float32)}
+        if self.loss_scale is not None:
+            new_scale, _ = self.loss_scale.update(grads_finite)
+            out["loss_scale"] = new_scale
         return out
-
-    def loss_limit_input(self, value: float):
-        """The step's second argument: skip the update when the loss exceeds `value`."""
-        limit = np.float32(value)
-        if self.parallel is None:
-            return tf.constant(limit)
-        return self.parallel.shard_array(np.asarray(limit), ())
 
     def __call__(self, tokens, loss_limit: float = float("inf"), fetch: bool = True) -> dict:
         """Runs one optimizer step on device tokens; returns its metrics.
 
         Args:
-          tokens: micro-batches from `to_device` / `from_local`.
+          tokens: micro-batches from the device feed (`tfllm.data.feed.to_device`,
+            `DeviceFeed.train_batch`).
           loss_limit: skip the update when the loss exceeds this (the spike guard).
           fetch: return Python floats (waits for the step); False returns the device
             tensors at once, so the host can prepare the next step while this one runs.
         """
-        args = (tokens, self.loss_limit_input(loss_limit))
-        out = self._step(*args) if self._called else self._first_call(args)
+        args = (tokens, feed.place(self.parallel, np.float32(loss_limit), ()))
+        out = self.compiled(*args) if self._called else self._first_call(args)
         if not fetch:
             return dict(out)
         return {k: float(to_numpy(v)) for k, v in out.items()}
@@ -214,11 +145,11 @@ class TrainStep:
         """Runs the first step and reads the graphs TensorFlow executed: what XLA compiled
         (`xla_report`, checked) and what the step communicates (`cost_report`)."""
         since = time.time()
-        with tf_internal.collect_executed_graphs() as graphs:
-            out = self._step(*args)
+        with internals.collect_executed_graphs() as graphs:
+            out = self.compiled(*args)
         self._called = True
         graph_defs = graphs()
-        self.xla_report = xla.report_of(self._step, args, graph_defs, self.parallel,
+        self.xla_report = xla.report_of(self.compiled, args, graph_defs, self.parallel,
                                         self.jit_compile)
         mesh = self.parallel is not None
         if not self.jit_compile:
@@ -227,7 +158,7 @@ class TrainStep:
             # FP8 GEMMs of the busiest device's clusters, or of the one program (no mesh).
             names = (costs.clusters_of(graph_defs).get(costs.busiest_device(graph_defs), [])
                      if mesh else [tf.compat.as_str(
-                         self._step.get_concrete_function(*args).name)])
+                         self.compiled.get_concrete_function(*args).name)])
             fp8, note = hlo_dump.fp8_gemms(hlo_dump.current(), names, since)
         self.cost_report = costs.report_from_graphs(
             graph_defs, mesh, whole_program=self.jit_compile and not mesh, fp8_gemms=fp8,

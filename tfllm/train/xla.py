@@ -1,44 +1,27 @@
-"""XLA on DTensor meshes: compile the per-device programs, and report what XLA compiled.
+"""What XLA compiled of a step, read from the programs TensorFlow really executes.
 
-`tf.function(jit_compile=True)` has no effect on a DTensor mesh: DTensor inlines the
-function into its own SPMD program and marks the per-device function it builds with
-`_XlaMustCompile=false` (README, "XLA on a DTensor mesh"). What DTensor keeps is the
-`_XlaCompile` attribute of each op. `tf.xla.experimental.jit_scope` sets it on every op
-the step creates, and TensorFlow's clustering pass (`MarkForCompilationPass`), which runs
-whenever a per-device program is instantiated, then groups those ops into XLA clusters
-on every device: one device, several devices in one process, one device per process.
-The ops DTensor inserts itself (collectives and the reshapes and slices around them)
-carry no attribute and stay TensorFlow ops between the clusters.
-
-Two more choices make the setting truthful:
-* Strict compilation (`--tf_xla_enable_lazy_compilation=false`): a cluster that fails
-  to compile is an error, not a silent fallback to TensorFlow kernels, and every cluster
-  compiles on its first run instead of after a few TensorFlow runs.
-* A report read from the programs TensorFlow really executes (`XlaReport`): the number
-  of clusters per device and the step's ops that stayed outside them.
+Steps are compiled in one place (`tfllm.compiler.jit.compile_fn`: XLA clusters of each
+device's program on a DTensor mesh, strict compilation). This module reports what came
+of it (`XlaReport`): the number of clusters per device and the step's ops that stayed
+outside them, read from the executed graphs (`tfllm.internals.collect_executed_graphs`),
+never from the flag that was passed.
 """
 
 from __future__ import annotations
 
-import contextlib
-import re
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import Callable, Dict, List, Optional
+from typing import Dict, List, Optional
 
-import tensorflow as tf
-
-from tfllm.train import costs, tf_internal
+from tfllm import internals
+from tfllm.train import costs
 
 # Ops of the executed graph that are plumbing, not computation.
 _PLUMBING = {"_Arg", "_Retval", "_DeviceArg", "_DeviceRetval", "Const", "NoOp", "Identity",
              "IdentityN", "_XlaCompile", "_XlaRun", "_XlaMerge", "Switch", "Merge",
              "StatefulPartitionedCall", "PartitionedCall", "_Send", "_Recv", "_HostSend",
              "_HostRecv", "Placeholder", "VarHandleOp"}
-# Names of the ops DTensor's SPMD expansion inserts: the reshapes and slices around its
-# collectives and relayouts, and ops it rewrites (an AssignAdd into read, add and assign;
-# one_hot into slices). TF 2.21 suffixes every op it creates with "_968192538".
-_DTENSOR_NAME = re.compile(r"DTensor|CombinedReduce|[Rr]elayout|_968192538(_|$)")
+
 # Kinds of work the tests and `train.jit_compile=true` require to be inside XLA.
 CORE_OPS = {
     "matmul": {"MatMul", "BatchMatMul", "BatchMatMulV2", "BatchMatMulV3", "Einsum"},
@@ -46,38 +29,6 @@ CORE_OPS = {
     "softmax": {"Softmax", "LogSoftmax", "SparseSoftmaxCrossEntropyWithLogits", "Exp"},
     "optimizer": {"Sqrt", "RealDiv", "AssignVariableOp", "AssignSubVariableOp"},
 }
-
-
-def use_strict_compilation() -> None:
-    """Clusters compile on first use, and a failed compilation raises (no silent fallback)."""
-    tf_internal.set_xla_lazy_compilation(False)
-
-
-@contextlib.contextmanager
-def scope(enabled: bool):
-    """Marks every op created inside for XLA clustering (a no-op when not `enabled`)."""
-    if not enabled:
-        yield
-        return
-    with tf.xla.experimental.jit_scope(compile_ops=True, separate_compiled_gradients=False):
-        yield
-
-
-def compile_fn(fn: Callable, parallel, jit_compile: bool):
-    """`fn` as a `tf.function` that XLA compiles when `jit_compile`.
-
-    Without a mesh this is `tf.function(jit_compile=True)`: one XLA program. On a mesh
-    the ops of `fn` are marked for clustering (`scope`), which DTensor preserves.
-    """
-    if parallel is None or not jit_compile:
-        return tf.function(fn, jit_compile=jit_compile)
-    use_strict_compilation()
-
-    def marked(*args, **kwargs):
-        with scope(True):
-            return fn(*args, **kwargs)
-    marked.__name__ = getattr(fn, "__name__", "compiled")
-    return tf.function(marked)
 
 
 @dataclass
@@ -189,7 +140,7 @@ def report_from_graphs(graph_defs, marked_ops: int) -> XlaReport:
                 continue
             if node.op in _PLUMBING:
                 continue
-            if node.op in costs.KINDS or _DTENSOR_NAME.search(node.name):
+            if node.op in costs.KINDS or internals.is_dtensor_op_name(node.name):
                 communication[device] += 1
                 continue
             outside.setdefault(device, Counter())[node.op] += 1
@@ -225,7 +176,7 @@ def count_marked_ops(concrete_function) -> int:
 def report_of(tf_fn, args, graph_defs, parallel, jit_compile: bool,
               **kwargs) -> Optional[XlaReport]:
     """What XLA compiled of a call of `tf_fn(*args, **kwargs)` whose executed graphs were
-    collected (`tf_internal.collect_executed_graphs`); None when `jit_compile` is off."""
+    collected (`internals.collect_executed_graphs`); None when `jit_compile` is off."""
     if not jit_compile:
         return None
     if parallel is None:
@@ -242,7 +193,7 @@ def run_and_report(tf_fn, args, parallel, jit_compile: bool, **kwargs):
     """
     if not jit_compile or parallel is None:
         return tf_fn(*args, **kwargs), report_of(tf_fn, args, [], parallel, jit_compile)
-    with tf_internal.collect_executed_graphs() as graphs:
+    with internals.collect_executed_graphs() as graphs:
         out = tf_fn(*args, **kwargs)
     return out, report_of(tf_fn, args, graphs(), parallel, jit_compile, **kwargs)
 

@@ -1,7 +1,16 @@
-"""The exit codes of tfllm's commands, and which failures map to them.
+"""The contracts every layer of tfllm shares, on the ground floor (imports nothing of tfllm).
 
-A contract with schedulers, scripts and `tfllm launch`, kept on the ground floor so that
-every layer (the CLI, training, the watchdog, the launcher) names the same numbers:
+Three agreements with the world outside one Python module, each owned here so that the
+CLI, training, the checkpointer, the watchdog and the launcher name the same things:
+
+* **Client identity**: which process of a multi-client job this is (`client_id`,
+  `num_clients`), read from DTensor's own environment (`DTENSOR_CLIENT_ID`, and the
+  entries of `DTENSOR_JOBS`).
+* **The readiness handshake** between `tfllm launch` and its workers: a worker whose mesh
+  is up creates `TFLLM_READY_FILE` and prints `READY_LINE` with `TFLLM_READY_KEY`
+  (`announce_ready`); the launcher waits for one of them.
+* **Exit codes**, a contract with schedulers, scripts and `tfllm launch`, and which
+  failures map to them:
 
 ====  =======================  ==========================================================
 code  name                     meaning
@@ -24,7 +33,8 @@ from __future__ import annotations
 
 import errno
 import os
-from typing import Optional
+import sys
+from typing import Mapping, Optional
 
 #: bad input (an argument, config, data, tokenizer, checkpoint, workdir); nothing written
 BAD_INPUT_EXIT_CODE = 2
@@ -76,3 +86,35 @@ def _unreadable(path) -> bool:
     """Whether `path` is an existing file this process may not read (an input's error)."""
     return (isinstance(path, (str, bytes, os.PathLike)) and os.path.isfile(path)
             and not os.access(path, os.R_OK))
+
+
+def num_clients() -> int:
+    """Clients of a DTensor multi-client job: the entries of DTENSOR_JOBS (else 1)."""
+    jobs = os.environ.get("DTENSOR_JOBS", "")
+    return len([j for j in jobs.split(",") if j]) or 1
+
+
+def client_id() -> int:
+    """This process's index in a DTensor multi-client job (DTENSOR_CLIENT_ID, else 0)."""
+    return int(os.environ.get("DTENSOR_CLIENT_ID", "0") or 0)
+
+
+#: the variables `tfllm launch` gives a worker for the readiness handshake
+READY_FILE_ENV, READY_KEY_ENV = "TFLLM_READY_FILE", "TFLLM_READY_KEY"
+#: the line a worker prints once its mesh is up when given TFLLM_READY_KEY
+READY_LINE = "tfllm: ready {}"
+
+
+def announce_ready(environ: Mapping[str, str], out=None) -> None:
+    """The worker's side of the readiness handshake (tfllm calls it once its mesh is up):
+    creates TFLLM_READY_FILE and prints the TFLLM_READY_KEY line, whichever are set."""
+    path = environ.get(READY_FILE_ENV)
+    if path:
+        with open(path + ".tmp", "w") as f:
+            f.write(str(environ.get("DTENSOR_CLIENT_ID", "0")))
+        os.replace(path + ".tmp", path)  # appears complete or not at all
+    key = environ.get(READY_KEY_ENV)
+    if key:
+        # The process's real stdout: the launcher reads it even where tfllm sends its
+        # progress of clients other than 0 to a log file.
+        print(READY_LINE.format(key), file=out or sys.__stdout__, flush=True)

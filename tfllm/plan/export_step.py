@@ -24,7 +24,7 @@ import tensorflow as tf
 
 from tfllm.checkpoint import run_state_variables
 from tfllm.checkpoint.shards import tf_variable
-from tfllm.data import SyntheticTokens
+from tfllm.data import SyntheticTokens, feed
 from tfllm.train.metrics import count_params, flops_per_token
 from tfllm.train.state import build_train_state
 
@@ -46,11 +46,11 @@ def export_step(config, out_dir: str, check: bool = False) -> dict:
     t = config.train
     data = SyntheticTokens(config.model.vocab_size, config.data.sequence_length + 1,
                            config.data.seed)
-    batch = step.to_device(data.batch(0, t.global_batch_size, t.grad_accum_steps))
-    limit = step.loss_limit_input(float("inf"))
-    ir = step._step.experimental_get_compiler_ir(batch, limit)
+    batch = feed.to_device(None, data.batch(0, t.global_batch_size, t.grad_accum_steps))
+    limit = feed.place(None, np.float32(float("inf")), ())
+    ir = step.compiled.experimental_get_compiler_ir(batch, limit)
     hlo_bytes, hlo_text = ir(stage="hlo_serialized"), ir(stage="hlo")
-    concrete = step._step.get_concrete_function(batch, limit)
+    concrete = step.compiled.get_concrete_function(batch, limit)
 
     # The names a checkpoint gives the same variables; the role says what each one is.
     ref = lambda var: tf_variable(var).handle.ref()  # noqa: E731
@@ -115,7 +115,7 @@ def export_step(config, out_dir: str, check: bool = False) -> dict:
     if check:  # one step's inputs and TensorFlow's results, for the runner to match
         inputs = ([b.numpy() for b in batch] + [limit.numpy()]
                   + [var.numpy() for var in captured])
-        result = step._step(batch, limit)
+        result = step.compiled(batch, limit)
         arrays = {f"input/{i}": x for i, x in enumerate(inputs)}
         arrays.update({f"metric/{k}": np.asarray(v) for k, v in result.items()})
         arrays.update({f"update/{i}": captured[i - len(batch) - 1].numpy() for i in written})

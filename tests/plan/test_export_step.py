@@ -9,9 +9,8 @@ import sys
 import numpy as np
 import pytest
 
-from tfllm.config import load_config
-from tfllm.train.export_step import export_step
-from tests.conftest import tiny_overrides
+from tfllm.plan.export_step import export_step
+from tests.harness import tiny_config
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 HAVE_JAX = importlib.util.find_spec("jax") is not None
@@ -19,7 +18,7 @@ HAVE_JAX = importlib.util.find_spec("jax") is not None
 
 @pytest.mark.parametrize("policy", ["bfloat16", "fp8"])
 def test_export_describes_every_parameter_and_output(tmp_path, policy):
-    cfg = load_config(None, tiny_overrides("llama", **{"precision.policy": policy}))
+    cfg = tiny_config("llama", **{"precision.policy": policy})
     desc = export_step(cfg, str(tmp_path))
     roles = [p["role"] for p in desc["params"]]
     assert roles[0] == "batch" and roles.count("batch") == 1
@@ -54,8 +53,8 @@ def test_export_describes_every_parameter_and_output(tmp_path, policy):
 # what benchmarks/gpu/run_step.py times whenever a GPU is lent.
 @pytest.mark.parametrize("policy", ["float32"])
 def test_jaxlib_runs_the_exported_step_like_tensorflow(tmp_path, policy):
-    cfg = load_config(None, tiny_overrides("gpt", **{"precision.policy": policy,
-                                                     "model.num_layers": 1}))
+    cfg = tiny_config("gpt", **{"precision.policy": policy,
+                                "model.num_layers": 1})
     export_step(cfg, str(tmp_path), check=True)
     runner = os.path.join(ROOT, "benchmarks", "gpu", "run_step.py")
     r = subprocess.run([sys.executable, runner, str(tmp_path), "--check", "--backend", "cpu"],

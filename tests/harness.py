@@ -1,0 +1,463 @@
+"""The shared test harness: tiny configs, the parity harness, and real processes.
+
+Plain public functions that tests import (`from tests.harness import tiny_config`);
+tests/conftest.py keeps only the pytest fixtures and hooks (and splits the CPU into
+the 8 logical devices the sharded helpers here run on: it is loaded before any test
+module, and a script that uses these helpers outside pytest imports `tests.conftest`
+first).
+
+* Configs: `tiny_overrides`, `tiny_config`, `text_overrides`, `write_text_corpus`.
+* Parity: `parity_run` (one training run, sharded or not), `parity_reference` (the
+  single-device float32 run, cached per process), `assert_parity` (their agreement
+  within the float32 tolerances justified below).
+* Processes: `run_tfllm` (`python -m tfllm.cli.main ...` to completion), `start_process`,
+  `finish`, `run_process`, `kill_group` (a child in its own process group, a hard
+  timeout, nothing left behind), `run_clients` (N real DTensor clients),
+  `run_in_child` (a test alone in a fresh pytest process), `train_with_xla_dump`.
+* Small shared pieces: `free_ports`, `snapshot_tree`, `metrics_records`,
+  `forward_on_mesh`.
+"""
+
+import functools
+import glob
+import json
+import os
+import signal
+import subprocess
+import sys
+
+import numpy as np
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+PY = sys.executable
+
+
+# ---- configs -------------------------------------------------------------------------------
+def tiny_overrides(family="gpt", axes="data=1", **extra):
+    """--set overrides for the test model: vocab 128, hidden 64, 2 layers.
+
+    Llama gets 16 query / 8 key-value heads so that grouped-query attention is exercised
+    and both divide over model=8; GPT gets 8 heads.
+
+    Args:
+      family: "gpt", "llama" or "gemma3".
+      axes: the mesh (`mesh.axes`), e.g. "data=2,model=4".
+      **extra: more settings by dotted key, e.g. `**{"precision.policy": "fp8"}`; they
+        replace the defaults above.
+
+    Returns:
+      A list of "key=value" strings, as `--set` and `load_config` take them.
+    """
+    heads = {"gpt": (8, 0), "llama": (16, 8), "gemma3": (16, 8)}[family]
+    values = {
+        "model.family": family, "model.vocab_size": 128, "model.hidden_dim": 64,
+        "model.num_layers": 2, "model.num_query_heads": heads[0],
+        "model.num_key_value_heads": heads[1], "model.intermediate_dim": 128,
+        "model.max_sequence_length": 32, "data.sequence_length": 16,
+        "train.global_batch_size": 16, "train.steps": 3, "optimizer.warmup_steps": 1,
+        "optimizer.learning_rate": 1e-2, "mesh.axes": axes, "data.source": "synthetic",
+    }
+    if family == "gemma3":  # a local (window 5 < 16 tokens) and a global layer
+        values.update({"model.sliding_window": 5, "model.sliding_window_pattern": 2,
+                       "model.rope_local_theta": 10000.0, "model.rope_theta": 1e6,
+                       "model.query_pre_attn_scalar": 24.0})
+    values.update(extra)
+    return [f"{k}={v}" for k, v in values.items()]
+
+
+def tiny_config(family="gpt", axes="data=1", **extra):
+    """The Config of the test model: `tiny_overrides(...)` loaded over the defaults.
+
+    Args:
+      family: "gpt", "llama" or "gemma3".
+      axes: the mesh (`mesh.axes`).
+      **extra: more settings by dotted key, e.g. `**{"precision.policy": "fp8"}`.
+    """
+    from tfllm.config import load_config
+    overrides = tiny_overrides(family, axes, **extra)
+    return load_config(None, overrides)
+
+
+def write_text_corpus(directory, files=4, docs_per_file=12, seed=0):
+    """Small multi-line text files whose documents are separated by <|endoftext|>.
+
+    Args:
+      directory: a pathlib.Path, created if missing.
+      files: how many files.
+      docs_per_file: documents per file.
+      seed: the words' random seed.
+
+    Returns:
+      The glob pattern of the files (for `data.paths`).
+    """
+    import random
+    rng = random.Random(seed)
+    words = "the cat sat on a mat and the dog ran to the park with a red ball".split()
+    directory.mkdir(parents=True, exist_ok=True)
+    for f in range(files):
+        docs = ["\n".join(" ".join(rng.choice(words) for _ in range(12)) for _ in range(8))
+                for _ in range(docs_per_file)]
+        (directory / f"f{f}.txt").write_text("<|endoftext|>".join(docs))
+    return str(directory / "*.txt")
+
+
+def text_overrides(tmp_path, axes="data=2,model=4", **extra):
+    """tiny_overrides for a byte-tokenized run on write_text_corpus files.
+
+    Args:
+      tmp_path: a folder for the corpus (`corpus/`) and the data cache (`cache/`).
+      axes: the mesh.
+      **extra: more settings by dotted key.
+    """
+    pattern = write_text_corpus(tmp_path / "corpus")
+    values = {"data.source": "text", "data.paths": f'["{pattern}"]', "data.tokenizer": "byte",
+              "model.vocab_size": 260, "data.validation_fraction": 0.2,
+              "data.data_dir": str(tmp_path / "cache"), "train.eval_steps": 2,
+              "train.sample_tokens": 0}
+    values.update(extra)
+    return tiny_overrides("gpt", axes, **values)
+
+
+# ---- the parity harness -----------------------------------------------------------------
+PARITY_STEPS = 3
+
+# Tolerances. float32 has a unit roundoff of 6e-8; a sharded run reorders sums of at
+# most a few thousand terms (hidden 64 x batch 16 x length 16), whose rounding error
+# grows like sqrt(n) * eps relative to the summed magnitudes: about 1e-6 relative.
+# Losses are means of well-conditioned positives: rtol 1e-5 leaves a 10x margin.
+LOSS_RTOL = 1e-5
+# Gradients: entries near zero carry absolute, not relative, error, so the absolute
+# tolerance is 1e-5 of the largest gradient entry of that variable (10x the estimate),
+# floored at 1e-6 of the largest entry of any variable: some gradients are zero in exact
+# arithmetic (the key bias: softmax ignores a shift shared by all keys) and are pure
+# rounding noise of the terms that cancel, which are of the model's gradient scale.
+GRAD_RTOL, GRAD_ATOL_FRACTION, GRAD_ATOL_FLOOR = 1e-4, 1e-5, 1e-6
+# Weights after 3 steps: AdamW's update m / (sqrt(v) + eps) is scale-free, so a gradient
+# entry that is zero up to rounding (key biases; ~1e-11 here) becomes an O(lr) update
+# of random sign when eps is far below it: the default eps = 1e-8 turns 1e-11 noise into
+# 1e-3 * lr. The parity runs therefore use eps = 1e-6, still 1000x below the gradient
+# entries that matter (~1e-3), so it changes no real update but keeps rounding noise at
+# <= 1e-5 * lr. For the other entries the update inherits the gradient's 1e-4 relative
+# error: 3 steps x lr (1e-2) x 1e-4 x |update| (<= ~3 with bias correction) < 1e-5.
+WEIGHT_ATOL = 2e-5
+PARITY_SETTINGS = (("optimizer.epsilon", 1e-6),)
+
+
+def parity_config(family, axes=None, extra=()):
+    """The Config of a parity run (the tiny model with PARITY_SETTINGS).
+
+    Args:
+      family: the model family.
+      axes: the mesh; None: one device without DTensor.
+      extra: more settings, as ((dotted key, value), ...).
+    """
+    return tiny_config(family, "data=1" if axes is None else axes,
+                       **dict(PARITY_SETTINGS + tuple(extra)))
+
+
+def parity_run(family, axes, jit, extra=()):
+    """One batch's loss and gradients, then PARITY_STEPS AdamW steps, as `tfllm train`
+    builds them.
+
+    Args:
+      family: the model family.
+      axes: the mesh; None: one device without DTensor (the reference).
+      jit: compile the step with XLA; on a mesh, also checks that XLA really compiled
+        it on every device.
+      extra: more settings, as ((dotted key, value), ...).
+
+    Returns:
+      A dict: loss, grads (per trainable variable), history (each step's metrics),
+      weights ({path: numpy}), paths, model, optimizer, parallel (None on one device).
+    """
+    from tfllm.data import SyntheticTokens, feed
+    from tfllm.parallel import make_parallel
+    from tfllm.parallel.placement import to_numpy
+    from tfllm.train.state import build_train_state
+    single = axes is None
+    cfg = parity_config(family, axes, extra)
+    parallel = None if single else make_parallel(cfg)
+    state = build_train_state(cfg, parallel, jit)  # what `tfllm train` builds
+    model, optimizer, step = state.model, state.optimizer, state.step
+    data = SyntheticTokens(cfg.model.vocab_size, cfg.data.sequence_length + 1, seed=7)
+    t = cfg.train
+    batch = lambda i: feed.to_device(parallel, data.batch(i, t.global_batch_size,  # noqa: E731
+                                                          t.grad_accum_steps))
+    loss, grads = step.loss_and_grads(batch(0))
+    history = [step(batch(i)) for i in range(PARITY_STEPS)]
+    if jit and not single:
+        # XLA really compiled the step on every device (not only the flag was passed).
+        report = step.xla_report
+        assert report.clusters >= 1 and len(report.devices) == parallel.mesh.num_local_devices()
+        assert report.core_outside() == {}, report.examples
+    weights = {v.path: to_numpy(v) for v in model.trainable_variables}
+    return {"loss": loss, "grads": grads, "history": history, "weights": weights,
+            "paths": [v.path for v in model.trainable_variables], "model": model,
+            "optimizer": optimizer, "parallel": parallel}
+
+
+@functools.lru_cache(maxsize=None)
+def parity_reference(family, jit, extra=()):
+    """The single-device float32 `parity_run`, computed once per process.
+
+    Args:
+      family: the model family.
+      jit: compile the step with XLA.
+      extra: more settings, as a hashable ((dotted key, value), ...).
+    """
+    return parity_run(family, None, jit, extra)
+
+
+def assert_parity(run, ref):
+    """`run` equals `ref` (both from parity_run) within the float32 tolerances above:
+    loss and gradients of the first batch, each step's loss, gradient norm and learning
+    rate, and every weight after the steps.
+
+    Args:
+      run: the run under test (usually sharded).
+      ref: the reference (usually `parity_reference(...)`).
+    """
+    np.testing.assert_allclose(run["loss"], ref["loss"], rtol=LOSS_RTOL)
+    scale = max(float(np.abs(g).max()) for g in ref["grads"])
+    for path, g, g_ref in zip(ref["paths"], run["grads"], ref["grads"]):
+        atol = max(GRAD_ATOL_FRACTION * float(np.abs(g_ref).max()), GRAD_ATOL_FLOOR * scale)
+        np.testing.assert_allclose(g, g_ref, rtol=GRAD_RTOL, atol=atol, err_msg=path)
+    for got, want in zip(run["history"], ref["history"]):
+        np.testing.assert_allclose(got["loss"], want["loss"], rtol=LOSS_RTOL)
+        np.testing.assert_allclose(got["grad_norm"], want["grad_norm"], rtol=LOSS_RTOL)
+        assert got["learning_rate"] == want["learning_rate"]
+    for path, w in ref["weights"].items():
+        np.testing.assert_allclose(run["weights"][path], w, rtol=0, atol=WEIGHT_ATOL,
+                                   err_msg=path)
+
+
+def forward_on_mesh(model, parallel, tokens, segments):
+    """The model's logits for packed rows, under XLA on its mesh (batch-sharded inputs).
+
+    Args:
+      model: a model built on `parallel`.
+      parallel: its Parallel.
+      tokens: int32 numpy [batch, length].
+      segments: int32 numpy segment ids, the same shape.
+
+    Returns:
+      The gathered logits, numpy.
+    """
+    import tensorflow as tf
+    from tfllm.data import feed
+    from tfllm.parallel import context
+    from tfllm.parallel.placement import to_numpy
+
+    @tf.function(jit_compile=True)
+    def forward(t, s):
+        with context.use(parallel):
+            return model(t, segment_ids=s)
+
+    return to_numpy(forward(feed.place(parallel, tokens), feed.place(parallel, segments)))
+
+
+# ---- real processes ----------------------------------------------------------------------
+def tfllm_command(*args):
+    """The argv of `python -m tfllm.cli.main ARGS` with this interpreter."""
+    return [PY, "-m", "tfllm.cli.main", *args]
+
+
+def tfllm_env(**extra):
+    """This process's environment with TensorFlow's C++ logs off (TF_CPP_MIN_LOG_LEVEL=3).
+
+    Args:
+      **extra: variables to set on top, e.g. PYTHONPATH=ROOT.
+    """
+    return dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3", **extra)
+
+
+def run_tfllm(*args, timeout=300, env=None, cwd=ROOT):
+    """Runs `python -m tfllm.cli.main ARGS` to completion, output captured as text.
+
+    Args:
+      *args: the command line after `tfllm`.
+      timeout: seconds before subprocess.TimeoutExpired.
+      env: the child's whole environment; None: `tfllm_env()`.
+      cwd: its working directory (the repository, where configs/ is).
+
+    Returns:
+      The subprocess.CompletedProcess (returncode, stdout, stderr).
+    """
+    return subprocess.run(tfllm_command(*args), cwd=cwd, env=tfllm_env() if env is None else env,
+                          capture_output=True, text=True, timeout=timeout)
+
+
+def start_process(cmd, env=None, cwd=ROOT, merge_stderr=False):
+    """Starts `cmd` in its own process group, so that `kill_group` reaps it and all it
+    started.
+
+    Args:
+      cmd: the argv.
+      env: the child's whole environment; None: this process's.
+      cwd: its working directory.
+      merge_stderr: stderr into stdout (one stream, in order).
+
+    Returns:
+      The subprocess.Popen (text pipes).
+    """
+    return subprocess.Popen(cmd, cwd=cwd, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT if merge_stderr else subprocess.PIPE,
+                            text=True, start_new_session=True)
+
+
+def kill_group(proc):
+    """SIGKILLs `proc`'s process group (a no-op when it is gone) and reaps `proc`."""
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    if proc.poll() is None:
+        proc.wait()
+
+
+def finish(proc, timeout):
+    """Waits for `proc`; SIGKILLs its process group if it is still there (timeout or not).
+
+    Args:
+      proc: from `start_process` (its own process group).
+      timeout: seconds before subprocess.TimeoutExpired (the group is killed first).
+
+    Returns:
+      (exit code, stdout, stderr); stderr is None for a merged stream.
+    """
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    finally:
+        kill_group(proc)
+    return proc.returncode, out, err
+
+
+def run_process(cmd, timeout, env=None, cwd=ROOT, merge_stderr=False):
+    """`start_process` then `finish`: (exit code, stdout, stderr)."""
+    return finish(start_process(cmd, env, cwd, merge_stderr), timeout)
+
+
+def free_ports(n):
+    """n free localhost TCP ports (for DTENSOR_JOBS in multi-client tests)."""
+    import socket
+    socks = [socket.socket() for _ in range(n)]
+    for s in socks:
+        s.bind(("localhost", 0))
+    ports = [s.getsockname()[1] for s in socks]
+    for s in socks:
+        s.close()
+    return ports
+
+
+def run_clients(cmd, clients=2, timeout=240, env=None):
+    """Runs `clients` real DTensor clients of `cmd` on localhost ports, each in its own
+    process group; asserts that each exits 0; a hung client (e.g. a barrier never met)
+    never outlives the call.
+
+    Args:
+      cmd: every client's argv.
+      clients: how many (DTENSOR_CLIENT_ID 0..clients-1, DTENSOR_JOB_NAME=worker).
+      timeout: seconds each client may take.
+      env: variables added to `tfllm_env(PYTHONPATH=ROOT)`.
+
+    Returns:
+      Each client's last output line, parsed as JSON.
+    """
+    jobs = ",".join(f"localhost:{p}" for p in free_ports(clients))
+    base = tfllm_env(PYTHONPATH=ROOT, DTENSOR_JOBS=jobs, DTENSOR_JOB_NAME="worker",
+                     **(env or {}))
+    procs = [start_process(cmd, dict(base, DTENSOR_CLIENT_ID=str(i)), merge_stderr=True)
+             for i in range(clients)]
+    try:
+        outputs = [p.communicate(timeout=timeout)[0] for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                kill_group(p)
+    for p, out in zip(procs, outputs):
+        assert p.returncode == 0, out[-3000:]
+    return [json.loads(out.strip().splitlines()[-1]) for out in outputs]
+
+
+# XLA on CPU maps executable code per compiled cluster and per device, and TensorFlow
+# never frees compiled clusters: a process that compiles the 8-device parity meshes
+# exhausts the kernel's vm.max_map_count (65,530 mappings; measured ~6,500 per llama
+# parity case) and segfaults. Such tests run in a child pytest process of their own.
+IN_CHILD = "TFLLM_TEST_IN_CHILD"
+
+
+def run_in_child(request, timeout=900, env=None):
+    """Runs the calling test alone in a fresh pytest process; True if this is that child.
+
+    Usage: `if not run_in_child(request): return` at the top of a test.
+
+    Args:
+      request: the test's pytest `request` fixture.
+      timeout: seconds the child may take.
+      env: variables added to the child's environment (e.g. XLA_FLAGS, read once per
+        process).
+    """
+    if os.environ.get(IN_CHILD):
+        return True
+    env = dict(os.environ, **(env or {}), **{IN_CHILD: "1"})
+    out = subprocess.run([PY, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider",
+                          request.node.nodeid], cwd=ROOT, env=env, capture_output=True,
+                         text=True, timeout=timeout)
+    assert out.returncode == 0, (out.stdout[-6000:] + out.stderr[-3000:])
+    return False
+
+
+XLA_TRAIN_TIMEOUT_S = 600
+
+
+def train_with_xla_dump(tmp_path, axes, extra=(), dump=True):
+    """Runs `tfllm train` (configs/tiny.yaml, 2 steps, XLA on) in a process, dumping the
+    HLO modules XLA compiles to `tmp_path/xla_dump`.
+
+    Args:
+      tmp_path: the test's folder (the run's workdir is `run/` in it).
+      axes: the mesh.
+      extra: more command-line arguments, e.g. ["--set", "model.family=llama"].
+      dump: dump the HLO (with LLVM at -O0: it only shortens CPU code generation).
+
+    Returns:
+      (the run's stdout, {file name: text} of the dumped *before_optimizations.txt).
+    """
+    dump_dir = tmp_path / "xla_dump"
+    env = tfllm_env(PYTHONPATH=ROOT)
+    env.pop("TF_XLA_FLAGS", None)  # a fresh workdir's own cache: every cluster compiles
+    if dump:
+        # The HLO read here is XLA's input; LLVM at -O0 only shortens CPU code generation.
+        env["XLA_FLAGS"] = f"--xla_dump_to={dump_dir} --xla_backend_optimization_level=0"
+    out = run_tfllm("train", "--config", "configs/tiny.yaml",
+                    "--workdir", str(tmp_path / "run"), "--set", f"mesh.axes={axes}",
+                    "--set", "train.jit_compile=true", "--set", "train.steps=2",
+                    "--set", "train.log_every=1", "--set", "train.eval_steps=1",
+                    "--set", "train.progress=lines", *extra,
+                    timeout=XLA_TRAIN_TIMEOUT_S, env=env)
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
+    modules = {os.path.basename(p): open(p).read()
+               for p in glob.glob(str(dump_dir / "*before_optimizations.txt"))}
+    return out.stdout, modules
+
+
+# ---- files -------------------------------------------------------------------------------
+def metrics_records(workdir):
+    """The records of a run's metrics.jsonl, in order (one dict per line).
+
+    Args:
+      workdir: the run's folder (a pathlib.Path).
+    """
+    return [json.loads(l) for l in (workdir / "metrics.jsonl").read_text().splitlines()]
+
+
+def snapshot_tree(directory):
+    """Every file and folder under `directory`, with its content (None for a folder): what
+    a refused command must leave unchanged."""
+    out = {}
+    for root, dirs, files in os.walk(directory):
+        for name in dirs + files:
+            path = os.path.join(root, name)
+            out[os.path.relpath(path, directory)] = (
+                open(path, "rb").read() if os.path.isfile(path) else None)
+    return out
