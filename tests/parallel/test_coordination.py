@@ -20,7 +20,7 @@ class _Store:
 def _as_client(monkeypatch, client, store):
     monkeypatch.setattr(coordination, "num_clients", lambda: 2)
     monkeypatch.setattr(coordination, "client_id", lambda: client)
-    monkeypatch.setattr(coordination, "_context", lambda: store)
+    monkeypatch.setattr(coordination.internals, "eager_context", lambda: store)
 
 
 def test_a_client_that_fell_back_to_the_cpu_stops_with_one_line(monkeypatch):
