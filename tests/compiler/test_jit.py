@@ -63,3 +63,25 @@ def test_dtensor_function_name_clash_is_retraced_once_more_and_nothing_else(monk
     monkeypatch.setattr(jit, "compile_fn", always)
     with pytest.raises(tf.errors.InvalidArgumentError, match="Incompatible"):
         jit.Retraced(lambda x: x, MESH, True)(1)
+
+
+def test_each_compiled_function_keeps_its_own_retracing_count(caplog):
+    # tf.function counts traces per wrapped function's code: compiled steps must not all
+    # count as one (`traced`), or a run that traces prefill, decode and its train step a
+    # few times each is warned of "excessive retracing".
+    class Steps:
+        def double(self, x):
+            return x * 2
+
+        def plus(self, x):
+            return x + 1
+
+        def minus(self, x):
+            return x - 1
+    steps = Steps()
+    with caplog.at_level("WARNING", logger="tensorflow"):
+        for method in (steps.double, steps.plus, steps.minus):
+            compiled = jit.compile_fn(method, None, False)
+            for length in (1, 2, 3):  # three traces each: below TensorFlow's threshold
+                compiled(tf.zeros((length,)))
+    assert "retracing" not in caplog.text

@@ -20,6 +20,7 @@ TensorFlow runs. What XLA really compiled is read from the executed programs
 from __future__ import annotations
 
 import contextlib
+import functools
 from typing import Callable
 
 import tensorflow as tf
@@ -76,10 +77,12 @@ def compile_fn(fn: Callable, parallel, jit_compile: bool):
     if on_mesh and jit_compile:
         use_strict_compilation()
 
+    # `wraps`: tf.function keys its retracing statistics by the wrapped function's code;
+    # without it every compiled step would share `traced`'s and warn of retracing.
+    @functools.wraps(fn)
     def traced(*args, **kwargs):
         with context.use(parallel), scope(on_mesh and jit_compile):
             return fn(*args, **kwargs)
-    traced.__name__ = getattr(fn, "__name__", "compiled")
     return tf.function(traced, jit_compile=None if on_mesh else jit_compile)
 
 
