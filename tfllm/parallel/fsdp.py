@@ -33,7 +33,7 @@ from __future__ import annotations
 import contextlib
 import os
 import threading
-from typing import Callable, Sequence
+from typing import Callable
 
 import tensorflow as tf
 from tensorflow.experimental import dtensor

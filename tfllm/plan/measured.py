@@ -43,10 +43,9 @@ import subprocess
 import sys
 import tempfile
 from collections import defaultdict
-from typing import Dict, List, Optional
+from typing import Dict, List
 
-from tfllm.parallel import rules as rules_lib
-from tfllm.parallel.layouts import layout_rows
+from tfllm.plan.sharded import compute_sizes, per_device_config
 
 PADDING = 1024  # DTensor pads merged all-reduce buffers to multiples of this
 _RING = {"all-reduce": 2, "all-gather": 1, "reduce-scatter": 1, "all-to-all": 1}
@@ -92,31 +91,11 @@ def tiny_config(config, layers: int, shape: Dict[str, int]):
     return t
 
 
-def _compute_sizes(config, shape) -> Dict[str, int]:
-    """{variable path: elements of its compute layout} of the trainable weights: the full
-    shape divided by the non-fsdp mesh axes it is split over (what a gather yields)."""
-    from tfllm.models import build_model
-    rows = layout_rows(build_model(config, allocate=False),
-                       rules_lib.rules_from_config(config.mesh.rules), shape)
-    out = {}
-    for r in rows:
-        if not r.optimizer_bytes_per_device:
-            continue  # not trainable
-        split = 1
-        for axis in r.spec:
-            for a in (axis if isinstance(axis, tuple) else (axis,)):
-                if a and a != "fsdp":
-                    split *= shape.get(a, 1)
-        out[r.path] = math.prod(r.shape) // split
-    return out
-
-
 def _kind(path: str) -> str:
     return re.sub(r"block_\d+", "block", path)
 
 
 def _micro_tokens(config, shape) -> int:
-    from tfllm.plan.sharded import per_device_config
     local, _ = per_device_config(config, math.prod(shape.values()))
     return (local.train.global_batch_size // config.train.grad_accum_steps
             * local.data.sequence_length)
@@ -133,7 +112,7 @@ def scales(config, tiny, shape) -> dict:
     """
     real = copy.deepcopy(config)
     real.model.num_layers = tiny.model.num_layers
-    tiny_sizes, real_sizes = _compute_sizes(tiny, shape), _compute_sizes(real, shape)
+    tiny_sizes, real_sizes = compute_sizes(tiny, shape), compute_sizes(real, shape)
     weights: Dict[int, tuple] = {}
     for path, n in tiny_sizes.items():
         s = real_sizes[path] / n

@@ -49,6 +49,25 @@ def mesh_shape(config, devices=None) -> Dict[str, int]:
     return mesh_shape_from_config(config, (devices or 1) if has_free_axis else None)
 
 
+def compute_sizes(config, shape) -> Dict[str, int]:
+    """{variable path: elements of its compute layout} of the trainable weights: the full
+    shape divided by the non-fsdp mesh axes it is split over (what a gather yields)."""
+    from tfllm.models import build_model
+    rows = layout_rows(build_model(config, allocate=False),
+                       rules_lib.rules_from_config(config.mesh.rules), shape)
+    out = {}
+    for r in rows:
+        if not r.optimizer_bytes_per_device:
+            continue  # not trainable
+        split = 1
+        for axis in r.spec:
+            for a in (axis if isinstance(axis, tuple) else (axis,)):
+                if a and a != "fsdp":
+                    split *= shape.get(a, 1)
+        out[r.path] = math.prod(r.shape) // split
+    return out
+
+
 def per_device_config(config, devices=None) -> Tuple[object, str]:
     """(the config of what one device computes, a description of the mesh).
 
@@ -119,8 +138,7 @@ def gather_buffers(config, shape) -> dict:
     """
     if shape.get("fsdp", 1) <= 1:
         return {"bytes": 0, "gathered": 0, "gradient": 0}
-    from tfllm.plan.measured import _compute_sizes
-    sizes = _compute_sizes(config, shape)
+    sizes = compute_sizes(config, shape)
     units: Dict[str, int] = {}
     for path, n in sizes.items():
         block = re.search(r"block_\d+", path)

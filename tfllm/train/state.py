@@ -7,7 +7,6 @@ The one place they are put together, so that `tfllm train` (`Run`), `tfllm expor
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
 
 from tfllm.models import build_model
 from tfllm.optim import AdamW
