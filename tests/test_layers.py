@@ -83,3 +83,45 @@ def test_tests_import_no_private_names():
                 private += [f"{path.name}:{node.lineno}: {node.module}.{a.name}"
                             for a in node.names if a.name.startswith("_")]
     assert not private, private
+
+
+def _module_graph():
+    """{module: the tfllm modules it imports} (`from pkg import mod` counts as the module)."""
+    modules = {}
+    for path in ROOT.rglob("*.py"):
+        parts = list(path.relative_to(ROOT.parent).with_suffix("").parts)
+        modules[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+    graph = {}
+    for name, path in modules.items():
+        package = name if path.name == "__init__.py" else name.rsplit(".", 1)[0]
+        graph[name] = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                graph[name] |= {a.name for a in node.names if a.name in modules}
+            elif isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                if node.level:
+                    kept = package.split(".")[:len(package.split(".")) - node.level + 1]
+                    base = ".".join(kept + ([node.module] if node.module else []))
+                for a in node.names:
+                    target = f"{base}.{a.name}" if f"{base}.{a.name}" in modules else base
+                    if target in modules and target != name:
+                        graph[name].add(target)
+    return graph
+
+
+def test_no_modules_import_each_other_in_a_circle():
+    graph, state, circles = _module_graph(), {}, []
+
+    def visit(module, path):  # depth-first; a module met again on the path closes a circle
+        state[module] = "open"
+        for target in sorted(graph[module]):
+            if state.get(target) == "open":
+                circles.append(" -> ".join(path[path.index(target):] + [target]))
+            elif target not in state:
+                visit(target, path + [target])
+        state[module] = "done"
+    for module in sorted(graph):
+        if module not in state:
+            visit(module, [module])
+    assert not circles, circles
