@@ -1,6 +1,6 @@
 """Decides `train.jit_compile: auto` on CPU: XLA against plain graphs, same run.
 
-XLA here is real: on a mesh tfllm clusters each device's program (tfllm/train/xla.py),
+XLA here is real: on a mesh tfllm clusters each device's program (tfllm/compiler/jit.py),
 and every XLA run's own report (clusters, share of ops compiled) is checked and stored.
 
 For each config, runs `tfllm bench` with jit_compile false and true, interleaved over

@@ -102,7 +102,7 @@ def test_sharded_model_generates_the_same_tokens(family, axes):
 def test_gemma3_windows_on_a_mesh_generate_the_same_tokens(request):
     # Local layers (window 5) on data=2,model=4. In a process of its own: after many
     # loop programs in one process, DTensor's function-library name clash (see
-    # generator._Retraced) outlasted the retries once.
+    # tfllm.compiler.jit.Retraced) outlasted the retries once.
     if not run_in_child(request):
         return
     test_sharded_model_generates_the_same_tokens("gemma3", "data=2,model=4")

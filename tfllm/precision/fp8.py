@@ -88,7 +88,7 @@ def _dequantize_again(q, scale, dtype):
     when both operands are `convert(f8)` (times a broadcast scalar, through layout ops)
     in the module that holds the dot (`MatchFp8Param`, xla/service/gpu/transforms/
     gemm_rewriter.cc). On a DTensor mesh the step is not one XLA program: TensorFlow's
-    clustering of the jit_scope-marked ops (tfllm.train.xla) cuts it at DTensor's
+    clustering of the jit_scope-marked ops (tfllm.compiler.jit) cuts it at DTensor's
     collectives, so the backward dots of a projection sit in other clusters than its
     forward dot, and the tensors that cross are cluster parameters. A backward that
     reuses the forward's dequantized operands gets bf16 parameters; so does one that

@@ -313,7 +313,7 @@ def collectives_of(graph_defs: Iterable) -> Dict[str, List[Collective]]:
     """{device: [Collective]} of executed GraphDefs, in graph order.
 
     Args:
-      graph_defs: post-optimization GraphDefs (`tf_internal.collect_executed_graphs`).
+      graph_defs: post-optimization GraphDefs (`tfllm.internals.collect_executed_graphs`).
     """
     found: Dict[str, List[Collective]] = defaultdict(list)
     for graph in graph_defs:
@@ -380,7 +380,7 @@ def report_from_graphs(graph_defs, mesh: bool = True, whole_program: bool = Fals
     """Builds a `CostReport` from the executed (post-optimization) GraphDefs of one call.
 
     Args:
-      graph_defs: `tfllm.train.tf_internal.collect_executed_graphs()` output.
+      graph_defs: `tfllm.internals.collect_executed_graphs()` output.
       mesh: the function ran on a DTensor mesh.
       whole_program: it is one `jit_compile=True` program (no mesh).
       fp8_gemms: FP8 dot counts of the reported device's XLA modules, or None.

@@ -40,7 +40,7 @@ class TrainStep:
       optimizer: a built `tfllm.optim.AdamW` over the model's trainable variables.
       parallel: the sharding setup, or None for one device.
       jit_compile: XLA-compile the step (on a mesh: XLA clusters of each device's
-        program, see `tfllm.train.xla`).
+        program, see `tfllm.compiler.jit`).
       loss_scale: a `tfllm.precision.loss_scale.DynamicLossScale` (float16), or None.
     """
 
