@@ -24,6 +24,7 @@ import tensorflow as tf
 
 from tfllm.generate.sampling import next_token
 from tfllm.parallel import context
+from tfllm.parallel.placement import to_numpy
 from tfllm.compiler.jit import Retraced
 from tfllm.data import feed
 
@@ -278,7 +279,6 @@ class Generator:
         return feed.place(self.parallel, array, logical_axes, "generate input")
 
     def _to_numpy(self, x) -> np.ndarray:
-        from tfllm.parallel.placement import to_numpy
         return to_numpy(x)
 
 

@@ -10,9 +10,14 @@ from __future__ import annotations
 import os
 from typing import Optional
 
+from tfllm.checkpoint import run_state_variables
 from tfllm.compiler.jit import resolve_jit
+from tfllm.config.loader import to_dict
+from tfllm.contracts import announce_ready, client_id, num_clients
 from tfllm.data.feed import DeviceFeed
+from tfllm.generate import Generator
 from tfllm.parallel import make_parallel
+from tfllm.parallel.coordination import check_same_config, check_same_devices
 from tfllm.parallel.mesh import check_gpus
 from tfllm.train import hlo_dump
 from tfllm.train.evaluate import Evaluator
@@ -48,8 +53,6 @@ class Run:
         # anything (tf.data, tokenizer ops) initializes TensorFlow.
         self.parallel = make_parallel(config)
         self._announce_ready()
-        from tfllm.config.loader import to_dict
-        from tfllm.parallel.coordination import check_same_config, check_same_devices
         check_same_config(to_dict(config))  # before any collective can hang on a mismatch
         check_same_devices(self.parallel.device_type,
                            len(self.parallel.mesh.local_devices()))
@@ -76,7 +79,6 @@ class Run:
     def _announce_ready(self) -> None:
         """Every client says it joined the mesh, and answers the launcher's readiness
         handshake (TFLLM_READY_FILE / TFLLM_READY_KEY, see `tfllm.launch`)."""
-        from tfllm.contracts import announce_ready, client_id, num_clients
         if num_clients() > 1:
             mesh = ", ".join(f"{k}={v}" for k, v in self.parallel.shape.items())
             print(f"tfllm: client {client_id()}/{num_clients()} ready on mesh [{mesh}]",
@@ -89,14 +91,12 @@ class Run:
     # ---- state --------------------------------------------------------------------------
     def state_variables(self) -> dict:
         """Every variable a checkpoint must hold, by a stable name."""
-        from tfllm.checkpoint import run_state_variables
         return run_state_variables(self.model, self.optimizer, self.loss_scale,
                                    self.step.skipped)
 
 
 def sample_text(run: Run, prompt: str, max_new_tokens: int, **sampling) -> str:
     """Generates a continuation of `prompt` with the run's model and tokenizer."""
-    from tfllm.generate import Generator
     if run.tokenizer is None:
         raise ValueError("this run has no tokenizer (data.source=synthetic); there is no "
                          "text to generate.")
