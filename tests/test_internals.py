@@ -35,10 +35,12 @@ def test_every_fenced_library_has_one_range_and_one_message():
     internals.check_version("tensorflow")  # the installed ones are inside
     internals.check_version("tensorflow", "2.21.0")
     for library, bad in (("tensorflow", "2.22.0"), ("tensorflow", "2.15.1"),
-                         ("keras_hub", "1.0.0"), ("keras_hub", "0.19.0"), ("jax", "0.11.0")):
+                         ("keras_hub", "1.0.0"), ("keras_hub", "0.19.0"), ("jax", "0.11.0"),
+                         ("jax", "0.10.1")):  # jax: the exact release checked, no other
         with pytest.raises(RuntimeError, match="is not supported.*install"):
             internals.check_version(library, bad)
     internals.check_version("keras_hub", "0.32.0")
+    internals.check_version("jax", "0.10.2")
 
 
 def test_no_module_outside_the_fence_imports_private_apis():

@@ -5,8 +5,9 @@ Nothing else in tfllm imports `tensorflow.python`, `keras.src`, `keras_hub.src` 
 ops TensorFlow generates: it calls a function here. Each function checks that the
 internal it needs exists and fails with one message naming the library, the versions
 tfllm was written for (`WRITTEN_FOR`, the one table; setup.py bounds the same ranges) and
-the fix, instead of an AttributeError deep inside a run. `check_versions` checks the
-installed versions against the table once, before the first use.
+the fix, instead of an AttributeError deep inside a run. Where a whole release range is
+known to hold the internals, the installed version is checked against the table before
+the first use (`check_keras` before model placement, `jax_compiler` before a compile).
 
 The libraries are imported inside the functions, not at the top: this module sits on the
 ground floor, and `tfllm plan`'s compile child and the GPU step runner import it in
@@ -35,9 +36,12 @@ import types
 #: library -> (oldest (major, minor), newest (major, minor) or None for "through major.x")
 WRITTEN_FOR = {"tensorflow": ((2, 16), (2, 21)), "keras": ((3, 5), None),
                "keras_hub": ((0, 20), None), "jax": ((0, 10), (0, 10))}
+#: libraries whose internals were checked against these exact releases only (within the
+#: range above): jax's compile-only client changes its signatures between patch releases
+EXACT_RELEASES = {"jax": ("0.10.2",)}
 #: what to install when a version is outside its range
 _INSTALL = {"tensorflow": "'tensorflow>=2.16,<2.22'", "keras": "'keras>=3.5,<4'",
-            "keras_hub": "'keras-hub>=0.20,<1'", "jax": "pip install -e '.[plan]'"}
+            "keras_hub": "'keras-hub>=0.20,<1'", "jax": "the plan extra (pip install -e '.[plan]')"}
 _NAMES = {"tensorflow": "TensorFlow", "keras": "Keras", "keras_hub": "keras-hub", "jax": "jax"}
 
 
@@ -50,6 +54,8 @@ def _version(text: str):
 
 
 def _range(library: str) -> str:
+    if library in EXACT_RELEASES:
+        return ", ".join(EXACT_RELEASES[library])
     low, high = WRITTEN_FOR[library]
     top = f"{high[0]}.{high[1]}" if high else f"{low[0]}.x"
     return f"{low[0]}.{low[1]}-{top}"
@@ -70,16 +76,11 @@ def check_version(library: str, version: str = None) -> None:
     version = version or _installed(library)
     low, high = WRITTEN_FOR[library]
     have = _version(version)
-    if have < low or (high and have > high) or (not high and have[0] != low[0]):
+    if (have < low or (high and have > high) or (not high and have[0] != low[0])
+            or version not in EXACT_RELEASES.get(library, (version,))):
         raise RuntimeError(f"{_NAMES[library]} {version} is not supported: tfllm uses its "
                            f"internals as written for {_NAMES[library]} {_range(library)}; "
                            f"install {_INSTALL[library]}.")
-
-
-def check_versions(libraries=("tensorflow", "keras")) -> None:
-    """`check_version` for each of `libraries` (those a training run needs by default)."""
-    for library in libraries:
-        check_version(library)
 
 
 def _missing(library: str, what: str) -> RuntimeError:
