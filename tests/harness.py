@@ -11,7 +11,7 @@ first).
   single-device float32 run, cached per process), `assert_parity` (their agreement
   within the float32 tolerances justified below).
 * Processes: `run_tfllm` (`python -m tfllm.cli.main ...` to completion), `start_process`,
-  `finish`, `run_process`, `kill_group` (a child in its own process group, a hard
+  `finish`, `kill_group` (a child in its own process group, a hard
   timeout, nothing left behind), `run_clients` (N real DTensor clients),
   `run_in_child` (a test alone in a fresh pytest process), `train_with_xla_dump`.
 * Small shared pieces: `free_ports`, `snapshot_tree`, `metrics_records`,
@@ -330,11 +330,6 @@ def finish(proc, timeout):
     finally:
         kill_group(proc)
     return proc.returncode, out, err
-
-
-def run_process(cmd, timeout, env=None, cwd=ROOT, merge_stderr=False):
-    """`start_process` then `finish`: (exit code, stdout, stderr)."""
-    return finish(start_process(cmd, env, cwd, merge_stderr), timeout)
 
 
 def free_ports(n):

@@ -19,7 +19,6 @@ from tfllm.checkpoint.reader import Reader
 from tfllm.checkpoint.shards import CheckpointError, owned_blocks, tf_variable
 from tfllm.confined import relative_name
 from tfllm import contracts
-from tfllm.contracts import io_failure
 
 log = logging.getLogger("tfllm.checkpoint")
 
@@ -173,7 +172,7 @@ class Checkpointer:
         except BaseException as e:
             if self.client_id == 0 and os.path.isdir(tmp):
                 # the waiting clients learn it at once, and fail as this one does
-                storage.mark_failed(tmp, e, io_failure(e))
+                storage.mark_failed(tmp, e, contracts.io_failure(e))
             if isinstance(e, OSError):  # full disk, quota, permissions: the command's
                 # I/O exit code (tfllm.contracts), which finds this OSError as the cause
                 raise CheckpointError(f"saving the checkpoint of step {step} failed: {e}; "

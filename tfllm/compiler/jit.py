@@ -28,8 +28,11 @@ import tensorflow as tf
 from tfllm import internals
 from tfllm.parallel import context
 
-#: train.jit_compile=auto by device type: XLA on GPU; on CPU TensorFlow's own kernels are
-#: faster for these models (benchmarks/results/cpu_jit.md)
+# train.jit_compile=auto, by device type: measured in benchmarks/results/cpu_jit.md.
+# On the 2-core CPU, XLA clusters of DTensor's per-device programs were no faster than
+# plain graphs in fp32 (0.95-1.21x, within noise), slower in bf16 (0.65x), and compiled
+# 2-5x longer, so CPU runs use graphs for every precision. On GPU XLA is the point:
+# fusion and FP8 GEMMs.
 AUTO_JIT = {"GPU": True, "CPU": False}
 
 

@@ -63,7 +63,11 @@ def place(parallel, array, logical_axes: Optional[Sequence[Optional[str]]] = Non
         return tf.constant(array)
     spec = (batch_spec(parallel, array.shape) if logical_axes is None
             else parallel.spec(name, array.shape, logical_axes))
-    return parallel.shard_array(array, spec)
+    return _put(parallel, array, spec)
+
+
+def _put(parallel, array: np.ndarray, spec):
+    return tf.constant(array) if parallel is None else parallel.shard_array(array, spec)
 
 
 def to_device(parallel, tokens: np.ndarray, segment_ids: Optional[np.ndarray] = None):
@@ -74,9 +78,11 @@ def to_device(parallel, tokens: np.ndarray, segment_ids: Optional[np.ndarray] = 
     Separate tensors, not one (A, M, T+1) DTensor: DTensor loses the layout of the
     micro-batch dimension when slicing out one micro-batch with a shrinking index.
     """
+    spec = batch_spec(parallel, tokens.shape[1:])  # one layout for every micro-batch
     if segment_ids is None:
-        return tuple(place(parallel, t) for t in tokens)
-    return tuple((place(parallel, t), place(parallel, s)) for t, s in zip(tokens, segment_ids))
+        return tuple(_put(parallel, t, spec) for t in tokens)
+    return tuple((_put(parallel, t, spec), _put(parallel, s, spec))
+                 for t, s in zip(tokens, segment_ids))
 
 
 def from_local(parallel, local_tokens: np.ndarray, rows: Sequence[int], micro_batch_rows: int,

@@ -22,11 +22,11 @@ from typing import Optional, Sequence, Union
 import numpy as np
 import tensorflow as tf
 
+from tfllm.compiler.jit import Retraced
+from tfllm.data import feed
 from tfllm.generate.sampling import next_token
 from tfllm.parallel import context
 from tfllm.parallel.placement import to_numpy
-from tfllm.compiler.jit import Retraced
-from tfllm.data import feed
 
 _BATCH = feed.BATCH_AXES
 _LOOP_IDS = itertools.count()
@@ -86,13 +86,13 @@ class Generator:
         tokens, start, options, rows, single = request
         started = time.perf_counter()
         first, cache = self._prefill(tokens, start, options["scalars"], **options["static"])
-        first_np = self._to_numpy(first)  # waits for the prefill, for the timing
+        first_np = to_numpy(first)  # waits for the prefill, for the timing
         prefilled = time.perf_counter()
         if not self._stepwise:  # one XLA program (or plain TF ops), the loop included
             out = self._decode(first, cache, start, options["scalars"],
                                prompt_length=int(tokens.shape[1]),
                                max_new_tokens=max_new_tokens, **options["static"])
-            out = self._to_numpy(out)
+            out = to_numpy(out)
         else:
             out = self._decode_stepwise(first, cache, start, options, int(tokens.shape[1]),
                                         max_new_tokens)
@@ -113,11 +113,11 @@ class Generator:
         """
         tokens, start, options, rows, single = self._request(
             prompt_ids, max_new_tokens, temperature, top_k, top_p, seed, eos_id)
-        prompt = self._to_numpy(tokens)
+        prompt = to_numpy(tokens)
         batch, length = prompt.shape
         buffer = np.zeros((batch, length + max_new_tokens), np.int32)  # (B, P + N)
         buffer[:, :length] = prompt
-        start_np = self._to_numpy(start)
+        start_np = to_numpy(start)
         segment_ids = None
         if start_np.any():
             segment_ids = (np.arange(buffer.shape[1])[None, :] >= start_np[:, None])
@@ -127,7 +127,7 @@ class Generator:
                                          self._put(np.int32(length - 1 + step), ()),
                                          self._put(np.int32(step), ()), options["scalars"],
                                          **options["static"])
-            buffer[:, length + step] = self._to_numpy(token)
+            buffer[:, length + step] = to_numpy(token)
         return _finish(buffer[:rows, length:], eos_id, single)
 
     def _decode_stepwise(self, first, cache, start, options, prompt_length: int,
@@ -146,18 +146,18 @@ class Generator:
         token = first
         done = self._put(np.zeros((first.shape[0],), np.bool_), _BATCH)
         tokens = [first]
-        eos = int(self._to_numpy(scalars["eos_id"]))
+        eos = int(to_numpy(scalars["eos_id"]))
         for step in range(1, max_new_tokens):
             token, done, cache = self._token_step(token, done, cache, start,
                                                   self._put(np.int32(step), ()), scalars,
                                                   prompt_length=prompt_length)
             tokens.append(token)
             if step % _STOP_CHECK == 0 and step + 1 < max_new_tokens:
-                if np.all(self._to_numpy(done) | (self._to_numpy(token) == eos)):
+                if np.all(to_numpy(done) | (to_numpy(token) == eos)):
                     break  # every row finished: the remaining columns stay 0 (unread)
         out = np.zeros((first.shape[0], max_new_tokens), np.int32)
         for column, t in enumerate(tokens):
-            out[:, column] = self._to_numpy(t)
+            out[:, column] = to_numpy(t)
         return out
 
     # ---- compiled parts ------------------------------------------------------------------
@@ -277,9 +277,6 @@ class Generator:
     def _put(self, array, logical_axes):
         """A numpy array as a tensor, laid out by its logical axes (the device feed)."""
         return feed.place(self.parallel, array, logical_axes, "generate input")
-
-    def _to_numpy(self, x) -> np.ndarray:
-        return to_numpy(x)
 
 
 #: tokens between the host's looks at whether every row has finished (mesh decoding)

@@ -7,8 +7,8 @@
 * `step.hlo.txt`: the same, as text;
 * `step.json`: each HLO parameter (shape, dtype, role: batch, weight, optimizer_state,
   fp8_state, step; named as in a checkpoint, `tfllm.checkpoint.state_name`:
-  "model/<path>", "optimizer/m/<path>", "optimizer/v/<path>", ...), each output (metric name, or the parameter it updates), FLOPs per
-  token, tokens per step and versions;
+  "model/<path>", "optimizer/m/<path>", "optimizer/v/<path>", ...), each output (metric
+  name, or the parameter it updates), FLOPs per token, tokens per step and versions;
 * `check.npz` (with `--check`): the inputs of one step and TensorFlow's outputs, so a
   runner can prove that it executes the same program (`benchmarks/gpu/run_step.py`).
 """

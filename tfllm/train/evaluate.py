@@ -4,11 +4,10 @@ from __future__ import annotations
 
 import math
 
-
+from tfllm.compiler.jit import compile_fn
 from tfllm.data.errors import DataError
 from tfllm.models.loss import loss_sum_and_count
 from tfllm.parallel.placement import to_numpy
-from tfllm.compiler.jit import compile_fn
 from tfllm.train.step import lm_forward
 
 

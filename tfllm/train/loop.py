@@ -208,7 +208,7 @@ def _train(config, workdir, model_cls, out, signals, watchdog: list) -> dict:
                 first_step_s = now - start
                 if run.step.xla_report is not None:
                     progress.message("tfllm: " + run.step.xla_report.line())
-                _report_costs(run, workdir, primary, progress)
+                _report_costs(run, run_dir, primary, progress)
             else:
                 throughput.add_step(now - began, tokens_per_step)
             # tokens/s of the steps since the last logged one (pauses excluded)
@@ -260,7 +260,7 @@ def _train(config, workdir, model_cls, out, signals, watchdog: list) -> dict:
     return last
 
 
-def _report_costs(run, workdir: str, primary: bool, progress) -> None:
+def _report_costs(run, run_dir: Workdir, primary: bool, progress) -> None:
     """Prints the first step's cost report and writes it to WORKDIR/costs.json; ends the
     HLO dump it was read from (later compilations are not reported)."""
     hlo_dump.stop()
@@ -270,7 +270,7 @@ def _report_costs(run, workdir: str, primary: bool, progress) -> None:
     for line in report.lines():
         progress.message("tfllm: " + line)
     if primary:
-        Workdir(workdir).write_costs(report.as_dict())
+        run_dir.write_costs(report.as_dict())
 
 
 def _step_or_peer_lost(run, step: int, limit: float, checkpointer) -> dict:

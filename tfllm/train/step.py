@@ -13,11 +13,11 @@ from typing import Optional
 import numpy as np
 import tensorflow as tf
 
-from tfllm.optim.adamw import global_norm
-from tfllm.parallel.placement import Parallel, new_variable, to_numpy
 from tfllm import internals
 from tfllm.compiler.jit import compile_fn
 from tfllm.data import feed
+from tfllm.optim.adamw import global_norm
+from tfllm.parallel.placement import Parallel, new_variable, to_numpy
 from tfllm.train import costs, hlo_dump, xla
 
 
