@@ -120,6 +120,27 @@ def test_export_hf_loads_in_transformers_and_writes_the_source_tensors(name, tmp
                                   _tfllm_logits(from_preset(str(source)), ids))
 
 
+def test_a_sentencepiece_mistral_folder_loads_its_tokenizer_in_any_registry_order(
+        tmp_path, monkeypatch):
+    # keras-hub registers two tokenizer classes for MistralBackbone (SentencePiece and
+    # Tekken) and chose between them in the order of a set of classes, which changes from
+    # process to process: CI once loaded this folder's tokenizer.model as Tekken and failed.
+    # Both orders the set can give must load the SentencePiece tokenizer.
+    import keras_hub
+    from keras_hub.src.utils import preset_utils
+
+    from tfllm.data.tokenizer import load_keras_hub_tokenizer
+    ref.save("mistral", tmp_path / "hf")
+    expected = np.asarray(ref.keras_hub_tokenizer("sentencepiece").tokenize("def main():"))
+    registered = preset_utils.list_subclasses
+    for order in (list, lambda classes: list(reversed(classes))):
+        monkeypatch.setattr(preset_utils, "list_subclasses",
+                            lambda cls, order=order: order(registered(cls)))
+        tokenizer = load_keras_hub_tokenizer(str(tmp_path / "hf"))
+        assert type(tokenizer) is keras_hub.models.MistralTokenizer
+        np.testing.assert_array_equal(tokenizer.tokenize("def main():"), expected)
+
+
 def test_export_hf_bfloat16_in_shards_with_an_index(tmp_path):
     source, out = _import_then_export(tmp_path, "llama3", "--dtype", "bfloat16",
                                       "--max-shard-size", "40KB")

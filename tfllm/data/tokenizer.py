@@ -17,7 +17,7 @@ from typing import Callable, Iterable, List, Optional
 import tensorflow as tf
 
 from tfllm.data.errors import DataError
-from tfllm.internals import safe_mode
+from tfllm.internals import preset_loader, safe_mode
 
 BYTE_VOCAB_SIZE = 257  # 256 byte values + the end-of-document id
 MAX_SENTENCES = 50_000  # lines fed to the SentencePiece trainer; bounds training time
@@ -176,11 +176,39 @@ def load_keras_hub_tokenizer(path: str, fix: str = "give a keras-hub tokenizer p
             if (os.path.isdir(path) and not os.path.exists(os.path.join(path, "config.json"))
                     and os.path.isfile(os.path.join(path, "tokenizer.json"))):
                 return _tokenizer_only_preset(path)
-            return keras_hub.tokenizers.Tokenizer.from_preset(path)
+            return _tokenizer_class(path).from_preset(path)
     except Exception as e:  # keras-hub raises many kinds for a missing/foreign tokenizer
         first = str(e).strip().splitlines()[0] if str(e).strip() else ""
         raise DataError(f"{path}: keras-hub cannot load a tokenizer from it "
                         f"({type(e).__name__}: {first}); {fix}.") from None
+
+
+def _tokenizer_class(path: str):
+    """The keras-hub tokenizer class `Tokenizer.from_preset(path)` should build: of the
+    registered tokenizer classes made for the preset's backbone, the first registered
+    (keras-hub's built-in one).
+
+    keras-hub 0.32 picks among several such classes (MistralBackbone: MistralTokenizer and
+    MistralTekkenTokenizer; LlamaBackbone: LlamaTokenizer and MoonshineTokenizer) in the
+    order of a set of classes, which changes from process to process: a Mistral folder
+    with a SentencePiece tokenizer.model then loaded as a Tekken tokenizer without a
+    vocabulary in some runs. Registration order is the same in every process. (A
+    tekken.json still loads as Tekken: keras-hub's Mistral converter checks the file.)
+    """
+    import keras
+    import keras_hub
+
+    base = keras_hub.tokenizers.Tokenizer
+    backbone = preset_loader(path).check_backbone_class()
+    if backbone is None:
+        return base
+    candidates = []
+    for obj in keras.saving.get_custom_objects().values():  # in registration order
+        if (isinstance(obj, type) and issubclass(obj, base) and obj is not base
+                and getattr(obj, "backbone_cls", None) is backbone
+                and obj not in candidates):
+            candidates.append(obj)
+    return candidates[0] if candidates else base
 
 
 def _tokenizer_only_preset(path: str):
