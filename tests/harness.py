@@ -6,7 +6,8 @@ the 8 logical devices the sharded helpers here run on: it is loaded before any t
 module, and a script that uses these helpers outside pytest imports `tests.conftest`
 first).
 
-* Configs: `tiny_overrides`, `tiny_config`, `text_overrides`, `write_text_corpus`.
+* Configs: `tiny_overrides`, `tiny_config`, `text_overrides`, `tiny_text_config`,
+  `write_text_corpus`.
 * Parity: `parity_run` (one training run, sharded or not), `parity_reference` (the
   single-device float32 run, cached per process), `assert_parity` (their agreement
   within the float32 tolerances justified below).
@@ -116,6 +117,12 @@ def text_overrides(tmp_path, axes="data=2,model=4", **extra):
               "train.sample_tokens": 0}
     values.update(extra)
     return tiny_overrides("gpt", axes, **values)
+
+
+def tiny_text_config(tmp_path, axes="data=2,model=4", **extra):
+    """The Config of `text_overrides(...)` loaded over the defaults."""
+    from tfllm.config import load_config
+    return load_config(None, text_overrides(tmp_path, axes, **extra))
 
 
 # ---- the parity harness -----------------------------------------------------------------

@@ -125,3 +125,24 @@ def test_no_modules_import_each_other_in_a_circle():
         if module not in state:
             visit(module, [module])
     assert not circles, circles
+
+
+def test_workdir_names_are_spelled_only_in_the_contracts():
+    """A path into a run's workdir is joined from `tfllm.contracts`' names, never from a
+    string of its own (the launcher, the watchdog, the tokenizer and `Workdir` once each
+    spelled "logs" or "tokenizer")."""
+    from tfllm import contracts
+    names = {getattr(contracts, n) for n in dir(contracts)
+             if n.endswith(("_DIR", "_FILE")) or n == "MARKER"}
+    spelled = []
+    for path in sorted(ROOT.rglob("*.py")):
+        if path == ROOT / "contracts.py":
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
+                    and node.func.attr == "join"):
+                for arg in node.args:
+                    if isinstance(arg, ast.Constant) and arg.value in names:
+                        spelled.append(f"{path.relative_to(ROOT.parent)}:{node.lineno}: "
+                                       f"{arg.value!r}")
+    assert len(names) >= 10 and not spelled, spelled

@@ -1,7 +1,11 @@
 """The contracts every layer of tfllm shares, on the ground floor (imports nothing of tfllm).
 
-Three agreements with the world outside one Python module, each owned here so that the
+Four agreements with the world outside one Python module, each owned here so that the
 CLI, training, the checkpointer, the watchdog and the launcher name the same things:
+
+* **The run directory's names** (`MARKER`, `CHECKPOINTS_DIR`, ..., `LOGS_DIR`): what a
+  run, `tfllm launch` (logs, heartbeats) and the tokenizer keep in a workdir.
+  `tfllm.checkpoint.workdir.Workdir` joins them into paths.
 
 * **Client identity**: which process of a multi-client job this is (`client_id`,
   `num_clients`), read from DTensor's own environment (`DTENSOR_CLIENT_ID`, and the
@@ -97,6 +101,27 @@ def num_clients() -> int:
 def client_id() -> int:
     """This process's index in a DTensor multi-client job (DTENSOR_CLIENT_ID, else 0)."""
     return int(os.environ.get("DTENSOR_CLIENT_ID", "0") or 0)
+
+
+#: the marker a run (or an import) writes first: the workdir is tfllm's
+MARKER = ".tfllm-run"
+#: the names of what a run keeps in its workdir (`tfllm.checkpoint.workdir.Workdir` joins
+#: them; config.yaml is `tfllm.config.loader.CONFIG_FILE`)
+CHECKPOINTS_DIR = "checkpoints"
+METRICS_FILE = "metrics.jsonl"
+TENSORBOARD_DIR = "tensorboard"
+PLOT_FILE = "loss.png"
+#: the cost report of the step (`tfllm.train.costs.CostReport.as_dict()`), after step one
+COSTS_FILE = "costs.json"
+#: the run's tokenizer: a keras-hub preset folder, or a SentencePiece model in it
+TOKENIZER_DIR = "tokenizer"
+TOKENIZER_MODEL_FILE = "tokenizer.model"
+#: where an imported run's weights came from (`tfllm.pretrained.importer`)
+PRETRAINED_FILE = "pretrained.json"
+#: `tfllm launch`'s client logs and the watchdog's heartbeats
+LOGS_DIR = "logs"
+#: the persistent XLA compile cache of `train.xla_cache=auto`, one folder per client
+XLA_CACHE_DIR = "xla_cache"
 
 
 #: the variables `tfllm launch` gives a worker for the readiness handshake

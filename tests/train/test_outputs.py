@@ -11,18 +11,17 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from tests.harness import metrics_records, run_tfllm, text_overrides
+from tests.harness import metrics_records, run_tfllm, tiny_text_config
 from tfllm.data import feed
-from tfllm.config import load_config
 from tfllm.train.loop import train
 
 
 @pytest.fixture(scope="module")
 def run_dir(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("outputs")
-    cfg = load_config(None, text_overrides(tmp, **{
+    cfg = tiny_text_config(tmp, **{
         "train.steps": 8, "train.log_every": 2, "train.eval_every": 4,
-        "checkpoint.every": 4, "train.sample_tokens": 8, "train.sample_prompt": "the"}))
+        "checkpoint.every": 4, "train.sample_tokens": 8, "train.sample_prompt": "the"})
     last = train(cfg, str(tmp / "run"))
     return tmp / "run", cfg, last
 

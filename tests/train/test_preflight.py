@@ -15,14 +15,14 @@ import signal
 
 import pytest
 
-from tests.harness import text_overrides, tiny_config
+from tests.harness import tiny_config, tiny_text_config
 from tfllm.config import ConfigError, load_config
 from tfllm.data import DataError
 from tfllm.data.sources import has_validation
 from tfllm.train.loop import train
 from tfllm.train.preemption import Preempted
 from tfllm.train.run import Run
-from tfllm.checkpoint.workdir import MARKER
+from tfllm.contracts import MARKER
 
 # Two rows: every row of the batch is a data stream of its own, each traced anew.
 ONE_DEVICE = {"model.num_layers": 1, "train.global_batch_size": 2, "train.log_every": 1,
@@ -31,7 +31,7 @@ ONE_DEVICE = {"model.num_layers": 1, "train.global_batch_size": 2, "train.log_ev
 
 
 def _text_config(tmp_path, **extra):
-    return load_config(None, text_overrides(tmp_path, "data=1", **{**ONE_DEVICE, **extra}))
+    return tiny_text_config(tmp_path, "data=1", **{**ONE_DEVICE, **extra})
 
 
 def _fail_evaluation(monkeypatch):

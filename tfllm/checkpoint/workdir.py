@@ -48,26 +48,15 @@ from tfllm.checkpoint.shards import CheckpointError
 from tfllm.checkpoint.state import model_variables
 from tfllm.checkpoint.storage import committed, latest, write_json_atomic
 from tfllm.config.loader import CONFIG_FILE, ConfigError, config_path, save_config, to_dict
+from tfllm.contracts import (CHECKPOINTS_DIR, COSTS_FILE, LOGS_DIR, MARKER, METRICS_FILE,
+                             PLOT_FILE, PRETRAINED_FILE, TENSORBOARD_DIR, TOKENIZER_DIR,
+                             XLA_CACHE_DIR)
 
 #: (section, key or None for the whole section) that define a run and must not change.
 RUN_DEFINING = (("model", None), ("data", None), ("optimizer", None),
                 ("precision", None), ("train", "global_batch_size"),
                 ("train", "grad_accum_steps"), ("train", "seed"))
 
-#: the marker a run (or an import) writes first: the workdir is tfllm's
-MARKER = ".tfllm-run"
-
-#: the names of what a run keeps in its workdir (`Workdir` joins them)
-CHECKPOINTS_DIR = "checkpoints"
-METRICS_FILE = "metrics.jsonl"
-TENSORBOARD_DIR = "tensorboard"
-PLOT_FILE = "loss.png"
-#: the cost report of the step (`tfllm.train.costs.CostReport.as_dict()`), after step one
-COSTS_FILE = "costs.json"
-TOKENIZER_DIR = "tokenizer"
-#: where an imported run's weights came from (`tfllm.pretrained.importer`)
-PRETRAINED_FILE = "pretrained.json"
-LOGS_DIR = "logs"
 
 #: files and folders a run writes; cleared when a dead run without checkpoints is reused
 RUN_OUTPUTS = (METRICS_FILE, TENSORBOARD_DIR, PLOT_FILE, CONFIG_FILE, COSTS_FILE,
@@ -77,7 +66,7 @@ RUN_OUTPUTS = (METRICS_FILE, TENSORBOARD_DIR, PLOT_FILE, CONFIG_FILE, COSTS_FILE
 #: itself), and those written before a run starts (`tfllm launch`'s logs, heartbeats and
 #: client logs; the XLA cache of `train.xla_cache=auto`), which may exist without a marker
 KEPT_DIRS = (CHECKPOINTS_DIR,)
-SHARED_DIRS = (LOGS_DIR, "xla_cache")
+SHARED_DIRS = (LOGS_DIR, XLA_CACHE_DIR)
 
 #: suffixes of tfllm's atomic writes (a temporary name, then a rename): config.yaml.tmp,
 #: metrics.jsonl.tmp, costs.json.part, loss.png.tmp.png

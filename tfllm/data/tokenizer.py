@@ -16,6 +16,7 @@ from typing import Callable, Iterable, List, Optional
 
 import tensorflow as tf
 
+from tfllm.contracts import TOKENIZER_DIR, TOKENIZER_MODEL_FILE
 from tfllm.data.errors import DataError
 from tfllm.internals import preset_loader, safe_mode
 
@@ -169,8 +170,6 @@ def load_keras_hub_tokenizer(path: str, fix: str = "give a keras-hub tokenizer p
     Raises:
       DataError (one line) when keras-hub cannot load a tokenizer from `path`.
     """
-    import keras_hub  # lazy: keras-hub only for keras-hub tokenizers
-
     try:
         with safe_mode():
             if (os.path.isdir(path) and not os.path.exists(os.path.join(path, "config.json"))
@@ -196,7 +195,7 @@ def _tokenizer_class(path: str):
     tekken.json still loads as Tekken: keras-hub's Mistral converter checks the file.)
     """
     import keras
-    import keras_hub
+    import keras_hub  # lazy: keras-hub only for keras-hub tokenizers
 
     base = keras_hub.tokenizers.Tokenizer
     backbone = preset_loader(path).check_backbone_class()
@@ -312,7 +311,7 @@ def from_file(path: str) -> Tokenizer:
 
 def run_tokenizer_path(workdir: str) -> str:
     """Where a run keeps its trained SentencePiece model: WORKDIR/tokenizer/tokenizer.model."""
-    return os.path.join(workdir, "tokenizer", "tokenizer.model")
+    return os.path.join(workdir, TOKENIZER_DIR, TOKENIZER_MODEL_FILE)
 
 
 def save_to_run(tokenizer: Tokenizer, config, workdir: str) -> Optional[str]:

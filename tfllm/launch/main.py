@@ -19,7 +19,7 @@ import sys
 from dataclasses import dataclass, field
 from typing import List, Optional
 
-from tfllm.contracts import BAD_INPUT_EXIT_CODE
+from tfllm.contracts import BAD_INPUT_EXIT_CODE, LOGS_DIR
 from tfllm.launch import device as dev
 from tfllm.launch import supervisor as sup
 from tfllm.launch import topology as topo
@@ -302,7 +302,7 @@ def make_plan(opts: Options, environ) -> Plan:
                           "--kill-on-bad-exit=1 in an sbatch --requeue job; Kubernetes: a "
                           "JobSet with failurePolicy.maxRestarts) and drop --max-restarts")
     workdir = topo.command_workdir(command)
-    log_dir = opts.get("--log-dir") or (os.path.join(workdir, "logs") if workdir
+    log_dir = opts.get("--log-dir") or (os.path.join(workdir, LOGS_DIR) if workdir
                                         else "multiworker-logs")
     return Plan(topology, device, per_gpu, opts.get("--job-name", "worker"),
                 int(port) if port else None, log_dir, kill_timeout, startup_timeout,

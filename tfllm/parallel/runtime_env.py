@@ -13,6 +13,8 @@ from __future__ import annotations
 import os
 from typing import Dict, MutableMapping, Optional
 
+from tfllm.contracts import XLA_CACHE_DIR
+
 # TensorFlow's GPU device keeps this much memory out of its allocator's pool
 # (`MinSystemMemory`, tensorflow/core/common_runtime/gpu/gpu_device.cc reads it).
 RESERVE_ENV = "TF_DEVICE_MIN_SYS_MEMORY_IN_MB"
@@ -76,7 +78,7 @@ def xla_cache_dir(setting: str, workdir: Optional[str], client: int = 0) -> Opti
     if str(setting).lower() in ("off", "false", "no", "none", ""):
         return None
     if setting == "auto":
-        return os.path.join(workdir, "xla_cache", f"client_{client}") if workdir else None
+        return os.path.join(workdir, XLA_CACHE_DIR, f"client_{client}") if workdir else None
     return setting
 
 

@@ -26,7 +26,7 @@ import threading
 import time
 from typing import Callable, Dict, Optional, Tuple
 
-from tfllm.contracts import PEER_LOST_EXIT_CODE
+from tfllm.contracts import LOGS_DIR, PEER_LOST_EXIT_CODE
 
 
 class PeerLost(RuntimeError):
@@ -61,7 +61,7 @@ def lost_message(peer: int, client: int, step: int, latest: Optional[int],
 
 
 def heartbeat_path(workdir: str, client: int) -> str:
-    return os.path.join(workdir, "logs", f"heartbeat.{client}")
+    return os.path.join(workdir, LOGS_DIR, f"heartbeat.{client}")
 
 
 class PeerWatchdog:
@@ -96,7 +96,7 @@ class PeerWatchdog:
         self._seen: Dict[int, Tuple[Optional[str], float]] = {}
 
     def start(self) -> "PeerWatchdog":
-        os.makedirs(os.path.join(self.workdir, "logs"), exist_ok=True)
+        os.makedirs(os.path.join(self.workdir, LOGS_DIR), exist_ok=True)
         now = time.monotonic()
         self._seen = {p: (self._read(p), now) for p in self.watched()}
         self._write(done=False)

@@ -19,8 +19,8 @@ from typing import Dict, Iterable, Optional
 import numpy as np
 
 from tfllm.checkpoint import model_variables
-from tfllm.checkpoint.workdir import (MARKER, TOKENIZER_DIR, Workdir, read_marker,
-                                      write_marker)
+from tfllm.checkpoint.workdir import Workdir, read_marker, write_marker
+from tfllm.contracts import MARKER, TOKENIZER_DIR, TOKENIZER_MODEL_FILE
 from tfllm.parallel.placement import block_slices
 from tfllm.pretrained.families import Permuted, PretrainedError, keras_hub_path
 from tfllm.pretrained.sources import Source, open_source
@@ -169,8 +169,8 @@ def _write_tokenizer(source: Source, tokenizer: Optional[str], out: Workdir) -> 
             return TOKENIZER_DIR
         if os.path.isfile(tokenizer):
             os.makedirs(out.tokenizer_dir)
-            shutil.copy(tokenizer, os.path.join(out.tokenizer_dir, "tokenizer.model"))
-            return f"{TOKENIZER_DIR}/tokenizer.model"
+            shutil.copy(tokenizer, os.path.join(out.tokenizer_dir, TOKENIZER_MODEL_FILE))
+            return f"{TOKENIZER_DIR}/{TOKENIZER_MODEL_FILE}"
         raise PretrainedError(f"--tokenizer {tokenizer}: no such file or directory.")
     try:
         hub = load_keras_hub_tokenizer(

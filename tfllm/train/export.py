@@ -17,8 +17,9 @@ import shutil
 
 import tensorflow as tf
 
-from tfllm.checkpoint.workdir import TOKENIZER_DIR, Workdir
+from tfllm.checkpoint.workdir import Workdir
 from tfllm.config import save_config
+from tfllm.contracts import TOKENIZER_DIR
 from tfllm.models import build_model
 
 
