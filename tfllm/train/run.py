@@ -35,8 +35,8 @@ class Run:
       train_iterator: open the training data stream (eval and generate do not need it).
       capture_hlo: dump the HLO XLA compiles (`tfllm.train.hlo_dump`) so that the step's
         cost report counts its FP8 GEMMs; `stop()` it after the first step.
-      inference: the model without optimizer state (`tfllm generate`, `eval`):
-        `evaluate` and generation work, `step` is not for training.
+      inference: the model alone (`tfllm generate`, `eval`): `evaluate` and generation
+        work; there is no optimizer, loss scale or train step (`step` is None).
     """
 
     def __init__(self, config, model_cls=None, workdir: Optional[str] = None,
@@ -92,7 +92,7 @@ class Run:
     def state_variables(self) -> dict:
         """Every variable a checkpoint must hold, by a stable name."""
         return run_state_variables(self.model, self.optimizer, self.loss_scale,
-                                   self.step.skipped)
+                                   self.step.skipped if self.step is not None else None)
 
 
 def sample_text(run: Run, prompt: str, max_new_tokens: int, **sampling) -> str:

@@ -7,6 +7,7 @@ The one place they are put together, so that `tfllm train` (`Run`), `tfllm expor
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Optional
 
 from tfllm.models import build_model
 from tfllm.optim import AdamW
@@ -21,13 +22,13 @@ class TrainState:
       model: the placed `CausalLM`.
       optimizer: AdamW, built over the model's trainable variables (None: inference).
       loss_scale: a `DynamicLossScale` under float16, else None.
-      step: the `TrainStep` over them.
+      step: the `TrainStep` over them (None: inference).
     """
 
     model: object
     optimizer: AdamW
     loss_scale: object
-    step: TrainStep
+    step: Optional[TrainStep]
 
 
 def build_train_state(config, parallel, jit_compile: bool, model_cls=None,
@@ -41,14 +42,13 @@ def build_train_state(config, parallel, jit_compile: bool, model_cls=None,
       jit_compile: XLA-compile the step.
       model_cls: a `CausalLM` subclass to use instead of the config's family.
       packing_mask: the step masks attention to each packed document.
-      optimizer: False for inference (`tfllm generate`, `eval`): no AdamW and no loss
-        scale, whose moments alone are twice the float32 weights; the step cannot
-        train.
+      optimizer: False for inference (`tfllm generate`, `eval`): the model alone, with
+        no AdamW (whose moments alone are twice the float32 weights), loss scale or
+        train step.
     """
     model = build_model(config, parallel, model_cls=model_cls)
     if not optimizer:
-        return TrainState(model, None, None, TrainStep(model, None, parallel, jit_compile,
-                                                       None, packing_mask=packing_mask))
+        return TrainState(model, None, None, None)
     optimizer = AdamW(config.optimizer, config.train.steps, parallel)
     optimizer.build(model.trainable_variables)
     loss_scale = None
