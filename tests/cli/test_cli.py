@@ -91,6 +91,30 @@ def test_bad_input_exits_2_with_a_message(args, message, tmp_path):
     assert message in r.stderr
 
 
+@pytest.mark.parametrize("command", [["generate", "--prompt", "a"], ["eval"],
+                                     ["export", "--out", "out"]], ids=lambda c: c[0])
+def test_a_folder_that_is_no_run_is_refused_before_tensorflow_is_imported(command, tmp_path):
+    import subprocess
+    import sys
+    code = ("import sys; from tfllm.cli.main import main; "
+            f"rc = main({command + ['--workdir', str(tmp_path / 'nothing')]!r}); "
+            "print(rc, 'tensorflow' in sys.modules)")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                       timeout=120)
+    assert r.stdout.split() == ["2", "False"], r.stderr
+    assert "nothing/config.yaml does not exist" in r.stderr
+
+
+def test_every_input_error_class_is_where_the_cli_looks_for_it():
+    # The CLI classifies an error by the classes of modules already imported; a class
+    # that moved would be a traceback instead of exit 2.
+    import importlib
+
+    from tfllm.cli import main as cli
+    for module, name in cli.INPUT_ERROR_CLASSES:
+        assert issubclass(getattr(importlib.import_module(module), name), Exception)
+
+
 @pytest.mark.slow
 def test_bench_prints_one_json_line():
     r = run_tfllm("bench", "--config", "configs/bench/gpt_5m.yaml", "--steps", "2",

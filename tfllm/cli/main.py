@@ -164,6 +164,9 @@ def _run_config(args):
     saved = config_path(args.workdir)  # the light path: no TensorFlow for a run's config
     if os.path.exists(saved):
         return load_config(saved, args.overrides)
+    from tfllm.contracts import CHECKPOINTS_DIR
+    if not os.path.isdir(os.path.join(args.workdir, CHECKPOINTS_DIR)):
+        return None  # no checkpoint to hold a config; refused without importing TensorFlow
     from tfllm.checkpoint.workdir import Workdir
     from tfllm.config.loader import config_from_dict
     run_dir = Workdir(args.workdir)
@@ -186,9 +189,9 @@ def _saved_config(args):
 
 def _restored_run(args, config=None):
     """The run in --workdir with its latest checkpoint's weights (any mesh via --set)."""
+    config = _saved_config(args) if config is None else config  # before TensorFlow
     from tfllm.checkpoint.workdir import Workdir, WorkdirState, check_tokenizer
     from tfllm.train.run import Run
-    config = _saved_config(args) if config is None else config
     run_dir = Workdir(args.workdir)
     if not run_dir.committed():  # before anything is built or written
         raise FileNotFoundError(f"{run_dir.checkpoints} holds no committed checkpoint; "
@@ -204,8 +207,7 @@ def _restored_run(args, config=None):
 
 
 def cmd_generate(args) -> int:
-    from tfllm.train.run import sample_text
-    config = _saved_config(args)
+    config = _saved_config(args)  # before TensorFlow
     if config.data.source == "synthetic":  # before the weights are read
         raise InputError(f"--workdir {args.workdir}: this run trained on data.source="
                          "synthetic and has no tokenizer, so there is no text to generate; "
@@ -217,6 +219,7 @@ def cmd_generate(args) -> int:
         raise InputError(f"--prompt is {prompt_tokens} tokens; the model takes 1 to "
                          f"{limit - 1} (model.max_sequence_length {limit} minus at least "
                          "one new token): shorten the prompt.")
+    from tfllm.train.run import sample_text
     text = sample_text(run, args.prompt, args.max_new_tokens, temperature=args.temperature,
                        top_k=args.top_k, top_p=args.top_p, seed=args.seed)
     print(text)
@@ -233,17 +236,18 @@ def cmd_eval(args) -> int:
 
 
 def cmd_export(args) -> int:
+    config = _saved_config(args)  # a folder that is no run is refused before TensorFlow
     if args.format == "hf":
         from tfllm.pretrained.hf_export import export_hf
-        print(json.dumps(export_hf(_saved_config(args), args.workdir, args.out, args.dtype,
+        print(json.dumps(export_hf(config, args.workdir, args.out, args.dtype,
                                    args.max_shard_size)))
         return 0
     if args.format == "keras-hub":
         from tfllm.pretrained.exporter import export_preset
-        print(json.dumps(export_preset(_saved_config(args), args.workdir, args.out)))
+        print(json.dumps(export_preset(config, args.workdir, args.out)))
         return 0
     from tfllm.train.export import export_model
-    print(json.dumps(export_model(_saved_config(args), args.workdir, args.out)))
+    print(json.dumps(export_model(config, args.workdir, args.out)))
     return 0
 
 
@@ -429,17 +433,28 @@ def build_parser() -> argparse.ArgumentParser:
 _DEBUG_HELP = "On a failure, print Python's traceback before the one-line message."
 
 
+#: (module, class) of the errors tfllm raises for bad input (config, mesh, rules, data,
+#: checkpoint, peers, pretrained folders)
+INPUT_ERROR_CLASSES = (
+    ("tfllm.config.loader", "ConfigError"),
+    ("tfllm.parallel.mesh", "MeshError"),
+    ("tfllm.parallel.rules", "ShardingError"),
+    ("tfllm.data.errors", "DataError"),
+    ("tfllm.checkpoint.shards", "CheckpointError"),
+    ("tfllm.parallel.coordination", "ClientMismatchError"),
+    ("tfllm.pretrained.families", "PretrainedError"),
+)
+
+
 def _input_errors() -> tuple:
-    """Errors caused by bad input (config, data, checkpoint, workdir): exit 2, no trace."""
-    from tfllm.checkpoint import CheckpointError
-    from tfllm.config import ConfigError
-    from tfllm.data import DataError
-    from tfllm.parallel.coordination import ClientMismatchError
-    from tfllm.parallel.mesh import MeshError
-    from tfllm.parallel.rules import ShardingError
-    from tfllm.pretrained.families import PretrainedError
-    return (InputError, ConfigError, MeshError, ShardingError, DataError, CheckpointError,
-            ClientMismatchError, PretrainedError, FileNotFoundError, IsADirectoryError,
+    """Errors caused by bad input (config, data, checkpoint, workdir): exit 2, no trace.
+
+    Only the classes of modules already imported: an error of any other cannot have been
+    raised, and a refusal before the model is built need not import TensorFlow.
+    """
+    tfllm_errors = tuple(getattr(sys.modules[module], name)
+                         for module, name in INPUT_ERROR_CLASSES if module in sys.modules)
+    return (InputError, *tfllm_errors, FileNotFoundError, IsADirectoryError,
             NotADirectoryError, PermissionError)
 
 
