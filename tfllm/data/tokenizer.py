@@ -201,13 +201,10 @@ def _tokenizer_class(path: str):
     backbone = preset_loader(path).check_backbone_class()
     if backbone is None:
         return base
-    candidates = []
-    for obj in keras.saving.get_custom_objects().values():  # in registration order
-        if (isinstance(obj, type) and issubclass(obj, base) and obj is not base
-                and getattr(obj, "backbone_cls", None) is backbone
-                and obj not in candidates):
-            candidates.append(obj)
-    return candidates[0] if candidates else base
+    registered = keras.saving.get_custom_objects().values()  # in registration order
+    return next((obj for obj in registered
+                 if isinstance(obj, type) and issubclass(obj, base) and obj is not base
+                 and getattr(obj, "backbone_cls", None) is backbone), base)
 
 
 def _tokenizer_only_preset(path: str):
