@@ -15,6 +15,7 @@ os.environ.setdefault("TF_ENABLE_ONEDNN_OPTS", "0")
 import keras  # noqa: E402
 import pytest  # noqa: E402
 
+from tests.harness import fake_cluster_tools  # noqa: E402
 from tfllm.parallel.mesh import setup_cpu_devices  # noqa: E402
 
 NUM_DEVICES = 8
@@ -29,6 +30,17 @@ def pytest_addoption(parser):
 @pytest.fixture
 def update_golden(request):
     return request.config.getoption("--update-golden")
+
+
+@pytest.fixture(scope="session", autouse=True)
+def cluster_tools(tmp_path_factory):
+    """Slurm's and ssh's commands are fakes, first on PATH, for every test and every
+    process a test starts: a real Slurm or sshd installed on this machine is never reached
+    by accident (a real `scontrol` answered a launcher test's nodelist). Tests that fake a
+    tool themselves put theirs before these. Yields (bin directory, calls file)."""
+    bin_dir, calls = fake_cluster_tools(tmp_path_factory.mktemp("cluster-tools"))
+    os.environ["PATH"] = bin_dir + os.pathsep + os.environ.get("PATH", "")
+    yield bin_dir, calls
 
 
 @pytest.fixture(autouse=True)

@@ -15,6 +15,8 @@ first).
   `finish`, `kill_group` (a child in its own process group, a hard
   timeout, nothing left behind), `run_clients` (N real DTensor clients),
   `run_in_child` (a test alone in a fresh pytest process), `train_with_xla_dump`.
+* Cluster software: `fake_cluster_tools` (stand-ins for Slurm's and ssh's commands that
+  tests/conftest.py puts first on PATH for every test), `CLUSTER_TOOLS`.
 * Small shared pieces: `free_ports`, `snapshot_tree`, `metrics_records`,
   `forward_on_mesh`.
 """
@@ -337,6 +339,63 @@ def finish(proc, timeout):
     finally:
         kill_group(proc)
     return proc.returncode, out, err
+
+
+# ---- cluster software: fakes first on PATH ------------------------------------------------
+# The commands of Slurm and OpenSSH that tfllm or its launcher may run. A machine that has a
+# real Slurm or sshd (the real-cluster tests install one) must not change what the other
+# tests do: tests/conftest.py puts these fakes first on PATH for the whole session.
+CLUSTER_TOOLS = ("srun", "sbatch", "salloc", "scontrol", "scancel", "squeue", "sinfo", "ssh", "scp")
+FAKE_TOOL_EXIT = 97  # what a fake returns for a call it does not fake
+
+_FAKE_SCONTROL = """#!{python}
+# A stand-in for Slurm's scontrol: `scontrol show hostnames LIST` as tfllm's own expansion
+# (the answer the tests expect); any other call fails as the other fakes do.
+import sys
+sys.path.insert(0, {root!r})
+with open({calls!r}, "a") as f:
+    f.write(" ".join(["scontrol", *sys.argv[1:]]) + "\\n")
+if sys.argv[1:3] == ["show", "hostnames"] and len(sys.argv) == 4:
+    from tfllm.launch.topology import expand_nodelist
+    print("\\n".join(expand_nodelist(sys.argv[3])))
+    sys.exit(0)
+print("fake scontrol: tests fake only 'show hostnames LIST', not:", *sys.argv[1:], file=sys.stderr)
+sys.exit({code})
+"""
+
+_FAKE_TOOL = """#!/bin/sh
+# A stand-in for {tool}: a test reached a cluster tool it did not fake.
+echo "{tool} $*" >> '{calls}'
+echo "fake {tool}: tests never run the real {tool}; pass a fake explicitly (called with: $*)" >&2
+exit {code}
+"""
+
+
+def fake_cluster_tools(directory):
+    """Writes a bin directory of stand-ins for `CLUSTER_TOOLS` into `directory`.
+
+    `scontrol show hostnames LIST` answers with tfllm's own expansion; every other call,
+    and every other tool, prints one line naming the tool and exits `FAKE_TOOL_EXIT`. Each
+    call is appended to the file `calls` beside the bin directory.
+
+    Args:
+      directory: an existing folder (a test's or the session's tmp path).
+
+    Returns:
+      (the bin directory to put first on PATH, the calls file).
+    """
+    bin_dir = os.path.join(str(directory), "cluster-bin")
+    calls = os.path.join(str(directory), "calls")
+    os.makedirs(bin_dir, exist_ok=True)
+    for tool in CLUSTER_TOOLS:
+        text = (_FAKE_SCONTROL.format(python=PY, root=ROOT, calls=calls, code=FAKE_TOOL_EXIT)
+                if tool == "scontrol" else
+                _FAKE_TOOL.format(tool=tool, calls=calls, code=FAKE_TOOL_EXIT))
+        path = os.path.join(bin_dir, tool)
+        with open(path, "w") as f:
+            f.write(text)
+        os.chmod(path, 0o755)
+    return bin_dir, calls
 
 
 def free_ports(n):
