@@ -4,17 +4,17 @@ Maintainers re-execute and store every notebook (or the ones named) with
 
     python -m tests.notebooks.execute [notebooks/NN_name.ipynb ...]
 
-and check without writing with `--check` (what the slow test does). A stored notebook
+and check without writing with `--check` (what the slow test does); `--check --kernels
+eigen` (or avx512, avx512-bf16) checks them with the kernels another x86 CPU would run. A stored notebook
 carries, in `metadata.tfllm`, the hash of its code cells at execution time: editing a
 code cell without re-executing makes the notebook stale, and `tests/notebooks` fails.
 
-What "the same outputs" means (`compare`): per code cell, the text outputs (stdout and
-`text/plain` results; stderr is never stored) line by line. Words must be equal;
-integers must be equal; decimals may differ by `REL_TOL` or one unit of their last
-printed digit, and numbers in scientific notation by `REL_TOL` only (`tolerance`:
-losses trained on another CPU can sum in another order; a printed 0.0e+00 stays zero). A cell tagged `nondeterministic` (timings, process ids)
-is compared by the kinds of output it makes, not by its text. A figure must still be
-a figure.
+What "the same outputs" means (`compare`): per code cell, the kinds of output (a figure
+must still be a figure) and the text outputs (stdout and `text/plain` results; stderr is
+never stored) line by line, each line judged by tests/notebooks/figures.py: words,
+shapes, integers and claims exactly, decimals within 2%, and the figures that depend on
+the CPU's kernels by what they measure. A cell tagged `nondeterministic` (timings,
+process ids) is compared by the kinds of output it makes, not by its text.
 """
 
 from __future__ import annotations
@@ -33,6 +33,8 @@ from importlib.metadata import version
 import nbformat
 from nbclient import NotebookClient
 
+from tests.notebooks import figures
+
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 NOTEBOOK_DIR = os.path.join(ROOT, "notebooks")
 COMMAND = "python -m tests.notebooks.execute"
@@ -41,11 +43,7 @@ COMMAND = "python -m tests.notebooks.execute"
 # timings by 2x, so a notebook fails only past twice that.
 NOTEBOOK_BUDGET_S = 240
 MAX_BYTES = 1_000_000  # stored size, figures included
-REL_TOL = 0.02  # decimals between a stored and a fresh run (float sums, other CPUs)
 NONDETERMINISTIC = "nondeterministic"  # cell tag: compare output kinds, not text
-
-_NUMBER = re.compile(r"[-+]?(?:\d+\.\d*|\.\d+|\d+)(?:[eE][-+]?\d+)?")
-
 
 def notebooks() -> list:
     """Every notebook, in order."""
@@ -62,19 +60,38 @@ def code_hash(nb) -> str:
 # Settings that change numerics, which the kernel must not inherit: the tests' conftest
 # turns oneDNN off, and bfloat16 then rounds differently from what a user's kernel (and
 # the stored outputs) computed.
-_NOT_INHERITED = ("TF_ENABLE_ONEDNN_OPTS", "XLA_FLAGS", "TF_XLA_FLAGS")
+_NOT_INHERITED = ("TF_ENABLE_ONEDNN_OPTS", "ONEDNN_MAX_CPU_ISA", "XLA_FLAGS", "TF_XLA_FLAGS")
+
+# Kernels that stand, on this machine, for other x86 CPUs (`--kernels`): to check that
+# outputs stored on one CPU pass on another. oneDNN dispatches on the CPU's instruction set
+# at run time (ONEDNN_MAX_CPU_ISA lowers it), XLA's CPU backend likewise (xla_cpu_max_isa).
+# There is no "avx2": TensorFlow 2.21 keeps taking oneDNN's bfloat16 path on a CPU with
+# AVX512_BF16 whatever oneDNN may use, and a bfloat16 matmul then dies with SIGSEGV.
+KERNELS = {
+    "native": {},
+    # AVX-512 with bfloat16 dot products, no AMX (AMD EPYC Zen 4, Intel Cooper Lake)
+    "avx512-bf16": {"ONEDNN_MAX_CPU_ISA": "AVX512_CORE_BF16",
+                    "XLA_FLAGS": "--xla_cpu_max_isa=AVX512"},
+    # AVX-512 without bfloat16 (Intel Skylake, Cascade Lake): oneDNN emulates bfloat16
+    "avx512": {"ONEDNN_MAX_CPU_ISA": "AVX512_CORE", "XLA_FLAGS": "--xla_cpu_max_isa=AVX512"},
+    # oneDNN off (TF_ENABLE_ONEDNN_OPTS=0, as on CPUs where TensorFlow does not turn it on):
+    # Eigen's kernels, and XLA limited to AVX2 (AMD EPYC up to Zen 3)
+    "eigen": {"TF_ENABLE_ONEDNN_OPTS": "0", "XLA_FLAGS": "--xla_cpu_max_isa=AVX2"},
+}
 
 
 @contextlib.contextmanager
-def kernel_environment():
+def kernel_environment(kernels: str = "native"):
     """The kernel inherits os.environ: quiet TensorFlow, fixed hashing, CPU only, and
-    TensorFlow's own defaults for the settings that change numerics."""
+    TensorFlow's own defaults for the settings that change numerics, or those of
+    `KERNELS[kernels]`."""
     wanted = {"TF_CPP_MIN_LOG_LEVEL": "3", "PYTHONHASHSEED": "0", "CUDA_VISIBLE_DEVICES": "",
               "KERAS_BACKEND": "tensorflow", "MPLBACKEND": "module://matplotlib_inline.backend_inline"}
     saved = {k: os.environ.get(k) for k in (*wanted, *_NOT_INHERITED)}
     os.environ.update(wanted)
     for k in _NOT_INHERITED:
         os.environ.pop(k, None)
+    os.environ.update(KERNELS[kernels])
     try:
         yield
     finally:
@@ -85,8 +102,10 @@ def kernel_environment():
                 os.environ[k] = v
 
 
-def execute(path: str, budget_s: float = NOTEBOOK_BUDGET_S):
+def execute(path: str, budget_s: float = NOTEBOOK_BUDGET_S, kernels: str = "native"):
     """Runs a notebook from a fresh kernel in notebooks/; returns (executed nb, seconds).
+
+    `kernels` names the CPU kernels it runs with (`KERNELS`; "native": this CPU's own).
 
     Raises nbclient's CellExecutionError (with the cell and traceback) when a cell
     fails, and CellTimeoutError when the notebook runs past `budget_s` in all.
@@ -99,20 +118,31 @@ def execute(path: str, budget_s: float = NOTEBOOK_BUDGET_S):
         timeout_func=lambda cell: max(1, int(deadline - time.monotonic())),
         resources={"metadata": {"path": NOTEBOOK_DIR}})
     start = time.monotonic()
-    with kernel_environment():
+    with kernel_environment(kernels):
         client.execute()
     seconds = time.monotonic() - start
-    return _finish(nb, seconds), seconds
+    return _finish(nb, seconds, kernels), seconds
 
 
-def _finish(nb, seconds: float):
+def cpu_model() -> str:
+    """This machine's CPU, as /proc/cpuinfo names it ("" where there is none)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            names = [line.split(":", 1)[1].strip() for line in f if line.startswith("model name")]
+    except OSError:
+        return ""
+    return names[0] if names else ""
+
+
+def _finish(nb, seconds: float, kernels: str = "native"):
     """Drops stderr (warnings differ by machine) and stamps what was executed."""
     for cell in nb.cells:
         if cell.cell_type == "code":
             cell.outputs = [o for o in cell.outputs
                             if not (o.output_type == "stream" and o.name == "stderr")]
     nb.metadata["tfllm"] = {"code_sha256": code_hash(nb), "seconds": round(seconds, 1),
-                            "tensorflow": version("tensorflow"), "keras": version("keras")}
+                            "tensorflow": version("tensorflow"), "keras": version("keras"),
+                            "cpu": cpu_model(), "kernels": kernels}
     return nb
 
 
@@ -150,33 +180,13 @@ def output_kinds(cell) -> list:
     return kinds
 
 
-def tolerance(printed: str) -> float:
-    """How far a fresh decimal may be from the stored `printed` one: REL_TOL of it, or
-    one unit of its last printed digit when that is larger ("0.000" vs "0.001"). Numbers
-    in scientific notation ("1.7e-06", "0.0e+00") state their scale: relative only, so
-    a printed zero must stay zero and 1.7e-06 cannot become 9e-04."""
-    value = abs(float(printed))
-    if "e" in printed.lower():
-        return REL_TOL * value
-    decimals = len(printed.split(".")[1]) if "." in printed else 0
-    return max(REL_TOL * value, 10.0 ** -decimals)
+def compare(stored, fresh, measured: tuple = ()) -> list:
+    """Differences between a stored notebook and a fresh execution of it ([] if none).
 
-
-def same_line(stored: str, fresh: str) -> bool:
-    """Equal words and integers; decimals within `tolerance` of the stored ones."""
-    if _NUMBER.sub("#", stored) != _NUMBER.sub("#", fresh):
-        return False
-    for a, b in zip(_NUMBER.findall(stored), _NUMBER.findall(fresh)):
-        if not any(c in a + b for c in ".eE"):
-            if int(a) != int(b):
-                return False
-        elif abs(float(a) - float(b)) > tolerance(a):
-            return False
-    return True
-
-
-def compare(stored, fresh) -> list:
-    """Differences between a stored notebook and a fresh execution of it ([] if none)."""
+    Args:
+      stored, fresh: the notebooks.
+      measured: the notebook's kernel-dependent lines (`figures.rules(path)`).
+    """
     problems = []
     pairs = [(s, f) for s, f in zip(stored["cells"], fresh["cells"]) if s["cell_type"] == "code"]
     for number, (s, f) in enumerate(pairs, start=1):
@@ -189,12 +199,11 @@ def compare(stored, fresh) -> list:
             continue
         a, b = text_lines(s), text_lines(f)
         for i, (x, y) in enumerate(zip(a, b)):
-            if not same_line(x, y):
-                problems.append(f"{where}, line {i + 1}: stored {x!r}, fresh {y!r}")
-                break
-        else:
-            if len(a) != len(b):
-                problems.append(f"{where}: stored {len(a)} lines of text, fresh {len(b)}")
+            why = figures.judge(x, y, measured)
+            if why:
+                problems.append(f"{where}, line {i + 1}: stored {x!r}, fresh {y!r}: {why}")
+        if len(a) != len(b):
+            problems.append(f"{where}: stored {len(a)} lines of text, fresh {len(b)}")
     return problems
 
 
@@ -231,18 +240,23 @@ def main(argv=None) -> int:
                         help="seconds a notebook may run in all (default %(default)s)")
     parser.add_argument("--check", action="store_true",
                         help="execute and compare with the stored outputs; write nothing")
+    parser.add_argument("--kernels", choices=sorted(KERNELS), default="native",
+                        help="run with the CPU kernels another x86 CPU would use (with "
+                        "--check: do outputs stored here pass there?); default %(default)s")
     args = parser.parse_args(argv)
+    if args.kernels != "native" and not args.check:
+        parser.error("--kernels goes with --check: notebooks are stored as this CPU runs them")
     paths = [os.path.abspath(p) for p in args.paths] or notebooks()
     failed = False
     for path in paths:
         if not os.path.isfile(path):
             print(f"{path}: no such notebook", file=sys.stderr)
             return 2
-        fresh, seconds = execute(path, args.budget)  # reads the file; writes nothing
+        fresh, seconds = execute(path, args.budget, args.kernels)  # reads; writes nothing
         name = os.path.relpath(path, ROOT)
         if args.check:
             stored = nbformat.read(path, as_version=4)
-            problems = stored_problems(path) + compare(stored, fresh)
+            problems = stored_problems(path) + compare(stored, fresh, figures.rules(path))
             failed |= bool(problems)
             print(f"{name}: {seconds:.0f} s, " + ("; ".join(problems) or "up to date"))
             continue

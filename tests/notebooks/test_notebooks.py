@@ -7,11 +7,12 @@ fresh execution of each notebook compared with what is stored (slow).
 
 import copy
 import os
+import re
 
 import nbformat
 import pytest
 
-from tests.notebooks import execute
+from tests.notebooks import execute, figures
 
 NOTEBOOKS = execute.notebooks()
 EXPECTED = ["01_quickstart", "02_sharding_explorer", "03_precision_and_fp8",
@@ -85,10 +86,74 @@ def test_compare_accepts_small_float_drift_and_nothing_else():
     ("0.0e+00", "0.0e+00", True), ("0.0e+00", "9.9e-04", False),  # a bitwise claim
     ("1.7e-06", "1.72e-06", True), ("1.7e-06", "9.0e-04", False),  # a parity figure
     ("0.000", "0.001", True), ("0.000", "0.002", False),  # one unit of the last digit
+    ("1.8", "1.7", True), ("1.7", "1.8", True), ("1.8", "1.6", False),  # 1.8 - 1.7 > 0.1
     ("4.8500", "4.9400", True), ("4.8500", "4.9500", False),  # 2% of a loss
 ])
 def test_decimals_are_compared_at_their_printed_precision(stored, fresh, same):
-    assert execute.same_line(f"difference {stored}", f"difference {fresh}") is same
+    assert figures.same_line(f"difference {stored}", f"difference {fresh}") is same
+
+
+# Lines printed by the same notebook code on two CPUs (an AMD EPYC's stored outputs; an
+# Intel Xeon with AMX, with its own kernels and with oneDNN off), and made-up ones that
+# break what the figure stands for.
+NB03, NB05 = figures.rules("03_precision_and_fp8"), figures.rules("05_fine_tuning")
+BF16_GAP = "bfloat16  largest |loss - float32 loss|: {} (step {})"
+AMAX = "kernel w (E4M3)    amax above the history's maximum in {} of 348 (projection, step) pairs; at most {}x"
+RANGE = "dW  float32  shape (64, 256): |values| from {} to {} ({} binades)"
+E4M3 = "da     E4M3   own amax             {}    {}       {}%         {}"
+PARITY = "logits shape: (2, 6, 288) | largest |difference|: {} (logits up to 9.0)"
+
+
+@pytest.mark.parametrize("rules, stored, fresh, why", [
+    (NB03, BF16_GAP.format("0.0018", 23), BF16_GAP.format("0.0052", 23), ""),
+    (NB03, BF16_GAP.format("0.0052", 23), BF16_GAP.format("0.0018", 22), ""),
+    (NB03, BF16_GAP.format("0.0018", 23), BF16_GAP.format("0.0104", 23), "not at most 0.01"),
+    (NB03, BF16_GAP.format("0.0018", 23), BF16_GAP.format("0.0018", 31), "not from 1 to 30"),
+    (NB03, BF16_GAP.format("0.0018", 23), "bfloat16  largest |loss - f32 loss|: 0.0018 (step 23)",
+     "no longer matches"),
+    (NB03, AMAX.format(173, "1.05"), AMAX.format(185, "1.05"), ""),
+    (NB03, AMAX.format(185, "1.05"), AMAX.format(173, "1.05"), ""),
+    (NB03, AMAX.format(173, "1.05"), AMAX.format(220, "1.05"), "not within 20%"),
+    (NB03, AMAX.format(173, "1.05"), AMAX.format(173, "1.25"), "not within 10%"),
+    (NB03, RANGE.format("2.4e-07", "3.1e-03", 14), RANGE.format("4.8e-07", "3.4e-03", 13), ""),
+    (NB03, RANGE.format("4.8e-07", "3.4e-03", 13), RANGE.format("2.4e-07", "3.1e-03", 14), ""),
+    (NB03, RANGE.format("2.4e-07", "3.1e-03", 14), RANGE.format("2.4e-09", "3.1e-03", 20),
+     "not within 2 binades"),
+    (NB03, RANGE.format("2.4e-07", "3.1e-03", 14), RANGE.format("2.4e-07", "3.1e-03", 17),
+     "not within 2 of"),
+    (NB03, RANGE.format("2.4e-07", "3.1e-03", 14), RANGE.format("2.4e-07", "3.1e-03", 14)
+     .replace("float32", "bfloat16"), "its text differs"),
+    (NB03, E4M3.format("0.0220", "0.0549", "0.003", "0.0265"),
+     E4M3.format("0.0215", "0.0542", "0.006", "0.0269"), ""),
+    (NB03, E4M3.format("0.0220", "0.0549", "0.003", "0.0265"),
+     E4M3.format("0.0440", "0.0549", "0.003", "0.0265"), "not within 10%"),
+    (NB03, E4M3.format("0.0220", "0.0549", "0.003", "0.0265"),
+     E4M3.format("0.0220", "0.0549", "0.020", "0.0265"), "not at most 0.01"),
+    (NB05, PARITY.format("1.7e-06"), PARITY.format("1.9e-06"), ""),
+    (NB05, PARITY.format("1.9e-06"), PARITY.format("1.4e-06"), ""),
+    (NB05, PARITY.format("1.7e-06"), PARITY.format("3.0e-05"), "not at most 2e-05"),
+    (NB05, PARITY.format("1.7e-06"), PARITY.format("1.7e-06").replace("288", "289"),
+     "its text differs"),
+    # A line no rule names keeps the default rules: a bitwise claim stays zero.
+    (NB05, "largest |difference| over 40 steps: 0.0e+00",
+     "largest |difference| over 40 steps: 1.0e-07", "its text differs"),
+])
+def test_kernel_dependent_figures_are_judged_by_what_they_measure(rules, stored, fresh, why):
+    verdict = figures.judge(stored, fresh, rules)
+    assert (why in verdict) if why else verdict == "", verdict
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=_name)
+def test_every_kernel_dependent_rule_names_stored_lines_that_keep_it(path):
+    # A rule that matches nothing is stale (the notebook changed under it); a stored figure
+    # outside its own rule (over a bound) is a notebook that no longer shows its claim.
+    nb = nbformat.read(path, as_version=4)
+    lines = [line for c in nb.cells if c.cell_type == "code" for line in execute.text_lines(c)]
+    for rule in figures.rules(path):
+        matched = [line for line in lines if re.search(rule.pattern, line)]
+        assert matched, f"{_name(path)}: no stored line matches {rule.pattern!r}"
+        for line in matched:
+            assert figures.judge(line, line, (rule,)) == "", line
 
 
 def test_a_print_cut_in_two_by_the_kernel_is_one_line():
@@ -164,7 +229,7 @@ def test_fresh_execution_matches_the_stored_outputs(path):
     # Raises (naming the cell, with its traceback) when a cell fails or the notebook
     # runs past its time budget.
     fresh, seconds = execute.execute(path)
-    assert execute.compare(stored, fresh) == [], (
+    assert execute.compare(stored, fresh, figures.rules(path)) == [], (
         f"{_name(path)}'s stored outputs are stale (fresh execution: {seconds:.0f} s); "
         f"if the change is intended: {execute.COMMAND} notebooks/{_name(path)}")
 
@@ -177,3 +242,22 @@ def test_the_kernel_does_not_inherit_settings_that_change_numerics(monkeypatch):
         assert "TF_ENABLE_ONEDNN_OPTS" not in os.environ
         assert os.environ["PYTHONHASHSEED"] == "0"
     assert os.environ["TF_ENABLE_ONEDNN_OPTS"] == "0"
+
+
+def test_other_kernels_reach_the_kernel_and_nothing_inherited_stays(monkeypatch):
+    # `--kernels` stands for another CPU; an inherited oneDNN limit would silently do so too.
+    monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", "AVX2")
+    with execute.kernel_environment("eigen"):
+        assert os.environ["TF_ENABLE_ONEDNN_OPTS"] == "0"
+        assert "ONEDNN_MAX_CPU_ISA" not in os.environ
+    with execute.kernel_environment("avx512-bf16"):
+        assert os.environ["ONEDNN_MAX_CPU_ISA"] == "AVX512_CORE_BF16"
+    with execute.kernel_environment():
+        assert "ONEDNN_MAX_CPU_ISA" not in os.environ
+    assert os.environ["ONEDNN_MAX_CPU_ISA"] == "AVX2"
+
+
+def test_notebooks_are_stored_only_as_this_cpu_runs_them(capsys):
+    with pytest.raises(SystemExit) as exit_:
+        execute.main(["--kernels", "eigen", "notebooks/02_sharding_explorer.ipynb"])
+    assert exit_.value.code == 2 and "--kernels goes with --check" in capsys.readouterr().err
