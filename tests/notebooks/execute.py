@@ -5,7 +5,7 @@ Maintainers re-execute and store every notebook (or the ones named) with
     python -m tests.notebooks.execute [notebooks/NN_name.ipynb ...]
 
 and check without writing with `--check` (what the slow test does); `--check --kernels
-eigen` (or avx512, avx512-bf16) checks them with the kernels another x86 CPU would run. A stored notebook
+eigen` (or avx512) checks them with the kernels another x86 CPU would run. A stored notebook
 carries, in `metadata.tfllm`, the hash of its code cells at execution time: editing a
 code cell without re-executing makes the notebook stale, and `tests/notebooks` fails.
 
@@ -64,18 +64,19 @@ _NOT_INHERITED = ("TF_ENABLE_ONEDNN_OPTS", "ONEDNN_MAX_CPU_ISA", "XLA_FLAGS", "T
 
 # Kernels that stand, on this machine, for other x86 CPUs (`--kernels`): to check that
 # outputs stored on one CPU pass on another. oneDNN dispatches on the CPU's instruction set
-# at run time (ONEDNN_MAX_CPU_ISA lowers it), XLA's CPU backend likewise (xla_cpu_max_isa).
-# There is no "avx2": TensorFlow 2.21 keeps taking oneDNN's bfloat16 path on a CPU with
-# AVX512_BF16 whatever oneDNN may use, and a bfloat16 matmul then dies with SIGSEGV.
+# at run time (ONEDNN_MAX_CPU_ISA caps it), XLA's CPU backend likewise (xla_cpu_max_isa).
+# TensorFlow 2.21 picks oneDNN's float16 and bfloat16 kernels by what the CPU has, whatever
+# oneDNN may use: a cap below AVX512_CORE_FP16 on a CPU with AVX512_FP16 (or below
+# AVX512_CORE_BF16 on one with AVX512_BF16) makes a float16 (bfloat16) matmul die with
+# SIGSEGV, so the caps stop there.
 KERNELS = {
     "native": {},
-    # AVX-512 with bfloat16 dot products, no AMX (AMD EPYC Zen 4, Intel Cooper Lake)
-    "avx512-bf16": {"ONEDNN_MAX_CPU_ISA": "AVX512_CORE_BF16",
-                    "XLA_FLAGS": "--xla_cpu_max_isa=AVX512"},
-    # AVX-512 without bfloat16 (Intel Skylake, Cascade Lake): oneDNN emulates bfloat16
-    "avx512": {"ONEDNN_MAX_CPU_ISA": "AVX512_CORE", "XLA_FLAGS": "--xla_cpu_max_isa=AVX512"},
-    # oneDNN off (TF_ENABLE_ONEDNN_OPTS=0, as on CPUs where TensorFlow does not turn it on):
-    # Eigen's kernels, and XLA limited to AVX2 (AMD EPYC up to Zen 3)
+    # AVX-512 without AMX (Intel Ice Lake and Cascade Lake, AMD EPYC Zen 4 and 5)
+    "avx512": {"ONEDNN_MAX_CPU_ISA": "AVX512_CORE_FP16", "XLA_FLAGS": "--xla_cpu_max_isa=AVX512"},
+    # oneDNN off (TF_ENABLE_ONEDNN_OPTS=0, as a user may set it; TensorFlow on CPUs that are
+    # not x86): Eigen's kernels, and XLA capped at AVX2 as on a CPU without AVX-512.
+    # Notebook 01's memory profile fails there: TensorFlow's own CPU allocator records no
+    # allocations (oneDNN's does).
     "eigen": {"TF_ENABLE_ONEDNN_OPTS": "0", "XLA_FLAGS": "--xla_cpu_max_isa=AVX2"},
 }
 
