@@ -1,4 +1,4 @@
-"""Standard vs query-chunked attention (`model.attention_chunk`) against sequence length.
+"""Standard vs blocked (flash) attention (`model.attention_chunk`) against sequence length.
 
 A small Llama (2 layers, hidden 256, 4 heads of 64, vocab 2048), batch 1: on this CPU,
 XLA's compiled temporary memory of the one-device train step (jaxlib's CPU compiler on
@@ -90,7 +90,7 @@ def main() -> None:
               "model": MODEL, "chunk": CHUNK, "rows": rows}
     with open(args.out + ".json", "w") as f:
         json.dump(result, f, indent=1)
-    lines = [f"# Standard vs query-chunked attention on this CPU ({result['date']})", "",
+    lines = [f"# Standard vs blocked attention on this CPU ({result['date']})", "",
              f"Small Llama (2 layers, hidden 256, 4 heads), batch 1, chunk {CHUNK}; XLA "
              f"temporaries of the train step and median step time through XLA "
              f"(`benchmarks/long_sequence.py`, TensorFlow {tf.__version__}).", "",

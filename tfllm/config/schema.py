@@ -80,11 +80,12 @@ class ModelConfig:
     query_pre_attn_scalar: float = _f(0.0, "Attention scores are divided by the square root "
                                       "of this (Gemma 3's query_pre_attn_scalar); 0 means "
                                       "head_dim.", min=0.0)
-    attention_chunk: int = _f(0, "Query-chunked attention: when > 0 and the sequence is "
-                              "longer, attention runs over chunks of this many queries, each "
-                              "recomputed in the backward pass, so no (T x T) scores are ever "
-                              "kept (memory O(T x chunk)); 0 is standard attention. Same "
-                              "result up to float rounding.", min=0)
+    attention_chunk: int = _f(0, "Blocked (flash) attention: when > 0 and the sequence is "
+                              "longer, attention runs over tiles of this many queries and "
+                              "keys with an online softmax, recomputed in the backward pass, "
+                              "so no (T x T) scores are ever kept (memory linear in T) and "
+                              "tiles the causal mask hides are skipped; 0 is standard "
+                              "attention. Same result up to float rounding.", min=0)
     remat: str = _f("none", "Activation rematerialization (tfllm.models.common.remat): none; "
                     "full (keep each block's input, recompute the block); selective (keep "
                     "matmul outputs, recompute norms, activations and attention scores); "

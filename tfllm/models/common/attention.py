@@ -7,8 +7,10 @@ from dataclasses import dataclass
 from typing import Optional
 
 import keras
+import numpy as np
 import tensorflow as tf
 
+from tfllm.models.common.flash import flash_attention
 from tfllm.models.common.layers import Projection, RMSNorm
 from tfllm.models.common.remat import recompute
 from tfllm.parallel.context import constrain, split_count
@@ -16,7 +18,6 @@ from tfllm.parallel.context import constrain, split_count
 _HEADS = ("activation_batch", "activation_length", "activation_heads", "activation_head_dim")
 _KV_HEADS = ("activation_batch", "activation_length", "activation_kv_heads",
              "activation_head_dim")
-_MASK_ROWS = ("activation_batch", "activation_length", None)
 # Keys and values as the scores use them: every query needs all keys of its row, so
 # their length is never split (under sequence sharding this gathers them).
 _KEYS = ("activation_batch", None, "activation_kv_heads", "activation_head_dim")
@@ -106,8 +107,9 @@ class Attention(keras.layers.Layer):
       rope_scaling: a `RopeScaling` of the rotary frequencies, or None.
       qkv_bias: biases on the query/key/value projections (default: use_bias); the
         output projection follows use_bias (Qwen2 has q/k/v biases only).
-      query_chunk: > 0: the training path attends chunks of this many queries, each
-        recomputed in the backward pass (see `attend_chunked`); 0: one `attend`.
+      block_size: > 0: the training path attends tiles of this many queries and keys
+        with an online softmax, recomputed in the backward pass (`attend_blocked`);
+        0: one `attend`.
       init_std: init of the q/k/v projections.
       output_init_std: init of the output projection (scaled for depth).
       fp8: `Fp8Settings` for FP8 projections, or None.
@@ -125,7 +127,7 @@ class Attention(keras.layers.Layer):
                  head_dim: int, use_bias: bool = False, rope_theta: Optional[float] = None,
                  init_std: float = 0.02, output_init_std: float = 0.02, fp8=None,
                  fp8_path: str = "attention", rope_scaling: Optional[RopeScaling] = None,
-                 qkv_bias: Optional[bool] = None, query_chunk: int = 0,
+                 qkv_bias: Optional[bool] = None, block_size: int = 0,
                  qk_norm_epsilon: Optional[float] = None, qk_norm_zero_centered: bool = False,
                  sliding_window: int = 0, score_divisor: Optional[float] = None, **kwargs):
         super().__init__(**kwargs)
@@ -138,7 +140,7 @@ class Attention(keras.layers.Layer):
         self.rope_theta = rope_theta
         self.rope_scaling = rope_scaling
         self.recompute_core = False  # set by the model's remat policy
-        self.query_chunk = query_chunk
+        self.block_size = block_size
         E, H, K, D = hidden_dim, num_query_heads, num_key_value_heads, head_dim
         kw = dict(use_bias=use_bias if qkv_bias is None else qkv_bias, init_std=init_std,
                   dtype=self.dtype_policy)
@@ -197,65 +199,51 @@ class Attention(keras.layers.Layer):
         out = tf.einsum("bhts,bshd->bthd", probs, v)  # (B, T, H, D)
         return constrain(out, _HEADS)
 
-    def attend_chunked(self, q, k, v, attention_mask=None):
-        """`attend` over chunks of `query_chunk` queries; same result, O(T x chunk) memory.
-
-        Each chunk's queries see all keys (row-wise softmax is exact per chunk), so the
-        result equals `attend` up to float rounding. Every chunk is recomputed in the
-        backward pass (tf.recompute_grad), so neither pass keeps more than one chunk's
-        (B, H, chunk, S) scores: what flash attention achieves with online softmax,
-        here with XLA's own kernels.
+    def attend_blocked(self, q, k, v, attention_mask=None):
+        """`attend` over (block, block) tiles of queries and keys with an online softmax
+        (tfllm.models.common.flash): same result up to the order of float32 sums, and
+        neither pass keeps more than one tile's scores, so activation memory grows
+        linearly with the sequence; tiles the causal mask or the window hides entirely
+        are skipped. Training path only (the masks are causal).
 
         When the active setup splits the sequence into P pieces (batch over data and
-        fsdp), chunks are cut inside every piece: the queries are folded to
-        (B, P, T/P, H, D) and chunk c takes queries c*chunk.. of each piece, so each
-        device attends its own queries without gathering them, `query_chunk` at a time.
+        fsdp), query blocks are cut inside every piece: the queries are folded to
+        (B, P, T/P, H, D) and a block takes queries a .. b-1 of each piece, so each
+        device attends its own queries without gathering them.
         """
         batch, length, heads, dim = q.shape
         pieces = split_count(q.shape, _HEADS, 1)
         local = length // pieces
         q = constrain(tf.reshape(q, (batch, pieces, local, heads, dim)), _FOLDED)  # (B,P,L,H,D)
-        # Gather the keys once for all chunks (a no-op unless the sequence is split).
-        k, v = constrain(k, _KEYS, "keys"), constrain(v, _KEYS, "values")
+        groups = self.num_query_heads // self.num_key_value_heads
+        k, v = constrain(k, _KEYS, "keys"), constrain(v, _KEYS, "values")  # (B, S, K, D)
+        if groups > 1:  # each K head serves `groups` consecutive query heads
+            k = constrain(tf.repeat(k, groups, axis=2), _KEYS_REPEATED)  # (B, S, H, D)
+            v = constrain(tf.repeat(v, groups, axis=2), _KEYS_REPEATED)  # (B, S, H, D)
+        window, key_length = self.sliding_window, k.shape[1]
         if attention_mask is not None:  # (B, T, S) -> (B, P, L, S)
             attention_mask = constrain(
-                tf.reshape(attention_mask, (batch, pieces, local, attention_mask.shape[-1])),
+                tf.reshape(attention_mask, (batch, pieces, local, key_length)),
                 _FOLDED_MASK, "mask")
-        outs = []
-        # Static, near-equal chunks of at most `chunk` queries (L=16, chunk=5: 4 x 4): on
-        # a DTensor mesh a lone 1-query chunk gets its heads laid out differently.
-        count = -(-local // self.query_chunk)
-        bounds = [local * i // count for i in range(count + 1)]
-        for start, stop in zip(bounds[:-1], bounds[1:]):
-            q_chunk = q[:, :, start:stop]  # (B, P, t, H, D)
-            if outs:
-                # A true data dependency on the previous chunk (0 * x is not folded for
-                # floats), so that XLA runs the chunks one after another, forward and
-                # backward, instead of side by side with all their scores alive. The
-                # added slice has q's layout: no communication.
-                q_chunk = q_chunk + tf.cast(0.0, q.dtype) * outs[-1][:, :, -1:]
-            size = pieces * (stop - start)
-            q_chunk = constrain(tf.reshape(q_chunk, (batch, size, heads, dim)), _HEADS)
-            if attention_mask is None:
-                # Causal rows of these queries (global positions p*L + start ..): built
-                # directly, an explicit (B, P*t, S) in the batch's layout: DTensor
-                # mis-shapes the gradient of a select broadcast over a sharded batch.
-                query_pos = tf.reshape(tf.expand_dims(tf.range(pieces) * local, 1)
-                                       + tf.expand_dims(tf.range(start, stop), 0),
-                                       (size,))  # (P*t,)
-                rows = (tf.expand_dims(tf.range(length), 0)
-                        <= tf.expand_dims(query_pos, 1))  # (P*t, S)
-                if self.sliding_window:
-                    rows = rows & window_mask(query_pos, length, self.sliding_window)
-                rows = tf.broadcast_to(tf.expand_dims(rows, 0), (batch, size, length))
-            else:
-                rows = tf.reshape(attention_mask[:, :, start:stop], (batch, size, -1))
-            rows = constrain(rows, _MASK_ROWS, "chunk_mask")  # (B, P*t, S)
-            out = recompute(self.attend)(q_chunk, k, v, rows)  # (B, P*t, H, D)
-            outs.append(constrain(tf.reshape(out, (batch, pieces, stop - start, heads, dim)),
-                                  _FOLDED))
-        out = tf.reshape(tf.concat(outs, axis=2), (batch, length, heads, dim))
-        return constrain(out, _HEADS)  # (B, T, H, D)
+        query_pos = np.arange(pieces)[:, None] * local + np.arange(local)[None, :]  # (P, L)
+
+        def mask_fn(qa, qb, ka, kb):
+            if attention_mask is not None:  # packed: causal within segments (and window)
+                return attention_mask[:, :, qa:qb, ka:kb]  # (B, P, t, s)
+            rows = query_pos[:, qa:qb, None]  # (P, t, 1): static, so a tile every one of
+            keys = np.arange(ka, kb)[None, None, :]  # whose pairs is allowed gets no mask
+            allowed = keys <= rows
+            if window:
+                allowed &= rows - keys < window
+            return None if allowed.all() else tf.constant(allowed[None])  # (1, P, t, s)
+
+        def key_span(qa, qb):
+            return (max(0, qa - window + 1) if window else 0, int(query_pos[-1, qb - 1]))
+
+        out = flash_attention(q, k, v, scale=1.0 / math.sqrt(self.score_divisor),
+                              block_q=self.block_size, block_k=self.block_size,
+                              mask_fn=mask_fn, key_span=key_span)  # (B, P, L, H, D)
+        return constrain(tf.reshape(out, (batch, length, heads, dim)), _HEADS)
 
     def call(self, x, attention_mask=None, positions=None, cache=None, cache_index=None):
         """Self-attention of x (B, T, E) -> (B, T, E), or ((B, T, E), new cache) with a cache.
@@ -282,8 +270,8 @@ class Attention(keras.layers.Layer):
             attention_mask = attention_mask & tf.expand_dims(
                 window_mask(query_slots, tf.shape(attention_mask)[-1], self.sliding_window), 0)
         if cache is None:
-            if self.query_chunk and q.shape[1] is not None and q.shape[1] > self.query_chunk:
-                return self.output_proj(self.attend_chunked(q, k, v, attention_mask))
+            if self.block_size and q.shape[1] is not None and q.shape[1] > self.block_size:
+                return self.output_proj(self.attend_blocked(q, k, v, attention_mask))
             attend = recompute(self.attend) if self.recompute_core else self.attend
             return self.output_proj(attend(q, k, v, attention_mask))  # (B, T, E)
         if attention_mask is None:

@@ -30,7 +30,7 @@ class GPT(CausalLM):
                          self.head_dim, use_bias=self.use_bias, rope_theta=None,
                          init_std=c.init_std, output_init_std=self.output_init_std,
                          fp8=self.fp8, fp8_path=f"block_{index}/attention", name="attention",
-                         qkv_bias=c.qkv_bias, query_chunk=c.attention_chunk,
+                         qkv_bias=c.qkv_bias, block_size=c.attention_chunk,
                          dtype=self.dtype_policy)
 
     def make_mlp(self, index):

@@ -61,7 +61,7 @@ class Llama(CausalLM):
                          self.head_dim, use_bias=self.use_bias,
                          init_std=c.init_std, output_init_std=self.output_init_std,
                          fp8=self.fp8, fp8_path=f"block_{index}/attention", name="attention",
-                         qkv_bias=c.qkv_bias, query_chunk=c.attention_chunk,
+                         qkv_bias=c.qkv_bias, block_size=c.attention_chunk,
                          qk_norm_epsilon=c.norm_epsilon if self.qk_norm else None,
                          qk_norm_zero_centered=self.zero_centered_norms,
                          score_divisor=c.query_pre_attn_scalar or None,

@@ -1,0 +1,175 @@
+"""Blocked attention with an online softmax (tfllm.models.common.flash) equals the
+one-shot softmax attention, forward and backward, skips hidden tiles, and keeps activation
+memory linear in the sequence (the model-level parity on meshes, packed and split
+sequences is in test_chunked_attention.py, which runs `model.attention_chunk`)."""
+
+import importlib.util
+import json
+import math
+import os
+import subprocess
+import tempfile
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from tests.harness import PY, ROOT, run_tfllm, tfllm_env
+from tfllm.models.common.flash import blocks, flash_attention
+
+B, T, H, D = 2, 16, 4, 8
+
+
+def _segments():
+    segments = np.repeat(np.arange(4), 4)[None].repeat(B, 0)
+    segments[1] = np.repeat(np.arange(2), 8)  # rows packed differently
+    return segments
+
+
+def _allowed(window, segments):
+    """(B, T, T) bool: causal, within the window, within the segment."""
+    rows, cols = np.arange(T)[:, None], np.arange(T)[None, :]
+    allowed = cols <= rows
+    if window:
+        allowed &= rows - cols < window
+    allowed = np.broadcast_to(allowed, (B, T, T))
+    if segments is not None:
+        allowed = allowed & (segments[:, :, None] == segments[:, None, :])
+    return allowed
+
+
+def _reference(q, k, v, allowed):
+    scores = tf.einsum("bthd,bshd->bhts", q, k) / math.sqrt(D)
+    scores = tf.where(allowed[:, None], scores, -1e30)
+    return tf.einsum("bhts,bshd->bthd", tf.nn.softmax(scores, -1), v)
+
+
+def _blocked(q, k, v, allowed, window, pieces, block_q, block_k):
+    """flash_attention on q folded into `pieces` of the sequence, as Attention does."""
+    local = T // pieces
+    positions = np.arange(pieces)[:, None] * local + np.arange(local)[None, :]  # (P, L)
+    folded = allowed.reshape(B, pieces, local, T)
+
+    def mask_fn(qa, qb, ka, kb):
+        return tf.constant(folded[:, :, qa:qb, ka:kb])
+
+    def key_span(qa, qb):
+        return (max(0, qa - window + 1) if window else 0, int(positions[-1, qb - 1]))
+
+    out = flash_attention(tf.reshape(q, (B, pieces, local, H, D)), k, v,
+                          scale=1 / math.sqrt(D), block_q=block_q, block_k=block_k,
+                          mask_fn=mask_fn, key_span=key_span)
+    return tf.reshape(out, (B, T, H, D))
+
+
+def _inputs(dtype=tf.float32, seed=0):
+    rng = np.random.default_rng(seed)
+    return [tf.constant(rng.normal(size=(B, T, H, D)), dtype) for _ in range(3)]
+
+
+def _value_and_grads(fn, q, k, v):
+    weights = tf.range(D, dtype=q.dtype)  # a loss whose gradient differs per channel
+    with tf.GradientTape() as tape:
+        tape.watch([q, k, v])
+        out = fn(q, k, v)
+        loss = tf.reduce_sum(tf.cast(out * out * weights, tf.float32))
+    return out, tape.gradient(loss, [q, k, v])
+
+
+@pytest.mark.parametrize("window", [0, 5])
+@pytest.mark.parametrize("packed", [False, True])
+@pytest.mark.parametrize("pieces, block_q, block_k", [(1, 16, 16), (1, 5, 6), (1, 3, 7),
+                                                      (2, 3, 4), (4, 2, 16)])
+def test_blocked_equals_softmax_attention_forward_and_backward(window, packed, pieces,
+                                                               block_q, block_k):
+    q, k, v = _inputs()
+    allowed = _allowed(window, _segments() if packed else None)
+    want, want_grads = _value_and_grads(lambda *a: _reference(*a, allowed), q, k, v)
+    got, got_grads = _value_and_grads(
+        lambda *a: _blocked(*a, allowed, window, pieces, block_q, block_k), q, k, v)
+    # float32: the online softmax adds and rescales the same terms in another order, a
+    # few ulps of outputs of magnitude ~1; a gradient sums up to T such terms per entry.
+    np.testing.assert_allclose(got.numpy(), want.numpy(), atol=2e-6, rtol=0)
+    for g, w in zip(got_grads, want_grads):
+        np.testing.assert_allclose(g.numpy(), w.numpy(), atol=1e-5 * np.abs(w).max(), rtol=0)
+
+
+def test_blocked_bfloat16_is_as_close_to_float32_as_the_one_shot_softmax():
+    # Probabilities are kept in the compute dtype (bf16) for the matmul with the values,
+    # as in Attention.attend; the running max, normalizer and accumulator are float32.
+    allowed = _allowed(0, _segments())
+    exact, exact_grads = _value_and_grads(lambda *a: _reference(*a, allowed), *_inputs())
+    q16 = _inputs(tf.bfloat16)
+
+    def reference16(q, k, v):  # Attention.attend's numerics: float32 softmax, bf16 P x V
+        scores = tf.cast(tf.einsum("bthd,bshd->bhts", q, k), tf.float32) / math.sqrt(D)
+        probs = tf.nn.softmax(tf.where(allowed[:, None], scores, -1e30), -1)
+        return tf.einsum("bhts,bshd->bthd", tf.cast(probs, tf.bfloat16), v)
+
+    one_shot, one_shot_grads = _value_and_grads(reference16, *q16)
+
+    def rms(a, b):  # relative RMS error against float32
+        a, b = tf.cast(a, tf.float32).numpy(), b.numpy()
+        return float(np.sqrt(np.mean((a - b) ** 2) / np.mean(b ** 2)))
+
+    for block_q, block_k in [(5, 6), (2, 2)]:
+        blocked, blocked_grads = _value_and_grads(
+            lambda *a: _blocked(*a, allowed, 0, 1, block_q, block_k), *q16)
+        # bf16 rounds inputs and products by up to 2^-9: both paths err by ~0.4% (outputs)
+        # and ~1% (gradients) RMS. Blocked accumulates across tiles in float32 and computes
+        # dP in float32, so it errs no more than the one-shot path (measured: 0.3-0.9%
+        # against 0.4-1.0%); 10% of slack for other kernels. (Max errors over 1,024
+        # entries swing 2x with the one entry that rounds worst: not a stable measure.)
+        assert rms(blocked, exact) <= 1.1 * rms(one_shot, exact)
+        for b, o, e in zip(blocked_grads, one_shot_grads, exact_grads):
+            assert rms(b, e) <= 1.1 * rms(o, e), (block_q, block_k, rms(b, e), rms(o, e))
+
+
+@pytest.mark.parametrize("window, tiles", [(0, 10), (4, 7)])
+def test_tiles_the_mask_hides_are_never_computed(window, tiles):
+    # 16 queries and keys in blocks of 4: the causal mask leaves 10 of 16 tiles; a window of
+    # 4 also hides every tile left of the diagonal's neighbour (7). Each computed tile is
+    # two einsums (scores, probabilities x values) in the forward graph.
+    q, k, v = _inputs()
+    allowed = _allowed(window, None)
+    graph = tf.function(lambda *a: _blocked(*a, allowed, window, 1, 4, 4)).get_concrete_function(
+        q, k, v).graph
+    einsums = [op for op in graph.get_operations() if op.type == "Einsum"]
+    assert len(einsums) == 2 * tiles
+
+
+def test_blocks_are_static_and_near_equal():
+    assert blocks(16, 6) == [(0, 5), (5, 10), (10, 16)]
+    assert blocks(16, 16) == [(0, 16)] and blocks(7, 16) == [(0, 7)]
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(importlib.util.find_spec("jax") is None,
+                    reason='needs the plan extra (XLA CPU memory figures): pip install -e ".[plan]"')
+def test_blocked_attention_memory_grows_linearly_with_the_sequence():
+    # XLA's own temporaries of the one-device train step (tfllm export-step, compiled by
+    # jaxlib's CPU compiler): doubling the sequence doubles blocked attention's activations
+    # (plus the per-token rest of the step) and quadruples the standard one's scores.
+    def temp_bytes(length, block):
+        with tempfile.TemporaryDirectory() as tmp:
+            sets = ["model.family=llama", "model.num_layers=1", "model.hidden_dim=64",
+                    "model.num_query_heads=4", "model.num_key_value_heads=4",
+                    "model.intermediate_dim=128", "model.vocab_size=128",
+                    f"model.max_sequence_length={length}", "train.global_batch_size=1",
+                    "mesh.axes=data=1", f"data.sequence_length={length}",
+                    f"model.attention_chunk={block}"]
+            r = run_tfllm("export-step", "--out", tmp, "--config", "configs/tiny.yaml",
+                          *sum((["--set", s] for s in sets), []))
+            assert r.returncode == 0, r.stderr[-2000:]
+            code = ("import json, sys; from tfllm.plan.gpu_compile import compile_for_cpu; "
+                    "print(json.dumps(compile_for_cpu(open(sys.argv[1], 'rb').read())))")
+            c = subprocess.run([PY, "-c", code, os.path.join(tmp, "step.hlo.pb")], cwd=ROOT,
+                               capture_output=True, text=True, timeout=600,
+                               env=tfllm_env(JAX_PLATFORMS="cpu"))
+            assert c.returncode == 0, c.stderr[-2000:]
+            return json.loads(c.stdout.strip().splitlines()[-1])["memory"]["temp"]
+
+    standard = temp_bytes(1024, 0) / temp_bytes(512, 0)
+    blocked = temp_bytes(1024, 128) / temp_bytes(512, 128)
+    assert standard > 3.0, standard  # (B, H, T, T) scores and probabilities dominate
+    assert blocked < 2.4, blocked  # linear: one (128, 128) tile at a time

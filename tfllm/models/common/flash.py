@@ -1,0 +1,149 @@
+"""Memory-efficient attention in plain TensorFlow ops: blocks of queries and keys, an
+online softmax, and a backward pass that recomputes each block (FlashAttention's
+algorithm, written for XLA and DTensor rather than as a kernel).
+
+Neither pass keeps a (T, S) matrix: the forward pass keeps, per query, its output and the
+log-sum-exp of its scores; the backward pass recomputes one (block_q, block_k) tile of
+scores at a time from them. Activation memory is linear in the sequence, and key blocks
+that the causal mask (or a sliding window) hides from a whole query block are skipped in
+both passes.
+
+Numerics: scores, the running maximum, the normalizer and the accumulated output are
+float32; the probabilities are cast to the compute dtype for the matmul with the values
+(as in `Attention.attend`, whose softmax is float32 and whose probabilities x V runs in
+the compute dtype). Only the order of the float32 sums differs from the one-shot softmax.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, List, Optional, Sequence, Tuple
+
+import tensorflow as tf
+
+_NEG = -1e30  # not -inf: exp(-inf - -inf) is NaN; a masked score stays finite
+
+# mask_fn(first, stop, key_first, key_stop) -> bool (B or 1, P, t, s) tile of allowed
+# (query, key) pairs for queries first .. stop-1 of every piece, or None when all are.
+MaskFn = Callable[[int, int, int, int], Optional[tf.Tensor]]
+# key_span(first, stop) -> (lowest, highest) key position that queries first .. stop-1 of
+# any piece may see: key blocks wholly outside are skipped.
+KeySpan = Callable[[int, int], Tuple[int, int]]
+
+
+def blocks(length: int, size: int) -> List[Tuple[int, int]]:
+    """Near-equal static blocks of at most `size` covering 0 .. length-1 (16 by 6: 5, 5, 6)."""
+    count = -(-length // size)
+    bounds = [length * i // count for i in range(count + 1)]
+    return list(zip(bounds[:-1], bounds[1:]))
+
+
+def flash_attention(q, k, v, *, scale: float, block_q: int, block_k: int,
+                    mask_fn: MaskFn, key_span: KeySpan):
+    """Attention of q (B, P, L, H, D) over k, v (B, S, H, D) -> (B, P, L, H, D), blockwise.
+
+    The queries come folded by the P pieces their sequence is split into on a mesh (P = 1
+    when it is not): a query block takes queries a .. b-1 of every piece, so each device
+    attends its own queries and none is gathered. Every query must see at least one key
+    (true of causal and packed training masks).
+
+    Args:
+      q, k, v: queries, keys and values (heads already repeated for grouped queries).
+      scale: the scores' factor (1 / sqrt(head_dim), or Gemma 3's).
+      block_q, block_k: the tile: a pass holds (B, H, P, block_q, block_k) scores at a time.
+      mask_fn: the allowed (query, key) pairs of a tile (`MaskFn`).
+      key_span: the keys a block of queries may see at all (`KeySpan`).
+
+    Returns:
+      The attention output (B, P, L, H, D), in q's dtype.
+    """
+    q_blocks, k_blocks = blocks(q.shape[2], block_q), blocks(k.shape[1], block_k)
+    visible = []
+    for qa, qb in q_blocks:
+        low, high = key_span(qa, qb)
+        visible.append([j for j, (a, b) in enumerate(k_blocks) if b > low and a <= high])
+
+    def tile_scores(q_i, k_j, qa, qb, ka, kb):
+        s = tf.cast(tf.einsum("bpthd,bshd->bhpts", q_i, k_j), tf.float32) * scale
+        allowed = mask_fn(qa, qb, ka, kb)
+        if allowed is not None:
+            allowed = tf.expand_dims(allowed, 1)  # (B, 1, P, t, s)
+            s = tf.where(allowed, s, _NEG)
+        return s, allowed  # (B, H, P, t, s)
+
+    def per_query(x):  # (B, H, P, t) -> (B, P, t, H, 1), to scale (B, P, t, H, D)
+        return tf.expand_dims(tf.transpose(x, (0, 2, 3, 1)), -1)
+
+    def after(x, previous):
+        """x, made to wait for `previous` (an exact + 0 * y, which XLA does not fold): the
+        blocks then run one after another instead of side by side with all tiles alive."""
+        if previous is None:
+            return x
+        return x + tf.cast(0.0, x.dtype) * tf.cast(previous, x.dtype)
+
+    @tf.custom_gradient
+    def attend(q, k, v):
+        outs, lses, last = [], [], None
+        for i, (qa, qb) in enumerate(q_blocks):
+            q_i = after(q[:, :, qa:qb], last)  # (B, P, t, H, D)
+            m = l = acc = None
+            for j in visible[i]:
+                ka, kb = k_blocks[j]
+                s, _ = tile_scores(q_i, k[:, ka:kb], qa, qb, ka, kb)
+                m_new = tf.reduce_max(s, axis=-1)  # (B, H, P, t)
+                if m is not None:
+                    m_new = tf.maximum(m, m_new)
+                p = tf.exp(s - tf.expand_dims(m_new, -1))  # float32
+                pv = tf.cast(tf.einsum("bhpts,bshd->bpthd", tf.cast(p, v.dtype), v[:, ka:kb]),
+                             tf.float32)  # (B, P, t, H, D)
+                if m is None:
+                    l, acc = tf.reduce_sum(p, axis=-1), pv
+                else:
+                    alpha = tf.exp(m - m_new)  # rescales what the earlier key blocks gave
+                    l = l * alpha + tf.reduce_sum(p, axis=-1)
+                    acc = acc * per_query(alpha) + pv
+                m = m_new
+            outs.append(acc / per_query(l))  # (B, P, t, H, D) float32
+            lses.append(m + tf.math.log(l))  # (B, H, P, t)
+            last = outs[-1][:, :, -1:]
+        out32 = tf.concat(outs, axis=2)  # (B, P, L, H, D)
+        out = tf.cast(out32, q.dtype)
+        lse = tf.concat(lses, axis=3)  # (B, H, P, L)
+
+        def grad(d_out):
+            d_out = tf.cast(d_out, q.dtype)
+            # the softmax's correction term, per query: sum_d dO * O (B, H, P, L), from
+            # the float32 output (O rounded to bf16 here doubled the gradients' error)
+            delta = tf.einsum("bpthd,bpthd->bhpt", tf.cast(d_out, tf.float32), out32)
+            dq = []
+            dk = [tf.zeros(k[:, a:b].shape, tf.float32) for a, b in k_blocks]
+            dv = [tf.zeros(v[:, a:b].shape, tf.float32) for a, b in k_blocks]
+            for i, (qa, qb) in enumerate(q_blocks):
+                q_i = q[:, :, qa:qb]
+                do_i = after(d_out[:, :, qa:qb], dq[-1][:, :, -1:] if dq else None)
+                lse_i = tf.expand_dims(lse[:, :, :, qa:qb], -1)  # (B, H, P, t, 1)
+                delta_i = tf.expand_dims(delta[:, :, :, qa:qb], -1)
+                dq_i = tf.zeros(q_i.shape, tf.float32)
+                for j in visible[i]:
+                    ka, kb = k_blocks[j]
+                    k_j, v_j = k[:, ka:kb], v[:, ka:kb]
+                    s, allowed = tile_scores(q_i, k_j, qa, qb, ka, kb)
+                    p = tf.exp(s - lse_i)  # the forward pass's probabilities, recomputed
+                    if allowed is not None:
+                        p = tf.where(allowed, p, 0.0)
+                    dv[j] += tf.cast(tf.einsum("bhpts,bpthd->bshd", tf.cast(p, v.dtype), do_i),
+                                     tf.float32)
+                    # dP in float32 (as FlashAttention's accumulators): rounded to the
+                    # compute dtype, its error is not cancelled by delta, computed from O,
+                    # and dP - delta cancels (bf16 gradients: 2x the one-shot error)
+                    dp = tf.einsum("bpthd,bshd->bhpts", tf.cast(do_i, tf.float32),
+                                   tf.cast(v_j, tf.float32))
+                    ds = tf.cast(p * (dp - delta_i) * scale, q.dtype)
+                    dq_i += tf.cast(tf.einsum("bhpts,bshd->bpthd", ds, k_j), tf.float32)
+                    dk[j] += tf.cast(tf.einsum("bhpts,bpthd->bshd", ds, q_i), tf.float32)
+                dq.append(tf.cast(dq_i, q.dtype))
+            return (tf.concat(dq, axis=2), tf.cast(tf.concat(dk, axis=1), k.dtype),
+                    tf.cast(tf.concat(dv, axis=1), v.dtype))
+
+        return out, grad
+
+    return attend(q, k, v)
