@@ -143,6 +143,27 @@ def test_blocks_are_static_and_near_equal():
     assert blocks(16, 16) == [(0, 16)] and blocks(7, 16) == [(0, 7)]
 
 
+def _temp_bytes(length, block):
+    """XLA's CPU temporaries (bytes) of a 1-layer Llama's one-device train step."""
+    with tempfile.TemporaryDirectory() as tmp:
+        sets = ["model.family=llama", "model.num_layers=1", "model.hidden_dim=64",
+                "model.num_query_heads=4", "model.num_key_value_heads=4",
+                "model.intermediate_dim=128", "model.vocab_size=128",
+                f"model.max_sequence_length={length}", "train.global_batch_size=1",
+                "mesh.axes=data=1", f"data.sequence_length={length}",
+                f"model.attention_chunk={block}"]
+        r = run_tfllm("export-step", "--out", tmp, "--config", "configs/tiny.yaml",
+                      *sum((["--set", s] for s in sets), []))
+        assert r.returncode == 0, r.stderr[-2000:]
+        code = ("import json, sys; from tfllm.plan.gpu_compile import compile_for_cpu; "
+                "print(json.dumps(compile_for_cpu(open(sys.argv[1], 'rb').read())))")
+        c = subprocess.run([PY, "-c", code, os.path.join(tmp, "step.hlo.pb")], cwd=ROOT,
+                           capture_output=True, text=True, timeout=600,
+                           env=tfllm_env(JAX_PLATFORMS="cpu"))
+        assert c.returncode == 0, c.stderr[-2000:]
+        return json.loads(c.stdout.strip().splitlines()[-1])["memory"]["temp"]
+
+
 @pytest.mark.slow
 @pytest.mark.skipif(importlib.util.find_spec("jax") is None,
                     reason='needs the plan extra (XLA CPU memory figures): pip install -e ".[plan]"')
@@ -150,26 +171,7 @@ def test_blocked_attention_memory_grows_linearly_with_the_sequence():
     # XLA's own temporaries of the one-device train step (tfllm export-step, compiled by
     # jaxlib's CPU compiler): doubling the sequence doubles blocked attention's activations
     # (plus the per-token rest of the step) and quadruples the standard one's scores.
-    def temp_bytes(length, block):
-        with tempfile.TemporaryDirectory() as tmp:
-            sets = ["model.family=llama", "model.num_layers=1", "model.hidden_dim=64",
-                    "model.num_query_heads=4", "model.num_key_value_heads=4",
-                    "model.intermediate_dim=128", "model.vocab_size=128",
-                    f"model.max_sequence_length={length}", "train.global_batch_size=1",
-                    "mesh.axes=data=1", f"data.sequence_length={length}",
-                    f"model.attention_chunk={block}"]
-            r = run_tfllm("export-step", "--out", tmp, "--config", "configs/tiny.yaml",
-                          *sum((["--set", s] for s in sets), []))
-            assert r.returncode == 0, r.stderr[-2000:]
-            code = ("import json, sys; from tfllm.plan.gpu_compile import compile_for_cpu; "
-                    "print(json.dumps(compile_for_cpu(open(sys.argv[1], 'rb').read())))")
-            c = subprocess.run([PY, "-c", code, os.path.join(tmp, "step.hlo.pb")], cwd=ROOT,
-                               capture_output=True, text=True, timeout=600,
-                               env=tfllm_env(JAX_PLATFORMS="cpu"))
-            assert c.returncode == 0, c.stderr[-2000:]
-            return json.loads(c.stdout.strip().splitlines()[-1])["memory"]["temp"]
-
-    standard = temp_bytes(1024, 0) / temp_bytes(512, 0)
-    blocked = temp_bytes(1024, 128) / temp_bytes(512, 128)
+    standard = _temp_bytes(1024, 0) / _temp_bytes(512, 0)
+    blocked = _temp_bytes(1024, 128) / _temp_bytes(512, 128)
     assert standard > 3.0, standard  # (B, H, T, T) scores and probabilities dominate
     assert blocked < 2.4, blocked  # linear: one (128, 128) tile at a time

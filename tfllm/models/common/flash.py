@@ -88,7 +88,9 @@ def flash_attention(q, k, v, *, scale: float, block_q: int, block_k: int,
             m = l = acc = None
             for j in visible[i]:
                 ka, kb = k_blocks[j]
-                s, _ = tile_scores(q_i, k[:, ka:kb], qa, qb, ka, kb)
+                # tile after tile, too: else XLA computes all of a block's scores first
+                q_ij = q_i if acc is None else after(q_i, acc[:, :, -1:])
+                s, _ = tile_scores(q_ij, k[:, ka:kb], qa, qb, ka, kb)
                 m_new = tf.reduce_max(s, axis=-1)  # (B, H, P, t)
                 if m is not None:
                     m_new = tf.maximum(m, m_new)
@@ -123,23 +125,25 @@ def flash_attention(q, k, v, *, scale: float, block_q: int, block_k: int,
                 lse_i = tf.expand_dims(lse[:, :, :, qa:qb], -1)  # (B, H, P, t, 1)
                 delta_i = tf.expand_dims(delta[:, :, :, qa:qb], -1)
                 dq_i = tf.zeros(q_i.shape, tf.float32)
-                for j in visible[i]:
+                for n, j in enumerate(visible[i]):
                     ka, kb = k_blocks[j]
                     k_j, v_j = k[:, ka:kb], v[:, ka:kb]
-                    s, allowed = tile_scores(q_i, k_j, qa, qb, ka, kb)
+                    previous = dq_i[:, :, -1:] if n else None  # tile after tile
+                    q_ij, do_ij = after(q_i, previous), after(do_i, previous)
+                    s, allowed = tile_scores(q_ij, k_j, qa, qb, ka, kb)
                     p = tf.exp(s - lse_i)  # the forward pass's probabilities, recomputed
                     if allowed is not None:
                         p = tf.where(allowed, p, 0.0)
-                    dv[j] += tf.cast(tf.einsum("bhpts,bpthd->bshd", tf.cast(p, v.dtype), do_i),
+                    dv[j] += tf.cast(tf.einsum("bhpts,bpthd->bshd", tf.cast(p, v.dtype), do_ij),
                                      tf.float32)
                     # dP in float32 (as FlashAttention's accumulators): rounded to the
                     # compute dtype, its error is not cancelled by delta, computed from O,
                     # and dP - delta cancels (bf16 gradients: 2x the one-shot error)
-                    dp = tf.einsum("bpthd,bshd->bhpts", tf.cast(do_i, tf.float32),
+                    dp = tf.einsum("bpthd,bshd->bhpts", tf.cast(do_ij, tf.float32),
                                    tf.cast(v_j, tf.float32))
                     ds = tf.cast(p * (dp - delta_i) * scale, q.dtype)
                     dq_i += tf.cast(tf.einsum("bhpts,bshd->bpthd", ds, k_j), tf.float32)
-                    dk[j] += tf.cast(tf.einsum("bhpts,bpthd->bshd", ds, q_i), tf.float32)
+                    dk[j] += tf.cast(tf.einsum("bhpts,bpthd->bshd", ds, q_ij), tf.float32)
                 dq.append(tf.cast(dq_i, q.dtype))
             return (tf.concat(dq, axis=2), tf.cast(tf.concat(dk, axis=1), k.dtype),
                     tf.cast(tf.concat(dv, axis=1), v.dtype))
