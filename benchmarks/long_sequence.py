@@ -95,8 +95,8 @@ def main() -> None:
              f"temporaries of the train step and median step time through XLA "
              f"(`benchmarks/long_sequence.py`, TensorFlow {tf.__version__}).", "",
              "## CPU (this host, XLA)", "",
-             "| sequence | temp standard GiB | temp chunked GiB | ratio | step standard ms | "
-             "step chunked ms | ratio |", "|---|---|---|---|---|---|---|"]
+             "| sequence | temp standard GiB | temp blocked GiB | ratio | step standard ms | "
+             "step blocked ms | ratio |", "|---|---|---|---|---|---|---|"]
     for r in rows:
         t, s = r["temp_gib"], r["step_ms"]
         timed = s[0] is not None and s[CHUNK] is not None
@@ -105,8 +105,8 @@ def main() -> None:
                      + (f"{s[0]:.0f} | {s[CHUNK]:.0f} | {s[CHUNK] / s[0]:.2f} |" if timed
                         else "not timed | not timed | |"))
     lines += ["", "## H100 target (deviceless `tfllm plan`: XLA temporaries, roofline step)",
-              "", "| sequence | temp standard GiB | temp chunked GiB | ratio | est. step "
-              "standard ms | est. step chunked ms | ratio |", "|---|---|---|---|---|---|---|"]
+              "", "| sequence | temp standard GiB | temp blocked GiB | ratio | est. step "
+              "standard ms | est. step blocked ms | ratio |", "|---|---|---|---|---|---|---|"]
     for r in rows:
         h = r["h100"]
         lines.append(f"| {r['length']} | {h[0]['temp_gib']:.3f} | "

@@ -171,7 +171,8 @@ def test_blocked_attention_memory_grows_linearly_with_the_sequence():
     # XLA's own temporaries of the one-device train step (tfllm export-step, compiled by
     # jaxlib's CPU compiler): doubling the sequence doubles blocked attention's activations
     # (plus the per-token rest of the step) and quadruples the standard one's scores.
-    standard = _temp_bytes(1024, 0) / _temp_bytes(512, 0)
-    blocked = _temp_bytes(1024, 128) / _temp_bytes(512, 128)
-    assert standard > 3.0, standard  # (B, H, T, T) scores and probabilities dominate
-    assert blocked < 2.4, blocked  # linear: one (128, 128) tile at a time
+    # (Measured: 3.4, 6.6, 12.8 MiB blocked and 4.5, 13.8, 50.9 MiB standard at 256, 512
+    # and 1024 tokens.)
+    blocked = _temp_bytes(1024, 128)
+    assert blocked / _temp_bytes(512, 128) < 2.4  # linear: one (128, 128) tile at a time
+    assert _temp_bytes(1024, 0) > 3 * blocked  # the (B, H, T, T) scores the test would see
