@@ -14,7 +14,7 @@ ALL_KEYS = {
               "rope_scaling_factor", "rope_low_freq_factor", "rope_high_freq_factor",
               "rope_original_max_length", "qkv_bias", "qk_norm", "sliding_window",
               "sliding_window_pattern", "rope_local_theta", "query_pre_attn_scalar",
-              "attention_chunk", "remat", "init_std"],
+              "attention", "attention_chunk", "remat", "init_std"],
     "mesh": ["axes", "device_type", "num_cpu_devices", "rules", "gpu_memory_reserve_mb",
              "gpu_allocator"],
     "precision": ["policy", "fp8_recipe", "fp8_amax_history_length", "fp8_margin",
@@ -81,6 +81,11 @@ def test_yaml_and_overrides_apply_in_order(tmp_path):
     ("train.grad_accum_steps=3", "train.global_batch_size (16) must be divisible by "
                                  "train.grad_accum_steps (3)"),
     ("optimizer.weight_decay_exclude=bias,norms", "unknown kind(s) ['norms']"),
+    # cuDNN's fused attention cannot run inside a DTensor step (tests/parallel/
+    # test_dtensor_limits.py): a documented refusal, one line naming the way out
+    ("model.attention=cudnn", "model.attention=cudnn: TensorFlow 2.21's DTensor cannot run "
+                              "cuDNN's fused attention inside a step"),
+    ("model.attention=flash", "model.attention: 'flash' is not one of ['xla', 'cudnn']"),
 ])
 def test_bad_overrides_name_the_key(override, message):
     with pytest.raises(ConfigError) as e:

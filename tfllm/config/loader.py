@@ -216,6 +216,11 @@ def validate(cfg: schema.Config) -> None:
         raise ConfigError(f"model.rope_high_freq_factor ({m.rope_high_freq_factor}) must "
                           f"exceed model.rope_low_freq_factor ({m.rope_low_freq_factor}) for "
                           "rope_scaling=llama3 (Llama 3.1 uses 4.0 and 1.0).")
+    if m.attention == "cudnn":
+        raise ConfigError("model.attention=cudnn: TensorFlow 2.21's DTensor cannot run "
+                          "cuDNN's fused attention inside a step (README: 'Fused (cuDNN) "
+                          "attention on a DTensor mesh'); use model.attention=xla, with "
+                          "model.attention_chunk for long sequences.")
     if cfg.train.profile_steps:
         profile_steps(cfg.train)  # ConfigError when malformed
     if m.qk_norm and m.family == "gpt":

@@ -80,6 +80,12 @@ class ModelConfig:
     query_pre_attn_scalar: float = _f(0.0, "Attention scores are divided by the square root "
                                       "of this (Gemma 3's query_pre_attn_scalar); 0 means "
                                       "head_dim.", min=0.0)
+    attention: str = _f("xla", "Which attention kernel: xla (the attention written in "
+                        "TensorFlow ops, standard or blocked by attention_chunk, compiled by "
+                        "XLA on every device) or cudnn (cuDNN's fused flash attention), "
+                        "which TensorFlow 2.21's DTensor cannot run inside a step: refused, "
+                        "see the README's 'Fused (cuDNN) attention on a DTensor mesh'.",
+                        choices=("xla", "cudnn"))
     attention_chunk: int = _f(0, "Blocked (flash) attention: when > 0 and the sequence is "
                               "longer, attention runs over tiles of this many queries and "
                               "keys with an online softmax, recomputed in the backward pass, "
