@@ -25,7 +25,6 @@ import glob
 import hashlib
 import json
 import os
-import re
 import sys
 import time
 from importlib.metadata import version
@@ -44,6 +43,7 @@ COMMAND = "python -m tests.notebooks.execute"
 NOTEBOOK_BUDGET_S = 240
 MAX_BYTES = 1_000_000  # stored size, figures included
 NONDETERMINISTIC = "nondeterministic"  # cell tag: compare output kinds, not text
+
 
 def notebooks() -> list:
     """Every notebook, in order."""

@@ -169,6 +169,16 @@ class Attention(keras.layers.Layer):
             if layer is not None:
                 layer.build(None)
 
+    def keys_per_head(self, k, v):
+        """Keys and values (B, S, K, D) laid out as the scores use them (length never
+        split), repeated to one per query head (B, S, H, D) for grouped queries."""
+        groups = self.num_query_heads // self.num_key_value_heads
+        k, v = constrain(k, _KEYS, "keys"), constrain(v, _KEYS, "values")  # (B, S, K, D)
+        if groups > 1:  # each K head serves `groups` consecutive query heads
+            k = constrain(tf.repeat(k, groups, axis=2), _KEYS_REPEATED)  # (B, S, H, D)
+            v = constrain(tf.repeat(v, groups, axis=2), _KEYS_REPEATED)  # (B, S, H, D)
+        return k, v
+
     def attend(self, q, k, v, attention_mask=None):
         """Scaled dot-product attention; q (B,T,H,D), k/v (B,S,K,D) -> (B,T,H,D).
 
@@ -179,11 +189,7 @@ class Attention(keras.layers.Layer):
           attention_mask: (B, T, S) bool, True where query t may see key s; None means
             causal with S == T (the training path).
         """
-        groups = self.num_query_heads // self.num_key_value_heads
-        k, v = constrain(k, _KEYS, "keys"), constrain(v, _KEYS, "values")  # (B, S, K, D)
-        if groups > 1:  # each K head serves `groups` consecutive query heads
-            k = constrain(tf.repeat(k, groups, axis=2), _KEYS_REPEATED)  # (B, S, H, D)
-            v = constrain(tf.repeat(v, groups, axis=2), _KEYS_REPEATED)  # (B, S, H, D)
+        k, v = self.keys_per_head(k, v)  # (B, S, H, D)
         scores = tf.einsum("bthd,bshd->bhts", q, k)  # (B, H, T, S)
         scores = tf.cast(scores, tf.float32) / math.sqrt(self.score_divisor)
         if attention_mask is None:
@@ -215,11 +221,7 @@ class Attention(keras.layers.Layer):
         pieces = split_count(q.shape, _HEADS, 1)
         local = length // pieces
         q = constrain(tf.reshape(q, (batch, pieces, local, heads, dim)), _FOLDED)  # (B,P,L,H,D)
-        groups = self.num_query_heads // self.num_key_value_heads
-        k, v = constrain(k, _KEYS, "keys"), constrain(v, _KEYS, "values")  # (B, S, K, D)
-        if groups > 1:  # each K head serves `groups` consecutive query heads
-            k = constrain(tf.repeat(k, groups, axis=2), _KEYS_REPEATED)  # (B, S, H, D)
-            v = constrain(tf.repeat(v, groups, axis=2), _KEYS_REPEATED)  # (B, S, H, D)
+        k, v = self.keys_per_head(k, v)  # (B, S, H, D)
         window, key_length = self.sliding_window, k.shape[1]
         if attention_mask is not None:  # (B, T, S) -> (B, P, L, S)
             attention_mask = constrain(

@@ -16,7 +16,7 @@ the compute dtype). Only the order of the float32 sums differs from the one-shot
 
 from __future__ import annotations
 
-from typing import Callable, List, Optional, Sequence, Tuple
+from typing import Callable, List, Optional, Tuple
 
 import tensorflow as tf
 
