@@ -125,11 +125,16 @@ def probe(routes) -> dict:
 def main(routes) -> dict:
     """Every route, `replicated` in a process of its own (this script run again)."""
     import subprocess
+    # DTensor's defaults: a lowering variable left in the environment changes the outcome
+    # (LOWER_DTENSOR_GATHER_TO_COLLECTIVE_GATHER_V2, which tfllm sets for FSDP, fails the
+    # replicated route's two-axis gather; see tfllm/parallel/fsdp.py).
+    env = {k: v for k, v in os.environ.items()
+           if not (k.startswith("DTENSOR_") or k.startswith("LOWER_DTENSOR_"))}
     outcomes = {}
     for group in ([r for r in routes if r != "replicated"], [r for r in routes if r == "replicated"]):
         if group:
             out = subprocess.run([sys.executable, __file__, "--here", *group], check=True,
-                                 capture_output=True, text=True, timeout=600).stdout
+                                 capture_output=True, text=True, timeout=600, env=env).stdout
             outcomes.update(json.loads(out[out.index("{"):]))
     return {r: outcomes[r] for r in routes}
 

@@ -50,6 +50,22 @@ def _reset_keras_state():
     keras.config.set_dtype_policy("float32")
 
 
+def _restore(saved):
+    for name in set(os.environ) - set(saved):
+        del os.environ[name]
+    os.environ.update(saved)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _restore_environment_per_module():
+    """What a module-scoped fixture sets (a mesh's DTensor lowering variables, which a
+    child process inherits: LOWER_DTENSOR_GATHER_TO_COLLECTIVE_GATHER_V2 changed the
+    outcome of another module's probe in CI) ends with its module."""
+    saved = dict(os.environ)
+    yield
+    _restore(saved)
+
+
 @pytest.fixture(autouse=True)
 def _restore_environment():
     """A command run in this process (`main([...])`) sets variables for its own process
@@ -58,6 +74,4 @@ def _restore_environment():
     programs another test compiled and dump nothing."""
     saved = dict(os.environ)
     yield
-    for name in set(os.environ) - set(saved):
-        del os.environ[name]
-    os.environ.update(saved)
+    _restore(saved)
