@@ -37,7 +37,7 @@ setup(
         # test: import and `export --format hf` are checked against transformers itself.
         # torch is pinned to the CPU wheel this project's machines carry; elsewhere pip
         # takes it from https://download.pytorch.org/whl/cpu (README, "Tests").
-        "test": ["pytest>=7", "pytest-timeout", "nbclient", "nbformat", "ipykernel",
+        "test": ["pytest>=7", "pytest-timeout", "pytest-xdist", "nbclient", "nbformat", "ipykernel",
                  "transformers>=5.0,<6", "torch==2.13.0"],
         # Opening the notebooks (`jupyter lab notebooks/`); 03 and 06 also need `plan`.
         "notebooks": ["jupyterlab", "ipykernel"],

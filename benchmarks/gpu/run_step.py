@@ -81,11 +81,12 @@ def run_once(exe, device, arrays):
     return [o[0] for o in outs]
 
 
-def check(directory, backend):
-    """One step on the exported inputs; compares every output with TensorFlow's."""
+def check(directory, backend, compiled=None):
+    """One step on the exported inputs; compares every output with TensorFlow's.
+    `compiled`: (executable, device) from `compile_step`, or None to compile here."""
     with open(os.path.join(directory, "step.json")) as f:
         desc = json.load(f)
-    exe, device = compile_step(directory, backend)
+    exe, device = compiled or compile_step(directory, backend)
     ref = np.load(os.path.join(directory, "check.npz"))
     outs = run_once(exe, device, [ref[f"input/{i}"] for i in range(len(desc["params"]))])
     worst, noise_only = 0.0, []
@@ -107,7 +108,10 @@ def check(directory, backend):
             "loss": float(np.asarray(outs[loss_index])), "tf_loss": float(ref["metric/loss"])}
 
 
-def matmul_peak(device, n=8192, repeats=10):
+def matmul_peak(device, n=None, repeats=10):
+    # 8192-square bf16 GEMMs reach an accelerator's peak; on a CPU (where the figure only
+    # exercises the runner) 1024 keeps it to a second instead of a minute.
+    n = n or (8192 if device.platform != "cpu" else 1024)
     a = jax.device_put(jnp.ones((n, n), jnp.bfloat16), device)
     f = jax.jit(lambda x, y: x @ y)
     f(a, a).block_until_ready()
@@ -125,10 +129,10 @@ def gemm_report(hlo_text):
             or "cudnn" in name}
 
 
-def time_steps(directory, backend, steps, warmup):
+def time_steps(directory, backend, steps, warmup, compiled=None):
     with open(os.path.join(directory, "step.json")) as f:
         desc = json.load(f)
-    exe, device = compile_step(directory, backend)
+    exe, device = compiled or compile_step(directory, backend)
     optimized = "\n".join(m.to_string() for m in exe.hlo_modules())
     with open(os.path.join(directory, f"step.optimized.{backend}.hlo.txt"), "w") as f:
         f.write(optimized)
@@ -164,12 +168,20 @@ def main():
     parser.add_argument("directory")
     parser.add_argument("--backend", default="gpu" if any(
         d.platform == "gpu" for d in jax.devices()) else "cpu")
-    parser.add_argument("--steps", type=int, default=50)
+    parser.add_argument("--steps", type=int, default=None,
+                        help="steps to time (default 50; with --check, none unless given)")
     parser.add_argument("--warmup", type=int, default=5)
-    parser.add_argument("--check", action="store_true")
+    parser.add_argument("--check", action="store_true",
+                        help="compare one step with TensorFlow's outputs (check.npz); "
+                             "with --steps, then time that many steps on the same program")
     args = parser.parse_args()
-    result = (check(args.directory, args.backend) if args.check
-              else time_steps(args.directory, args.backend, args.steps, args.warmup))
+    compiled = compile_step(args.directory, args.backend)
+    result = {}
+    if args.check:
+        result.update(check(args.directory, args.backend, compiled))
+    if not args.check or args.steps:
+        result.update(time_steps(args.directory, args.backend, args.steps or 50, args.warmup,
+                                 compiled))
     print(json.dumps(result))
 
 

@@ -16,6 +16,7 @@ def _files(root):
     return {str(p.relative_to(root)): p.read_bytes() for p in root.rglob("*") if p.is_file()}
 
 
+@pytest.mark.slow
 def test_async_writes_the_same_bytes_as_sync(tmp_path, source_run):
     parallel, variables, _ = source_run
     Checkpointer(str(tmp_path / "sync"), parallel).save(2, variables, {"a": 1}, {"f": b"x"})

@@ -592,6 +592,7 @@ PROCESS_ROWS = [
 ]
 
 
+@pytest.mark.slow
 @pytest.mark.multiprocess
 @pytest.mark.parametrize("argv, storage_errno, sig, expected_code, fragment", PROCESS_ROWS)
 def test_bad_input_in_a_process(argv, storage_errno, sig, expected_code, fragment, tmp_path,

@@ -37,6 +37,7 @@ def test_cli_surface_is_frozen():
     }
 
 
+@pytest.mark.slow
 def test_train_tiny_on_a_mesh_writes_metrics_and_config(tmp_path):
     workdir = tmp_path / "run"
     r = run_tfllm("train", "--config", "configs/tiny.yaml", "--workdir", str(workdir),
@@ -60,6 +61,7 @@ def test_train_tiny_on_a_mesh_writes_metrics_and_config(tmp_path):
     assert "repeat the same activations" not in r.stdout
 
 
+@pytest.mark.slow
 def test_layouts_for_llama_70b_without_allocating():
     r = run_tfllm("layouts", "--config", "configs/llama-70b.yaml")
     assert r.returncode == 0, r.stderr
@@ -68,6 +70,7 @@ def test_layouts_for_llama_70b_without_allocating():
     assert "optimizer state per device" in r.stdout
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("args, message", [
     (["train", "--set", "model.hiden_dim=3"], "Did you mean 'model.hidden_dim'"),
     (["layouts", "--config", "configs/tiny.yaml", "--set", "mesh.axes=data=3"],
@@ -91,6 +94,7 @@ def test_bad_input_exits_2_with_a_message(args, message, tmp_path):
     assert message in r.stderr
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("command", [["generate", "--prompt", "a"], ["eval"],
                                      ["export", "--out", "out"]], ids=lambda c: c[0])
 def test_a_folder_that_is_no_run_is_refused_before_tensorflow_is_imported(command, tmp_path):

@@ -38,6 +38,7 @@ def _layouts_stderr(**env):
     return r.stderr
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("level", [None, "0"])
 def test_tfllm_command_stderr(level):
     err = _layouts_stderr(**({"TF_CPP_MIN_LOG_LEVEL": level} if level else {}))

@@ -69,6 +69,7 @@ def test_same_seed_same_batches_other_seed_other_batches(tmp_path):
     assert not np.array_equal(stack(a), stack(c))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("split", ["train", "validation"])
 def test_clients_together_get_what_one_client_gets(text_cfg, split):
     """2 and 4 clients holding disjoint rows reproduce the single-client batches."""
@@ -156,6 +157,7 @@ def test_eval_paths_mean_no_holdout_from_paths(text_cfg):
     assert sorted(iterate_documents(text_cfg, "validation")) == sorted(make_docs(6, 1))
 
 
+@pytest.mark.slow
 def test_one_large_text_file_spreads_over_every_row(tmp_path):
     # One file, no separators: cut into 64-line pieces so all 16 row streams get text;
     # only the document's last piece is followed by the end-of-document token.

@@ -31,6 +31,7 @@ def generator(family, axes=None, jit_compile=True):
     return Generator(build_model(cfg, parallel), parallel, jit_compile=jit_compile)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("family", ["gpt", "llama", "gemma3"])
 def test_cache_matches_recomputation_token_for_token(family):
     gen = generator(family)
@@ -86,6 +87,7 @@ def test_bad_requests_name_the_limit():
 # Uncompiled, as CPU meshes decode by default (the loop in one call); compiled decoding
 # on a mesh (GPU meshes) is tested below on 2 devices: it compiles its programs once per
 # device, which on 8 logical CPU devices took minutes.
+@pytest.mark.slow
 @pytest.mark.parametrize("family, axes", [("llama", "data=2,model=4"), ("gpt", "fsdp=8"),
                                           ("llama", "data=2,fsdp=4")])
 def test_sharded_model_generates_the_same_tokens(family, axes):
@@ -99,6 +101,7 @@ def test_sharded_model_generates_the_same_tokens(family, axes):
     assert sharded.generate(prompts, NEW, **kw) == single.generate(prompts, NEW, **kw)
 
 
+@pytest.mark.slow
 def test_gemma3_windows_on_a_mesh_generate_the_same_tokens(request):
     # Local layers (window 5) on data=2,model=4. In a process of its own: after many
     # loop programs in one process, DTensor's function-library name clash (see
@@ -108,6 +111,7 @@ def test_gemma3_windows_on_a_mesh_generate_the_same_tokens(request):
     test_sharded_model_generates_the_same_tokens("gemma3", "data=2,model=4")
 
 
+@pytest.mark.slow
 def test_compiled_decoding_on_a_mesh_runs_every_token_inside_xla():
     # DTensor leaves a tf.while_loop outside XLA (its executed graph was Enter/Merge/
     # Switch around plain Einsums), so compiled decoding on a mesh calls one compiled

@@ -141,6 +141,7 @@ def test_port_in_use(tmp_path):
     assert not (tmp_path / "logs").exists()
 
 
+@pytest.mark.slow
 def test_help_documents_every_option():
     code, out, _ = run(["--help"], timeout=30)
     assert code == 0

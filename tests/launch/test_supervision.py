@@ -194,6 +194,7 @@ def test_launcher_signal_exit_code_without_preemption_support(tmp_path):
     assert_no_leftovers(tmp_path)
 
 
+@pytest.mark.slow
 def test_ready_by_handshake_file_not_by_printed_text(tmp_path):
     """A launcher that runs only a client other than 0 (slurm, env) learns readiness from
     the client's TFLLM_READY_FILE, whatever it prints and wherever; a ready file left by an

@@ -53,6 +53,7 @@ def test_chunked_forward_and_gradients_equal_standard(family):
         np.testing.assert_allclose(a, b, atol=1e-5 * max(1.0, np.abs(b).max()), rtol=0)
 
 
+@pytest.mark.slow
 def test_chunked_training_on_a_mesh_matches_single_device():
     run = parity_run("llama", "data=2,model=4", False, CHUNK)
     assert_parity(run, parity_reference("llama", False))
@@ -72,6 +73,7 @@ def test_cached_generation_is_unchanged():
 HYBRID, PIECE_CHUNK = "data=2,fsdp=4", (("model.attention_chunk", 2),)
 
 
+@pytest.mark.slow
 def test_chunked_training_on_a_split_sequence_matches_single_device():
     run = parity_run("llama", HYBRID, False, PIECE_CHUNK)
     assert_parity(run, parity_reference("llama", False))
@@ -83,6 +85,7 @@ def _hybrid_model(chunk):
     return build_model(cfg, parallel), parallel
 
 
+@pytest.mark.slow
 def test_chunked_packing_on_a_split_sequence_under_jit():
     tokens, segments = _tokens_and_segments(batch=4, length=12, seed=3)  # pieces of 3
     segments[1, 5:] = 9  # rows split differently
@@ -108,6 +111,7 @@ def _forward_collectives(chunk):
     return sum(n.op in KINDS for g in graphs() for n in g.node)
 
 
+@pytest.mark.slow
 def test_chunks_do_not_gather_the_queries():
     # Slicing a chunk out of the split sequence directly would all-gather the queries
     # (DTensor relayouts a sliced sharded dimension: one more collective per chunk);

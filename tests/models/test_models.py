@@ -121,6 +121,7 @@ class MyLlama(Llama):
         return 2.0 * super().compute_lm_loss(logits, targets, mask)
 
 
+@pytest.mark.slow
 def test_subclass_replaces_mlp_and_loss_and_trains_on_a_mesh(tmp_path):
     from tfllm.train.loop import train
     cfg = tiny_config("llama", "data=2,model=4",

@@ -14,6 +14,7 @@ CASES = [("full", "data=2,model=4", "gpt"), ("selective", "fsdp=8", "llama"),
          ("attention", "data=2,fsdp=2,model=2", "gpt")]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("policy,axes,family", CASES)
 def test_remat_on_a_mesh_matches_single_device_without_remat(policy, axes, family):
     run = parity_run(family, axes, False, (("model.remat", policy),))
@@ -24,6 +25,7 @@ def test_remat_on_a_mesh_matches_single_device_without_remat(policy, axes, famil
     assert model.blocks[0].mlp.recompute_activation == (policy == "selective")
 
 
+@pytest.mark.slow
 def test_remat_through_xla_matches(request):
     if not run_in_child(request):
         return  # XLA: a process of its own, like the XLA parity cases
@@ -33,6 +35,7 @@ def test_remat_through_xla_matches(request):
 
 # full: the FP8 projections themselves run again in the backward (selective recomputes
 # only norms, activations and scores, never a projection, so it has nothing to check).
+@pytest.mark.slow
 @pytest.mark.parametrize("policy", ["full"])
 def test_fp8_amax_bookkeeping_is_unchanged_by_remat(policy):
     """The recomputed forward feeds the same amax bookkeeping: histories and weights

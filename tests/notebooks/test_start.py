@@ -17,6 +17,7 @@ def test_a_missing_extra_names_it_and_the_install_command(monkeypatch):
         start(devices=2, needs=["plan"])
 
 
+@pytest.mark.slow
 def test_fresh_kernel_gets_cpu_devices_and_no_gpu_then_a_late_call_says_restart():
     # A process of its own: the device split happens only before TensorFlow initializes.
     code = (

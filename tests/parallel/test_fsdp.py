@@ -60,6 +60,7 @@ def _gathered(state, parallel):
             if any(m in parallel.batch_mesh_axes for m in parallel.variable_spec(v) if m)]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("axes", MESHES)
 def test_no_collective_is_larger_than_the_largest_weight(axes):
     state, parallel, graphs = _first_step(axes)
@@ -85,6 +86,7 @@ def test_no_collective_is_larger_than_the_largest_weight(axes):
         assert len(fsdp_gathers) == expected, [c.describe() for c in fsdp_gathers]
 
 
+@pytest.mark.slow
 def test_bf16_weights_travel_as_two_byte_gathers():
     state, parallel, graphs = _first_step("fsdp=8", policy="bfloat16")
     gathers = [c for c in state.step.cost_report.collectives if c.kind == "all-gather"]
@@ -108,6 +110,7 @@ def _ancestors(graph, name):
     return seen
 
 
+@pytest.mark.slow
 def test_gathers_wait_for_the_block_ahead_and_backward_regathers_for_gradients():
     state, parallel, graphs = _first_step("fsdp=8", **{"model.num_layers": 3})
     graph = max(graphs, key=lambda g: sum(n.op == "CollectiveGatherV2" for n in g.node))
@@ -132,6 +135,7 @@ def test_gathers_wait_for_the_block_ahead_and_backward_regathers_for_gradients()
         assert any("gradient_tape" in a for a in _ancestors(graph, node.name)), node.name
 
 
+@pytest.mark.slow
 def test_bf16_fsdp_loss_matches_data_parallel_through_float16_bit_gathers():
     # The float16-bits route must carry bfloat16 weights exactly: a bf16 fsdp=8 step's loss
     # equals the same step with replicated weights (data=8), which gathers nothing; the
@@ -175,6 +179,7 @@ _ALIAS_PROBE = textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow
 def test_a_reduced_gradient_shard_does_not_keep_the_full_gradient_alive():
     # Without NCCL DTensor reduce-scatters as an all-reduce (in place) plus a slice, and a
     # slice of dimension 0 aliases the full buffer; elementwise ops forward it (the

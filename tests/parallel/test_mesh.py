@@ -153,6 +153,7 @@ main(sys.argv[1:])
 """
 
 
+@pytest.mark.slow
 def test_tfllm_train_builds_the_mesh_before_tensorflow_starts(tmp_path):
     # NCCL can only be turned on before TensorFlow initializes (see
     # _initialize_gpus_single_client): nothing on `tfllm train`'s path may start it first.

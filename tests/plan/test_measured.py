@@ -40,6 +40,7 @@ def _sharded_elements(config, shape):
 
 
 # Each measure runs two tiny steps (1 and 2 layers) in a child process: ~40-80 s.
+@pytest.mark.slow
 def test_fsdp_gathers_every_sharded_weight_twice_in_bf16_and_reduce_scatters_float32():
     config = tiny("fsdp=4")
     shape = sharded.mesh_shape(config)
@@ -68,6 +69,7 @@ def test_fsdp_gathers_every_sharded_weight_twice_in_bf16_and_reduce_scatters_flo
     assert "measured" in m["basis"]
 
 
+@pytest.mark.slow
 def test_data_and_model_move_float32_gradients_and_activations():
     config = tiny("data=2,model=2")
     shape = sharded.mesh_shape(config)

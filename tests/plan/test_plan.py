@@ -28,6 +28,7 @@ def bf16_plan():
     return plan(tiny(**{"precision.policy": "bfloat16"}))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("exclude", ["", "mlp/"])
 def test_fp8_plans_three_fp8_gemms_per_projection(exclude):
     p = plan(tiny(**{"precision.policy": "fp8", "precision.fp8_exclude": f"[{exclude}]"
@@ -45,6 +46,7 @@ def test_fp8_plans_three_fp8_gemms_per_projection(exclude):
     assert p["model_flops"] <= p["flops"] <= 1.1 * p["model_flops"]
 
 
+@pytest.mark.slow
 def test_bfloat16_plans_no_fp8_gemm_and_arguments_are_the_step_parameters(bf16_plan):
     p = bf16_plan
     assert p["fp8_gemm_calls"] == 0 and p["fp8_projections"] == 0 and p["gemm_calls"] > 0
@@ -59,6 +61,7 @@ def test_bfloat16_plans_no_fp8_gemm_and_arguments_are_the_step_parameters(bf16_p
     assert "fits" in format_plan(p)
 
 
+@pytest.mark.slow
 def test_temporaries_grow_with_the_batch(bf16_plan):
     small = bf16_plan  # batch 16
     large = plan(tiny(**{"precision.policy": "bfloat16", "train.global_batch_size": 128}))
@@ -67,6 +70,7 @@ def test_temporaries_grow_with_the_batch(bf16_plan):
     assert large["flops"] == pytest.approx(8 * small["flops"])
 
 
+@pytest.mark.slow
 def test_a_step_that_cannot_fit_says_by_how_much():
     # (1024 x 16 heads x 2048 x 2048) float32 attention probabilities alone are 256 GiB
     p = plan(tiny(**{"model.max_sequence_length": 2048, "data.sequence_length": 2048,
@@ -78,6 +82,7 @@ def test_a_step_that_cannot_fit_says_by_how_much():
     assert f"DOES NOT FIT: {-m['margin'] / 2**30:.2f} GiB over" in text
 
 
+@pytest.mark.slow
 def test_a_sharded_mesh_is_planned_per_device(bf16_plan):
     p = plan(tiny(**{"precision.policy": "bfloat16", "mesh.axes": "fsdp=2,model=2"}))
     one = bf16_plan
@@ -95,6 +100,7 @@ def test_a_sharded_mesh_is_planned_per_device(bf16_plan):
     assert "memory: compiled" in text and "gather buffers" in text
 
 
+@pytest.mark.slow
 def test_extrapolating_over_layers_matches_the_full_compile():
     cfg = tiny(**{"model.num_layers": 4})
     full = plan(cfg, layers="full")
@@ -172,6 +178,7 @@ def test_dtensor_clusters_compile_for_h100_and_match_the_per_device_plan(tmp_pat
     assert clusters["backward_flops"] / 2 == pytest.approx(p["flops"] * 2 / 3, rel=1e-9)
 
 
+@pytest.mark.slow
 def test_remat_policies_trade_temporaries_for_compute(bf16_plan):
     """XLA really keeps fewer activations under remat (it does not merge the recomputed
     forward back into the saved one), and the recomputation costs GEMMs."""

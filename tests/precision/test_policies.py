@@ -61,6 +61,7 @@ MARGINS = {("bfloat16", "float32"): 0.01, ("fp8", "bfloat16"): 0.01,
 
 # GPT on one device and Llama on a mesh: each family, each placement once (a GPT case on
 # data=2,model=4 as well cost 2 CI minutes and added neither).
+@pytest.mark.slow
 @pytest.mark.parametrize("family, axes", [("gpt", "data=1"), ("llama", "data=2,model=4")])
 def test_training_stays_within_margins(family, axes):
     losses = {p: _run(p, axes, family)[1] for p in ("float32", "bfloat16", "fp8", "float16")}
@@ -71,6 +72,7 @@ def test_training_stays_within_margins(family, axes):
     assert not np.array_equal(losses["fp8"], losses["bfloat16"])  # FP8 is really in effect
 
 
+@pytest.mark.slow
 def test_fp8_state_is_global_and_never_touched_by_the_optimizer():
     single, _ = _run("fp8", "data=1", steps=3)
     sharded, _ = _run("fp8", "data=2,model=4", steps=3)
@@ -90,6 +92,7 @@ def test_fp8_state_is_global_and_never_touched_by_the_optimizer():
     assert not any(id(v) in ids for v in sharded.model.fp8_state_variables())
 
 
+@pytest.mark.slow
 def test_float16_overflow_skips_the_step_and_halves_the_scale():
     # A loss scale near float32's maximum overflows every gradient.
     run, _ = _run("float16", "data=2,model=4", steps=0,

@@ -4,6 +4,7 @@ import glob
 import io
 
 import numpy as np
+import pytest
 import tensorflow as tf
 from tensorflow.core.util import event_pb2
 
@@ -23,6 +24,7 @@ def _tensorboard_scalars(workdir):
     return values
 
 
+@pytest.mark.slow
 def test_fp8_run_logs_recipe_and_scale_statistics(tmp_path):
     cfg = tiny_config("llama", "data=2,model=4", **{
         "precision.policy": "fp8", "precision.fp8_recipe": "current", "train.steps": 4,

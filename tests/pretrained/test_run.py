@@ -33,6 +33,7 @@ def _restored(workdir, overrides=()):
     return model
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["llama3", "gpt2"])
 def test_import_generates_like_keras_hub_greedy(name, tmp_path, capsys):
     lm = helpers.save_preset(name, tmp_path / "preset")
@@ -69,6 +70,7 @@ def test_import_generates_like_keras_hub_greedy(name, tmp_path, capsys):
     assert capsys.readouterr().out.startswith("the cat")
 
 
+@pytest.mark.slow
 def test_fine_tune_starts_from_the_imported_weights_then_resumes_normally(tmp_path):
     helpers.save_preset("gpt2", tmp_path / "preset")
     assert _import(tmp_path / "preset", tmp_path / "run") == 0
@@ -96,6 +98,7 @@ def test_fine_tune_starts_from_the_imported_weights_then_resumes_normally(tmp_pa
                  "--set", "data.sequence_length=8"]) == 2
 
 
+@pytest.mark.slow  # keras-hub's generate compiles its sampler through XLA (~30 s)
 @pytest.mark.parametrize("name", ["llama3", "gpt2", "gemma3"])
 def test_export_keras_hub_loads_in_keras_hub_and_round_trips_bit_exactly(name, tmp_path):
     import keras_hub
@@ -216,6 +219,7 @@ def test_two_clients_import_each_reading_its_own_blocks(tmp_path):
         np.testing.assert_array_equal(restored[name], value, err_msg=name)
 
 
+@pytest.mark.slow
 def test_hugging_face_llama_on_a_mesh_fine_tunes_generates_and_exports(tmp_path, capsys):
     """The issue's end-to-end path: a Hugging Face Llama 3.1-style folder onto
     data=2,model=4, a few fine-tuning steps there, generation, keras-hub export."""

@@ -38,6 +38,7 @@ def _assert_same_model(ours, theirs):
     np.testing.assert_array_equal(ours.argmax(-1), theirs.argmax(-1))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", sorted(ref.MODELS))
 def test_import_gives_transformers_logits(name, tmp_path):
     reference = ref.save(name, tmp_path / "hf")

@@ -191,6 +191,7 @@ def _sharded_elements(model):
     return total
 
 
+@pytest.mark.slow
 def test_train_on_fsdp_reports_per_weight_gathers(tmp_path):
     # Graph mode (XLA on CPU is slow to compile; the collectives are the same, see
     # test_xla's reports): tfllm train prints the report and writes costs.json.
@@ -230,6 +231,7 @@ def _first_step(axes, jit, **extra):
     return step
 
 
+@pytest.mark.slow
 def test_data_parallel_step_all_reduces_every_gradient_once():
     step = _first_step("data=8", False)
     report = step.cost_report

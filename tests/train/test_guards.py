@@ -2,11 +2,14 @@
 
 import os
 
+import pytest
+
 from tests.harness import metrics_records, tiny_config
 from tfllm.parallel.placement import to_numpy
 from tfllm.train import loop
 
 
+@pytest.mark.slow
 def test_loss_spike_guard_skips_steps_above_the_limit(tmp_path, monkeypatch):
     # factor 0.5: once the 2-loss window is full every loss is a "spike" (no loss
     # halves in one step), so steps 3-6 are skipped and counted; steps 1-2 apply.
@@ -22,6 +25,7 @@ def test_loss_spike_guard_skips_steps_above_the_limit(tmp_path, monkeypatch):
     assert int(to_numpy(runs[0].optimizer.iterations)) == 2
 
 
+@pytest.mark.slow
 def test_async_checkpoints_commit_and_resume(tmp_path):
     cfg = tiny_config("gpt", "data=2,model=4", **{
         "train.steps": 6, "train.log_every": 1, "checkpoint.every": 2,

@@ -26,6 +26,7 @@ def run_dir(tmp_path_factory):
     return tmp / "run", cfg, last
 
 
+@pytest.mark.slow
 def test_workdir_holds_metrics_tensorboard_plot_checkpoints_config(run_dir):
     workdir, cfg, last = run_dir
     records = metrics_records(workdir)
@@ -68,6 +69,7 @@ def test_generate_cli_is_seeded(run_dir):
     assert first.stdout == second.stdout and first.stdout.startswith("the cat")
 
 
+@pytest.mark.slow
 def test_export_serves_the_sharded_models_logits(run_dir, tmp_path):
     from tfllm.checkpoint import Checkpointer, run_state_variables
     from tfllm.models import build_model
@@ -101,6 +103,7 @@ def test_export_serves_the_sharded_models_logits(run_dir, tmp_path):
     np.testing.assert_allclose(plain(tf.constant(ids)).numpy(), served, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.slow
 def test_a_workdir_with_a_different_run_is_refused(run_dir):
     workdir, _, _ = run_dir
     r = run_tfllm("train", "--workdir", str(workdir), "--config", "configs/tiny.yaml",
@@ -109,6 +112,7 @@ def test_a_workdir_with_a_different_run_is_refused(run_dir):
     assert f"{workdir} holds a different run" in r.stderr and "model.hidden_dim" in r.stderr
 
 
+@pytest.mark.slow
 def test_a_corrupt_checkpoint_is_named_or_skipped(run_dir, tmp_path):
     import shutil
     workdir, _, _ = run_dir

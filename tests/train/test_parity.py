@@ -31,6 +31,7 @@ CASES = ([(axes, family, False) for axes in MESHES for family in ("gpt", "llama"
          + [(axes, family, True) for axes, family in XLA_CASES])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("axes,family,jit", CASES,
                          ids=[f"{a}-{f}-{'xla' if j else 'graph'}" for a, f, j in CASES])
 def test_sharded_training_matches_single_device(axes, family, jit, request):
@@ -48,6 +49,7 @@ def test_sharded_training_matches_single_device(axes, family, jit, request):
     assert ref["history"][-1]["loss"] < ref["history"][0]["loss"]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("family", ["gpt", "llama"])
 def test_zero1_optimizer_states_match(family):
     extra = (("optimizer.shard_optimizer_state", "true"),)
@@ -59,6 +61,7 @@ def test_zero1_optimizer_states_match(family):
                for var, (spec, _, _) in zip(opt.variables, opt.states))
 
 
+@pytest.mark.slow
 def test_gradient_accumulation_matches_one_big_batch():
     # Two micro-batches of 8 average to the gradient of the batch of 16: same tolerances.
     run = parity_run("llama", "data=2,model=4", False, (("train.grad_accum_steps", 2),))

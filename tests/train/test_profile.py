@@ -7,6 +7,7 @@ from tfllm.config import ConfigError, load_config
 from tfllm.train.profile import summary, trace_files
 
 
+@pytest.mark.slow
 def test_profile_steps_writes_a_trace_of_those_steps_that_summary_reads(tmp_path, capsys):
     workdir = tmp_path / "run"
     assert main(["train", "--config", "configs/tiny.yaml", "--workdir", str(workdir),

@@ -89,6 +89,7 @@ def assert_step_is_xla(report, devices):
     assert report.fraction > 0.9, report.line()
 
 
+@pytest.mark.slow
 def test_one_device_mesh_step_is_compiled_by_xla():
     step, metrics = _step("data=1", True)
     assert_step_is_xla(step.xla_report, devices=1)
@@ -98,12 +99,14 @@ def test_one_device_mesh_step_is_compiled_by_xla():
     assert metrics["loss"] == pytest.approx(graph_metrics["loss"], rel=1e-5)
 
 
+@pytest.mark.slow
 def test_tensor_parallel_step_in_one_process_is_compiled_by_xla():
     step, _ = _step("model=2", True, family="gpt")
     assert_step_is_xla(step.xla_report, devices=2)
     assert step.xla_report.communication > 0  # the all-reduces stay between clusters
 
 
+@pytest.mark.slow
 def test_what_xla_compiles_of_evaluation_and_generation_on_a_mesh():
     from tfllm.generate import Generator
     from tfllm.train.evaluate import Evaluator
