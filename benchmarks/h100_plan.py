@@ -23,12 +23,14 @@ from tfllm.config import load_config  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SEQ = 2048
+ATTENTION_CHUNK = 0  # --attention-chunk: blocked attention's block size (0: standard)
 
 
 def overrides_for(model, policy, batch, mesh="data=1"):
     return [f"precision.policy={policy}", f"data.sequence_length={SEQ}",
             f"model.max_sequence_length={SEQ}", f"train.global_batch_size={batch}",
-            "train.grad_accum_steps=1", f"mesh.axes={mesh}"]
+            "train.grad_accum_steps=1", f"mesh.axes={mesh}",
+            f"model.attention_chunk={ATTENTION_CHUNK}"]
 
 
 def config_for(model, policy, batch, mesh="data=1"):
@@ -269,6 +271,69 @@ def write_markdown(results, path):
         f.write("\n".join(out) + results.get("notes", ""))
 
 
+def comparison_markdown(standard, blocked) -> list:
+    """A section of h100_plan.md: each model and mesh with standard attention (`standard`,
+    this file's results) beside blocked attention (`blocked`, a run with
+    --attention-chunk)."""
+    def best(results, key):
+        model, policy = key.split("/")
+        rows = {r["batch"]: r for r in results["rows"]
+                if r["model"] == model and r["policy"] == policy}
+        top = results["largest_batch"].get(key)
+        return rows.get(1), rows.get(2), rows.get(top), top
+
+    chunk = blocked.get("attention_chunk")
+    out = ["", f"## Standard attention beside blocked attention (`model.attention_chunk="
+           f"{chunk}`)", "",
+           f"Standard: the tables above ({standard['date']}); blocked: "
+           f"`python benchmarks/h100_plan.py --attention-chunk {chunk}` ({blocked['date']}, "
+           f"jax {blocked.get('jax')}; `{os.path.basename(blocked.get('out', ''))}.json`). "
+           "Blocked attention keeps no (B, H, T, T) tensor: its temporaries grow linearly "
+           "in the sequence, and it recomputes each block's scores in the backward pass.",
+           ""]
+    check = blocked.get("standard_check")
+    if check:
+        out += [f"Consistency: {check['model']} {check['policy']} at batch 1 re-planned "
+                f"with standard attention on {blocked['date']}: {check['total_gib']:.1f} GiB "
+                f"(stored above: {check['stored_total_gib']:.1f} GiB).", ""]
+    out += ["| model | policy | largest batch (standard / blocked) | memory at batch 1 GiB | "
+            "+ per sequence GiB | est. step at largest batch ms | est. tokens/s | "
+            "est. MFU |", "|---|---|---|---|---|---|---|---|"]
+    for key in standard["largest_batch"]:
+        a1, a2, at, ab = best(standard, key)
+        b1, b2, bt, bb = best(blocked, key)
+        if not (a1 and b1):
+            continue
+        per = lambda one, two: f"{two['total_gib'] - one['total_gib']:.2f}" if two else "-"
+        step = lambda r: f"{1e3 * r['estimated_step_s']:.0f}" if r else "-"
+        tps = lambda r: f"{r['estimated_tokens_per_s']:,.0f}" if r else "-"
+        mfu = lambda r: f"{100 * r['estimated_mfu']:.0f}%" if r else "-"
+        model, policy = key.split("/")
+        out.append(f"| {model} | {policy} | {ab} / {bb} | {a1['total_gib']:.1f} / "
+                   f"{b1['total_gib']:.1f} | {per(a1, a2)} / {per(b1, b2)} | "
+                   f"{step(at)} / {step(bt)} | {tps(at)} / {tps(bt)} | {mfu(at)} / "
+                   f"{mfu(bt)} |")
+    mesh_key = lambda r: (r.get("model", "llama-7b"), r["mesh"].split(" (")[0], r["policy"],
+                          r["batch"])
+    theirs = {mesh_key(r): r for r in blocked.get("mesh_rows", [])}
+    pairs = [(r, theirs[mesh_key(r)]) for r in standard.get("mesh_rows", [])
+             if mesh_key(r) in theirs]
+    if pairs:
+        out += ["", "Meshes of 8 H100s (per device; collectives as in the mesh tables "
+                "above):", "", "| model | mesh | policy | global batch (per device) | "
+                "memory GiB (standard / blocked) | fits | est. step ms | est. MFU |",
+                "|---|---|---|---|---|---|---|---|"]
+        for a, b in pairs:
+            shards = _devices(a["mesh"]) // _axis(a["mesh"], "model")
+            yes = lambda r: "yes" if r["fits"] else "no"
+            out.append(f"| {a.get('model', 'llama-7b')} | {a['mesh'].split(' (')[0]} | "
+                       f"{a['policy']} | {a['batch']} ({a['batch'] // shards}) | "
+                       f"{a['total_gib']:.1f} / {b['total_gib']:.1f} | {yes(a)} / {yes(b)} | "
+                       f"{1e3 * a['estimated_step_s']:.0f} / {1e3 * b['estimated_step_s']:.0f} | "
+                       f"{100 * a['estimated_mfu']:.0f}% / {100 * b['estimated_mfu']:.0f}% |")
+    return out
+
+
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "results",
@@ -286,7 +351,18 @@ def main():
                              "were assumed (the ring formula), measuring them.")
     parser.add_argument("--markdown-only", action="store_true",
                         help="Rewrite OUT.md from OUT.json without compiling.")
+    parser.add_argument("--attention-chunk", type=int, default=0,
+                        help="Plan with blocked attention of this block size "
+                             "(model.attention_chunk); write to another --out.")
+    parser.add_argument("--standard-check", default="llama-1b/bfloat16",
+                        help="With --attention-chunk: re-plan MODEL/POLICY at batch 1 with "
+                             "standard attention, beside the stored h100_plan.json row.")
+    parser.add_argument("--compare-blocked", default=None,
+                        help="With --markdown-only: add a section comparing OUT.json "
+                             "(standard attention) with this blocked run's JSON.")
     args = parser.parse_args()
+    global ATTENTION_CHUNK
+    ATTENTION_CHUNK = args.attention_chunk
     if args.seq_sweep_only:
         with open(args.out + ".json") as f:
             done = json.load(f)
@@ -297,10 +373,18 @@ def main():
         return
     if args.markdown_only:
         with open(args.out + ".json") as f:
-            write_markdown(json.load(f), args.out + ".md")
+            results = json.load(f)
+        if args.compare_blocked:
+            with open(args.compare_blocked) as f:
+                blocked = json.load(f)
+            heading = "\n## Standard attention beside blocked attention"
+            notes = results.get("notes", "").split(heading)[0]  # a previous one replaced
+            results["notes"] = notes + "\n".join(comparison_markdown(results, blocked)) + "\n"
+        write_markdown(results, args.out + ".md")
         return
     results = {"date": time.strftime("%Y-%m-%d"), "sequence_length": SEQ, "rows": [],
-               "largest_batch": {}, "mesh_rows": []}
+               "largest_batch": {}, "mesh_rows": [], "attention_chunk": ATTENTION_CHUNK,
+               "out": os.path.relpath(args.out, ROOT)}
     if args.resume and os.path.exists(args.out + ".json"):
         with open(args.out + ".json") as f:
             done = json.load(f)
@@ -355,6 +439,19 @@ def main():
     kept = [r for r in results.get("state_only", [])
             if (r["model"], r["mesh"]) not in {(f["model"], f["mesh"]) for f in fresh}]
     results["state_only"] = kept + fresh
+    if ATTENTION_CHUNK and args.standard_check:
+        # Are the stored standard-attention rows still what today's code plans?
+        model, policy = args.standard_check.split("/")
+        stored = os.path.join(ROOT, "benchmarks", "results", "h100_plan.json")
+        with open(stored) as f:
+            old = next(r for r in json.load(f)["rows"] if r["model"] == model
+                       and r["policy"] == policy and r["batch"] == 1)
+        ATTENTION_CHUNK = 0
+        p = plan(model, policy, 1)
+        results["standard_check"] = {"model": model, "policy": policy,
+                                     "total_gib": p["memory"]["total"] / 2**30,
+                                     "stored_total_gib": old["total_gib"]}
+        log(results["standard_check"])
     results["jax"] = importlib.metadata.version("jax")
     with open(args.out + ".json", "w") as f:
         json.dump(results, f, indent=1)

@@ -1,0 +1,80 @@
+"""The README and docs/ stay true to the repository: links resolve, the tests the testing
+page names exist, and the quick-loop command it gives is the tier pytest.ini defines."""
+
+import ast
+import glob
+import os
+import re
+
+import pytest
+
+from tests.harness import ROOT
+
+PAGES = [os.path.join(ROOT, "README.md")] + sorted(glob.glob(os.path.join(ROOT, "docs", "*.md")))
+LINK = re.compile(r"\[[^\]]*\]\(([^)\s]+)\)")
+
+
+def _slug(heading):
+    """GitHub's anchor for a heading: lower case, punctuation dropped, spaces to dashes."""
+    text = re.sub(r"[`*_]", "", heading.strip().lower())
+    return re.sub(r"[^\w\- ]", "", text).replace(" ", "-")
+
+
+def _anchors(path):
+    with open(path) as f:
+        text = re.sub(r"```.*?```", "", f.read(), flags=re.S)
+    return {_slug(line.lstrip("#")) for line in text.splitlines() if line.startswith("#")}
+
+
+@pytest.mark.parametrize("page", PAGES, ids=lambda p: os.path.relpath(p, ROOT))
+def test_every_relative_link_resolves(page):
+    with open(page) as f:
+        text = re.sub(r"```.*?```", "", f.read(), flags=re.S)
+    broken = []
+    for target in LINK.findall(text):
+        if re.match(r"[a-z]+:", target):  # http(s), mailto: not checked offline
+            continue
+        path, _, anchor = target.partition("#")
+        full = os.path.normpath(os.path.join(os.path.dirname(page), path)) if path else page
+        if not os.path.exists(full):
+            broken.append(f"{target}: no such file")
+        elif anchor and full.endswith(".md") and anchor not in _anchors(full):
+            broken.append(f"{target}: no heading with that anchor")
+    assert broken == [], f"{os.path.relpath(page, ROOT)}: {broken}"
+
+
+def _listed_tests(page):
+    with open(page) as f:
+        return re.findall(r"`(tests/[\w/]+\.py)::(\w+)", f.read())
+
+
+def test_the_slowest_tests_the_testing_page_lists_exist():
+    listed = _listed_tests(os.path.join(ROOT, "docs", "testing.md"))
+    assert len(listed) >= 25
+    missing = []
+    for path, name in listed:
+        full = os.path.join(ROOT, path)
+        names = set()
+        if os.path.exists(full):
+            with open(full) as f:
+                names = {n.name for n in ast.parse(f.read()).body
+                         if isinstance(n, ast.FunctionDef)}
+        if name not in names:
+            missing.append(f"{path}::{name}")
+    assert missing == []
+
+
+def test_docs_give_the_tier_commands_pytest_ini_defines():
+    with open(os.path.join(ROOT, "pytest.ini")) as f:
+        ini = f.read()
+    assert "--strict-markers" in ini and "slow:" in ini
+    for page in (os.path.join(ROOT, "README.md"), os.path.join(ROOT, "docs", "testing.md")):
+        with open(page) as f:
+            text = f.read()
+        assert 'python -m pytest -q -n 2 -m "not slow"' in text, page
+    with open(os.path.join(ROOT, ".ci", "run")) as f:
+        ci = f.read()
+    with open(os.path.join(ROOT, "README.md")) as f:
+        readme = f.read()
+    command = re.search(r"^python -m pytest.*$", ci, re.M).group(0)
+    assert command in readme, "CI runs the README's test command"
