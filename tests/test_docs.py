@@ -16,7 +16,7 @@ LINK = re.compile(r"\[[^\]]*\]\(([^)\s]+)\)")
 
 def _slug(heading):
     """GitHub's anchor for a heading: lower case, punctuation dropped, spaces to dashes."""
-    text = re.sub(r"[`*_]", "", heading.strip().lower())
+    text = heading.strip().lower()
     return re.sub(r"[^\w\- ]", "", text).replace(" ", "-")
 
 
