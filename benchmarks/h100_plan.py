@@ -299,15 +299,16 @@ def comparison_markdown(standard, blocked) -> list:
     out += ["| model | policy | largest batch (standard / blocked) | memory at batch 1 GiB | "
             "+ per sequence GiB | est. step at largest batch ms | est. tokens/s | "
             "est. MFU |", "|---|---|---|---|---|---|---|---|"]
+    per = lambda one, two: f"{two['total_gib'] - one['total_gib']:.2f}" if two else "-"
+    step = lambda r: f"{1e3 * r['estimated_step_s']:.0f}" if r else "-"
+    tps = lambda r: f"{r['estimated_tokens_per_s']:,.0f}" if r else "-"
+    mfu = lambda r: f"{100 * r['estimated_mfu']:.0f}%" if r else "-"
+    yes = lambda r: "yes" if r["fits"] else "no"
     for key in standard["largest_batch"]:
         a1, a2, at, ab = best(standard, key)
         b1, b2, bt, bb = best(blocked, key)
         if not (a1 and b1):
             continue
-        per = lambda one, two: f"{two['total_gib'] - one['total_gib']:.2f}" if two else "-"
-        step = lambda r: f"{1e3 * r['estimated_step_s']:.0f}" if r else "-"
-        tps = lambda r: f"{r['estimated_tokens_per_s']:,.0f}" if r else "-"
-        mfu = lambda r: f"{100 * r['estimated_mfu']:.0f}%" if r else "-"
         model, policy = key.split("/")
         out.append(f"| {model} | {policy} | {ab} / {bb} | {a1['total_gib']:.1f} / "
                    f"{b1['total_gib']:.1f} | {per(a1, a2)} / {per(b1, b2)} | "
@@ -325,7 +326,6 @@ def comparison_markdown(standard, blocked) -> list:
                 "|---|---|---|---|---|---|---|---|"]
         for a, b in pairs:
             shards = _devices(a["mesh"]) // _axis(a["mesh"], "model")
-            yes = lambda r: "yes" if r["fits"] else "no"
             out.append(f"| {a.get('model', 'llama-7b')} | {a['mesh'].split(' (')[0]} | "
                        f"{a['policy']} | {a['batch']} ({a['batch'] // shards}) | "
                        f"{a['total_gib']:.1f} / {b['total_gib']:.1f} | {yes(a)} / {yes(b)} | "

@@ -54,7 +54,8 @@ def _starts_python(args):
     argv = [args] if isinstance(args, (str, bytes, os.PathLike)) else list(args)
     if not argv:
         return False
-    first = os.fsdecode(argv[0]).split()[0] if argv[0] else ""
+    words = os.fsdecode(argv[0]).split()
+    first = words[0] if words else ""
     return os.path.basename(first).startswith("python") or first == sys.executable
 
 

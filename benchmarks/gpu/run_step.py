@@ -81,12 +81,12 @@ def run_once(exe, device, arrays):
     return [o[0] for o in outs]
 
 
-def check(directory, backend, compiled=None):
+def check(directory, compiled):
     """One step on the exported inputs; compares every output with TensorFlow's.
-    `compiled`: (executable, device) from `compile_step`, or None to compile here."""
+    `compiled`: (executable, device) from `compile_step`."""
     with open(os.path.join(directory, "step.json")) as f:
         desc = json.load(f)
-    exe, device = compiled or compile_step(directory, backend)
+    exe, device = compiled
     ref = np.load(os.path.join(directory, "check.npz"))
     outs = run_once(exe, device, [ref[f"input/{i}"] for i in range(len(desc["params"]))])
     worst, noise_only = 0.0, []
@@ -129,10 +129,10 @@ def gemm_report(hlo_text):
             or "cudnn" in name}
 
 
-def time_steps(directory, backend, steps, warmup, compiled=None):
+def time_steps(directory, backend, steps, warmup, compiled):
     with open(os.path.join(directory, "step.json")) as f:
         desc = json.load(f)
-    exe, device = compiled or compile_step(directory, backend)
+    exe, device = compiled
     optimized = "\n".join(m.to_string() for m in exe.hlo_modules())
     with open(os.path.join(directory, f"step.optimized.{backend}.hlo.txt"), "w") as f:
         f.write(optimized)
@@ -178,7 +178,7 @@ def main():
     compiled = compile_step(args.directory, args.backend)
     result = {}
     if args.check:
-        result.update(check(args.directory, args.backend, compiled))
+        result.update(check(args.directory, compiled))
     if not args.check or args.steps:
         result.update(time_steps(args.directory, args.backend, args.steps or 50, args.warmup,
                                  compiled))
