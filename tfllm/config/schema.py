@@ -124,6 +124,10 @@ class MeshConfig:
                             "allocator, which gives freed memory back so NCCL can use it; "
                             "sets TF_GPU_ALLOCATOR unless it is set).",
                             choices=("bfc", "cuda_malloc_async"))
+    gradient_bucket_mb: float = _f(25.0, "Largest float32 gradient buffer reduced in one "
+                                   "collective (MiB): each block's gradients are reduced "
+                                   "together, split into buckets of at most this size "
+                                   "(PyTorch DDP's default bucket_cap_mb is 25).", min=0.001)
 
 
 @dataclass
@@ -229,6 +233,11 @@ class TrainConfig:
     global_batch_size: int = _f(16, "Sequences per optimizer step, over all devices and "
                                 "micro-batches.", min=1)
     grad_accum_steps: int = _f(1, "Micro-batches accumulated per optimizer step.", min=1)
+    memory_check: bool = _f(True, "On GPUs, before the run starts (and in tfllm doctor "
+                            "--config), estimate one device's memory from the shapes "
+                            "(tfllm.plan.fit) and stop with one line naming the --set that "
+                            "fits when it will not; false skips it (the estimate errs high, "
+                            "by up to 1.5x against XLA's compiled H100 programs).")
     seed: int = _f(0, "Seed of the weight initialization.")
     jit_compile: str = _f("auto", "XLA-compile the train step, evaluation and generation: "
                           "true (stops with an error if XLA compiles nothing), false, or "

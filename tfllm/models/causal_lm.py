@@ -35,7 +35,7 @@ from tfllm.models.common.layers import Projection, TokenEmbedding
 from tfllm.models.common.masks import cache_mask_and_positions, segment_mask_and_positions
 from tfllm.models.common.remat import check_policy, recompute
 from tfllm.models.loss import token_nll
-from tfllm.parallel.context import constrain, gather_after
+from tfllm.parallel.context import block_weights, constrain, gather_after
 
 _EMBED = ("activation_batch", "activation_length", "activation_embed")
 # Cache slots are never split: decoding writes one slot at a time.
@@ -197,13 +197,18 @@ class CausalLM(keras.Model):
     def _run_block(self, block, x, mask=None, positions=None, ahead=None):
         """One block of the training forward; under remat=full, recomputed in backward.
 
-        Weights the block gathers (FSDP) wait for `ahead`, the previous block's input, so
-        they travel while that block computes and no earlier (`gather_after`).
+        The block's weights move together (`block_weights`): gathered at once after
+        `ahead`, the previous block's input, so they travel while that block computes and
+        no earlier; their gradients are reduced together.
         """
-        with gather_after((x if ahead is None else ahead,)):
-            if self.remat == "full":
-                return recompute(block)(x, mask, positions)
-            return block(x, attention_mask=mask, positions=positions)
+        gate = (x if ahead is None else ahead,)
+        full = self.remat == "full"
+
+        def run(x, mask, positions):
+            with block_weights(block, x, gate, regather=not full):
+                return block(x, attention_mask=mask, positions=positions)
+
+        return recompute(run)(x, mask, positions) if full else run(x, mask, positions)
 
     def fp8_state_variables(self) -> list:
         """The FP8 amax histories: updated by the train step, never by the optimizer."""

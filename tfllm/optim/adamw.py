@@ -69,13 +69,15 @@ class AdamW:
             return x
         return dtensor.relayout(x, self.parallel.layout(spec))
 
-    def apply(self, grads: Sequence[tf.Tensor], apply_update=None):
+    def apply(self, grads: Sequence[tf.Tensor], apply_update=None, norm=None):
         """Clips `grads` by global norm and applies one AdamW update (call in tf.function).
 
         Args:
           grads: one gradient per variable.
           apply_update: optional boolean scalar; where false (a skipped step) nothing
             changes: not the weights, the states, nor the step counter.
+          norm: the gradients' global norm if the caller has it (finite), else computed
+            here (on a mesh with one scalar all-reduce per set of sharded axes).
 
         Returns:
           (gradient norm before clipping, learning rate used).
@@ -86,7 +88,9 @@ class AdamW:
         keep = (lambda new, old: new) if on is None else (
             lambda new, old: new * on + old * (1.0 - on))
         c = self.config
-        norm = global_norm(grads)
+        if norm is None:
+            norm = (self.parallel.global_norm(grads, self.variables) if self.parallel
+                    else global_norm(grads))
         if c.clip_norm > 0:
             scale = tf.minimum(1.0, c.clip_norm / tf.maximum(norm, 1e-6))
         else:

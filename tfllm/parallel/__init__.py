@@ -21,4 +21,5 @@ def make_parallel(config):
                       gpu_memory_reserve_mb=config.mesh.gpu_memory_reserve_mb,
                       gpu_allocator=config.mesh.gpu_allocator)
     return Parallel(mesh, rules,
-                    config.optimizer.shard_optimizer_state)
+                    config.optimizer.shard_optimizer_state,
+                    int(config.mesh.gradient_bucket_mb * 2 ** 20))

@@ -12,7 +12,7 @@ import contextlib
 import threading
 from typing import Optional, Sequence
 
-from tfllm.parallel import fsdp
+from tfllm.parallel import blocks, fsdp
 
 _state = threading.local()
 
@@ -73,7 +73,7 @@ def gather_weight(w, logical_axes: Sequence[Optional[str]], name: str = "weight"
 
 
 def weight_product(fn, x, w, logical_axes: Sequence[Optional[str]], name: str = "weight",
-                   extra=()):
+                   extra=(), equation: Optional[str] = None, einsum=None):
     """fn(x, w, *extra): a layer's product with a weight, e.g. an einsum.
 
     Under a setup that shards the weight over a batch axis (FSDP), the weight is gathered
@@ -87,11 +87,49 @@ def weight_product(fn, x, w, logical_axes: Sequence[Optional[str]], name: str = 
       logical_axes: the weight's logical axes.
       name: used in error messages.
       extra: more inputs of `fn` (e.g. FP8 amax histories).
+      equation, einsum: when `fn` is `einsum(equation, x, w, *extra)`, both: inside a
+        block (`block_weights`) the product then runs per batch piece on the block's
+        gathered weight (`tfllm.parallel.blocks`).
     """
     parallel = current()
     if parallel is None:
         return fn(x, w, *extra)
-    return parallel.weight_product(fn, x, w, logical_axes, name, extra)
+    return parallel.weight_product(fn, x, w, logical_axes, name, extra, equation, einsum)
+
+
+def apply_weight(op, x, w, logical_axes: Sequence[Optional[str]], name: str = "weight"):
+    """op(x, w) for a weight that broadcasts over x's trailing dimensions (a bias add, a
+    norm's scale); x leads with (batch, length). Inside a block its gradient stays per
+    device until the block's one reduction; else this is op(x, gather_weight(w))."""
+    parallel = current()
+    if parallel is None:
+        return op(x, w)
+    return parallel.apply_weight(op, x, w, logical_axes, name)
+
+
+@contextlib.contextmanager
+def block_weights(layer, x, gate=(), regather: bool = True):
+    """The weights of `layer` (a transformer block) move together inside: one gather at
+    entry (waiting for `gate`, the previous block's input), one re-gather and one
+    gradient reduction (`tfllm.parallel.blocks`). `regather=False` under full remat,
+    whose recomputation already runs at backward time. A no-op outside a setup."""
+    parallel = current()
+    if parallel is None:
+        yield
+        return
+    block = parallel.block(layer.trainable_variables, x, layer.compute_dtype, gate, regather)
+    with fsdp.gate(gate), blocks.active(block):
+        yield
+
+
+def recompute_inputs() -> list:
+    """Tensors a recomputed function must take as inputs (see `blocks.substituted`)."""
+    return blocks.recompute_inputs()
+
+
+def substituted(tensors):
+    """Inside a recomputed function: use `tensors` from `recompute_inputs`."""
+    return blocks.substituted(tensors)
 
 
 @contextlib.contextmanager

@@ -18,7 +18,7 @@ import numpy as np
 import tensorflow as tf
 from tensorflow.experimental import dtensor
 
-from tfllm.parallel import fsdp
+from tfllm.parallel import blocks, fsdp
 from tfllm.parallel import rules as rules_lib
 from tfllm.parallel.init import initial_block, variable_key
 from tfllm.internals import adopt, check_keras, forget_deferred, is_allocated
@@ -35,11 +35,13 @@ class Parallel:
     """
 
     def __init__(self, mesh, rules: rules_lib.Rules = rules_lib.DEFAULT_RULES,
-                 shard_optimizer_state: bool = False):
+                 shard_optimizer_state: bool = False,
+                 bucket_bytes: int = blocks.DEFAULT_BUCKET_BYTES):
         self.mesh = mesh
         self.rules = tuple(rules)
         self.shape: Dict[str, int] = mesh_shape(mesh)
         self.shard_optimizer_state = shard_optimizer_state
+        self.bucket_bytes = bucket_bytes
         self.device_type = mesh.device_type()
         fsdp.configure_dtensor(self.shape)
 
@@ -75,7 +77,7 @@ class Parallel:
         if not any(l == "activation_length" and m is not None for l, m in self.rules):
             return self
         return Parallel(self.mesh, rules_lib.without_sequence_sharding(self.rules),
-                        self.shard_optimizer_state)
+                        self.shard_optimizer_state, self.bucket_bytes)
 
     def _weight_layouts(self, w, logical_axes, name):
         """(shard layout, compute layout) of a weight, or None when nothing is gathered:
@@ -91,13 +93,69 @@ class Parallel:
         layouts = self._weight_layouts(w, logical_axes, name)
         return w if layouts is None else fsdp.gather(w, *layouts)
 
-    def weight_product(self, fn, x, w, logical_axes, name: str = "weight", extra=()):
-        """fn(x, w, *extra) with `w` gathered just before use and again in the backward
-        pass (see `tfllm.parallel.fsdp.gathered_product`)."""
+    def weight_product(self, fn, x, w, logical_axes, name: str = "weight", extra=(),
+                       equation=None, einsum=None):
+        """fn(x, w, *extra). Inside a block (`block_scope`) an einsum whose equation leads
+        with batch and length runs per batch piece on the block's gathered weight
+        (`tfllm.parallel.blocks`); else `w` is gathered just before use and again in the
+        backward pass (see `tfllm.parallel.fsdp.gathered_product`)."""
+        block = blocks.current()
+        if block is not None and equation is not None:
+            y = blocks.product(block, w, equation, einsum, x, extra)
+            if y is not None:
+                return y
         layouts = self._weight_layouts(w, logical_axes, name)
         if layouts is None:
             return fn(x, w, *extra)
         return fsdp.gathered_product(fn, x, w, *layouts, extra=extra)
+
+    def apply_weight(self, op, x, w, logical_axes, name: str = "weight"):
+        """op(x, w) for a weight broadcast over x's trailing dimensions (bias, norm)."""
+        block = blocks.current()
+        if block is not None:
+            y = blocks.apply(block, op, x, w)
+            if y is not None:
+                return y
+        return op(x, self.gather_weight(w, logical_axes, name))
+
+    def pieces(self, shape) -> blocks.Pieces:
+        """How an activation of `shape` (B, T, ...) splits its batch and length."""
+        spec = self.spec("activation", list(shape[:2]) + [1],
+                         ("activation_batch", "activation_length", "activation_embed"))
+        return blocks.Pieces([(d, spec[d], self.shape[spec[d]]) for d in (0, 1)
+                              if spec[d] and self.shape[spec[d]] > 1])
+
+    def block(self, variables, x, compute_dtype, gate=(), regather=True):
+        """A `tfllm.parallel.blocks.Block` of these variables for input x, entered; None
+        when the batch is not split (nothing to reduce per block)."""
+        pieces = self.pieces(x.shape.as_list())
+        if not pieces.splits or not variables:
+            return None
+        previous = blocks.last() if regather else None
+        if previous is not None and previous.graph is not x.graph:
+            previous = None
+        return blocks.Block(self, variables, pieces, compute_dtype, gate, previous, regather,
+                            self.bucket_bytes).enter()
+
+    def global_norm(self, tensors, variables):
+        """sqrt(sum of squares) of tensors laid out like `variables`, in float32, with one
+        scalar all-reduce per distinct set of sharded mesh axes (not one per tensor): each
+        tensor is first summed on its device into a (mesh sizes) tensor (see
+        `tfllm.parallel.blocks._Packing`), those are added, then reduced."""
+        groups: Dict[tuple, list] = {}
+        order = list(self.shape)
+        for t, v in zip(tensors, variables):
+            spec = self.variable_spec(v)
+            axes = tuple(a for a in order if a in spec)
+            sq = tf.square(tf.cast(t, tf.float32))
+            if axes:
+                packing = blocks._Packing(v.shape, spec, axes, self.shape)
+                sq = tf.reduce_sum(packing.pack(sq), axis=-1)
+            else:
+                sq = tf.reduce_sum(sq)
+            groups.setdefault(axes, []).append(sq)
+        total = tf.add_n([tf.reduce_sum(tf.add_n(parts)) for parts in groups.values()])
+        return tf.sqrt(total)
 
     def constrain(self, x, logical_axes, name: str = "activation"):
         spec = self.spec(name, x.shape.as_list(), logical_axes)

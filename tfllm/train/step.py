@@ -102,7 +102,10 @@ class TrainStep:
         is made in the graph from globally reduced values, so every client skips together.
         """
         loss, grads, fp8_new = self._loss_and_grads(micro_batches)
-        raw_norm = global_norm(grads)  # reported: inf or NaN on a non-finite step
+        # Reported: inf or NaN on a non-finite step. On a mesh, one scalar all-reduce per
+        # set of sharded axes, not one per gradient.
+        raw_norm = (self.parallel.global_norm(grads, self.variables) if self.parallel
+                    else global_norm(grads))
         grads_finite = tf.math.is_finite(raw_norm)
         ok = tf.logical_and(tf.logical_and(grads_finite, tf.math.is_finite(loss)),
                             loss <= loss_limit)
@@ -110,7 +113,9 @@ class TrainStep:
         # gives 0 for NaN * 0; DTensor crashes on a scalar-condition where).
         on = tf.cast(ok, tf.float32)
         grads = [tf.math.multiply_no_nan(g, on) for g in grads]
-        _, lr = self.optimizer.apply(grads, apply_update=ok)
+        # The norm of the masked gradients: the raw norm, or 0 on a skipped step.
+        _, lr = self.optimizer.apply(grads, apply_update=ok,
+                                     norm=tf.math.multiply_no_nan(raw_norm, on))
         for var, new in zip(self.fp8_state, fp8_new):
             # A skipped step keeps the old histories (its amaxes may be inf/NaN).
             var.assign(tf.math.multiply_no_nan(new, on) + var.value * (1.0 - on))

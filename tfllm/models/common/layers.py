@@ -19,7 +19,7 @@ import keras
 import tensorflow as tf
 
 from tfllm.models.common.remat import recompute
-from tfllm.parallel.context import constrain, gather_weight, weight_product
+from tfllm.parallel.context import apply_weight, constrain, gather_weight, weight_product
 
 INIT_KINDS = ("normal", "zeros", "ones")
 
@@ -107,14 +107,17 @@ class Projection(keras.layers.Layer):
     def call(self, x):
         if self.fp8 is not None:
             from tfllm.precision.fp8 import fp8_einsum
-            product = lambda x, w, *h: fp8_einsum(self.equation, x, w, *h, self.fp8)  # noqa: E731
+            einsum = lambda eq, x, w, *h: fp8_einsum(eq, x, w, *h, self.fp8)  # noqa: E731
             extra = tuple(self.fp8_history)
         else:
-            product = lambda x, w: tf.einsum(self.equation, x, w)  # noqa: E731
+            einsum = lambda eq, x, w: tf.einsum(eq, x, w)  # noqa: E731
             extra = ()
-        y = weight_product(product, x, self.kernel, self.kernel_axes, self.name, extra)
+        product = lambda x, w, *h: einsum(self.equation, x, w, *h)  # noqa: E731
+        y = weight_product(product, x, self.kernel, self.kernel_axes, self.name, extra,
+                           equation=self.equation, einsum=einsum)
         if self.use_bias:
-            y = y + gather_weight(self.bias, self.bias.logical_axes, self.name)
+            y = apply_weight(lambda y, b: y + b, y, self.bias, self.bias.logical_axes,
+                             self.name)
         if self.output_axes is not None:
             y = constrain(y, self.output_axes, self.name)
         return y
@@ -182,9 +185,10 @@ class LayerNorm(keras.layers.Layer):
         x32 = tf.cast(x, tf.float32)
         mean, var = tf.nn.moments(x32, axes=[-1], keepdims=True)
         y = (x32 - mean) * tf.math.rsqrt(var + self.epsilon)
-        scale = gather_weight(self.scale, ("norm",), self.name)
-        bias = gather_weight(self.bias, ("norm",), self.name)
-        y = y * tf.cast(scale, tf.float32) + tf.cast(bias, tf.float32)
+        y = apply_weight(lambda y, s: y * tf.cast(s, tf.float32), y, self.scale, ("norm",),
+                         self.name)
+        y = apply_weight(lambda y, b: y + tf.cast(b, tf.float32), y, self.bias, ("norm",),
+                         self.name)
         return tf.cast(y, x.dtype)
 
 
@@ -215,7 +219,9 @@ class RMSNorm(keras.layers.Layer):
     def _normalize(self, x):
         x32 = tf.cast(x, tf.float32)
         y = x32 * tf.math.rsqrt(tf.reduce_mean(tf.square(x32), -1, keepdims=True) + self.epsilon)
-        scale = tf.cast(gather_weight(self.scale, ("norm",), self.name), tf.float32)
-        if self.zero_centered:
-            scale = 1.0 + scale
-        return tf.cast(y * scale, x.dtype)
+        shift = 1.0 if self.zero_centered else 0.0
+
+        def scaled(y, s):
+            return y * (shift + tf.cast(s, tf.float32))
+
+        return tf.cast(apply_weight(scaled, y, self.scale, ("norm",), self.name), x.dtype)
