@@ -224,7 +224,8 @@ def finish(result: dict, config, target: Target, method: str) -> dict:
     mem["margin"] = target.device_memory_bytes - mem["total"]
     mem["fits"] = mem["margin"] >= 0
     step_s = result["roofline_s"] + result.get("collective_s", 0.0)
-    # MFU as tfllm reports it: model FLOPs (6N + attention) against the dense bf16 peak
+    # MFU as tfllm reports it: model FLOPs (6N + causal attention at half, MaxText's
+    # count: tfllm.train.metrics.flops_per_token) against the dense bf16 peak
     result["estimated_step_s"] = step_s
     result["estimated_tokens_per_s"] = (result["tokens_per_step"]
                                         * result.get("batch_shards", 1) / step_s)

@@ -7,8 +7,7 @@ import time
 
 
 from tfllm.train import hlo_dump
-from tfllm.train.metrics import (count_params, flops_per_token, mesh_peak,
-                                 model_flops_utilization)
+from tfllm.train.metrics import count_params, flops_per_token, mesh_peak
 
 
 def benchmark(config, steps: int = 20, warmup: int = 3, repeats: int = 1) -> dict:
@@ -17,9 +16,9 @@ def benchmark(config, steps: int = 20, warmup: int = 3, repeats: int = 1) -> dic
     Returns:
       tokens_per_s and step_ms from the median step time over all timed steps, params,
       flops_per_token, peak_flops and peak_source (`tfllm.train.metrics.mesh_peak`: a
-      datasheet figure for known GPUs, else matmuls timed in this run, raised to the
-      step's own rate if the step beats them), mfu (at most 1), what
-      XLA compiled ("xla") and the step's cost report ("costs", `CostReport.as_dict()`).
+      datasheet figure for known GPUs, else matmuls timed in this run; on CPU None and
+      why), mfu (unclamped: above 1 it also logs a warning; None on CPU), what XLA
+      compiled ("xla") and the step's cost report ("costs", `CostReport.as_dict()`).
     """
     import copy
     from tfllm.train.run import Run
@@ -45,15 +44,15 @@ def benchmark(config, steps: int = 20, warmup: int = 3, repeats: int = 1) -> dic
     fpt = flops_per_token(config.model, config.data.sequence_length)
     peak = mesh_peak(run.parallel, config.precision.policy, config.precision.tf32)
     tokens_per_s = tokens_per_step / step_s
-    peak.observe(tokens_per_s * fpt)  # as `tfllm train`'s progress does
+    mfu = peak.mfu(tokens_per_s, fpt)  # as `tfllm train`'s progress computes it
     return {
         "tokens_per_s": round(tokens_per_s, 1),
         "step_ms": round(step_s * 1000, 2),
         "params": count_params(run.model),
         "flops_per_token": fpt,
-        "peak_flops": round(peak.flops, 1),
+        "peak_flops": round(peak.flops, 1) if peak.flops else None,
         "peak_source": peak.source,
-        "mfu": round(model_flops_utilization(tokens_per_s, fpt, peak.flops), 4),
+        "mfu": round(mfu, 4) if mfu is not None else None,
         "jit_compile": run.jit_compile,
         "first_step_s": round(first_step_s, 2),
         "xla": run.step.xla_report.as_dict() if run.step.xla_report else None,

@@ -216,10 +216,10 @@ def _train(config, workdir, model_cls, out, signals, watchdog: list) -> dict:
             eta = (t.steps - number) * tokens_per_step / tps if tps else 0.0
             record = None
             if logged:
-                mfu = progress.mfu(tps)
                 record = {"step": number, **{k: v for k, v in values.items()
-                                             if k != "step_ok"},
-                          "tokens_per_s": tps, "mfu": mfu or 0.0}
+                                             if k != "step_ok"}, "tokens_per_s": tps}
+                if progress.has_peak:  # no MFU on CPU (tfllm.train.metrics.NO_CPU_PEAK)
+                    record["mfu"] = progress.mfu(tps) or 0.0
             if evaluate_now:
                 record = record or {"step": number}
                 record.update(run.evaluate())

@@ -1,13 +1,26 @@
 """Throughput accounting: FLOPs per token, the peak, MFU, tokens/s.
 
-The one owner of what MFU means: `tfllm train` and `tfllm bench` both divide the model
-FLOPs they achieve by `mesh_peak`, so the same run reports the same figure. The peak is
-a GPU's datasheet figure where tfllm knows the GPU, else a matmul timed on the device;
-a timed peak is raised to the step's own rate if the step beats it, so MFU is at most 1.
+The one owner of what MFU means: `tfllm train`, `tfllm bench` and `tfllm plan` count the
+model's FLOPs with `flops_per_token`, and train and bench divide the rate they achieve
+by `mesh_peak`, so the same run reports the same figure.
+
+The convention (MaxText's `calculate_tflops_training_per_device`): 3x the forward pass;
+the forward pass is 2 FLOPs per multiply-accumulate of every matmul weight (6N for the
+dense part, N = the attention and MLP projections and the LM head; embedding lookups are
+gathers and not counted) plus attention's QK^T and AV matmuls over the (query, key) pairs
+the mask lets through: T^2/2 per head under the causal mask (half the full T x T, as
+MaxText, Megatron-LM and NeMo count it), T*W - W^2/2 in a sliding-window layer of window
+W. These are model FLOPs: what standard attention computes and masks away, and what
+`model.remat` recomputes, is not counted.
+
+The peak is a GPU's datasheet figure where tfllm knows the GPU, else a matmul timed on
+the GPU. MFU is never clamped: above 1 against a datasheet peak it can only be a
+counting error, and `Peak.mfu` says so once. A CPU gets no MFU (`NO_CPU_PEAK` says why).
 """
 
 from __future__ import annotations
 
+import logging
 import math
 import statistics
 import time
@@ -17,6 +30,13 @@ from typing import Optional, Tuple
 import tensorflow as tf
 
 from tfllm.compiler.targets import TARGETS
+from tfllm.models.llama.llama import is_local_layer
+
+log = logging.getLogger("tfllm.train")
+
+#: Why a CPU run reports no MFU (bench's peak_source; the display shows "MFU -").
+NO_CPU_PEAK = ("none: no MFU on CPU (a CPU has no datasheet peak tfllm can read, and "
+               "a peak timed at start-up moved 2x with other work on the host)")
 
 
 def count_params(model) -> int:
@@ -24,12 +44,31 @@ def count_params(model) -> int:
     return int(sum(math.prod(int(d) for d in v.shape) for v in model.trainable_variables))
 
 
+def attention_pairs(sequence_length: int, window: int = 0) -> float:
+    """The (query, key) pairs of one head a causal mask lets through, as MaxText counts
+    them: T^2/2 (half the T x T scores), or T*W - W^2/2 within a sliding window of W
+    keys (W = min(window, T); W = T gives T^2/2 again). The exact counts, T(T+1)/2 and
+    T*W - W(W-1)/2 (the diagonal counted in full), are T/2 and W/2 pairs more: a
+    fraction 1/T of the causal count, at most 1/W of the windowed one.
+
+    Args:
+      sequence_length: T.
+      window: the sliding window (0: every earlier key).
+    """
+    T = sequence_length
+    W = min(window, T) if window else T
+    return T * W - W * W / 2
+
+
 def flops_per_token(model_config, sequence_length: int) -> int:
-    """Training FLOPs per token: 3x the forward pass (forward + backward).
+    """Training FLOPs per token: 3x the forward pass (forward + backward), the module's
+    convention (rounded to a whole FLOP).
 
     Forward = 2 FLOPs per multiply-accumulate over every matmul weight (attention
-    projections, MLP, LM head; embedding lookups are free) plus the attention score and
-    value matmuls, 2 * 2 * T * H * D per layer, counted in full as PaLM and MaxText do.
+    projections, MLP, LM head; embedding lookups are free) plus, per layer, the score
+    (QK^T) and value (AV) matmuls, 2 + 2 FLOPs per head dimension for each (query, key)
+    pair the mask lets through (`attention_pairs`: causal T^2/2, halved as MaxText
+    counts it; sliding-window layers T*W - W^2/2), over the T tokens of a sequence.
     """
     c = model_config
     heads = c.num_query_heads
@@ -38,8 +77,10 @@ def flops_per_token(model_config, sequence_length: int) -> int:
     E, F, L, V, T = c.hidden_dim, c.intermediate_dim, c.num_layers, c.vocab_size, sequence_length
     mlp_matrices = 2 if c.family == "gpt" else 3
     per_layer = E * heads * head_dim * 2 + E * kv * head_dim * 2 + mlp_matrices * E * F
-    forward = 2 * (L * per_layer + E * V) + L * 2 * 2 * T * heads * head_dim
-    return 3 * forward
+    pairs = sum(attention_pairs(T, c.sliding_window if is_local_layer(c, i) else 0)
+                for i in range(L))
+    forward = 2 * (L * per_layer + E * V) + 2 * 2 * pairs * heads * head_dim / T
+    return round(3 * forward)
 
 
 def measure_matmul_peak(n: int = 2048, repeats: int = 10, dtype=tf.float32,
@@ -116,24 +157,37 @@ class Peak:
     """The peak MFU is measured against.
 
     Args:
-      flops: FLOP/s of the whole mesh.
-      source: where it comes from ("datasheet: ..." or "measured: ...").
-      measured: whether it was timed in this process (a timed peak can be lower than
-        what the step itself reaches: on CPU the step's fused kernels and threads can beat
-        one matmul; a datasheet peak is never raised).
+      flops: FLOP/s of the whole mesh; None where there is none to trust (CPU).
+      source: where it comes from ("datasheet: ...", "measured: ..." or "none: ...").
+      measured: whether it was timed in this process.
+      warned: set by the one warning of an MFU above 1.
     """
 
-    flops: float
+    flops: Optional[float]
     source: str
     measured: bool = True
+    warned: bool = False
 
-    def observe(self, achieved_flops: float) -> None:
-        """Raises a measured peak to a rate the step itself reached, so that MFU never
-        exceeds 100%."""
-        if self.measured and achieved_flops > self.flops:
-            self.flops = achieved_flops
-            if "raised" not in self.source:
-                self.source += "; raised to the step's own rate"
+    def mfu(self, tokens_per_s: float, flops_per_token: float) -> Optional[float]:
+        """`model_flops_utilization` against this peak, unclamped. The first MFU above 1
+        logs one warning naming the FLOPs per token and the peak: against a datasheet
+        peak that is a counting error (the model's FLOPs are overstated), against a
+        timed one the matmul understated the GPU.
+
+        Args:
+          tokens_per_s: the training tokens per second the mesh reached.
+          flops_per_token: `flops_per_token` of the model and sequence.
+        """
+        mfu = model_flops_utilization(tokens_per_s, flops_per_token, self.flops)
+        if mfu is not None and mfu > 1 and not self.warned:
+            self.warned = True
+            cause = ("the timed matmul understates this GPU, or the FLOP count is wrong"
+                     if self.measured else "a counting error: the model FLOPs per token "
+                     "overstate what the step computes")
+            log.warning("tfllm: MFU %.1f%% is above 100%%: %s (%s FLOPs/token x %.1f "
+                        "tokens/s against a peak of %.4g FLOP/s, %s)", 100 * mfu, cause,
+                        f"{flops_per_token:,.0f}", tokens_per_s, self.flops, self.source)
+        return mfu
 
 
 def gpu_name(device: str) -> str:
@@ -150,9 +204,11 @@ def mesh_peak(parallel, precision_policy: str, tf32: bool = True, measure=None,
     """The whole mesh's matmul peak.
 
     On GPUs whose name `datasheet_peak` knows, the datasheet's dense peak per GPU times
-    the mesh's GPUs; otherwise a matmul timed on one local device (`measure_matmul_peak`).
-    Logical CPU devices share the host's cores, so on CPU one device's peak is the whole
-    host's; on GPU every device of every client counts.
+    the mesh's GPUs; on other GPUs a matmul timed on one local device
+    (`measure_matmul_peak`) times the mesh's GPUs. On CPU none (`Peak.flops` None, the
+    source `NO_CPU_PEAK`): a CPU has no datasheet figure tfllm can read reliably, and a
+    timed one swung 2x with the host's other work, which would make MFU say more about
+    the neighbours than about the step.
 
     Args:
       parallel: the run's `tfllm.parallel.Parallel`.
@@ -161,31 +217,30 @@ def mesh_peak(parallel, precision_policy: str, tf32: bool = True, measure=None,
       measure: the measurement (default `measure_matmul_peak`).
       device_name: the GPU's name (default: read from TensorFlow).
     """
+    if parallel.device_type == "CPU":
+        return Peak(None, NO_CPU_PEAK, measured=False)
     measure = measure or measure_matmul_peak
-    devices = 1 if parallel.device_type == "CPU" else math.prod(parallel.shape.values())
+    devices = math.prod(parallel.shape.values())
     first = parallel.mesh.local_devices()[0]
-    if parallel.device_type == "GPU":
-        name = gpu_name(first) if device_name is None else device_name
-        known = datasheet_peak(name, precision_policy, tf32)
-        if known:
-            return Peak(known[0] * devices, f"{known[1]}, x{devices} GPUs", measured=False)
+    name = gpu_name(first) if device_name is None else device_name
+    known = datasheet_peak(name, precision_policy, tf32)
+    if known:
+        return Peak(known[0] * devices, f"{known[1]}, x{devices} GPUs", measured=False)
     dtype = peak_dtype(precision_policy)
-    # A CPU's figure only has to be of the right size (it is raised to the step's own
-    # rate when the step beats it): a short measurement, as every CPU run (the tests
-    # included) pays for it at start-up. A GPU gets a long one.
-    n, repeats = (1024, 5) if parallel.device_type == "CPU" else (4096, 10)
+    n, repeats = 4096, 10
     with tf.device(first):
         peak = measure(n=n, repeats=repeats, dtype=dtype)
-    where = "the host's cores" if parallel.device_type == "CPU" else f"one GPU, x{devices}"
-    return Peak(peak * devices, f"measured: {n}^3 {dtype.name} matmuls on {where}")
+    return Peak(peak * devices, f"measured: {n}^3 {dtype.name} matmuls on one GPU, "
+                f"x{devices}")
 
 
 def model_flops_utilization(tokens_per_s: float, flops_per_token: float,
-                            peak_flops: float) -> float:
-    """MFU: achieved training FLOP/s over the peak (0 when either is unknown), at most 1."""
-    if not peak_flops or not tokens_per_s:
-        return 0.0
-    return min(1.0, tokens_per_s * flops_per_token / peak_flops)
+                            peak_flops: Optional[float]) -> Optional[float]:
+    """MFU: achieved training FLOP/s over the peak, unclamped; None without a peak, 0
+    before any step was timed. (`Peak.mfu` also warns when it passes 1.)"""
+    if not peak_flops:
+        return None
+    return tokens_per_s * flops_per_token / peak_flops if tokens_per_s else 0.0
 
 
 class Throughput:

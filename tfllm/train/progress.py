@@ -10,8 +10,6 @@ import sys
 import time
 from typing import Optional
 
-from tfllm.train.metrics import model_flops_utilization
-
 
 def format_eta(seconds: float) -> str:
     seconds = int(max(seconds, 0))
@@ -33,7 +31,8 @@ class Progress:
       total_steps: the last step number of the run.
       mode: bar, lines, none or auto.
       out: the stream to write to.
-      peak: the mesh's peak for MFU (`tfllm.train.metrics.Peak`), or None.
+      peak: the mesh's peak for MFU (`tfllm.train.metrics.Peak`), or None; without
+        one (or with `Peak.flops` None: CPU) MFU shows as "MFU -".
       flops_per_token: training FLOPs per token, for MFU.
       width: bar width in characters.
     """
@@ -48,13 +47,17 @@ class Progress:
         self._drawn = False
         self._last_draw = 0.0
 
+    @property
+    def has_peak(self) -> bool:
+        """Whether MFU can be reported at all (not on CPU: `metrics.NO_CPU_PEAK`)."""
+        return self.peak is not None and bool(self.peak.flops)
+
     def mfu(self, tokens_per_s: float) -> Optional[float]:
-        """Model FLOPs utilization: achieved training FLOP/s over the peak (a measured
-        peak the step beats is raised to the step's rate first)."""
-        if self.peak is None or not self.peak.flops or not tokens_per_s:
+        """Model FLOPs utilization (`tfllm.train.metrics.Peak.mfu`: unclamped, warns
+        once above 1); None without a peak or before a step was timed."""
+        if not self.has_peak or not tokens_per_s:
             return None
-        self.peak.observe(tokens_per_s * self.flops_per_token)
-        return model_flops_utilization(tokens_per_s, self.flops_per_token, self.peak.flops)
+        return self.peak.mfu(tokens_per_s, self.flops_per_token)
 
     def line(self, step: int, metrics: dict, tokens_per_s: float, eta_s: float,
              detail: bool = False) -> str:
