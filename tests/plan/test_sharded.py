@@ -1,10 +1,9 @@
 """Per-device shapes and collectives of a sharded plan: pure, no compile, no jax."""
 
 import json
-from types import SimpleNamespace
-
 import pytest
 
+from tfllm.compiler.targets import get_target
 from tfllm.parallel.rules import DEFAULT_RULES, without_sequence_sharding
 from tfllm.plan.sharded import apply_mesh, per_device_config
 from tests.harness import tiny_config
@@ -35,7 +34,7 @@ def _collectives(axes, **extra):
     config = tiny(axes, **{"precision.policy": "bfloat16"}, **extra)
     local, note = per_device_config(config)
     empty = {"memory": {"arguments": 0, "outputs": 0, "alias": 0, "temp": 0}}
-    return apply_mesh(config, local, empty, SimpleNamespace(name="h100"), note)
+    return apply_mesh(config, local, empty, get_target("h100"), note)
 
 
 def test_sequence_split_adds_the_key_value_gathers():
@@ -51,3 +50,23 @@ def test_sequence_split_adds_the_key_value_gathers():
     kv = 2 * 2 * 2 * 3 / 4 * (8 * 16 * 8 * 4 * 2)
     assert (hybrid["collectives"]["bytes_per_device"]
             - whole["collectives"]["bytes_per_device"]) == pytest.approx(kv)
+
+
+def test_the_adamw_update_and_the_clusters_are_counted_by_the_layout():
+    fsdp = _collectives("fsdp=8")
+    update = fsdp["optimizer_update"]
+    # the no-mesh program updates every weight; on fsdp=8 a device updates an eighth,
+    # except the five 64-wide norm scales (2 blocks x 2 + the final norm), replicated
+    assert update["layout_params"] * 8 == update["program_params"] + 7 * 5 * 64
+    assert update["layout_s"] < update["program_s"] / 7
+    # 28 bytes per parameter (AdamW reads w, g, m, v and writes w, m, v in float32)
+    assert update["program_s"] == pytest.approx(
+        28 * update["program_params"] / get_target("h100").memory_bandwidth)
+    # assumed collectives: two gathers and a reduce-scatter per weight; one cluster more
+    weights = 2 * 9 + 2  # 2 blocks x (2 norms, q, k, v, o, gate, up, down) + embedding, norm
+    assert fsdp["collective_count"] == 3 * weights + 3 * 1  # + the LM head
+    assert fsdp["clusters"] == fsdp["collective_count"] + 1
+    data = _collectives("data=8")
+    # data parallelism replicates the state: each device updates every weight
+    assert data["optimizer_update"]["layout_params"] == data["optimizer_update"][
+        "program_params"]

@@ -111,6 +111,7 @@ def cmd_train(args) -> int:
     from tfllm.train.preemption import NonFiniteError, Preempted
     from tfllm.checkpoint.workdir import check_workdir
     config = _load_for_workdir(args)
+    _check_memory(config)
     check_workdir(args.workdir, config)  # a refused workdir gets no XLA cache folder either
     _persist_compiles(args, config, args.workdir)
     try:
@@ -136,6 +137,18 @@ def cmd_train(args) -> int:
     print(json.dumps({k: last[k] for k in ("step", "loss", "eval_loss", "tokens_per_s")
                       if k in last}))
     return 0
+
+
+def _check_memory(config) -> None:
+    """A GPU run whose step will not fit its GPUs stops here, before anything is built or
+    written, with one line naming the `--set` that fits (`tfllm.plan.fit.FitError`, exit
+    2). Only the command checks: the estimate is the plan's, a floor above training."""
+    from tfllm.parallel import gpu_checks
+    if not config.train.memory_check or not gpu_checks.wanted(config.mesh.device_type):
+        return
+    from tfllm.contracts import num_clients
+    from tfllm.plan.fit import check_host, host_gpus
+    check_host(config, host_gpus(gpu_checks.driver_gpus(), os.environ), num_clients())
 
 
 def _latest_checkpoint(workdir: str) -> str:
@@ -289,8 +302,14 @@ def cmd_doctor(args) -> int:
     """Prints every GPU start-up check of this host; exit 2 when one fails."""
     from tfllm.parallel import gpu_checks
     config = _load(args)
-    findings = gpu_checks.check(gpu_checks.gather(), config.precision.policy,
-                                config.mesh.device_type)
+    facts = gpu_checks.gather()
+    findings = gpu_checks.check(facts, config.precision.policy, config.mesh.device_type)
+    if args.config is not None:  # a run's config: will its step fit the GPUs' memory?
+        from tfllm.contracts import num_clients
+        from tfllm.plan.fit import doctor_finding, host_gpus
+        level, message = doctor_finding(config, host_gpus(facts.driver_gpus, facts.environ),
+                                        num_clients())
+        findings.append(gpu_checks.Finding(level, message))
     for f in findings:
         print(f"{f.level}: {f.message}")
     return BAD_INPUT_EXIT_CODE if gpu_checks.first_error(findings) else 0

@@ -34,6 +34,7 @@ from typing import Optional
 from tfllm.parallel.mesh import MeshError
 from tfllm.compiler import hlo_stats
 from tfllm.compiler.targets import Target, get_target
+from tfllm.plan import timing
 
 
 class PlanError(RuntimeError):
@@ -208,12 +209,22 @@ def plan(config, target_name: str = "h100", layers: str = "auto", devices=None,
 
 def _sources(result: dict) -> dict:
     """Where each figure of a plan comes from: compiled, measured or assumed."""
-    out = {"compute": "compiled (XLA for the target, one device's program)",
-           "memory": "compiled (XLA's buffer assignment)"}
-    if result.get("devices", 1) > 1:
+    sharded = result.get("devices", 1) > 1
+    program = ("the no-mesh program at one device's shapes (not DTensor's per-device "
+               "clusters)" if sharded else "the step's one XLA program")
+    out = {"compute": f"compiled: {program}",
+           "memory": f"compiled: XLA's buffer assignment of {program}",
+           "step time": "modelled: the compiled roofline with GEMM efficiency, kernel gaps"
+                        + (", cluster dispatch, NCCL latency and bandwidth, overlap"
+                           if sharded else "") + " (tfllm.plan.timing)"}
+    if sharded:
         out["memory"] += ("; state: exact bytes of the layout; gather buffers: assumed "
                           "(a model of tfllm/parallel/fsdp.py)")
         out["collectives"] = result["collectives"]["basis"]
+        out["optimizer update"] = ("modelled: AdamW's bytes of the device's shard of the "
+                                   "layout, replacing the no-mesh program's full update")
+        out["clusters"] = ("modelled: one XLA cluster per collective + 1 (DTensor splits "
+                           "the device's program at each)")
     return out
 
 
@@ -221,9 +232,16 @@ def finish(result: dict, config, target: Target, method: str) -> dict:
     """Adds the device's fit, the roofline estimate and identification."""
     mem = result["memory"]
     mem["device"] = target.device_memory_bytes
-    mem["margin"] = target.device_memory_bytes - mem["total"]
+    # TensorFlow leaves mesh.gpu_memory_reserve_mb outside its pool (NCCL, cuBLAS)
+    mem["reserve"] = config.mesh.gpu_memory_reserve_mb * 2 ** 20
+    mem["usable"] = mem["device"] - mem["reserve"]
+    mem["margin"] = mem["usable"] - mem["total"]
     mem["fits"] = mem["margin"] >= 0
-    step_s = result["roofline_s"] + result.get("collective_s", 0.0)
+    # the roofline lower bound as before, then the estimate with named factors
+    result["roofline_step_s"] = result["roofline_s"] + result.get("collective_s", 0.0)
+    result["step_time"] = timing.step_time(result, target, result.get("clusters", 1),
+                                           result.get("collective_count"))
+    step_s = result["step_time"]["step_s"]
     # MFU as tfllm reports it: model FLOPs (6N + causal attention at half, MaxText's
     # count: tfllm.train.metrics.flops_per_token) against the dense bf16 peak
     result["estimated_step_s"] = step_s
@@ -253,6 +271,19 @@ def _gib(n: float) -> str:
     return f"{n / 2**30:.2f} GiB" if abs(n) >= 2**30 else f"{n / 2**20:.1f} MiB"
 
 
+def _step_parts(p: dict) -> str:
+    t = p["step_time"]
+    ms = lambda s: f"{s * 1e3:.3g}"  # noqa: E731
+    parts = [f"GEMMs {ms(t['gemm_s'])} at {t['factors']['gemm_efficiency']:.0%} of peak",
+             f"other kernels {ms(t['other_s'])}", f"launch gaps {ms(t['launch_s'])}"]
+    if t["dispatch_s"]:
+        parts.append(f"{t['factors']['clusters']:,} clusters {ms(t['dispatch_s'])}")
+    if t["collective_s"]:
+        parts.append(f"{t['factors']['collectives']:,} collectives "
+                     f"{ms(t['exposed_collective_s'])} exposed")
+    return ", ".join(parts)
+
+
 def format_plan(p: dict) -> str:
     """The short human table of a plan."""
     m = p["memory"]
@@ -265,7 +296,8 @@ def format_plan(p: dict) -> str:
                     f"{p['sequence_length']}, grad accum {p['grad_accum_steps']}"),
         ("mesh", p.get("mesh", "one device")),
         ("method", p["method"]),
-        ("memory / device", f"{_gib(m['total'])} of {_gib(m['device'])}: {fits}"),
+        ("memory / device", f"{_gib(m['total'])} of {_gib(m['usable'])} ({_gib(m['device'])} "
+                            f"less mesh.gpu_memory_reserve_mb {_gib(m['reserve'])}): {fits}"),
         ("  arguments", _gib(m["arguments"])),
         ("  outputs", f"{_gib(m['outputs'])} ({_gib(m['alias'])} aliased to arguments)"),
         ("  temporaries", f"{_gib(m['temp'])} (activations and workspace, remat="
@@ -280,10 +312,9 @@ def format_plan(p: dict) -> str:
         ("FLOPs / step", f"{p['flops'] / 1e9:,.1f} GFLOP in GEMMs "
                          f"(model: {p['model_flops'] / 1e9:,.1f})"),
         ("bytes / step", f"{p['bytes'] / 1e9:.1f} GB"),
-        ("est. step", f"{p['estimated_step_s'] * 1e3:.3g} ms (roofline lower bound"
-                      + (f", + {p['collectives']['basis'].split(':')[0]} collectives"
-                         if p.get('collective_s') else '') + "), "
-                      f"{p['estimated_tokens_per_s']:,.0f} tokens/s"),
+        ("est. step", f"{p['estimated_step_s'] * 1e3:.3g} ms ({_step_parts(p)}), "
+                      f"{p['estimated_tokens_per_s']:,.0f} tokens/s; roofline lower bound "
+                      f"{p['roofline_step_s'] * 1e3:.3g} ms"),
         ("est. MFU", f"{100 * p['estimated_mfu']:.0f}% of dense bf16 peak"),
         ("compile", f"{p['compile_s']:.1f} s"),
         ("figures", "; ".join(f"{k}: {v}" for k, v in p.get("sources", {}).items())),

@@ -32,6 +32,7 @@ from typing import Dict, Optional, Tuple
 from tfllm.parallel import rules as rules_lib
 from tfllm.parallel.layouts import layout_rows, mesh_shape_from_config
 from tfllm.parallel.mesh import parse_axes
+from tfllm.plan.timing import adamw_seconds
 
 # NVLink 4 on H100/H200 SXM: 18 links x 25 GB/s per direction = 450 GB/s (XLA's specs list
 # `active_links: 18`); NVLink 5 on B200: 900 GB/s; NVLink 3 on A100 SXM: 300 GB/s
@@ -228,6 +229,23 @@ def apply_mesh(config, local, result: dict, target, mesh_note: str, devices=None
     else:
         result["collectives"] = assumed
     result["collective_s"] = result["collectives"]["seconds"]
+    # Collectives per device per step: measured, else one per weight for each data-
+    # parallel reduction, two gathers and a reduce-scatter per weight under FSDP, and four
+    # activation all-reduces per layer under tensor parallelism. DTensor splits the
+    # device's program into XLA clusters at each of them.
+    trainable = sum(1 for r in rows if r.optimizer_bytes_per_device)
+    count = (measured or {}).get("count") or (
+        trainable * ((data > 1) + 3 * (fsdp > 1)) + 4 * config.model.num_layers * (tp > 1))
+    result["collective_count"] = count
+    result["clusters"] = count + 1
+    # The no-mesh program updates every weight it computes with; the layout updates the
+    # device's shard of the optimizer state (AdamW's two float32 moments: 8 bytes/param).
+    local_params = sum(r.optimizer_bytes_per_device for r in state_bytes(local, one)[1]) / 8
+    shard_params = sum(r.optimizer_bytes_per_device for r in rows) / 8
+    result["optimizer_update"] = {
+        "program_params": local_params, "layout_params": shard_params,
+        "program_s": adamw_seconds(local_params, target.memory_bandwidth),
+        "layout_s": adamw_seconds(shard_params, target.memory_bandwidth)}
     result["method_note"] = ("estimate from per-device shapes: DTensor gives XLA many "
                              "clusters per device, not one program")
     return result
