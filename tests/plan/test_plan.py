@@ -57,7 +57,16 @@ def test_bfloat16_plans_no_fp8_gemm_and_arguments_are_the_step_parameters(bf16_p
     assert m["arguments"] == p["step_parameter_bytes"]
     # every updated variable is written in place of its argument
     assert m["alias"] > 0.9 * m["arguments"]
-    assert m["fits"] and m["margin"] == m["device"] - m["total"]
+    # fits against what TensorFlow can use: the device less mesh.gpu_memory_reserve_mb
+    assert m["usable"] == m["device"] - 4096 * 2**20
+    assert m["fits"] and m["margin"] == m["usable"] - m["total"]
+    # the modelled step is the roofline plus its named factors: never below it; one
+    # device runs one program (no cluster dispatch, no collectives)
+    t = p["step_time"]
+    assert p["estimated_step_s"] == t["step_s"] > p["roofline_step_s"]
+    assert t["dispatch_s"] == 0 and t["collective_s"] == 0
+    assert t["step_s"] == pytest.approx(t["gemm_s"] + t["other_s"] + t["launch_s"])
+    assert p["sources"]["compute"] == "compiled: the step's one XLA program"
     assert 0 < p["estimated_mfu"] < 1 and p["estimated_step_s"] > 0
     assert "fits" in format_plan(p)
 
