@@ -402,7 +402,11 @@ def moved_markdown(results) -> list:
            "device's shapes**, not from DTensor's per-device clusters (compiling those needs "
            "the real model's DTensor step on this host: `tests/plan` compiles them for "
            "tiny models and checks that their GEMM FLOPs equal the plan's); the plan's "
-           "`sources` field says so per figure.", "",
+           "`sources` field says so per figure. The MFU column also moves with tfllm's "
+           "model FLOPs, which now count causal attention at half (MaxText's convention, "
+           "issue 35 item 8). Rows not listed here were not planned again (one plan takes "
+           "1-20 minutes on this 2-core machine); the fits of a stored row against 75.1 GiB "
+           "can be read from its memory column.", "",
            "| model | policy | mesh | batch | memory GiB | fits 79.1 → fits 75.1 | "
            "AdamW update ms (program → layout) | clusters | est. step ms: stored → roofline "
            "→ modelled | est. MFU stored → modelled |", "|---|---|---|---|---|---|---|---|---|---|"]
