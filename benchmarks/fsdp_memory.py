@@ -67,6 +67,9 @@ def child(size: str, mesh: str, policy: str, out_path: str) -> None:
     state = build_train_state(cfg, parallel, jit_compile=False)
     params = sum(int(v.shape.num_elements()) for v in state.model.trainable_variables)
     largest_weight = max(int(v.shape.num_elements()) for v in state.model.trainable_variables)
+    # The weights that move together (tfllm.parallel.blocks): the largest block's.
+    largest_block = max(sum(int(v.shape.num_elements()) for v in b.trainable_variables)
+                        for b in state.model.blocks)
     data = SyntheticTokens(cfg.model.vocab_size, cfg.data.sequence_length + 1, seed=7)
     batch = feed.to_device(state.step.parallel, data.batch(0, cfg.train.global_batch_size, 1))
     import tensorflow as tf
@@ -86,6 +89,7 @@ def child(size: str, mesh: str, policy: str, out_path: str) -> None:
     count = len(report.collectives)
     with open(out_path, "w") as f:
         json.dump({"params": params, "largest_weight": largest_weight,
+                   "largest_block": largest_block,
                    "peak_tensor_gib": tensors["peak"] / 2**30,
                    "held_tensor_gib": tensors["current"] / 2**30,
                    "largest_collective": largest, "collectives": count,

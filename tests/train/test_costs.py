@@ -205,12 +205,14 @@ def test_train_on_fsdp_reports_per_weight_gathers(tmp_path):
     model = build_model(cfg, make_parallel(cfg))
     sharded = _sharded_elements(model)
     assert sharded == count_params(model) - 5 * cfg.model.hidden_dim  # all but the norms
-    largest_weight = max(int(np.prod(v.shape)) for v in model.trainable_variables)
-    # tfllm.parallel.fsdp gathers each weight on its own (before: DTensor merged every
-    # gather into one zero-padded all-reduce of all sharded parameters, 90,112 elements).
+    block = sum(int(np.prod(v.shape)) for v in model.blocks[0].trainable_variables)
+    norms = 2 * cfg.model.hidden_dim  # a block's two norm scales: replicated, not gathered
+    # Each block's sharded weights travel as one buffer (tfllm.parallel.blocks; before:
+    # one gather per weight, and before that one zero-padded all-reduce of all sharded
+    # parameters, 90,112 elements).
     largest = saved["largest"]
     assert (largest["kind"], largest["dtype"], largest["group_size"],
-            largest["elements"]) == ("all-gather", "float32", 8, largest_weight)
+            largest["elements"]) == ("all-gather", "float32", 8, block - norms)
     gathers = [c for c in saved["collectives"] if c["kind"] == "all-gather"]
     # Forward and backward (re-gathered) for every sharded weight but the embedding table.
     assert sum(c["elements"] for c in gathers) == 2 * sharded - cfg.model.vocab_size * \
@@ -218,7 +220,7 @@ def test_train_on_fsdp_reports_per_weight_gathers(tmp_path):
     assert saved["devices"] == 8 and len(set(saved["bytes_per_device"].values())) == 1
     assert saved["fp8_gemms"] is None and "jit_compile=false" in saved["fp8_note"]
     printed = out.getvalue()
-    assert f"largest: all-gather float32 of {largest_weight:,} elements" in printed
+    assert f"largest: all-gather float32 of {block - norms:,} elements" in printed
     assert "tfllm: costs: per step on CPU:0 (busiest of 8 device(s))" in printed
 
 
@@ -232,14 +234,20 @@ def _first_step(axes, jit, **extra):
 
 
 @pytest.mark.slow
-def test_data_parallel_step_all_reduces_every_gradient_once():
+def test_data_parallel_step_all_reduces_each_block_once():
     step = _first_step("data=8", False)
     report = step.cost_report
-    # One all-reduce per gradient (tfllm.parallel.fsdp sets DTensor's combining group to
-    # one tensor: no whole-model float32 bucket), plus the loss's scalar mean.
+    # One all-reduce per block (tfllm.parallel.blocks: its gradients packed into one
+    # float32 bucket), one for the embedding, one for the final norm and head together,
+    # plus the loss's scalar mean: never one per weight, never the whole model at once.
+    model = step.model
+    size = lambda vs: sum(int(np.prod(v.shape)) for v in vs)  # noqa: E731
     sizes = sorted(c.elements for c in report.collectives)
-    assert sizes == sorted([int(np.prod(v.shape)) for v in step.model.trainable_variables]
-                           + [1])
+    expected = ([size(b.trainable_variables) for b in model.blocks]
+                + [size(model.token_embedding.trainable_variables),
+                   size(model.final_norm.trainable_variables)
+                   + size(model.lm_head.trainable_variables), 1])
+    assert sizes == sorted(expected), [c.describe() for c in report.collectives]
     assert all(c.group_size == 8 and c.dtensor_op == "all-reduce" for c in report.collectives)
     assert report.clusters == 0 and report.fp8_gemms is None
 

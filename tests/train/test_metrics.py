@@ -169,13 +169,13 @@ def test_bench_on_cpu_reports_no_peak_and_says_why():
     # display of `tfllm train` shows "MFU -" from the same `mesh_peak`).
     assert out["peak_flops"] is None and out["mfu"] is None
     assert out["peak_source"] == metrics.NO_CPU_PEAK
-    # The cost report of the timed step: one gradient all-reduce per tensor over the 8
-    # devices (tfllm sets DTENSOR_ALLREDUCE_COMBINE_OPTIMIZATION_GROUP_SIZE=1, so DTensor
-    # no longer merges them into one of the whole model): the largest is the largest
-    # weight's gradient.
-    largest_weight = max(int(np.prod(shape)) for shape in _weight_shapes(cfg))
+    # The cost report of the timed step: one gradient all-reduce per block over the 8
+    # devices (tfllm.parallel.blocks; DTensor merges nothing into a whole-model buffer):
+    # the largest is a block's gradients, well under the model's.
+    shapes = _weight_shapes(cfg)
     assert out["costs"]["devices"] == 8 and out["costs"]["largest"]["group_size"] == 8
-    assert out["costs"]["largest"]["elements"] == largest_weight < out["params"]
+    assert max(int(np.prod(s)) for s in shapes) <= out["costs"]["largest"]["elements"] \
+        < out["params"] / 2
 
 
 def _weight_shapes(cfg):

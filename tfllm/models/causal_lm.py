@@ -35,7 +35,7 @@ from tfllm.models.common.layers import Projection, TokenEmbedding
 from tfllm.models.common.masks import cache_mask_and_positions, segment_mask_and_positions
 from tfllm.models.common.remat import check_policy, recompute
 from tfllm.models.loss import token_nll
-from tfllm.parallel.context import block_weights, constrain, gather_after
+from tfllm.parallel.context import block_weights, constrain
 
 _EMBED = ("activation_batch", "activation_length", "activation_embed")
 # Cache slots are never split: decoding writes one slot at a time.
@@ -241,7 +241,10 @@ class CausalLM(keras.Model):
         previous = None
         for block in self.blocks:
             x, previous = self._run_block(block, x, mask, positions, ahead=previous), x
-        with gather_after((previous,)):
+        # The final norm and an untied head move together like a block (the tied table
+        # is the embedding's: gathered where it is used).
+        head_layers = [self.final_norm] + ([] if self.tie_embeddings else [self.lm_head])
+        with block_weights(head_layers, x, (previous,)):
             return self.head(self.final_norm(x))
 
     # ---- cached decoding ----------------------------------------------------------------

@@ -150,12 +150,14 @@ class Block:
       regather: gather again in the backward pass (False under full remat, whose
         recomputation already gathers at backward time).
       bucket_bytes: largest float32 gradient buffer reduced at once.
+      name: names the block's collectives in the graph (`<name>_gather`, `_regather`,
+        `_reduce`), so that cost reports and tests can tell blocks apart.
     """
 
     def __init__(self, parallel, variables, pieces: Pieces, compute_dtype, gate=(),
                  previous: Optional["Block"] = None, regather: bool = True,
-                 bucket_bytes: int = DEFAULT_BUCKET_BYTES):
-        self.parallel, self.pieces = parallel, pieces
+                 bucket_bytes: int = DEFAULT_BUCKET_BYTES, name: str = "block"):
+        self.parallel, self.pieces, self.name = parallel, pieces, name
         self.previous, self.regather, self.bucket_bytes = previous, regather, bucket_bytes
         self.mesh_sizes = dict(parallel.shape)
         batch_axes = parallel.batch_mesh_axes
@@ -205,10 +207,12 @@ class Block:
         @tf.custom_gradient
         def op(*shards):
             self._values = shards
-            batched = self._gather(shards, zero)
+            with tf.name_scope(f"{self.name}_gather"):
+                batched = self._gather(shards, zero)
 
             def grad(*dys):
-                return self._reduce(dys, shards)
+                with tf.name_scope(f"{self.name}_reduce"):
+                    return self._reduce(dys, shards)
 
             return batched, grad
 
@@ -228,10 +232,13 @@ class Block:
             return self._batched[i]
         if self._again is None:
             zero = self._local_zero([after])
-            self._again = self._gather(self._values, zero)
-            if self.previous is not None and self.previous.regather \
-                    and self.previous._again is None and self.previous._values is not None:
-                self.previous._again = self.previous._gather(self.previous._values, zero)
+            with tf.name_scope(f"{self.name}_regather"):
+                self._again = self._gather(self._values, zero)
+            before = self.previous
+            if before is not None and before.regather and before._again is None \
+                    and before._values is not None:
+                with tf.name_scope(f"{before.name}_regather"):
+                    before._again = before._gather(before._values, zero)
         return self._again[i]
 
     def _gather(self, shards, zero):
@@ -415,29 +422,6 @@ def active(block: Optional[Block]):
 
 def forget_last():
     _state.last = None
-
-
-@contextlib.contextmanager
-def substituted(tensors):
-    """Inside a recomputed function (`tf.recompute_grad`) the block's batched weights
-    must be the function's own inputs, or their gradients would be lost (captured
-    tensors are constants to it): the recomputation passes them in and swaps them in."""
-    block = current()
-    if block is None or not tensors:
-        yield
-        return
-    saved = block._batched
-    block._batched = list(tensors)
-    try:
-        yield
-    finally:
-        block._batched = saved
-
-
-def recompute_inputs() -> list:
-    """The active block's batched weights (see `substituted`), or []."""
-    block = current()
-    return [] if block is None else list(block._batched)
 
 
 def product(block: Block, var, equation: str, einsum, x, extra=()):

@@ -109,7 +109,8 @@ def apply_weight(op, x, w, logical_axes: Sequence[Optional[str]], name: str = "w
 
 @contextlib.contextmanager
 def block_weights(layer, x, gate=(), regather: bool = True):
-    """The weights of `layer` (a transformer block) move together inside: one gather at
+    """The weights of `layer` (a transformer block, or a list of layers) move together
+    inside: one gather at
     entry (waiting for `gate`, the previous block's input), one re-gather and one
     gradient reduction (`tfllm.parallel.blocks`). `regather=False` under full remat,
     whose recomputation already runs at backward time. A no-op outside a setup."""
@@ -117,19 +118,18 @@ def block_weights(layer, x, gate=(), regather: bool = True):
     if parallel is None:
         yield
         return
-    block = parallel.block(layer.trainable_variables, x, layer.compute_dtype, gate, regather)
+    layers = list(layer) if isinstance(layer, (list, tuple)) else [layer]
+    variables = [v for l in layers for v in l.trainable_variables]
+    block = parallel.block(variables, x, layers[0].compute_dtype, gate, regather,
+                           name=layers[0].name)
     with fsdp.gate(gate), blocks.active(block):
         yield
 
 
-def recompute_inputs() -> list:
-    """Tensors a recomputed function must take as inputs (see `blocks.substituted`)."""
-    return blocks.recompute_inputs()
-
-
-def substituted(tensors):
-    """Inside a recomputed function: use `tensors` from `recompute_inputs`."""
-    return blocks.substituted(tensors)
+def outside_block():
+    """Inside: no block's gathered weights are used (a recomputed function reads its
+    weights as variables; see `tfllm.models.common.remat`)."""
+    return blocks.active(None)
 
 
 @contextlib.contextmanager

@@ -125,7 +125,7 @@ class Parallel:
         return blocks.Pieces([(d, spec[d], self.shape[spec[d]]) for d in (0, 1)
                               if spec[d] and self.shape[spec[d]] > 1])
 
-    def block(self, variables, x, compute_dtype, gate=(), regather=True):
+    def block(self, variables, x, compute_dtype, gate=(), regather=True, name="block"):
         """A `tfllm.parallel.blocks.Block` of these variables for input x, entered; None
         when the batch is not split (nothing to reduce per block)."""
         pieces = self.pieces(x.shape.as_list())
@@ -135,7 +135,7 @@ class Parallel:
         if previous is not None and previous.graph is not x.graph:
             previous = None
         return blocks.Block(self, variables, pieces, compute_dtype, gate, previous, regather,
-                            self.bucket_bytes).enter()
+                            self.bucket_bytes, name).enter()
 
     def global_norm(self, tensors, variables):
         """sqrt(sum of squares) of tensors laid out like `variables`, in float32, with one

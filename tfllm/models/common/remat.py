@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import tensorflow as tf
 
-from tfllm.parallel.context import recompute_inputs, substituted
+from tfllm.parallel.context import outside_block
 
 POLICIES = ("none", "full", "selective", "attention")
 
@@ -32,23 +32,22 @@ def recompute(fn):
     """`fn` whose activations are recomputed in the backward pass (tf.recompute_grad).
 
     Only floating-point tensors are differentiated inputs of the recomputed function;
-    other arguments (None, masks, integer positions) are closed over. Weights a sharded
-    block gathered before the call are passed in too (`recompute_inputs`): a tensor the
-    function only captured would get no gradient.
+    other arguments (None, masks, integer positions) are closed over. Inside, weights are
+    read as variables, not taken from a sharded block's gathered tensors
+    (`outside_block`): a tensor the function only captured would get no gradient.
     """
     def call(*args):
         present = [i for i, a in enumerate(args)
                    if isinstance(a, (tf.Tensor, tf.Variable)) and a.dtype.is_floating]
-        weights = recompute_inputs()
 
         @tf.recompute_grad
         def inner(*tensors):
             full = list(args)
             for i, t in zip(present, tensors):
                 full[i] = t
-            with substituted(tensors[len(present):]):
+            with outside_block():
                 return fn(*full)
-        return inner(*[args[i] for i in present], *weights)
+        return inner(*[args[i] for i in present])
     return call
 
 
