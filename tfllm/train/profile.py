@@ -84,7 +84,10 @@ def summary(path: str, top: int = 10) -> Dict[str, object]:
        "top": [(op name, ms, count), ...],
        "collectives": {"count": collective ops run (DTensor's all-reduces and
          all-gathers: TF's Collective* ops, NCCL kernels), "ms": their time,
-         "top": [(op name, ms, count), ...]},
+         "top": [(op name, ms, count), ...],
+         "overlapped_ms": of the time some collective ran, how much some compute op
+           (a TF op or GPU kernel that is not a collective nor a function call) ran
+           too, on any line of the plane: communication hidden behind compute},
        "memory": {"peak_bytes": the most bytes an allocator held during the trace,
          "peak_allocator", "peak_op": the op whose allocation reached it,
          "allocations": allocations traced} (planes with allocator events only)}}}.
@@ -105,12 +108,19 @@ def summary(path: str, top: int = 10) -> Dict[str, object]:
         stat_names = {k: v.name for k, v in plane.stat_metadata.items()}
         events, memory = 0, {"peak_bytes": 0, "peak_allocator": None, "peak_op": None,
                              "allocations": 0}
+        spans = {"collective": [], "compute": []}
         for line in plane.lines:
             for event in line.events:
                 name = plane.event_metadata[event.metadata_id].name
                 totals[name][0] += event.duration_ps / 1e9
                 totals[name][1] += 1
                 events += 1
+                if event.duration_ps:
+                    start = line.timestamp_ns * 1000 + event.offset_ps
+                    kind = ("collective" if _COLLECTIVE.search(name)
+                            else "compute" if _compute(name) else None)
+                    if kind:
+                        spans[kind].append((start, start + event.duration_ps))
                 if name == "MemoryAllocation":
                     _allocation(event, stat_names, memory)
         if not events:
@@ -122,7 +132,9 @@ def summary(path: str, top: int = 10) -> Dict[str, object]:
             "top": [(name, ms, n) for name, (ms, n) in ranked[:top]],
             "collectives": {"count": sum(c for _, _, c in collectives),
                             "ms": sum(ms for _, ms, _ in collectives),
-                            "top": collectives[:top]}}
+                            "top": collectives[:top],
+                            "overlapped_ms": _overlap(spans["collective"],
+                                                      spans["compute"]) / 1e9}}
         if memory["allocations"]:
             planes[plane.name]["memory"] = memory
     return {"file": path, "planes": planes}
@@ -133,6 +145,53 @@ def summary(path: str, top: int = 10) -> Dict[str, object]:
 #: kernels on GPUs, XLA's all-reduce/all-gather/reduce-scatter thunks
 _COLLECTIVE = re.compile(r":Collective\w+V\d|nccl|all-reduce|all-gather|reduce-scatter",
                          re.I)
+
+
+#: TF op events are "name:Type"; these types only wrap other ops (function calls, the
+#: executor's bookkeeping), or are not compute
+_WRAPPERS = re.compile(r":(\w*PartitionedCall|_XlaRun|_XlaCompile|XlaLaunch|While|If|"
+                       r"Identity|NoOp|Const|_Recv|_Send|_Arg|_Retval|ReadVariableOp|"
+                       r"CopyToMesh\w*|Relayout\w*|DTensor\w*)$")
+
+
+def _compute(name: str) -> bool:
+    """Whether an event is a compute op: a TF op ("name:Type") or a GPU kernel / XLA op
+    (no ":"; not TF's or the profiler's own bookkeeping), neither a collective nor a
+    wrapper."""
+    if _BOOKKEEPING.match(name):
+        return False
+    return not _WRAPPERS.search(name) if ":" in name else True
+
+
+#: events of TF's executor, the eager runtime and the profiler itself, not ops
+_BOOKKEEPING = re.compile(r"(\$|ExecutorState|ThreadpoolListener|__inference|Iterator|"
+                          r"MemoryAllocation|MemoryDeallocation|Eager|FunctionRun|"
+                          r"Rendezvous)")
+
+
+def _merged(spans):
+    out = []
+    for start, end in sorted(spans):
+        if out and start <= out[-1][1]:
+            out[-1][1] = max(out[-1][1], end)
+        else:
+            out.append([start, end])
+    return out
+
+
+def _overlap(a, b) -> int:
+    """Length of (union of spans a) intersected with (union of spans b), in the spans'
+    unit."""
+    a, b = _merged(a), _merged(b)
+    i = j = total = 0
+    while i < len(a) and j < len(b):
+        lo, hi = max(a[i][0], b[j][0]), min(a[i][1], b[j][1])
+        total += max(0, hi - lo)
+        if a[i][1] < b[j][1]:
+            i += 1
+        else:
+            j += 1
+    return total
 
 
 def _allocation(event, stat_names, memory) -> None:
