@@ -17,7 +17,6 @@ from tfllm import internals
 from tfllm.compiler.jit import compile_fn
 from tfllm.data import feed
 from tfllm.optim.adamw import global_norm
-from tfllm.parallel.fsdp import zero_after
 from tfllm.parallel.placement import Parallel, new_variable, to_numpy
 from tfllm.train import costs, hlo_dump, xla
 
@@ -31,23 +30,6 @@ def lm_forward(model, micro, packing_mask: bool):
     if segment_ids is not None and packing_mask:
         return model(inputs, segment_ids=segment_ids[:, :-1]), targets, segment_ids
     return model(inputs), targets, segment_ids
-
-
-def _after(micro, tensor):
-    """The micro-batch's tokens, bit for bit, as values that exist only once `tensor` does.
-
-    Unrolled micro-batches have no data dependency on each other, so the scheduler (XLA
-    on GPU) runs every forward pass before the backward passes and keeps every
-    micro-batch's activations alive at once (the compiled llama-1b step with 8
-    micro-batches held ~8x one micro-batch's temporaries, tfllm/plan/fit.py). A zero made
-    from the previous micro-batch's last gradient (`fsdp.zero_after`) ORed into the
-    tokens orders them: one micro-batch's activations at a time.
-    """
-    tokens, rest = (micro[0], tuple(micro[1:])) if isinstance(micro, (tuple, list)) \
-        else (micro, None)
-    zero = tf.cast(zero_after([tensor]), tokens.dtype)
-    tokens = tf.bitwise.bitwise_or(tokens, zero)
-    return tokens if rest is None else (tokens, *rest)
 
 
 class TrainStep:
@@ -71,10 +53,6 @@ class TrainStep:
         # Steps the guard skipped (non-finite loss or gradient norm, or a loss spike).
         self.skipped = new_variable(parallel, (), (), ("zeros",), "int64", "guard_skipped")
         self.variables = list(model.trainable_variables)
-        # The gradient the backward pass computes last (the token embedding's: every
-        # block's backward precedes it); the next micro-batch starts after it.
-        self._last_gradient = next((i for i, v in enumerate(self.variables)
-                                    if "token_embedding" in v.path), 0)
         # FP8 amax histories: their "gradients" are their new values (overwrite).
         self.fp8_state = list(model.fp8_state_variables())
         #: the compiled step (a `tf.function` of (micro-batches, loss limit)) that calls run;
@@ -97,10 +75,7 @@ class TrainStep:
         scale = self.loss_scale.scale if self.loss_scale is not None else None
         fp8_handles = [v.value for v in self.fp8_state]
         total_loss, total_grads, fp8_new = 0.0, None, None
-        done = None  # the previous micro-batch's last gradient
         for tokens in micro_batches:  # unrolled: grad_accum_steps is small and static
-            if done is not None:
-                tokens = _after(tokens, done)
             with tf.GradientTape() as tape:
                 tape.watch(fp8_handles)
                 loss = self._micro(tokens)
@@ -109,7 +84,6 @@ class TrainStep:
             # Embedding lookups give IndexedSlices; accumulate and clip dense tensors.
             grads = [tf.convert_to_tensor(g) for g in out[:len(self.variables)]]
             histories = out[len(self.variables):]
-            done = grads[self._last_gradient]
             total_loss = total_loss + loss
             total_grads = grads if total_grads is None else [
                 a + b for a, b in zip(total_grads, grads)]
