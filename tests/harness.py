@@ -148,7 +148,12 @@ GRAD_RTOL, GRAD_ATOL_FRACTION, GRAD_ATOL_FLOOR = 1e-4, 1e-5, 1e-6
 # entries that matter (~1e-3), so it changes no real update but keeps rounding noise at
 # <= 1e-5 * lr. For the other entries the update inherits the gradient's 1e-4 relative
 # error: 3 steps x lr (1e-2) x 1e-4 x |update| (<= ~3 with bias correction) < 1e-5.
-WEIGHT_ATOL = 2e-5
+# Entries whose gradient is small but not rounding noise (~5e-4 of the variable's
+# largest: gemma3's block_1 key kernel [42, 2, 1], -5.15e-6 against 1.0e-2) carry a
+# relative error near 1e-3 after reordered sums, and AdamW's normalized update turns it
+# into up to 1e-3 x lr x 3 steps = 3e-5 (measured: 2.02e-5 on data=2,fsdp=2,model=2 once
+# block-level gradient reductions changed the summation order).
+WEIGHT_ATOL = 3e-5
 PARITY_SETTINGS = (("optimizer.epsilon", 1e-6),)
 
 

@@ -3,10 +3,10 @@ mesh run on CPU devices in a child process, classified and scaled to the planned
 No jax needed: nothing is compiled for a GPU here."""
 
 import math
-from types import SimpleNamespace
 
 import pytest
 
+from tfllm.compiler.targets import get_target
 from tfllm.plan import measured, sharded
 from tfllm.plan.planner import format_plan
 from tests.harness import tiny_config
@@ -24,8 +24,11 @@ def test_tiny_weight_kinds_have_distinct_sizes_and_scale_to_the_model():
     assert t.mesh.axes == "data=2,model=2" and t.precision.policy == "bfloat16"
     sc = measured.scales(config, t, shape)
     kinds = {kind for kind, _ in sc["weights"].values()}
-    # q/o, k/v, gate/up/down, embedding/lm head, norms: one size each (per compute layout)
-    assert len(sc["weights"]) == 5 and "llama/block/attention/key/kernel" in kinds
+    # q/o, k/v, gate/up/down, embedding/lm head, norms: one size each (per compute layout);
+    # and the buffers blocks move their weights in (tfllm.parallel.blocks)
+    weights = [kind for kind, _ in sc["weights"].values() if kind != "block"]
+    assert len(weights) == 5 and "llama/block/attention/key/kernel" in kinds
+    assert "block" in kinds
     # a weight count is that weight; tokens x hidden an activation; <= 1024 small
     size, (kind, s) = next(iter(sc["weights"].items()))
     assert measured.classify(size, sc) == (f"weight {kind}", s)
@@ -61,7 +64,7 @@ def test_fsdp_gathers_every_sharded_weight_twice_in_bf16_and_reduce_scatters_flo
     # (one all-reduce per tensor since DTensor's combining is off: the replicated norm
     # scales' gradient all-reduces, 5 x hidden, are sized like weights and land here too)
     norms = 5 * 64
-    assert scatters["elements"] in (total, total + norms)
+    assert total <= scatters["elements"] <= total + norms
     assert scatters["bytes"] == 4 * scatters["elements"]
     # nothing else but scalars and the replicated norms' gradients
     rest = [g for k, g in groups.items() if k[2] not in ("weights",)]
@@ -84,8 +87,7 @@ def test_data_and_model_move_float32_gradients_and_activations():
     # labelled beside the assumed figure when a plan carries both
     local, note = sharded.per_device_config(config)
     empty = {"memory": {"arguments": 0, "outputs": 0, "alias": 0, "temp": 0}}
-    p = sharded.apply_mesh(config, local, empty, SimpleNamespace(name="h100"), note,
-                           measured=m)
+    p = sharded.apply_mesh(config, local, empty, get_target("h100"), note, measured=m)
     assert p["collectives"] is m and p["collectives_assumed"]["basis"].startswith("assumed")
     assert p["collective_s"] == m["seconds"]
 

@@ -87,7 +87,7 @@ def test_a_step_that_cannot_fit_says_by_how_much():
                      "train.global_batch_size": 1024}))
     m = p["memory"]
     assert not m["fits"] and m["margin"] < -m["device"]
-    assert m["margin"] == m["device"] - m["total"]
+    assert m["margin"] == m["usable"] - m["total"]  # usable: less the NCCL reserve
     text = format_plan(p)
     assert f"DOES NOT FIT: {-m['margin'] / 2**30:.2f} GiB over" in text
 
@@ -104,7 +104,8 @@ def test_a_sharded_mesh_is_planned_per_device(bf16_plan):
     assert "fsdp" in assumed["detail"] and "model" in assumed["detail"]
     # measured on the executed CPU program of fsdp=2,model=2 (tests/plan/test_measured.py)
     assert c["basis"].startswith("measured") and c["bytes_per_device"] > 0
-    assert p["estimated_step_s"] == pytest.approx(p["roofline_s"] + c["seconds"])
+    assert p["roofline_step_s"] == pytest.approx(p["roofline_s"] + c["seconds"])
+    assert p["estimated_step_s"] > p["roofline_step_s"]  # tfllm.plan.timing's factors
     text = format_plan(p)
     assert "collectives (measured)" in text and "collectives (assumed)" in text
     assert "memory: compiled" in text and "gather buffers" in text

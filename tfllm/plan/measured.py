@@ -121,6 +121,13 @@ def scales(config, tiny, shape) -> dict:
             raise MeasureError(f"the tiny model's {kind} and {weights[n][0]} both have "
                                f"{n} elements but scale differently")
         weights.setdefault(n, (kind, s))
+    # A block's weights travel and are reduced as one buffer (tfllm.parallel.blocks): its
+    # sharded kernels together, its replicated norms apart (or with the kernels when
+    # nothing is sharded); the final norm and head likewise.
+    for group in _block_groups(tiny_sizes):
+        n = sum(tiny_sizes[p] for p in group)
+        s = sum(real_sizes[p] for p in group) / n
+        weights.setdefault(n, ("block", s))
     tokens = _micro_tokens(tiny, shape)
     token_scale = _micro_tokens(config, shape) / tokens
     hidden_scale = config.model.hidden_dim / tiny.model.hidden_dim
@@ -135,6 +142,25 @@ def scales(config, tiny, shape) -> dict:
     return {"weights": weights, "tokens": tokens, "token": token_scale, "widths": widths,
             "activation": token_scale * hidden_scale, "small": hidden_scale,
             "merged": sum(real_sizes.values()) / sum(tiny_sizes.values())}
+
+
+def _block_groups(sizes: Dict[str, int]) -> List[List[str]]:
+    """The weight paths whose gradients (or gathered shards) one block buffer holds: per
+    block and for the final norm with the head, all of them and the kernels alone."""
+    blocks: Dict[str, List[str]] = defaultdict(list)
+    for path in sizes:
+        m = re.search(r"block_\d+", path)
+        key = m.group(0) if m else ("head" if ("final_norm" in path or "lm_head" in path)
+                                    else None)
+        if key:
+            blocks[key].append(path)
+    groups = []
+    for paths in blocks.values():
+        groups.append(paths)
+        kernels = [p for p in paths if "norm" not in p]
+        if kernels and len(kernels) < len(paths):
+            groups.append(kernels)
+    return groups
 
 
 def classify(elements: int, sc: dict):
