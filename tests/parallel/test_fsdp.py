@@ -1,15 +1,15 @@
 """FSDP at its real cost, read from the programs DTensor executes (tfllm.parallel.fsdp).
 
 Parity (tests/train/test_parity.py) proves the values; these tests bound what a sharded
-step moves and check the order that keeps gathered weights from piling up:
+step moves (the order of a block's gathers and the per-block counts:
+tests/parallel/test_blocks.py):
 
-* no collective on any device is larger than the model's largest single weight (before,
-  DTensor merged every gather into one zero-padded all-reduce of the whole model);
+* no collective on any device is larger than the largest block's weights (before
+  tfllm's FSDP, DTensor merged every gather into one zero-padded all-reduce of the whole
+  model);
 * every FSDP weight is gathered by a `CollectiveGatherV2` in the compute dtype (bfloat16
   as float16 bits: 2 bytes per element, not a float32 all-reduce), once in the forward
-  pass and once more in the backward pass (re-gathered, not kept);
-* a block's forward gathers wait for the previous block's input, and the backward
-  re-gathers for a gradient: their inputs depend on those tensors in the executed graph;
+  pass and once more in the backward pass (re-gathered, not kept), a block at a time;
 * a reduced gradient shard owns its buffer (it does not keep the full-size all-reduce
   result alive through a slice), and a whole step's live tensors stay near one device's.
 """
@@ -33,7 +33,6 @@ from tfllm.train.state import build_train_state
 from tests.harness import tiny_config
 
 MESHES = ["fsdp=8", "data=2,fsdp=4", "fsdp=4,model=2"]
-_BLOCK = re.compile(r"block_(\d+)")
 
 
 def _first_step(axes, policy="float32", family="llama", **extra):
@@ -107,43 +106,6 @@ def test_bf16_weights_travel_as_two_byte_gathers():
     reductions = [c for c in state.step.cost_report.collectives
                   if c.kind != "all-gather" and (c.elements or 0) > 1]
     assert reductions and {c.dtype for c in reductions} == {"float32"}
-
-
-def _ancestors(graph, name):
-    nodes = {n.name: n for n in graph.node}
-    seen, todo = set(), [name]
-    while todo:
-        for i in nodes[todo.pop()].input:
-            i = i.lstrip("^").split(":")[0]
-            if i in nodes and i not in seen:
-                seen.add(i)
-                todo.append(i)
-    return seen
-
-
-@pytest.mark.slow
-def test_gathers_wait_for_the_block_ahead_and_backward_regathers_for_gradients():
-    state, parallel, graphs = _first_step("fsdp=8", **{"model.num_layers": 3})
-    graph = max(graphs, key=lambda g: sum(n.op == "CollectiveGatherV2" for n in g.node))
-    device = sorted(n.device for n in graph.node if n.op == "CollectiveGatherV2")[0]
-    gathers = [n for n in graph.node if n.op == "CollectiveGatherV2" and n.device == device]
-    forward = [n for n in gathers if "/llama" in n.name and "gradient_tape" not in n.name]
-    backward = [n for n in gathers if n not in forward]
-    assert len(forward) == len(backward) + 1
-    for node in forward:
-        block = _BLOCK.search(node.name)
-        if block is None:
-            continue  # embedding (first) and LM head
-        ahead = _ancestors(graph, node.name)
-        i = int(block.group(1))
-        # Block i's weights are gathered once block i-1 has its input, which block i-2
-        # (or the embedding) computes: an op of that layer is an ancestor.
-        wanted = f"block_{i - 2}_" if i > 1 else "token_embedding"
-        assert any(wanted in a and "DTensorAllGather" not in a for a in ahead), node.name
-        # ... and never after their own block's compute.
-        assert not any(f"block_{i + 1}" in a for a in ahead), node.name
-    for node in backward:
-        assert any("gradient_tape" in a for a in _ancestors(graph, node.name)), node.name
 
 
 @pytest.mark.slow

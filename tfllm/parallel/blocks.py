@@ -43,7 +43,7 @@ from __future__ import annotations
 import contextlib
 import string
 import threading
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Dict, List, Optional, Tuple
 
 import numpy as np
 import tensorflow as tf
@@ -75,9 +75,6 @@ class Pieces:
             n = dict((dd, nn) for dd, _, nn in self.splits).get(d)
             new += [n, shape[d] // n] if n else [shape[d]]
         return tf.reshape(x, new + shape[2:])
-
-    def merge(self, x, shape):
-        return tf.reshape(x, shape)
 
     def piece_dims(self) -> List[int]:
         """Positions of the piece dimensions in a split tensor."""
@@ -418,10 +415,6 @@ def active(block: Optional[Block]):
         yield block
     finally:
         _state.block = previous
-
-
-def forget_last():
-    _state.last = None
 
 
 def product(block: Block, var, equation: str, einsum, x, extra=()):
