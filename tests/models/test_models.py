@@ -159,3 +159,16 @@ def test_precision_policy_dtypes(policy, compute):
         assert layer.dtype_policy.compute_dtype == compute, layer.name
     logits = model(_tokens())
     assert logits.dtype == tf.float32  # logits and loss are float32 under every policy
+
+
+def test_a_shapes_only_model_is_never_initialized_by_a_later_keras_build():
+    # build_model(allocate=False) (the plan, tfllm layouts) leaves no variable in Keras'
+    # list awaiting deferred initialization: the next Keras model built in the process
+    # would otherwise allocate them all (after planning llama-7b, ~28 GB: an
+    # out-of-memory kill of a test worker).
+    from tfllm.internals import is_allocated
+    model = build_model(tiny_config("llama"), allocate=False)
+    assert model.variables and not any(is_allocated(v) for v in model.variables)
+    with keras.StatelessScope():  # leaving one initializes every pending variable
+        pass
+    assert not any(is_allocated(v) for v in model.variables)

@@ -54,5 +54,11 @@ def build_model(config, parallel=None, seed: Optional[int] = None, model_cls=Non
             raise
     if allocate:
         place_variables(model, parallel, config.train.seed if seed is None else seed, zeros)
+    else:
+        # Shapes only: Keras must not initialize these later. Left in its list of
+        # variables awaiting deferred initialization, they were all allocated by the next
+        # Keras model built in the process (after planning llama-7b, ~28 GB for a tiny
+        # keras-hub Gemma: an out-of-memory kill in the test suite).
+        forget_deferred(model.variables)
     return model
 
