@@ -51,7 +51,6 @@ from tensorflow.experimental import dtensor
 
 from tfllm.parallel import fsdp
 
-_BITS = {tf.float32: tf.int32, tf.bfloat16: tf.int16, tf.float16: tf.int16}
 DEFAULT_BUCKET_BYTES = 25 * 2 ** 20  # PyTorch DDP's default bucket_cap_mb
 
 
@@ -165,9 +164,7 @@ class Block:
             spec = parallel.variable_spec(v)
             self.shard_specs.append(spec)
             self.compute_specs.append(tuple(None if m in batch_axes else m for m in spec))
-            floating = v.dtype in ("float32", "bfloat16", "float16") or getattr(
-                v.dtype, "is_floating", False)
-            autocast = getattr(v, "autocast", True) and floating
+            autocast = getattr(v, "autocast", True) and tf.as_dtype(v.dtype).is_floating
             self.dtypes.append(tf.as_dtype(compute_dtype if autocast else v.dtype))
         # Buffers: one per (gathered axes, tensor-parallel axes) signature.
         self.groups: Dict[Tuple, List[int]] = {}
@@ -311,10 +308,7 @@ class Block:
         if order != list(range(len(order))):
             z = tf.transpose(z, order)
         shape = [self.mesh_sizes[a] if a in keep else 1 for a in axes] + [1]
-        z = tf.reshape(z, shape)
-        bits = _BITS[buf.dtype]
-        return tf.bitcast(tf.bitwise.bitwise_or(tf.bitcast(buf, bits), tf.cast(z, bits)),
-                          buf.dtype)
+        return fsdp._after(buf, tf.reshape(z, shape))
 
     # ---- the backward reduction --------------------------------------------------------
     def _reduce(self, dys, shards):
