@@ -174,3 +174,22 @@ def test_a_failure_marker_without_its_text_still_says_the_storage_failed(tmp_pat
     with pytest.raises(CheckpointError, match="no details were written") as caught:
         storage.wait_committed(str(tmp_path), str(tmp_path), 1, "0badc0de", timeout_s=5)
     assert io_failure(caught.value).errno == errno.EIO
+
+
+def test_a_failure_marker_appears_with_its_text(tmp_path, monkeypatch):
+    """The marker's name appears only with its text (a waiting client polls for the name
+    and once read it empty, CI's flake): written beside it, then renamed."""
+    seen = []
+    replace = os.replace
+
+    def watched(src, dst):
+        seen.append((os.path.exists(dst), json.loads(open(src).read())["errno"]))
+        replace(src, dst)
+    monkeypatch.setattr(os, "replace", watched)
+    storage.mark_failed(str(tmp_path), OSError(errno.ENOSPC, "full"),
+                        OSError(errno.ENOSPC, "full"))
+    assert seen == [(False, errno.ENOSPC)]
+    assert sorted(os.listdir(tmp_path)) == [storage.FAILED_IO]
+    with pytest.raises(CheckpointError, match="full") as caught:
+        storage.wait_committed(str(tmp_path), str(tmp_path), 1, "0badc0de", timeout_s=5)
+    assert io_failure(caught.value).errno == errno.ENOSPC

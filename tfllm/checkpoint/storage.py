@@ -224,11 +224,17 @@ def mark_failed(tmp: str, error: BaseException, io_error: Optional[OSError] = No
     record = {"error": str(error) or type(error).__name__}
     if io_error is not None:
         record.update(errno=io_error.errno, strerror=io_error.strerror)
-    try:
-        with open(os.path.join(tmp, FAILED_IO if io_error is not None else FAILED), "w") as f:
+    marker = os.path.join(tmp, FAILED_IO if io_error is not None else FAILED)
+    text = marker + ".part"
+    try:  # the text first, then the name: a waiting client never reads a half-written marker
+        with open(text, "w") as f:
             f.write(json.dumps(record))
-    except OSError:
-        pass  # the name may exist without its text; without the name the others time out
+        os.replace(text, marker)
+    except OSError:  # a full disk may refuse the text but still let the name be created
+        try:
+            open(marker, "a").close()
+        except OSError:
+            pass  # without the name the others time out
 
 
 def _raise_if_failed(tmp: str, step: int) -> None:
