@@ -22,16 +22,17 @@ ALL_KEYS = {
     "optimizer": ["learning_rate", "warmup_steps", "decay_steps", "min_learning_rate_ratio",
                   "beta1", "beta2", "epsilon", "weight_decay", "weight_decay_exclude",
                   "clip_norm", "shard_optimizer_state"],
-    "data": ["source", "paths", "eval_paths", "text_key", "tfds_name", "tfds_split",
+    "data": ["source", "paths", "eval_paths", "format", "chat_template", "text_key", "tfds_name", "tfds_split",
              "tfds_eval_split", "tfds_data_dir", "data_dir", "validation_fraction",
              "tokenizer", "tokenizer_path", "packing_mask", "shuffle_buffer",
              "sequence_length", "seed"],
-    "train": ["steps", "global_batch_size", "grad_accum_steps", "memory_check", "seed",
+    "train": ["steps", "global_batch_size", "grad_accum_steps", "loss_on", "memory_check", "seed",
               "jit_compile",
               "profile_steps", "xla_cache", "log_every", "eval_every", "eval_steps", "deterministic", "progress",
               "on_nonfinite", "loss_spike_factor", "loss_spike_window", "sample_prompt",
               "sample_tokens", "peer_timeout_s"],
     "checkpoint": ["every", "max_to_keep", "async_save", "on_corruption"],
+    "lora": ["rank", "alpha", "dropout", "rslora", "targets"],
 }
 
 

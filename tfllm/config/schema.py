@@ -194,6 +194,17 @@ class DataConfig:
     eval_paths: List[str] = _f([], "text/tfrecord: files or globs of the validation data; "
                                "empty means hold out data.validation_fraction of the "
                                "documents of data.paths.")
+    format: str = _f("text", "What one record of the data is: text (a document of plain "
+                     "text), messages (a JSONL line {\"messages\": [{\"role\", \"content\"}, "
+                     "...]}: a conversation of system, user, assistant and tool turns, "
+                     "rendered by the model's chat template) or prompt_completion (a JSONL "
+                     "line {\"prompt\", \"completion\"}). messages and prompt_completion "
+                     "read data.paths / data.eval_paths as JSONL files (source text).",
+                     choices=("text", "messages", "prompt_completion"))
+    chat_template: str = _f("", "messages: a Jinja chat template file (.jinja) to render "
+                            "conversations; empty: the tokenizer's own "
+                            "(chat_template.jinja, else tokenizer_config.json's "
+                            "chat_template, in data.tokenizer_path).")
     text_key: str = _f("text", "tfrecord/tfds: the feature holding each document's text.")
     tfds_name: str = _f("", "tfds: dataset name, e.g. 'wikipedia/20230601.en' or "
                         "'lm1b'.")
@@ -233,6 +244,11 @@ class TrainConfig:
     global_batch_size: int = _f(16, "Sequences per optimizer step, over all devices and "
                                 "micro-batches.", min=1)
     grad_accum_steps: int = _f(1, "Micro-batches accumulated per optimizer step.", min=1)
+    loss_on: str = _f("all", "Which target tokens the loss trains on: all; completion "
+                      "(prompt_completion data: the completion only); assistant (messages "
+                      "data: every assistant turn, its end-of-turn token included); "
+                      "last_assistant (the last assistant turn of each conversation).",
+                      choices=("all", "completion", "assistant", "last_assistant"))
     memory_check: bool = _f(True, "On GPUs, before the run starts (and in tfllm doctor "
                             "--config), estimate one device's memory from the shapes "
                             "(tfllm.plan.fit) and stop with one line naming the --set that "
@@ -294,6 +310,26 @@ class CheckpointConfig:
 
 
 @dataclass
+class LoraConfig:
+    """Low-rank adapters (LoRA): y = x W + s (x A) B with W frozen, A and B trained."""
+
+    rank: int = _f(0, "Rank r of every adapter; 0: no adapters (every weight trains).",
+                   min=0)
+    alpha: float = _f(16.0, "Scale numerator: s = alpha / rank (alpha / sqrt(rank) with "
+                      "rslora).", min=0.0)
+    dropout: float = _f(0.0, "Dropout on the adapter's input x (training only).", min=0.0,
+                        max=0.9)
+    rslora: bool = _f(False, "Rank-stabilized LoRA: s = alpha / sqrt(rank).")
+    targets: List[str] = _f([], "Projections that get adapters, in Hugging Face module "
+                            "names as peft's target_modules (a name matches a module path "
+                            "or its end): llama, mistral, qwen2/3, gemma3: q_proj k_proj "
+                            "v_proj o_proj gate_proj up_proj down_proj; gpt: attn.c_attn "
+                            "attn.c_proj mlp.c_fc mlp.c_proj. Empty: every attention and MLP "
+                            "projection of the family. "
+                            "A name that matches no projection of the family is an error.")
+
+
+@dataclass
 class Config:
     """The whole configuration of a tfllm run."""
 
@@ -304,6 +340,7 @@ class Config:
     data: DataConfig = field(default_factory=DataConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    lora: LoraConfig = field(default_factory=LoraConfig)
 
 
 SECTIONS = tuple(f.name for f in dataclasses.fields(Config))
