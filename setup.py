@@ -10,6 +10,8 @@ setup(
     long_description_content_type="text/markdown",
     python_requires=">=3.11",  # keras >= 3.13.2 needs it
     packages=find_packages(include=["tfllm", "tfllm.*"]),
+    # The default chat template and the example chat set (data.format=messages).
+    package_data={"tfllm.data": ["templates/*.jinja", "chat_example.jsonl"]},
     install_requires=[
         "tensorflow>=2.16,<2.22",
         # tfllm.internals fences the private APIs used; these bounds are the versions
@@ -27,6 +29,9 @@ setup(
         "tensorboard",
         "absl-py",
         "pyyaml",
+        # Chat templates (data.format=messages), rendered in jinja2's sandbox as transformers
+        # does; 3.1.6 is the first release without the known sandbox escapes.
+        "jinja2>=3.1.6",
         "numpy",
         "matplotlib",
     ],
