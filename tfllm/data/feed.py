@@ -70,23 +70,27 @@ def _put(parallel, array: np.ndarray, spec):
     return tf.constant(array) if parallel is None else parallel.shard_array(array, spec)
 
 
-def to_device(parallel, tokens: np.ndarray, segment_ids: Optional[np.ndarray] = None):
+def to_device(parallel, tokens: np.ndarray, segment_ids: Optional[np.ndarray] = None,
+              loss_mask: Optional[np.ndarray] = None):
     """A global (A, M, T+1) token array as a step's input: a tuple of A micro-batches
     (M, T+1), each sharded over the batch axis on a mesh. With `segment_ids` (same shape)
-    each micro-batch is a (tokens, segment_ids) pair.
+    each micro-batch is a (tokens, segment_ids) pair; with `loss_mask` as well (chat
+    data: 1 where the token is a trained target) a (tokens, segment_ids, loss_mask)
+    triple, every part laid out as the tokens.
 
     Separate tensors, not one (A, M, T+1) DTensor: DTensor loses the layout of the
     micro-batch dimension when slicing out one micro-batch with a shrinking index.
     """
     spec = batch_spec(parallel, tokens.shape[1:])  # one layout for every micro-batch
-    if segment_ids is None:
+    parts = [p for p in (tokens, segment_ids, loss_mask) if p is not None]
+    if len(parts) == 1:
         return tuple(_put(parallel, t, spec) for t in tokens)
-    return tuple((_put(parallel, t, spec), _put(parallel, s, spec))
-                 for t, s in zip(tokens, segment_ids))
+    return tuple(tuple(_put(parallel, p, spec) for p in micro) for micro in zip(*parts))
 
 
 def from_local(parallel, local_tokens: np.ndarray, rows: Sequence[int], micro_batch_rows: int,
-               local_segments: Optional[np.ndarray] = None):
+               local_segments: Optional[np.ndarray] = None,
+               local_loss_mask: Optional[np.ndarray] = None):
     """Like `to_device`, from only this client's rows of each micro-batch.
 
     Args:
@@ -95,9 +99,10 @@ def from_local(parallel, local_tokens: np.ndarray, rows: Sequence[int], micro_ba
       rows: the global row indices (within a micro-batch) this client holds.
       micro_batch_rows: M, the global micro-batch size.
       local_segments: segment ids of the same shape, or None.
+      local_loss_mask: the loss mask of the same shape (chat data), or None.
     """
     if parallel is None:
-        return to_device(None, local_tokens, local_segments)
+        return to_device(None, local_tokens, local_segments, local_loss_mask)
     shape = (micro_batch_rows,) + tuple(local_tokens.shape[2:])
     spec = batch_spec(parallel, shape)
     position = {r: i for i, r in enumerate(rows)}
@@ -107,9 +112,10 @@ def from_local(parallel, local_tokens: np.ndarray, rows: Sequence[int], micro_ba
             picked = [position[r] for r in range(start[0], start[0] + size[0])]
             return tf.constant(block_source[picked][:, start[1]:start[1] + size[1]])
         return parallel.make_sharded(spec, shape, block)
-    if local_segments is None:
+    parts = [p for p in (local_tokens, local_segments, local_loss_mask) if p is not None]
+    if len(parts) == 1:
         return tuple(put(t) for t in local_tokens)
-    return tuple((put(t), put(s)) for t, s in zip(local_tokens, local_segments))
+    return tuple(tuple(put(p) for p in micro) for micro in zip(*parts))
 
 
 def local_rows(parallel, micro_batch_rows: int, row_length: int) -> list:
@@ -197,7 +203,7 @@ class DeviceFeed:
 
     def _to_device(self, batch: dict):
         return from_local(self.parallel, batch["tokens"], self.rows, self.micro_batch_rows,
-                          batch.get("segment_ids"))
+                          batch.get("segment_ids"), batch.get("loss_mask"))
 
     def train_batch(self, step: int):
         """The device micro-batches of training step `step` (0-based).

@@ -14,6 +14,11 @@ Each batch is a dict of int32 numpy arrays of shape (A, len(R), sequence_length 
                padding (only in validation). They are returned whatever
                data.packing_mask says; the model decides whether to mask by them.
 
+With data.format messages or prompt_completion, whole samples are packed per row
+(`tfllm.data.packing`, no sample is cut across rows) and batches carry a third array,
+  loss_mask:   1 where the token is a trained target (train.loss_on); 0 on each
+               sample's first token and on padding.
+
 Training streams repeat forever and reshuffle each epoch (deterministically: the order
 depends only on the seed and the epoch). Validation streams are unshuffled and read
 once; a stream that runs out yields padding rows (segment 0) until every stream of this
@@ -30,7 +35,9 @@ from typing import Dict, Iterable, Optional
 import numpy as np
 import tensorflow as tf
 
+from tfllm.data.chat import prepare_samples
 from tfllm.data.errors import DataError
+from tfllm.data.packing import PackedStream
 from tfllm.data.sources import documents, strip_continued
 from tfllm.data.synthetic import SyntheticTokens
 
@@ -103,6 +110,10 @@ class Batches:
             raise DataError(f"data.source={config.data.source} needs a tokenizer; see "
                             "tfllm.data.tokenizer.load_tokenizer.")
         self._synthetic = None
+        self._packed = None
+        if config.data.format != "text":
+            self._packed = self._packed_streams()
+            return
         self.dataset = self._build()
         self._iterator = iter(self.dataset)
 
@@ -134,6 +145,34 @@ class Batches:
             packed = packed.concatenate(
                 tf.data.Dataset.from_tensors((padding, padding)).repeat())
         return packed
+
+    def _packed_streams(self):
+        """Chat or prompt/completion samples (data.format), packed whole per row stream."""
+        samples = prepare_samples(self.config, self.tokenizer, self.split)
+        train = self.split == "train"
+        streams = []
+        for a in range(self.micro_batches):
+            for m in self.rows:
+                row = a * self.micro_batch_rows + m
+                mine = samples[row::self.num_streams]
+                if train and not mine:
+                    raise DataError(
+                        f"data.paths: {len(samples)} training samples, fewer than the "
+                        f"{self.num_streams} rows of a global batch (each row reads its own "
+                        "share of the samples); add samples or lower "
+                        "train.global_batch_size.")
+                seed = stream_seed(self.config.data.seed, row) if train else None
+                streams.append(PackedStream(mine, self.length, seed))
+        return streams
+
+    def _next_packed(self) -> Dict[str, np.ndarray]:
+        if (self.split != "train" and self.max_batches is None
+                and all(s.exhausted() for s in self._packed)):
+            raise StopIteration
+        rows = [next(s) for s in self._packed]
+        shape = (self.micro_batches, len(self.rows), self.length)
+        return {name: np.stack([r[i] for r in rows]).reshape(shape)  # (A, R, T+1)
+                for i, name in enumerate(("tokens", "segment_ids", "loss_mask"))}
 
     def _build(self) -> tf.data.Dataset:
         streams = tuple(self._stream(a * self.micro_batch_rows + m)
@@ -167,6 +206,8 @@ class Batches:
             tokens = self._synthetic.batch(self._count, self.num_streams,
                                            self.micro_batches)[:, self.rows]
             batch = {"tokens": tokens, "segment_ids": np.ones_like(tokens)}
+        elif self._packed is not None:
+            batch = self._next_packed()
         else:
             try:
                 batch = {k: v.numpy() for k, v in next(self._iterator).items()}
@@ -187,7 +228,7 @@ class Batches:
         os.makedirs(os.path.dirname(os.path.abspath(path_prefix)), exist_ok=True)
         with open(path_prefix + ".json", "w") as f:
             json.dump({"count": self._count, "rows": self.rows}, f)
-        if self._synthetic is not None:
+        if self._synthetic is not None or self._packed is not None:
             return path_prefix + ".json"
         return tf.train.Checkpoint(iterator=self._iterator).write(path_prefix)
 
@@ -203,5 +244,8 @@ class Batches:
             raise DataError(f"{path_prefix}: saved for rows {state['rows']}, not "
                             f"{self.rows}; restore with the same number of clients.")
         self._count = state["count"]
-        if self._synthetic is None:
+        if self._packed is not None:
+            for stream in self._packed:  # a packed stream's n-th row is a pure function of n
+                stream.position = self._count
+        elif self._synthetic is None:
             tf.train.Checkpoint(iterator=self._iterator).read(path_prefix).assert_consumed()

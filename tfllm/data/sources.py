@@ -288,6 +288,11 @@ def documents(config, split: str, num_shards: int = 1, index: int = 0) -> tf.dat
                         + (f"{separate} or " if separate else "")
                         + "data.validation_fraction > 0.")
     source = config.data.source
+    if config.data.format != "text":  # JSONL samples: one document per line of the split
+        from tfllm.data.chat import split_records
+        lines = [r.text for r in split_records(config.data, split)]
+        docs = tf.data.Dataset.from_tensor_slices(tf.constant(lines, tf.string, [len(lines)]))
+        return _shard(docs, num_shards, index)
     if source == "tfds":
         return _tfds_documents(config, split, num_shards, index)
     if source == "corpus":

@@ -16,20 +16,30 @@ import tensorflow as tf
 from tfllm import internals
 from tfllm.compiler.jit import compile_fn
 from tfllm.data import feed
+from tfllm.models.loss import token_nll
 from tfllm.optim.adamw import global_norm
 from tfllm.parallel.placement import Parallel, new_variable, to_numpy
 from tfllm.train import costs, hlo_dump, xla
 
 
 def lm_forward(model, micro, packing_mask: bool):
-    """Logits and targets of one micro-batch: (tokens) or (tokens, segment_ids) rows of
-    T+1 tokens. Returns (logits (M, T, V) float32, targets (M, T), segment ids or None).
+    """Logits and targets of one micro-batch: (tokens), (tokens, segment_ids) or (tokens,
+    segment_ids, loss_mask) rows of T+1 tokens. Returns (logits (M, T, V) float32,
+    targets (M, T), segment ids or None).
     """
-    tokens, segment_ids = micro if isinstance(micro, (tuple, list)) else (micro, None)
+    tokens, segment_ids = micro[:2] if isinstance(micro, (tuple, list)) else (micro, None)
     inputs, targets = tokens[:, :-1], tokens[:, 1:]  # (M, T) each
     if segment_ids is not None and packing_mask:
         return model(inputs, segment_ids=segment_ids[:, :-1]), targets, segment_ids
     return model(inputs), targets, segment_ids
+
+
+def trained_targets(micro):
+    """(M, T) float32: 1 where a target is trained, from a micro-batch's loss mask (chat
+    data, `tfllm.data.chat`), or None when every target trains (text data)."""
+    if not isinstance(micro, (tuple, list)) or len(micro) < 3:
+        return None
+    return tf.cast(micro[2][:, 1:], tf.float32)  # the mask of each target token
 
 
 class TrainStep:
@@ -65,20 +75,31 @@ class TrainStep:
         self.cost_report = None
         self._called = False
 
-    def _micro(self, micro):
+    def _micro(self, micro, trained_tokens=None):
         logits, targets, _ = lm_forward(self.model, micro, self.packing_mask)
-        return self.model.compute_lm_loss(logits, targets)
+        mask = trained_targets(micro)
+        if mask is None:
+            return self.model.compute_lm_loss(logits, targets)
+        # Summed over this micro-batch's trained targets and divided by those of the whole
+        # global batch (times the number of micro-batches, which the caller divides by):
+        # the step's loss is the mean over every trained token, however they fall.
+        nll = token_nll(logits, targets)  # (M, T)
+        return tf.reduce_sum(nll * mask) / trained_tokens
 
     def _loss_and_grads(self, micro_batches):
         """Mean loss, gradients and new FP8 histories over a tuple of micro-batches."""
         accum = len(micro_batches)
+        trained_tokens = None
+        if trained_targets(micro_batches[0]) is not None:
+            trained_tokens = tf.maximum(tf.add_n([tf.reduce_sum(trained_targets(m))
+                                                  for m in micro_batches]), 1.0) / accum
         scale = self.loss_scale.scale if self.loss_scale is not None else None
         fp8_handles = [v.value for v in self.fp8_state]
         total_loss, total_grads, fp8_new = 0.0, None, None
         for tokens in micro_batches:  # unrolled: grad_accum_steps is small and static
             with tf.GradientTape() as tape:
                 tape.watch(fp8_handles)
-                loss = self._micro(tokens)
+                loss = self._micro(tokens, trained_tokens)
                 scaled = loss * scale if scale is not None else loss
             out = tape.gradient(scaled, self.variables + fp8_handles)
             # Embedding lookups give IndexedSlices; accumulate and clip dense tensors.

@@ -1,0 +1,380 @@
+"""Chat and prompt/completion samples: JSONL readers, the loss mask, token ids.
+
+`data.format=messages`: each line of the JSONL files of data.paths is one conversation,
+`{"messages": [{"role": ..., "content": ...}, ...], "tools": [...]?}` with roles system,
+user, assistant and tool (an assistant turn may carry `tool_calls` instead of content;
+`name`, `tool_call_id` and `reasoning_content` pass through to the template). It is
+rendered by the chat template (`tfllm.data.chat_template`) and tokenized.
+`data.format=prompt_completion`: each line is `{"prompt": str, "completion": str}`; the
+sample is prompt + completion followed by the end-of-document id.
+
+The loss mask (`train.loss_on`) marks the tokens a sample trains on:
+  all:            every token (but a sample's first, which nothing predicts);
+  completion:     the completion and the end-of-document id (prompt_completion);
+  assistant:      every assistant turn, its end-of-turn token included (messages);
+  last_assistant: the last assistant turn only (messages).
+Assistant text comes from the template's `{% generation %}` spans where it has them
+(transformers' `return_assistant_tokens_mask`), widened to take in the end-of-turn text
+that follows a span; else from rendering each conversation up to every assistant turn,
+with and without the generation prompt, which needs a prefix-preserving template
+(refused, naming the sample, when it is not). Character spans become tokens by encoding
+the text up to each span boundary: a token that straddles a boundary counts as inside
+(as transformers' offsets do). Text between the tokenizer's added tokens (those of
+tokenizer_config.json's added_tokens_decoder, e.g. [INST]) is encoded piece by piece
+and the added tokens map to their ids, as transformers splits them out first.
+
+A broken line (not JSON, a missing key, an unknown role, content that is not a string)
+is one `DataError` naming file:line; so is a sample with no trained token.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import re
+from dataclasses import dataclass
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
+
+import jinja2
+import numpy as np
+
+from tfllm.data.errors import DataError
+
+ROLES = ("system", "user", "assistant", "tool")
+#: which train.loss_on values each data.format takes
+LOSS_ON = {"text": ("all",), "messages": ("all", "assistant", "last_assistant"),
+           "prompt_completion": ("all", "completion")}
+_HOLDOUT_BUCKETS = 1 << 20
+log = logging.getLogger("tfllm.data")
+
+
+@dataclass
+class Record:
+    """One JSONL line: `where` is "file:line"; `messages` (and `tools`) for messages
+    data, `prompt` and `completion` for prompt_completion data."""
+
+    where: str
+    text: str
+    messages: Optional[List[dict]] = None
+    tools: Optional[list] = None
+    prompt: Optional[str] = None
+    completion: Optional[str] = None
+
+
+@dataclass
+class Sample:
+    """A tokenized sample: `tokens` (n,) int32 and `mask` (n,) int8, 1 where the token is
+    a trained target; `where` names its line."""
+
+    tokens: np.ndarray
+    mask: np.ndarray
+    where: str
+
+
+def check_settings(data, loss_on: str) -> None:
+    """data.format, data.source and train.loss_on go together; else one line with the fix."""
+    if data.format != "text" and data.source != "text":
+        raise DataError(f"data.format={data.format} reads JSONL files from data.paths: set "
+                        f"data.source=text (it is {data.source}).")
+    if loss_on not in LOSS_ON[data.format]:
+        fix = {"text": "set data.format=messages or prompt_completion (chat data), or "
+                       "train.loss_on=all",
+               "messages": "use train.loss_on=assistant, last_assistant or all",
+               "prompt_completion": "use train.loss_on=completion or all"}[data.format]
+        raise DataError(f"train.loss_on={loss_on} does not apply to data.format="
+                        f"{data.format}: {fix}.")
+
+
+def _message_error(message, i: int) -> Optional[str]:
+    if not isinstance(message, dict):
+        return f"messages[{i}] is not an object"
+    role = message.get("role")
+    if role not in ROLES:
+        return f"messages[{i}].role is {role!r}, not one of {', '.join(ROLES)}"
+    content = message.get("content")
+    if content is None and role == "assistant" and message.get("tool_calls"):
+        return None  # a tool call without text, as OpenAI writes it
+    if "content" not in message:
+        return f"messages[{i}] ({role}) has no content"
+    if not isinstance(content, str):
+        return (f"messages[{i}].content ({role}) is {type(content).__name__}, not a string "
+                "(multimodal content parts are not supported)")
+    return None
+
+
+def parse_line(line: str, where: str, fmt: str) -> Record:
+    """One JSONL line of data.format `fmt` as a Record; DataError naming `where` and the fix."""
+    fix = {"messages": 'each line must be {"messages": [{"role": "user", "content": "..."}, '
+                       '...]}',
+           "prompt_completion": 'each line must be {"prompt": "...", "completion": "..."}'}[fmt]
+    try:
+        obj = json.loads(line)
+    except json.JSONDecodeError as e:
+        raise DataError(f"{where}: not JSON ({e.msg} at column {e.colno}); {fix}.") from None
+    if not isinstance(obj, dict):
+        raise DataError(f"{where}: a JSON {type(obj).__name__}, not an object; {fix}.")
+    if fmt == "prompt_completion":
+        for key in ("prompt", "completion"):
+            if not isinstance(obj.get(key), str):
+                what = "missing" if key not in obj else f"a {type(obj[key]).__name__}"
+                raise DataError(f"{where}: \"{key}\" is {what}, not a string; {fix}.")
+        return Record(where, line, prompt=obj["prompt"], completion=obj["completion"])
+    messages = obj.get("messages")
+    if not isinstance(messages, list) or not messages:
+        what = "missing" if "messages" not in obj else "not a non-empty list"
+        raise DataError(f"{where}: \"messages\" is {what}; {fix}.")
+    for i, message in enumerate(messages):
+        error = _message_error(message, i)
+        if error:
+            raise DataError(f"{where}: {error}; {fix}.")
+    tools = obj.get("tools")
+    if tools is not None and not isinstance(tools, list):
+        raise DataError(f"{where}: \"tools\" is not a list of JSON schemas; {fix}.")
+    return Record(where, line, messages=messages, tools=tools)
+
+
+def read_records(files: Sequence[str], fmt: str) -> List[Record]:
+    """Every non-blank line of the JSONL `files` as a Record, in order."""
+    records = []
+    for path in files:
+        try:
+            with open(path, encoding="utf-8") as f:
+                lines = list(f)
+        except UnicodeDecodeError as e:
+            raise DataError(f"{path}: not UTF-8 ({e.reason} at byte {e.start}); re-encode "
+                            "it as UTF-8.") from None
+        for number, line in enumerate(lines, 1):
+            if line.strip():
+                records.append(parse_line(line, f"{path}:{number}", fmt))
+    return records
+
+
+def held_out(record: Record, fraction: float) -> bool:
+    """Whether a record is validation data: a hash of its line below `fraction` (stable
+    across runs and independent of order, as the text sources' holdout)."""
+    digest = hashlib.sha256(record.text.strip().encode("utf-8")).digest()
+    return int.from_bytes(digest[:8], "little") % _HOLDOUT_BUCKETS < fraction * _HOLDOUT_BUCKETS
+
+
+def added_token_ids(folder: Optional[str]) -> Dict[str, int]:
+    """{text: id} of a tokenizer folder's added tokens (tokenizer_config.json's
+    added_tokens_decoder), which transformers splits out of text before encoding."""
+    import os
+
+    from tfllm.data.chat_template import TOKENIZER_CONFIG
+    path = os.path.join(folder, TOKENIZER_CONFIG) if folder else ""
+    if not path or not os.path.isfile(path):
+        return {}
+    try:
+        with open(path, encoding="utf-8") as f:
+            decoder = json.load(f).get("added_tokens_decoder") or {}
+    except (OSError, ValueError):
+        return {}
+    return {entry["content"]: int(i) for i, entry in decoder.items()
+            if isinstance(entry, dict) and isinstance(entry.get("content"), str)
+            and str(i).isdigit()}
+
+
+def text_encoder(tokenizer, added: Dict[str, int]) -> Callable[[str], List[int]]:
+    """encode(text) -> ids: the tokenizer's, with `added` tokens mapped to their ids and
+    the text between them encoded piece by piece."""
+    if not added:
+        return tokenizer.encode
+    pattern = re.compile("|".join(re.escape(t) for t in sorted(added, key=len, reverse=True)))
+
+    def encode(text: str) -> List[int]:
+        ids, at = [], 0
+        for match in pattern.finditer(text):
+            if match.start() > at:
+                ids += tokenizer.encode(text[at:match.start()])
+            ids.append(added[match.group()])
+            at = match.end()
+        if at < len(text):
+            ids += tokenizer.encode(text[at:])
+        return ids
+    return encode
+
+
+def span_mask(encode, text: str, spans: Sequence[Tuple[int, int]]) -> Tuple[List[int], np.ndarray]:
+    """(ids of text, int8 mask of the tokens overlapping any character span)."""
+    ids = encode(text)
+    mask = np.zeros(len(ids), np.int8)
+
+    def token_at(char: int, end: bool) -> int:
+        if char <= 0:
+            return 0
+        if char >= len(text):
+            return len(ids)
+        prefix = encode(text[:char])
+        common = 0
+        for a, b in zip(prefix, ids):
+            if a != b:
+                break
+            common += 1
+        # A token of the whole text that straddles the boundary overlaps the span.
+        return common + 1 if end and common < len(prefix) else common
+    for start, stop in spans:
+        if stop > start:
+            mask[token_at(start, False):token_at(stop, True)] = 1
+    return ids, mask
+
+
+class SampleEncoder:
+    """Records -> Samples: rendering, the loss mask of train.loss_on, token ids.
+
+    Args:
+      tokenizer: a `tfllm.data.tokenizer.Tokenizer`.
+      fmt: data.format (messages or prompt_completion).
+      loss_on: train.loss_on.
+      template: the `ChatTemplate` (messages data).
+      added: the tokenizer folder's added tokens (`added_token_ids`).
+      max_tokens: a longer sample is cut to its first max_tokens tokens.
+    """
+
+    def __init__(self, tokenizer, fmt: str, loss_on: str, template=None,
+                 added: Optional[Dict[str, int]] = None, max_tokens: int = 0):
+        self.tokenizer, self.fmt, self.loss_on = tokenizer, fmt, loss_on
+        self.template, self.max_tokens = template, max_tokens
+        self.encode = text_encoder(tokenizer, added or {})
+        #: what the template writes after an assistant reply (its end-of-turn text)
+        self.end_of_turn = template.end_of_turn() if template is not None else ""
+        #: samples cut to max_tokens so far
+        self.truncated = 0
+
+    def _render(self, record: Record, messages, generation_prompt: bool = False) -> str:
+        try:
+            return self.template.render(messages, add_generation_prompt=generation_prompt,
+                                        tools=record.tools)
+        except jinja2.exceptions.TemplateError as e:
+            raise DataError(f"{record.where}: the chat template ({self.template.origin}) "
+                            f"refused the conversation ({e}); fix the sample or use another "
+                            "template (data.chat_template).") from None
+
+    def _assistant_spans(self, record: Record) -> Tuple[str, List[Tuple[int, int]]]:
+        messages = record.messages
+        turns = [i for i, m in enumerate(messages) if m["role"] == "assistant"]
+        if self.template.has_generation:
+            try:
+                text, spans = self.template.render_with_spans(messages, record.tools)
+            except jinja2.exceptions.TemplateError:
+                text = self._render(record, messages)  # raises the sample's error
+            eot = self.end_of_turn
+            # A span that stops before the end-of-turn text: the end of turn is trained too.
+            spans = [(a, b + len(eot)) if eot and not text[a:b].endswith(eot)
+                     and text.startswith(eot, b) else (a, b) for a, b in spans]
+            if self.loss_on == "last_assistant":
+                spans = spans[-1:]
+            return text, spans
+        text = self._render(record, messages)
+        if self.loss_on == "last_assistant":
+            turns = turns[-1:]
+        spans = []
+        for i in turns:
+            before = self._render(record, messages[:i], generation_prompt=True) if i else ""
+            through = self._render(record, messages[:i + 1])
+            if not (through.startswith(before) and text.startswith(through)):
+                raise DataError(
+                    f"{record.where}: the chat template ({self.template.origin}) is not "
+                    f"prefix-preserving (rendered up to assistant turn {i} it is not the start "
+                    "of the whole conversation), so its assistant tokens cannot be found; use "
+                    "a template with {% generation %} markers (data.chat_template, e.g. "
+                    "tfllm/data/templates/chatml.jinja) or train.loss_on=last_assistant/all.")
+            spans.append((len(before), len(through)))
+        return text, spans
+
+    def __call__(self, record: Record) -> Sample:
+        if self.fmt == "prompt_completion":
+            text = record.prompt + record.completion
+            spans = [(0 if self.loss_on == "all" else len(record.prompt), len(text))]
+            ids, mask = span_mask(self.encode, text, spans)
+            ids.append(self.tokenizer.eod_id)  # trained with the completion
+            mask = np.append(mask, np.int8(1))
+        elif self.loss_on == "all":
+            text = self._render(record, record.messages)
+            ids, mask = span_mask(self.encode, text, [(0, len(text))])
+        else:
+            text, spans = self._assistant_spans(record)
+            ids, mask = span_mask(self.encode, text, spans)
+        tokens = np.asarray(ids, np.int32)
+        if self.max_tokens and len(tokens) > self.max_tokens:
+            tokens, mask = tokens[:self.max_tokens], mask[:self.max_tokens]
+            self.truncated += 1
+        mask = mask.astype(np.int8)
+        if len(mask):
+            mask[0] = 0  # a sample's first token is predicted by nothing
+        if not mask.any():
+            cut = (f" within its first {self.max_tokens} tokens (data.sequence_length + 1)"
+                   if self.max_tokens and len(ids) > self.max_tokens else "")
+            raise DataError(f"{record.where}: no token is trained{cut} with train.loss_on="
+                            f"{self.loss_on}; give the sample an assistant reply (or "
+                            "completion), shorten it or raise data.sequence_length, or "
+                            "remove it.")
+        return Sample(tokens, mask, record.where)
+
+
+# Samples of a split, kept per process: training and every evaluation ask for them.
+_PREPARED: Dict[tuple, List[Sample]] = {}
+
+
+def _files_key(files: Sequence[str]) -> tuple:
+    import os
+    return tuple((path, os.path.getsize(path), os.stat(path).st_mtime_ns) for path in files)
+
+
+def split_files(data, split: str) -> List[str]:
+    """The JSONL files a split reads: data.eval_paths for validation when set, else
+    data.paths."""
+    from tfllm.data.sources import resolve_files
+    if data.eval_paths and split == "validation":
+        return resolve_files(data.eval_paths, "data.eval_paths")
+    return resolve_files(data.paths, "data.paths")
+
+
+def split_records(data, split: str) -> List[Record]:
+    """A split's records: every line of its files, less (training) or only (validation)
+    the lines held out by data.validation_fraction when there are no data.eval_paths."""
+    records = read_records(split_files(data, split), data.format)
+    if not data.eval_paths and data.validation_fraction > 0:
+        validation = split == "validation"
+        records = [r for r in records if held_out(r, data.validation_fraction) == validation]
+    return records
+
+
+def prepare_samples(config, tokenizer, split: str) -> List[Sample]:
+    """Every sample of a split, tokenized with its loss mask, in file and line order.
+
+    Validation data: data.eval_paths, else the lines of data.paths whose hash falls below
+    data.validation_fraction (those are left out of training). A sample longer than
+    data.sequence_length + 1 tokens is cut to that length (as TRL's max_length and
+    torchtune's max_seq_len do); the count is logged.
+
+    Args:
+      config: the full tfllm Config (data, train.loss_on).
+      tokenizer: the run's `tfllm.data.tokenizer.Tokenizer`.
+      split: "train" or "validation".
+    """
+    from tfllm.data.chat_template import folder_of, load_chat_template
+
+    data, loss_on = config.data, config.train.loss_on
+    check_settings(data, loss_on)
+    files = split_files(data, split)
+    template = load_chat_template(data) if data.format == "messages" else None
+    length = data.sequence_length + 1
+    cache_key = (_files_key(files), split, data.format, loss_on, bool(data.eval_paths),
+                 data.validation_fraction, template.source if template else None,
+                 tokenizer.fingerprint(), length)
+    if cache_key in _PREPARED:
+        return _PREPARED[cache_key]
+    records = split_records(data, split)
+    folder = folder_of(data.tokenizer_path) if data.tokenizer == "file" else None
+    encoder = SampleEncoder(tokenizer, data.format, loss_on, template,
+                            added_token_ids(folder), max_tokens=length)
+    samples = [encoder(r) for r in records]
+    if encoder.truncated:
+        log.warning(f"{split}: {encoder.truncated} of {len(samples)} samples are longer than "
+            f"data.sequence_length + 1 = {length} tokens and were cut to it")
+    if len(_PREPARED) >= 8:
+        _PREPARED.clear()
+    _PREPARED[cache_key] = samples
+    return samples
