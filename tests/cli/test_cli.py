@@ -26,7 +26,7 @@ def test_cli_surface_is_frozen():
         "export-step": ["--check", "--config", "--help", "--out", "--set", "-h"],
         "plan": ["--collectives", "--config", "--devices", "--help", "--json", "--layers",
                  "--set", "--target", "-h"],
-        "generate": ["--help", "--max-new-tokens", "--prompt", "--seed", "--set",
+        "generate": ["--chat", "--help", "--max-new-tokens", "--prompt", "--seed", "--set",
                      "--temperature", "--top-k", "--top-p", "--workdir", "-h"],
         "eval": ["--help", "--set", "--steps", "--workdir", "-h"],
         "export": ["--dtype", "--format", "--help", "--max-shard-size", "--out", "--set",

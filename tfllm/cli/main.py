@@ -226,6 +226,11 @@ def cmd_generate(args) -> int:
                          "synthetic and has no tokenizer, so there is no text to generate; "
                          "use a run trained on text.")
     run, meta = _restored_run(args, config)
+    if args.chat:  # the reply through the run's chat template (tfllm.generate.chat)
+        from tfllm.generate.chat import chat_reply
+        print(chat_reply(run, args.prompt, args.max_new_tokens, temperature=args.temperature,
+                         top_k=args.top_k, top_p=args.top_p, seed=args.seed))
+        return 0
     limit = config.model.max_sequence_length
     prompt_tokens = len(run.tokenizer.encode(args.prompt))
     if not 0 < prompt_tokens < limit:
@@ -365,6 +370,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "reaches p, 0 < p <= 1 (1: all).")
     p.add_argument("--seed", type=_whole(-2 ** 31, 2 ** 31 - 1), default=0,
                    help="Seed of the sampling (a 32-bit integer).")
+    p.add_argument("--chat", action="store_true",
+                   help="--prompt is a user message (or a JSON list of messages): render it "
+                        "with the run's chat template and its generation prompt, print the "
+                        "assistant's reply, stop at the template's end of turn.")
     p.set_defaults(fn=cmd_generate)
     p = sub.add_parser("eval", help="Validation loss and perplexity of a trained run.")
     p.add_argument("--workdir", required=True, help="A run directory of tfllm train.")

@@ -294,10 +294,40 @@ def load_chat_template(data) -> ChatTemplate:
     return ChatTemplate(source, specials, origin)
 
 
-def write_template(folder: str, template: ChatTemplate) -> str:
-    """Writes `template` as FOLDER/chat_template.jinja (what transformers 5 reads first);
-    returns the path."""
+def copy_template_files(source: str, folder: str) -> List[str]:
+    """Copies a Hugging Face folder's template files (chat_template.jinja,
+    tokenizer_config.json, special_tokens_map.json: the template, its special tokens and
+    added tokens) into a run's tokenizer `folder`, where `load_chat_template` finds them;
+    files `folder` already has are kept. Returns the names copied."""
+    import shutil
+
+    copied = []
+    if not os.path.isdir(source):
+        return copied
+    for name in (TEMPLATE_FILE, TOKENIZER_CONFIG, SPECIAL_TOKENS_MAP):
+        src, dst = os.path.join(source, name), os.path.join(folder, name)
+        if os.path.isfile(src) and not os.path.exists(dst):
+            shutil.copyfile(src, dst)
+            copied.append(name)
+    return copied
+
+
+def export_template(data, folder: str) -> Optional[str]:
+    """Writes the run's chat template (`load_chat_template`) into an exported Hugging
+    Face folder: chat_template.jinja, which transformers reads first, and the
+    chat_template of its tokenizer_config.json, for readers that know only that. Returns
+    the .jinja path, or None when the run has no template."""
+    try:
+        template = load_chat_template(data)
+    except DataError:
+        return None
     path = os.path.join(folder, TEMPLATE_FILE)
     with open(path, "w", encoding="utf-8") as f:
         f.write(template.source)
+    config_path = os.path.join(folder, TOKENIZER_CONFIG)
+    if os.path.isfile(config_path):
+        config = _read_json(config_path)
+        config["chat_template"] = template.source
+        with open(config_path, "w", encoding="utf-8") as f:
+            json.dump(config, f, indent=2, ensure_ascii=False)
     return path

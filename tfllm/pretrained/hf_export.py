@@ -439,6 +439,7 @@ def export_hf(config, workdir: str, out: str, dtype: str = "float32",
 
     from tfllm.checkpoint.reader import Reader
     from tfllm.checkpoint.workdir import Workdir
+    from tfllm.data.chat_template import export_template
     from tfllm.pretrained.exporter import require_new_folder, written_atomically
     from tfllm.pretrained.importer import read_origin
 
@@ -475,6 +476,7 @@ def export_hf(config, workdir: str, out: str, dtype: str = "float32",
 
     with written_atomically(out) as tmp:
         written, bos, eos, why = _tokenizer_files(config, tmp)
+        export_template(config.data, tmp)  # the run's chat template, when it has one
         with open(os.path.join(tmp, "config.json"), "w", encoding="utf-8") as f:
             json.dump(hf_config(m, model_type, dtype, bos, eos), f, indent=2,
                       sort_keys=True)

@@ -212,6 +212,7 @@ def import_preset(preset: str, workdir: str, overrides: Iterable[str] = (),
     """
     from tfllm.checkpoint import agree_nonce
     from tfllm.config.loader import to_dict
+    from tfllm.data.chat_template import copy_template_files
     from tfllm.data.tokenizer import _check_vocab, from_file
     from tfllm.models import build_model
     from tfllm.parallel import make_parallel
@@ -237,6 +238,8 @@ def import_preset(preset: str, workdir: str, overrides: Iterable[str] = (),
             # The marker first: a crash leaves a folder provably this import's own.
             write_marker(tmp, "import")
             name = _write_tokenizer(source, tokenizer, tmp_dir)
+            # The chat template (data.format=messages) with its special and added tokens.
+            copy_template_files(source.path, tmp_dir.tokenizer_dir)
             config.data.tokenizer_path = os.path.join(workdir, name)
             # The tokenizer must load and fit the vocabulary before any weight is read.
             _check_vocab(from_file(os.path.join(tmp, name)), config.model.vocab_size,

@@ -1,0 +1,96 @@
+"""A chat turn: the conversation rendered by the run's chat template with its generation
+prompt, the assistant's reply generated until the template's end of turn.
+
+The end of turn is what the template writes right after an assistant reply
+(`ChatTemplate.end_of_turn`: "<|eot_id|>", "<|im_end|>", "<end_of_turn>", "</s>", ...).
+When it is one token the generator stops on it; otherwise (a byte tokenizer, say) the
+generator stops at the end-of-document id or the token budget and the reply is cut where
+the end-of-turn text begins.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import List, Optional
+
+from tfllm.data.chat import added_token_ids, text_encoder
+from tfllm.data.chat_template import folder_of, load_chat_template
+from tfllm.data.errors import DataError
+from tfllm.generate.generator import Generator
+
+
+def conversation(prompt: str) -> List[dict]:
+    """The messages of `tfllm generate --chat --prompt`: a JSON list of {"role",
+    "content"} messages, or else the text of one user message."""
+    text = prompt.strip()
+    if text.startswith("["):
+        try:
+            messages = json.loads(text)
+        except json.JSONDecodeError:
+            messages = None
+        if isinstance(messages, list) and all(
+                isinstance(m, dict) and isinstance(m.get("role"), str)
+                and isinstance(m.get("content"), str) for m in messages):
+            return messages
+    return [{"role": "user", "content": prompt}]
+
+
+class ChatSession:
+    """Replies through a run's chat template.
+
+    Args:
+      model: the run's built model with its weights.
+      parallel: its sharding setup, or None.
+      tokenizer: the run's `tfllm.data.tokenizer.Tokenizer`.
+      data: the run's data settings (`config.data`: data.chat_template, data.tokenizer_path).
+      max_sequence_length: model.max_sequence_length.
+      jit_compile: XLA-compile generation.
+    """
+
+    def __init__(self, model, parallel, tokenizer, data, max_sequence_length: int,
+                 jit_compile: bool = True):
+        self.template = load_chat_template(data)
+        folder = folder_of(data.tokenizer_path) if data.tokenizer == "file" else None
+        self.encode = text_encoder(tokenizer, added_token_ids(folder))
+        self.tokenizer, self.limit = tokenizer, max_sequence_length
+        self.generator = Generator(model, parallel, jit_compile=jit_compile)
+        #: the end-of-turn text (stripped) and the id generation stops on
+        self.end_text = self.template.end_of_turn().strip()
+        ids = self.encode(self.end_text) if self.end_text else []
+        self.stop_id = ids[0] if len(ids) == 1 else tokenizer.eod_id
+
+    def prompt_ids(self, messages: List[dict]) -> List[int]:
+        """The conversation rendered with the generation prompt, as token ids."""
+        import jinja2
+        try:
+            text = self.template.render(messages, add_generation_prompt=True)
+        except jinja2.exceptions.TemplateError as e:
+            raise DataError(f"the chat template ({self.template.origin}) refused the "
+                            f"conversation ({e}); fix the messages.") from None
+        return self.encode(text)
+
+    def reply(self, messages: List[dict], max_new_tokens: int, **sampling) -> str:
+        """The assistant's next reply to `messages` (its end of turn not included).
+
+        Args:
+          messages: the conversation so far.
+          max_new_tokens: at most this many tokens.
+          **sampling: temperature, top_k, top_p, seed (`Generator.generate`).
+        """
+        ids = self.prompt_ids(messages)
+        if len(ids) >= self.limit:
+            raise DataError(f"the conversation is {len(ids)} tokens with the chat template; "
+                            f"model.max_sequence_length is {self.limit}: shorten it.")
+        new = self.generator.generate(ids, min(max_new_tokens, self.limit - len(ids)),
+                                      eos_id=self.stop_id, **sampling)
+        new = [int(i) for i in new if int(i) != self.tokenizer.eod_id]
+        text = self.tokenizer.decode(new)
+        return text.split(self.end_text)[0] if self.end_text else text
+
+
+def chat_reply(run, prompt: str, max_new_tokens: int, session: Optional[ChatSession] = None,
+               **sampling) -> str:
+    """The reply of a restored `tfllm.train.run.Run` to `prompt` (`conversation`)."""
+    session = session or ChatSession(run.model, run.parallel, run.tokenizer, run.config.data,
+                                     run.config.model.max_sequence_length, run.jit_compile)
+    return session.reply(conversation(prompt), max_new_tokens, **sampling)
