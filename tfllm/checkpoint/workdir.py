@@ -46,7 +46,7 @@ from tfllm.checkpoint.checkpointer import Checkpointer
 from tfllm.checkpoint.reader import Reader
 from tfllm.checkpoint.shards import CheckpointError
 from tfllm.checkpoint.state import model_variables
-from tfllm.checkpoint.storage import committed, latest, write_json_atomic
+from tfllm.checkpoint.storage import committed, latest, step_name, write_json_atomic
 from tfllm.config.loader import CONFIG_FILE, ConfigError, config_path, save_config, to_dict
 from tfllm.contracts import (CHECKPOINTS_DIR, COSTS_FILE, LOGS_DIR, MARKER, METRICS_FILE,
                              PLOT_FILE, PRETRAINED_FILE, TENSORBOARD_DIR, TOKENIZER_DIR,
@@ -172,8 +172,8 @@ class Workdir:
         return Checkpointer(self.checkpoints, parallel, config)
 
     def restore_weights(self, model, parallel=None, config=None, step: Optional[int] = None,
-                        fp8_state: bool = True, checkpointer: Optional[Checkpointer] = None
-                        ) -> dict:
+                        fp8_state: bool = True, checkpointer: Optional[Checkpointer] = None,
+                        new_adapters: bool = False) -> dict:
         """Restores the model's variables alone (no optimizer state is needed or built)
         from the latest committed checkpoint (falling back past corrupt ones per
         config.on_corruption) or from `step`; returns that checkpoint's metadata.
@@ -185,12 +185,21 @@ class Workdir:
           step: a committed step, or None for the latest.
           fp8_state: restore the FP8 amax histories too (False for pretrained weights).
           checkpointer: the run's own `Checkpointer` (else one is made).
+          new_adapters: LoRA weights (A and B) the checkpoint does not hold keep their
+            initialization (adapters added to imported weights); others must be there.
 
         Raises:
           FileNotFoundError: no committed checkpoint.
         """
         checkpointer = checkpointer or self.checkpointer(parallel, config)
         weights = model_variables(model, fp8_state)
+        if new_adapters:
+            found = step if step is not None else checkpointer.latest_step()
+            if found is not None:
+                saved = Reader(os.path.join(checkpointer.directory,
+                                            step_name(found))).variables
+                weights = {k: v for k, v in weights.items() if k in saved
+                           or not k.endswith(("/lora_a", "/lora_b"))}
         if step is not None:
             return checkpointer.restore(weights, step, strict=False)
         meta = checkpointer.restore_latest(weights, strict=False)

@@ -317,8 +317,6 @@ class LoraConfig:
                    min=0)
     alpha: float = _f(16.0, "Scale numerator: s = alpha / rank (alpha / sqrt(rank) with "
                       "rslora).", min=0.0)
-    dropout: float = _f(0.0, "Dropout on the adapter's input x (training only).", min=0.0,
-                        max=0.9)
     rslora: bool = _f(False, "Rank-stabilized LoRA: s = alpha / sqrt(rank).")
     targets: List[str] = _f([], "Projections that get adapters, in Hugging Face module "
                             "names as peft's target_modules (a name matches a module path "

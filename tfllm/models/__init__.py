@@ -13,6 +13,7 @@ from tfllm.models.causal_lm import Block, CausalLM
 from tfllm.models.gemma3 import Gemma3
 from tfllm.models.gpt import GPT
 from tfllm.models.llama import Llama
+from tfllm.models.lora import enable_lora, freeze_base
 from tfllm.models.loss import loss_sum_and_count, packed_target_mask, token_nll
 
 FAMILIES = {"gpt": GPT, "llama": Llama, "gemma3": Gemma3}
@@ -44,7 +45,9 @@ def build_model(config, parallel=None, seed: Optional[int] = None, model_cls=Non
     cls = model_cls or model_class(config.model.family)
     model = cls(config.model, dtype=keras_policy(config.precision.policy),
                 fp8=fp8_settings(config.precision))
+    enable_lora(model, config.lora)  # before the weights exist: kernels freeze, A and B join
     build_abstract(model)
+    freeze_base(model)
     if parallel is not None:  # fail before allocating anything if a variable cannot be laid out
         try:
             for var in model.variables:

@@ -138,7 +138,8 @@ class Block:
 
     Args:
       parallel: the `tfllm.parallel.placement.Parallel` setup.
-      variables: the block's trainable Keras variables.
+      variables: the block's weights (Keras variables); frozen ones (not trainable) are
+        gathered with the others but get no gradient and no reduction.
       pieces: how its activations split (`Pieces`).
       compute_dtype: the dtype float weights are used in (Keras autocast).
       gate: tensors (batch-leading) the forward gather waits for, or ().
@@ -159,6 +160,7 @@ class Block:
         batch_axes = parallel.batch_mesh_axes
         self.variables = list(variables)
         self.index: Dict[int, int] = {id(v): i for i, v in enumerate(self.variables)}
+        self.frozen = [not v.trainable for v in self.variables]
         self.shard_specs, self.compute_specs, self.dtypes = [], [], []
         for v in self.variables:
             spec = parallel.variable_spec(v)
@@ -317,6 +319,7 @@ class Block:
         grads = [None] * len(self.variables)
         lead = len(self.pieces.splits)
         for (gathered, kept, _), members in self.groups.items():
+            members = [i for i in members if not self.frozen[i]]
             for bucket in self._buckets(members):
                 parts = []
                 for i in bucket:
@@ -413,12 +416,14 @@ def active(block: Optional[Block]):
 
 def product(block: Block, var, equation: str, einsum, x, extra=()):
     """einsum(equation, x, var, *extra) run per piece, or None when the block cannot
-    (the weight is not its own, or the equation does not lead with batch and length)."""
+    (the weight is not its own, or the equation does not lead with batch and length).
+    A frozen weight gets no gradient (none is computed)."""
     wb = block.batched(var)
     eq = batched_equation(equation, block.pieces) if wb is not None else None
     if eq is None:
         return None
     pieces = block.pieces
+    frozen = block.frozen[block.index[id(var)]]
 
     @tf.custom_gradient
     def op(x, wb, *extra):
@@ -429,11 +434,13 @@ def product(block: Block, var, equation: str, einsum, x, extra=()):
         def grad(dy):
             w_again = block.again(var, dy)
             x5 = pieces.split(x)
+            wrt = [x5, *extra] if frozen else [x5, w_again, *extra]
             with tf.GradientTape() as tape:
-                tape.watch([x5, w_again, *extra])
+                tape.watch(wrt)
                 y_again = einsum(eq, x5, w_again, *extra)
-            grads = tape.gradient(y_again, [x5, w_again, *extra],
-                                  output_gradients=tf.reshape(dy, y_again.shape))
+            grads = tape.gradient(y_again, wrt, output_gradients=tf.reshape(dy, y_again.shape))
+            if frozen:
+                grads = [grads[0], None, *grads[1:]]
             return (tf.reshape(grads[0], shape), grads[1], *grads[2:])
 
         return tf.reshape(y5, out_shape), grad

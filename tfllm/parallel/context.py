@@ -119,7 +119,13 @@ def block_weights(layer, x, gate=(), regather: bool = True):
         yield
         return
     layers = list(layer) if isinstance(layer, (list, tuple)) else [layer]
-    variables = [v for l in layers for v in l.trainable_variables]
+    # Frozen weights (a LoRA kernel) travel in the block's gather too; only trainable
+    # ones are reduced. FP8 amax histories are not weights.
+    variables, seen = [], set()
+    for v in (v for l in layers for v in l.weights):
+        if id(v) not in seen and (v.trainable or getattr(v, "kind", "fp8_state") != "fp8_state"):
+            seen.add(id(v))
+            variables.append(v)
     block = parallel.block(variables, x, layers[0].compute_dtype, gate, regather,
                            name=layers[0].name)
     with fsdp.gate(gate), blocks.active(block):

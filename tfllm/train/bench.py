@@ -41,7 +41,7 @@ def benchmark(config, steps: int = 20, warmup: int = 3, repeats: int = 1) -> dic
             run.step(batches[i % len(batches)])  # returns numpy: synchronizes the devices
             times.append(time.perf_counter() - start)
     step_s = statistics.median(times)
-    fpt = flops_per_token(config.model, config.data.sequence_length)
+    fpt = flops_per_token(config.model, config.data.sequence_length, config.lora)
     peak = mesh_peak(run.parallel, config.precision.policy, config.precision.tf32)
     tokens_per_s = tokens_per_step / step_s
     mfu = peak.mfu(tokens_per_s, fpt)  # as `tfllm train`'s progress computes it

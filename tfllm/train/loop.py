@@ -24,6 +24,7 @@ from collections import deque
 from tfllm.checkpoint.workdir import (Workdir, check_tokenizer, check_workdir, start_run,
                                       tokenizer_fingerprint)
 from tfllm.data.tokenizer import save_to_run
+from tfllm.models.lora import summary_line as lora_summary
 from tfllm.config.loader import to_dict
 from tfllm.parallel.coordination import any_client
 from tfllm.contracts import client_id, num_clients
@@ -121,7 +122,7 @@ def _train(config, workdir, model_cls, out, signals, watchdog: list) -> dict:
     start_step, first_step_s = 0, None
     if imported:  # pretrained weights: a new run starts from them at step 0
         meta = run_dir.restore_weights(run.model, step=0, fp8_state=False,
-                                       checkpointer=checkpointer)
+                                       checkpointer=checkpointer, new_adapters=True)
         progress_note = f"; fine-tuning from {meta['imported'].get('preset', 'imported weights')}"
         meta = None
     else:
@@ -136,7 +137,7 @@ def _train(config, workdir, model_cls, out, signals, watchdog: list) -> dict:
         run_dir.save_config(config)
 
     tokens_per_step = t.global_batch_size * config.data.sequence_length
-    fpt = flops_per_token(config.model, config.data.sequence_length)
+    fpt = flops_per_token(config.model, config.data.sequence_length, config.lora)
     progress = Progress(t.steps, t.progress if primary else "lines", out,
                         mesh_peak(run.parallel, config.precision.policy,
                                   config.precision.tf32), fpt)
@@ -147,6 +148,8 @@ def _train(config, workdir, model_cls, out, signals, watchdog: list) -> dict:
                      f"{describe(config.precision)}"
                      + (f"; resuming after step {start_step}" if start_step else "")
                      + progress_note)
+    if config.lora.rank:
+        progress.message(lora_summary(run.model, config.lora))
     feed = run.feed
     idle = feed.idle_batch_axes()
     if idle:

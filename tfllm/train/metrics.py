@@ -60,9 +60,11 @@ def attention_pairs(sequence_length: int, window: int = 0) -> float:
     return T * W - W * W / 2
 
 
-def flops_per_token(model_config, sequence_length: int) -> int:
+def flops_per_token(model_config, sequence_length: int, lora_config=None) -> int:
     """Training FLOPs per token: 3x the forward pass (forward + backward), the module's
-    convention (rounded to a whole FLOP).
+    convention (rounded to a whole FLOP). With LoRA adapters (`lora_config.rank` > 0) the
+    frozen weights get no weight gradient: their matmuls count 2x forward (forward and the
+    input gradient), the adapters' 3x.
 
     Forward = 2 FLOPs per multiply-accumulate over every matmul weight (attention
     projections, MLP, LM head; embedding lookups are free) plus, per layer, the score
@@ -79,8 +81,17 @@ def flops_per_token(model_config, sequence_length: int) -> int:
     per_layer = E * heads * head_dim * 2 + E * kv * head_dim * 2 + mlp_matrices * E * F
     pairs = sum(attention_pairs(T, c.sliding_window if is_local_layer(c, i) else 0)
                 for i in range(L))
-    forward = 2 * (L * per_layer + E * V) + 2 * 2 * pairs * heads * head_dim / T
-    return round(3 * forward)
+    weights = 2 * (L * per_layer + E * V)
+    attention = 2 * 2 * pairs * heads * head_dim / T
+    if lora_config is None or lora_config.rank <= 0:
+        return round(3 * (weights + attention))
+    from tfllm.models.lora import projection_paths
+    sizes = {"attention/query": (E, heads * head_dim), "attention/key": (E, kv * head_dim),
+             "attention/value": (E, kv * head_dim), "attention/output": (heads * head_dim, E),
+             "mlp/gate": (E, F), "mlp/up": (E, F), "mlp/down": (F, E)}
+    adapters = 2 * L * lora_config.rank * sum(
+        sum(sizes[p]) for p in projection_paths(c.family, list(lora_config.targets)))
+    return round(2 * weights + 3 * (attention + adapters))
 
 
 def measure_matmul_peak(n: int = 2048, repeats: int = 10, dtype=tf.float32,

@@ -86,15 +86,39 @@ class Projection(keras.layers.Layer):
         self.use_bias = use_bias
         self.init_std = init_std
         self.output_axes = output_axes
+        #: a `tfllm.models.lora.LoraSpec` set before build (`enable_lora`), or None
+        self.lora = None
         inputs, output = equation.split("->")
-        kernel_letters = inputs.split(",")[1]
+        x_letters, kernel_letters = inputs.split(",")
         # The bias covers the output dimensions that come from the kernel.
         self._bias_dims = [i for i, c in enumerate(kernel_letters) if c in output
-                           and c not in inputs.split(",")[0]]
+                           and c not in x_letters]
+        # LoRA: A spans the kernel's contracted (input) dimensions, B its output ones.
+        self._in_dims = [i for i, c in enumerate(kernel_letters) if c in x_letters]
+        self._out_dims = [i for i, c in enumerate(kernel_letters) if c in output]
+        r = next(c for c in "rzyxwvu" if c not in equation)
+        mid = "".join(c for c in x_letters if c in output) + r
+        self._lora_equations = (
+            f"{x_letters},{''.join(kernel_letters[i] for i in self._in_dims)}{r}->{mid}",
+            f"{mid},{r}{''.join(kernel_letters[i] for i in self._out_dims)}->{output}")
 
     def build(self, input_shape=None):
+        lora = self.lora
         self.kernel = add_param(self, "kernel", self.kernel_shape, self.kernel_axes,
-                                ("normal", self.init_std), "kernel")
+                                ("normal", self.init_std), "kernel", trainable=lora is None)
+        if lora is not None:
+            fan_in = 1
+            for i in self._in_dims:
+                fan_in *= self.kernel_shape[i]
+            # peft's default A init is Kaiming-uniform(a=sqrt(5)): U(-1/sqrt(fan_in), ..),
+            # variance 1 / (3 fan_in); B starts at zero.
+            self.lora_a = add_param(
+                self, "lora_a", [self.kernel_shape[i] for i in self._in_dims] + [lora.rank],
+                [self.kernel_axes[i] for i in self._in_dims] + [None],
+                ("normal", (3.0 * fan_in) ** -0.5), "kernel")
+            self.lora_b = add_param(
+                self, "lora_b", [lora.rank] + [self.kernel_shape[i] for i in self._out_dims],
+                [None] + [self.kernel_axes[i] for i in self._out_dims], ("zeros",), "kernel")
         if self.use_bias:
             self.bias = add_param(self, "bias", [self.kernel_shape[i] for i in self._bias_dims],
                                   [self.kernel_axes[i] for i in self._bias_dims], ("zeros",),
@@ -115,12 +139,25 @@ class Projection(keras.layers.Layer):
         product = lambda x, w, *h: einsum(self.equation, x, w, *h)  # noqa: E731
         y = weight_product(product, x, self.kernel, self.kernel_axes, self.name, extra,
                            equation=self.equation, einsum=einsum)
+        if self.lora is not None:
+            y = y + self._adapter(x)
         if self.use_bias:
             y = apply_weight(lambda y, b: y + b, y, self.bias, self.bias.logical_axes,
                              self.name)
         if self.output_axes is not None:
             y = constrain(y, self.output_axes, self.name)
         return y
+
+
+    def _adapter(self, x):
+        """s (x A) B: the low-rank update, in the compute dtype like the kernel's product."""
+        to_a, to_b = self._lora_equations
+        plain = lambda eq: lambda x, w: tf.einsum(eq, x, w)  # noqa: E731
+        h = weight_product(plain(to_a), x, self.lora_a, self.lora_a.logical_axes,
+                           self.name, equation=to_a, einsum=tf.einsum)
+        h = weight_product(plain(to_b), h, self.lora_b, self.lora_b.logical_axes,
+                           self.name, equation=to_b, einsum=tf.einsum)
+        return h * tf.cast(self.lora.scale, h.dtype)
 
 
 class TokenEmbedding(keras.layers.Layer):

@@ -1,0 +1,116 @@
+"""LoRA adapters (tfllm.models.lora): the product, what trains, and parity on meshes.
+
+A fresh adapter leaves the model unchanged (B starts at zero); a projection computes
+x W + s (x A) B with W frozen; only A and B are trainable and hold optimizer state; the
+frozen weights travel in their block's one gather but get no gradient and no reduction;
+a LoRA step on a mesh equals the one-device step (tests/harness.py's tolerances).
+"""
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from tfllm.config import ConfigError
+from tfllm.models import build_model
+from tfllm.models.lora import projection_paths, scale, targeted, trainable_summary
+from tfllm.train.metrics import flops_per_token
+from tests.harness import assert_parity, parity_reference, parity_run, tiny_config
+
+LORA = (("lora.rank", 4), ("lora.alpha", 8.0))
+
+
+def _tokens():
+    return tf.constant(np.random.RandomState(0).randint(0, 128, (2, 16)), tf.int32)
+
+
+@pytest.mark.parametrize("family", ["gpt", "llama", "gemma3"])
+def test_a_fresh_adapter_changes_nothing_and_only_adapters_train(family):
+    base = build_model(tiny_config(family))
+    model = build_model(tiny_config(family, **dict(LORA)))
+    np.testing.assert_array_equal(model(_tokens()), base(_tokens()))
+    names = {v.path.rsplit("/", 1)[-1] for v in model.trainable_variables}
+    assert names == {"lora_a", "lora_b"}
+    counts = trainable_summary(model)
+    per_layer = len(projection_paths(family, []))
+    assert len(model.trainable_variables) == 2 * per_layer * 2  # 2 layers
+    assert counts["frozen"] == sum(int(np.prod(v.shape)) for v in base.trainable_variables)
+
+
+def test_a_projection_computes_x_w_plus_scaled_x_a_b():
+    model = build_model(tiny_config("llama", **dict(LORA)))
+    for layer, eq in ((model.blocks[0].attention.query, "btd,dhk->bthk"),
+                      (model.blocks[0].attention.output_proj, "bthk,hkd->btd"),
+                      (model.blocks[1].mlp.down, "btf,fd->btd")):
+        rng = np.random.RandomState(1)
+        layer.lora_b.assign(rng.normal(size=layer.lora_b.shape).astype("float32"))
+        x = tf.constant(rng.normal(size=(2, 5) + tuple(layer.kernel.shape[:len(eq.split(",")[0]) - 2])),
+                        tf.float32)
+        a = np.asarray(layer.lora_a).reshape(-1, 4)
+        b = np.asarray(layer.lora_b).reshape(4, -1)
+        delta = (a @ b).reshape(layer.kernel.shape)  # W + s A B, formed only here
+        want = tf.einsum(eq, x, layer.kernel + 2.0 * delta)  # s = 8 / 4
+        np.testing.assert_allclose(layer(x), want, rtol=1e-5, atol=1e-5)
+
+
+def test_scale_targets_and_refusals():
+    cfg = tiny_config("llama", **dict(LORA))
+    assert scale(cfg.lora) == 2.0
+    cfg.lora.rslora = True
+    assert scale(cfg.lora) == 4.0  # 8 / sqrt(4)
+    assert list(targeted("llama", ["q_proj", "self_attn.v_proj"])) == [
+        "self_attn.q_proj", "self_attn.v_proj"]
+    assert list(targeted("gpt", ["c_proj"])) == ["attn.c_proj", "mlp.c_proj"]  # peft's rule
+    assert projection_paths("gpt", ["c_attn"]) == ["attention/query", "attention/key",
+                                                   "attention/value"]
+    with pytest.raises(ConfigError, match=r"lora.targets: 'c_fc' names no projection of "
+                                          r"the llama family"):
+        build_model(tiny_config("llama", **dict(LORA), **{"lora.targets": ["c_fc"]}))
+
+
+def test_flops_count_no_weight_gradient_for_frozen_weights():
+    wide = {"model.hidden_dim": 1024, "model.intermediate_dim": 4096,
+            "model.vocab_size": 32000}
+    plain = tiny_config("llama", **wide)
+    lora = tiny_config("llama", **dict(LORA), **wide)
+    full, adapted = (flops_per_token(c.model, 16, c.lora) for c in (plain, lora))
+    # Without weight gradients the matmuls cost 2/3 (attention's share here is ~0.1%);
+    # rank-4 adapters on 1024-wide projections add ~1% back.
+    assert 2 / 3 * full < adapted < 0.68 * full
+
+
+@pytest.mark.slow  # two tiny-model steps on 8 devices: ~35-55 s on 2 cores
+@pytest.mark.parametrize("axes", ["fsdp=8"])
+def test_a_lora_step_on_fsdp_sends_only_adapter_gradients(axes):
+    from tests.parallel.test_blocks import _step
+    plain, _ = _step(axes, 2)
+    lora, _ = _step(axes, 2, **dict(LORA))
+    reduced = lambda r: sorted(c.elements for c in r.collectives  # noqa: E731
+                               if "block_1_reduce" in c.name)
+    gathered = lambda r: [c.elements for c in r.collectives  # noqa: E731
+                          if "block_1_gather" in c.name]
+    # One gather of the block: frozen kernels and adapters together.
+    assert len(gathered(lora)) == 1 and gathered(lora)[0] > gathered(plain)[0]
+    # Its reductions carry the adapters' gradients only (no norm scale, no kernel).
+    model = build_model(tiny_config("llama", axes, **dict(LORA)), allocate=False)
+    adapter_elements = sum(int(np.prod(v.shape)) for v in model.trainable_variables
+                           if "/block_1/" in v.path)
+    # (a reduce-scatter is an all-reduce of the whole buffer, then a slice, on CPU)
+    assert sum(reduced(lora)) == adapter_elements, (reduced(lora), adapter_elements)
+    assert sum(reduced(lora)) < sum(reduced(plain)) / 5
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family,axes,extra", [
+    ("llama", "fsdp=8", ()),
+    ("llama", "data=2,fsdp=2,model=2", ()),
+    ("gpt", "data=2,model=4", ()),
+    ("gemma3", "fsdp=4,model=2", ()),
+    ("llama", "data=2,fsdp=4", (("model.remat", "full"),)),
+])
+def test_a_lora_step_on_a_mesh_matches_one_device(family, axes, extra):
+    ref = parity_reference(family, False, LORA + extra)
+    run = parity_run(family, axes, False, LORA + extra)
+    assert_parity(run, ref)
+    # only A and B moved, and the optimizer holds state for them alone
+    assert all(p.rsplit("/", 1)[-1] in ("lora_a", "lora_b") for p in run["weights"])
+    assert [v.path for v in run["optimizer"].variables] == run["paths"]
