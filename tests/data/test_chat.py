@@ -9,10 +9,11 @@ import pytest
 from tests.data import chat_templates as T
 from tfllm.config import Config
 from tfllm.data import DataError
-from tfllm.data.chat import Record, SampleEncoder, parse_line, prepare_samples, read_records
+from tfllm.data.chat import Record, SampleEncoder, parse_line, read_records
 from tfllm.data.chat_template import ChatTemplate
 from tfllm.data.packing import PackedStream, best_fit
 from tfllm.data.pipeline import Batches
+from tfllm.data.samples import prepare_samples
 from tfllm.data.tokenizer import ByteTokenizer
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))

@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import logging
 import re
 from dataclasses import dataclass
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
@@ -46,7 +45,6 @@ ROLES = ("system", "user", "assistant", "tool")
 LOSS_ON = {"text": ("all",), "messages": ("all", "assistant", "last_assistant"),
            "prompt_completion": ("all", "completion")}
 _HOLDOUT_BUCKETS = 1 << 20
-log = logging.getLogger("tfllm.data")
 
 
 @dataclass
@@ -311,70 +309,3 @@ class SampleEncoder:
                             "completion), shorten it or raise data.sequence_length, or "
                             "remove it.")
         return Sample(tokens, mask, record.where)
-
-
-# Samples of a split, kept per process: training and every evaluation ask for them.
-_PREPARED: Dict[tuple, List[Sample]] = {}
-
-
-def _files_key(files: Sequence[str]) -> tuple:
-    import os
-    return tuple((path, os.path.getsize(path), os.stat(path).st_mtime_ns) for path in files)
-
-
-def split_files(data, split: str) -> List[str]:
-    """The JSONL files a split reads: data.eval_paths for validation when set, else
-    data.paths."""
-    from tfllm.data.sources import resolve_files
-    if data.eval_paths and split == "validation":
-        return resolve_files(data.eval_paths, "data.eval_paths")
-    return resolve_files(data.paths, "data.paths")
-
-
-def split_records(data, split: str) -> List[Record]:
-    """A split's records: every line of its files, less (training) or only (validation)
-    the lines held out by data.validation_fraction when there are no data.eval_paths."""
-    records = read_records(split_files(data, split), data.format)
-    if not data.eval_paths and data.validation_fraction > 0:
-        validation = split == "validation"
-        records = [r for r in records if held_out(r, data.validation_fraction) == validation]
-    return records
-
-
-def prepare_samples(config, tokenizer, split: str) -> List[Sample]:
-    """Every sample of a split, tokenized with its loss mask, in file and line order.
-
-    Validation data: data.eval_paths, else the lines of data.paths whose hash falls below
-    data.validation_fraction (those are left out of training). A sample longer than
-    data.sequence_length + 1 tokens is cut to that length (as TRL's max_length and
-    torchtune's max_seq_len do); the count is logged.
-
-    Args:
-      config: the full tfllm Config (data, train.loss_on).
-      tokenizer: the run's `tfllm.data.tokenizer.Tokenizer`.
-      split: "train" or "validation".
-    """
-    from tfllm.data.chat_template import folder_of, load_chat_template
-
-    data, loss_on = config.data, config.train.loss_on
-    check_settings(data, loss_on)
-    files = split_files(data, split)
-    template = load_chat_template(data) if data.format == "messages" else None
-    length = data.sequence_length + 1
-    cache_key = (_files_key(files), split, data.format, loss_on, bool(data.eval_paths),
-                 data.validation_fraction, template.source if template else None,
-                 tokenizer.fingerprint(), length)
-    if cache_key in _PREPARED:
-        return _PREPARED[cache_key]
-    records = split_records(data, split)
-    folder = folder_of(data.tokenizer_path) if data.tokenizer == "file" else None
-    encoder = SampleEncoder(tokenizer, data.format, loss_on, template,
-                            added_token_ids(folder), max_tokens=length)
-    samples = [encoder(r) for r in records]
-    if encoder.truncated:
-        log.warning(f"{split}: {encoder.truncated} of {len(samples)} samples are longer than "
-            f"data.sequence_length + 1 = {length} tokens and were cut to it")
-    if len(_PREPARED) >= 8:
-        _PREPARED.clear()
-    _PREPARED[cache_key] = samples
-    return samples

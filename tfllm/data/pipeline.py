@@ -35,9 +35,9 @@ from typing import Dict, Iterable, Optional
 import numpy as np
 import tensorflow as tf
 
-from tfllm.data.chat import prepare_samples
 from tfllm.data.errors import DataError
 from tfllm.data.packing import PackedStream
+from tfllm.data.samples import prepare_samples
 from tfllm.data.sources import documents, strip_continued
 from tfllm.data.synthetic import SyntheticTokens
 

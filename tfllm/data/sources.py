@@ -8,6 +8,8 @@ What a document is, per source:
             its offset rather than a tf error mid-training.
   tfrecord: one tf.train.Example; its bytes feature data.text_key is the text.
   tfds:     one example of the dataset; its feature data.text_key is the text.
+  (data.format messages / prompt_completion: one line of the JSONL files of data.paths,
+  held out by a hash of the line; `tfllm.data.samples` renders and tokenizes them.)
 
 Without separate validation data (data.eval_paths, or for tfds an empty
 data.tfds_eval_split), a document is held out when a hash of its text falls below
@@ -29,6 +31,7 @@ from typing import Iterator, List
 
 import tensorflow as tf
 
+from tfllm.data import chat
 from tfllm.data.errors import DataError
 
 SEPARATOR = "<|endoftext|>"
@@ -289,7 +292,6 @@ def documents(config, split: str, num_shards: int = 1, index: int = 0) -> tf.dat
                         + "data.validation_fraction > 0.")
     source = config.data.source
     if config.data.format != "text":  # JSONL samples: one document per line of the split
-        from tfllm.data.chat import split_records
         lines = [r.text for r in split_records(config.data, split)]
         docs = tf.data.Dataset.from_tensor_slices(tf.constant(lines, tf.string, [len(lines)]))
         return _shard(docs, num_shards, index)
@@ -305,6 +307,25 @@ def documents(config, split: str, num_shards: int = 1, index: int = 0) -> tf.dat
         return _file_documents(config, split, num_shards, index)
     raise DataError(f"data.source={source} has no documents; use corpus, text, "
                     "tfrecord or tfds.")
+
+
+def split_files(data, split: str) -> List[str]:
+    """The JSONL files a split reads: data.eval_paths for validation when set, else
+    data.paths."""
+    if data.eval_paths and split == "validation":
+        return resolve_files(data.eval_paths, "data.eval_paths")
+    return resolve_files(data.paths, "data.paths")
+
+
+def split_records(data, split: str) -> list:
+    """A split's records: every line of its files, less (training) or only (validation)
+    the lines held out by data.validation_fraction when there are no data.eval_paths."""
+    records = chat.read_records(split_files(data, split), data.format)
+    if not data.eval_paths and data.validation_fraction > 0:
+        validation = split == "validation"
+        records = [r for r in records
+                   if chat.held_out(r, data.validation_fraction) == validation]
+    return records
 
 
 def iterate_documents(config, split: str) -> Iterator[str]:

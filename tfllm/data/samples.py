@@ -1,0 +1,60 @@
+"""The samples of a split for SFT (data.format messages / prompt_completion): read,
+rendered, masked and tokenized once per process (`tfllm.data.chat`), then packed per row
+stream by `tfllm.data.pipeline.Batches`."""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import Dict, List, Sequence
+
+from tfllm.data.chat import Sample, SampleEncoder, added_token_ids, check_settings
+from tfllm.data.chat_template import folder_of, load_chat_template
+from tfllm.data.sources import split_files, split_records
+
+log = logging.getLogger("tfllm.data")
+
+
+# Samples of a split, kept per process: training and every evaluation ask for them.
+_PREPARED: Dict[tuple, List[Sample]] = {}
+
+
+def _files_key(files: Sequence[str]) -> tuple:
+    return tuple((path, os.path.getsize(path), os.stat(path).st_mtime_ns) for path in files)
+
+
+def prepare_samples(config, tokenizer, split: str) -> List[Sample]:
+    """Every sample of a split, tokenized with its loss mask, in file and line order.
+
+    Validation data: data.eval_paths, else the lines of data.paths whose hash falls below
+    data.validation_fraction (those are left out of training). A sample longer than
+    data.sequence_length + 1 tokens is cut to that length (as TRL's max_length and
+    torchtune's max_seq_len do); the count is logged.
+
+    Args:
+      config: the full tfllm Config (data, train.loss_on).
+      tokenizer: the run's `tfllm.data.tokenizer.Tokenizer`.
+      split: "train" or "validation".
+    """
+    data, loss_on = config.data, config.train.loss_on
+    check_settings(data, loss_on)
+    files = split_files(data, split)
+    template = load_chat_template(data) if data.format == "messages" else None
+    length = data.sequence_length + 1
+    cache_key = (_files_key(files), split, data.format, loss_on, bool(data.eval_paths),
+                 data.validation_fraction, template.source if template else None,
+                 tokenizer.fingerprint(), length)
+    if cache_key in _PREPARED:
+        return _PREPARED[cache_key]
+    records = split_records(data, split)
+    folder = folder_of(data.tokenizer_path) if data.tokenizer == "file" else None
+    encoder = SampleEncoder(tokenizer, data.format, loss_on, template,
+                            added_token_ids(folder), max_tokens=length)
+    samples = [encoder(r) for r in records]
+    if encoder.truncated:
+        log.warning(f"{split}: {encoder.truncated} of {len(samples)} samples are longer "
+                    f"than data.sequence_length + 1 = {length} tokens and were cut to it")
+    if len(_PREPARED) >= 8:
+        _PREPARED.clear()
+    _PREPARED[cache_key] = samples
+    return samples
