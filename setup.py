@@ -43,7 +43,9 @@ setup(
         # torch is pinned to the CPU wheel this project's machines carry; elsewhere pip
         # takes it from https://download.pytorch.org/whl/cpu (README, "Tests").
         "test": ["pytest>=7", "pytest-timeout", "pytest-xdist", "nbclient", "nbformat", "ipykernel",
-                 "transformers>=5.0,<6", "torch==2.13.0"],
+                 "transformers>=5.0,<6", "torch==2.13.0",
+                 # the reference of LoRA adapters (tfllm export --format peft / --adapter)
+                 "peft>=0.14,<1"],
         # Opening the notebooks (`jupyter lab notebooks/`); 03 and 06 also need `plan`.
         "notebooks": ["jupyterlab", "ipykernel"],
         # `tfllm plan`: jaxlib's compile-only CUDA client (no NVIDIA wheels, no driver).

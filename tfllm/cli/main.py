@@ -255,10 +255,17 @@ def cmd_eval(args) -> int:
 
 def cmd_export(args) -> int:
     config = _saved_config(args)  # a folder that is no run is refused before TensorFlow
+    if args.merge_lora and args.format != "hf":
+        raise InputError("--merge-lora goes with --format hf.")
     if args.format == "hf":
         from tfllm.pretrained.hf_export import export_hf
         print(json.dumps(export_hf(config, args.workdir, args.out, args.dtype,
-                                   args.max_shard_size)))
+                                   args.max_shard_size, args.merge_lora)))
+        return 0
+    if args.format == "peft":
+        from tfllm.pretrained.peft import export_peft
+        print(json.dumps(export_peft(config, args.workdir, args.out, args.dtype,
+                                     not args.skip_vllm_checks)))
         return 0
     if args.format == "keras-hub":
         from tfllm.pretrained.exporter import export_preset
@@ -271,7 +278,8 @@ def cmd_export(args) -> int:
 
 def cmd_import(args) -> int:
     from tfllm.pretrained import import_preset
-    print(json.dumps(import_preset(args.preset, args.workdir, args.overrides, args.tokenizer)))
+    print(json.dumps(import_preset(args.preset, args.workdir, args.overrides, args.tokenizer,
+                                   args.adapter)))
     return 0
 
 
@@ -389,10 +397,19 @@ def build_parser() -> argparse.ArgumentParser:
                    metavar="SECTION.KEY=VALUE", help="Override a setting.")
     p.add_argument("--out", required=True, help="Output directory.")
     p.add_argument("--format", default="saved-model",
-                   choices=("saved-model", "keras-hub", "hf"),
+                   choices=("saved-model", "keras-hub", "hf", "peft"),
                    help="saved-model (SavedModel + Keras weights), keras-hub (a preset "
-                        "that keras_hub.models.CausalLM.from_preset loads) or hf (a "
-                        "folder that transformers' from_pretrained loads and vLLM serves).")
+                        "that keras_hub.models.CausalLM.from_preset loads), hf (a "
+                        "folder that transformers' from_pretrained loads and vLLM serves) "
+                        "or peft (a run's LoRA adapter: adapter_config.json + "
+                        "adapter_model.safetensors, for peft's PeftModel and vLLM "
+                        "--enable-lora).")
+    p.add_argument("--merge-lora", action="store_true",
+                   help="--format hf of a LoRA run: merge each adapter into its weight "
+                        "(W + s A B, in float32, then --dtype).")
+    p.add_argument("--skip-vllm-checks", action="store_true",
+                   help="--format peft: write an adapter vLLM would refuse (a rank outside "
+                        "its --max-lora-rank values, GPT-2); peft still loads it.")
     p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"),
                    help="--format hf: the stored weights' dtype (float32: exact; bfloat16: "
                         "rounded to nearest even).")
@@ -408,6 +425,9 @@ def build_parser() -> argparse.ArgumentParser:
                    metavar="SECTION.KEY=VALUE", help="Override a setting, e.g. mesh.axes.")
     p.add_argument("--tokenizer", default=None, help="Use this tokenizer instead of the "
                    "preset's: a keras-hub tokenizer preset or a SentencePiece .model file.")
+    p.add_argument("--adapter", default=None, help="A PEFT LoRA adapter folder trained on "
+                   "this base (adapter_config.json + adapter_model.safetensors): the run "
+                   "gets its lora settings and weights, to evaluate or train on.")
     p.set_defaults(fn=cmd_import)
     p = sub.add_parser("layouts", help="Print each variable's layout and bytes per device "
                        "without allocating the model.")

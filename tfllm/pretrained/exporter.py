@@ -74,6 +74,11 @@ def export_preset(config, workdir: str, out_dir: str) -> dict:
     from tfllm.checkpoint.workdir import Workdir
     from tfllm.models import build_model
 
+    if config.lora.rank:
+        raise PretrainedError(f"{workdir} trains LoRA adapters (lora.rank="
+                              f"{config.lora.rank}); a keras-hub preset holds plain weights: "
+                              "export with --format hf --merge-lora, or the adapter alone "
+                              "with --format peft.")
     out_dir = require_new_folder(out_dir)
     origin = read_origin(workdir) or {}
     name = origin.get("backbone") or default_backbone(config.model)

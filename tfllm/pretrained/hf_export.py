@@ -421,7 +421,7 @@ def _tokenizer_files(config, out: str) -> Tuple[bool, Optional[int], Optional[in
 
 
 def export_hf(config, workdir: str, out: str, dtype: str = "float32",
-              max_shard_size="5GB") -> dict:
+              max_shard_size="5GB", merge_lora: bool = False) -> dict:
     """Writes the run in `workdir` (latest checkpoint) as a Hugging Face folder `out`.
 
     Args:
@@ -431,6 +431,9 @@ def export_hf(config, workdir: str, out: str, dtype: str = "float32",
       dtype: `float32` (the checkpoint's master weights, exactly) or `bfloat16` (rounded
         to nearest even, how most published checkpoints are stored).
       max_shard_size: the largest safetensors file, as transformers' `max_shard_size`.
+      merge_lora: a run with LoRA adapters (lora.rank > 0) is written with each adapter
+        merged into its kernel, W + s A B, in float32 before the cast; without it such a
+        run is refused (its adapters would be dropped without a word).
 
     Returns:
       A summary: out, step, model_type, dtype, files, tensors, bytes, tokenizer.
@@ -445,6 +448,13 @@ def export_hf(config, workdir: str, out: str, dtype: str = "float32",
 
     if dtype not in DTYPES:
         raise PretrainedError(f"--dtype {dtype}: choose one of {sorted(DTYPES)}.")
+    lora = config.lora
+    if lora.rank and not merge_lora:
+        raise PretrainedError(f"{workdir} trains LoRA adapters (lora.rank={lora.rank}): pass "
+                              "--merge-lora to write merged weights, or --format peft for "
+                              "the adapter alone.")
+    if merge_lora and not lora.rank:
+        raise PretrainedError(f"--merge-lora: {workdir} has no LoRA adapters (lora.rank=0).")
     max_bytes = _parse_size(max_shard_size)
     out = require_new_folder(out)
     m = config.model
@@ -467,6 +477,9 @@ def export_hf(config, workdir: str, out: str, dtype: str = "float32",
 
     def produce(t: Tensor) -> np.ndarray:
         arrays = [reader.whole(prefix + s).astype(np.float32, copy=False) for s in t.sources]
+        if merge_lora:
+            from tfllm.pretrained.peft import merged
+            arrays = [merged(reader, prefix, s, a, lora) for s, a in zip(t.sources, arrays)]
         array = t.make(*arrays)
         if tuple(array.shape) != t.shape:
             raise PretrainedError(f"{t.key}: made shape {list(array.shape)} from "

@@ -82,8 +82,10 @@ def load_weights(model, source: Source) -> dict:
     from tfllm.checkpoint.shards import assign_blocks, target_blocks, tf_variable
     mapping = source.family.weight_map(model.config)
     prefix = model.name + "/"
+    # LoRA adapters are no preset weights: they keep their init (or come from --adapter).
     ours = {v.path[len(prefix):] if v.path.startswith(prefix) else v.path: v
-            for v in model.variables if getattr(v, "kind", None) != "fp8_state"}
+            for v in model.variables if getattr(v, "kind", None) != "fp8_state"
+            and not v.path.endswith(("/lora_a", "/lora_b"))}
     unmapped = sorted(set(ours) - set(mapping))
     if unmapped:
         raise PretrainedError(f"tfllm's {model.config.family} model has weights no "
@@ -186,8 +188,33 @@ def _write_tokenizer(source: Source, tokenizer: Optional[str], out: Workdir) -> 
     return TOKENIZER_DIR
 
 
+def load_adapter(model, arrays: dict) -> int:
+    """Assigns LoRA A/B arrays ({"block_i/<projection>/lora_a": array}, from
+    `tfllm.pretrained.peft.read_adapter`) to the model's adapters; every adapter must get
+    one. Returns how many were assigned."""
+    from tfllm.checkpoint.shards import assign_blocks, target_blocks, tf_variable
+    prefix = model.name + "/"
+    ours = {v.path[len(prefix):]: v for v in model.variables
+            if v.path.endswith(("/lora_a", "/lora_b"))}
+    if sorted(ours) != sorted(arrays):
+        missing = sorted(set(ours) - set(arrays)) or sorted(set(arrays) - set(ours))
+        raise PretrainedError(f"--adapter: its modules do not match the model's "
+                              f"({missing[:3]}); is it an adapter of this base?")
+    for path, var in ours.items():
+        shape = tuple(int(n) for n in var.shape)
+        if arrays[path].size != np.prod(shape):
+            raise PretrainedError(f"--adapter: {path} holds {arrays[path].size} values, the "
+                                  f"model's is shaped {list(shape)}; is it an adapter of "
+                                  "this base?")
+        var = tf_variable(var, path)
+        full = arrays[path].reshape(shape).astype(np.dtype(var.dtype.as_numpy_dtype))
+        blocks = sorted({block for _, block in target_blocks(var)})
+        assign_blocks(var, {b: full[block_slices(*b)] for b in blocks})
+    return len(ours)
+
+
 def import_preset(preset: str, workdir: str, overrides: Iterable[str] = (),
-                  tokenizer: Optional[str] = None) -> dict:
+                  tokenizer: Optional[str] = None, adapter: Optional[str] = None) -> dict:
     """Writes `workdir` as a tfllm run at step 0 holding the preset's weights.
 
     The run directory gets config.yaml (the model section derived from the preset, the
@@ -206,6 +233,8 @@ def import_preset(preset: str, workdir: str, overrides: Iterable[str] = (),
       overrides: 'section.key=value' (e.g. mesh.axes=data=2,model=4).
       tokenizer: a tokenizer to use instead of the preset's: a keras-hub tokenizer
         preset directory or a SentencePiece .model file.
+      adapter: a PEFT LoRA adapter folder of this base: its lora settings join the run's
+        config and its A/B weights the checkpoint.
 
     Returns:
       A summary: workdir, backbone, format, params, tensors, bytes_read, largest_read.
@@ -229,6 +258,12 @@ def import_preset(preset: str, workdir: str, overrides: Iterable[str] = (),
         _remove_crashed_import(tmp)
     source = open_source(preset)
     try:
+        adapter_arrays = None
+        if adapter:
+            from tfllm.pretrained.peft import read_adapter
+            family = source.family.tfllm_family
+            settings, adapter_arrays = read_adapter(os.path.expanduser(adapter), family)
+            overrides = [f"{k}={json.dumps(v)}" for k, v in settings.items()] + list(overrides)
         config = preset_config(source, overrides, Workdir(workdir).tokenizer_dir)
         # The mesh next: splitting the CPU into logical devices must happen before
         # anything (the tokenizer, the abstract backbone) initializes TensorFlow; with
@@ -246,6 +281,8 @@ def import_preset(preset: str, workdir: str, overrides: Iterable[str] = (),
                          f"the tokenizer of {source.path}")
         model = build_model(config, parallel, zeros=True)  # every weight is loaded
         stats = load_weights(model, source)
+        if adapter_arrays is not None:
+            stats["adapter_tensors"] = load_adapter(model, adapter_arrays)
         origin = {"preset": source.path, "format": source.format,
                   "backbone": source.backbone, "backbone_config": source.config}
         checkpointer = tmp_dir.checkpointer(parallel, config.checkpoint)

@@ -1,0 +1,159 @@
+"""LoRA adapters across the border, with transformers + peft as the reference.
+
+peft makes a random adapter (A and B both random, so every tensor matters) on the tiny
+transformers model of each family; tfllm imports base + adapter and computes peft's
+logits; `tfllm export --format peft` writes the adapter's tensors back bit for bit and
+peft loads it; `--format hf --merge-lora` loads in plain transformers with the same
+logits; what vLLM would refuse is refused with one line.
+"""
+
+import json
+
+import numpy as np
+import pytest
+
+from tfllm.cli.main import main
+from tests.pretrained import helpers
+from tests.pretrained import transformers_reference as ref
+from tests.pretrained.test_transformers import _assert_same_model
+
+#: peft's module names per family (tfllm's default: every projection)
+TARGETS = {"gpt2": ["c_attn", "c_proj", "c_fc"],
+           "llama3": ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
+                      "down_proj"]}
+FAMILIES = ["gpt2", "llama3", "mistral", "qwen2", "qwen3", "gemma3"]
+
+
+def _peft():
+    import peft
+    return peft
+
+
+def _adapter(name, base_dir, out, rank=8, alpha=16.0, rslora=False, seed=3):
+    """A random peft adapter of the saved base model `name`; returns the PeftModel."""
+    torch, _ = ref.load_torch_transformers()
+    peft = _peft()
+    model = ref.load(base_dir)
+    config = peft.LoraConfig(r=rank, lora_alpha=alpha, use_rslora=rslora,
+                             target_modules=TARGETS.get(name, TARGETS["llama3"]),
+                             init_lora_weights=False, task_type="CAUSAL_LM",
+                             fan_in_fan_out=name == "gpt2")
+    torch.manual_seed(seed)
+    adapted = peft.get_peft_model(model, config)
+    with torch.no_grad():  # A and B of std 0.3: the adapter moves every logit
+        for n, p in adapted.named_parameters():
+            if "lora_" in n:
+                p.copy_(torch.randn(p.shape) * 0.3)
+    adapted.save_pretrained(str(out))
+    return adapted.eval()
+
+
+def _import(tmp_path, name, *extra):
+    tokenizer = []
+    if name in ("qwen2", "qwen3"):  # see ref.MODELS
+        ref.keras_hub_tokenizer(ref.MODELS[name][2]).save_to_preset(str(tmp_path / "tok"))
+        tokenizer = ["--tokenizer", str(tmp_path / "tok")]
+    assert main(["import", "--preset", str(tmp_path / "hf"), "--workdir",
+                 str(tmp_path / "run"), *tokenizer, *extra]) == 0
+
+
+def _tfllm_logits(workdir, ids):
+    from tfllm.checkpoint.workdir import Workdir
+    from tfllm.config import load_config
+    from tfllm.models import build_model
+    config = load_config(str(workdir / "config.yaml"))
+    model = build_model(config, None)
+    Workdir(str(workdir)).restore_weights(model)
+    return np.asarray(model(ids), np.float32)
+
+
+@pytest.mark.parametrize("name", FAMILIES)
+def test_a_peft_adapter_imports_exports_bit_exactly_and_merges(name, tmp_path):
+    ref.save(name, tmp_path / "hf")
+    adapted = _adapter(name, tmp_path / "hf", tmp_path / "adapter")
+    ids = helpers.token_ids()
+    theirs = ref.logits(adapted, ids)
+    _import(tmp_path, name, "--adapter", str(tmp_path / "adapter"))
+    _assert_same_model(_tfllm_logits(tmp_path / "run", ids), theirs)
+    # The adapter back out: peft's tensors bit for bit (GPT-2's c_attn as rank 3r).
+    vllm = [] if name != "gpt2" else ["--skip-vllm-checks"]
+    assert main(["export", "--workdir", str(tmp_path / "run"), "--out",
+                 str(tmp_path / "out"), "--format", "peft", *vllm]) == 0
+    mine, source = ref.safetensors_of(tmp_path / "out"), ref.safetensors_of(tmp_path / "adapter")
+    assert sorted(mine) == sorted(source)
+    if name != "gpt2":
+        for key in source:
+            np.testing.assert_array_equal(mine[key], source[key], err_msg=key)
+    with open(tmp_path / "out" / "adapter_config.json") as f:
+        config = json.load(f)
+    assert config["peft_type"] == "LORA" and config["r"] == 8 and config["bias"] == "none"
+    # peft loads it onto the base and computes the same logits
+    peft = _peft()
+    reloaded = peft.PeftModel.from_pretrained(ref.load(tmp_path / "hf"), str(tmp_path / "out"))
+    _assert_same_model(ref.logits(reloaded.eval(), ids), theirs)
+    # merged weights load in plain transformers
+    assert main(["export", "--workdir", str(tmp_path / "run"), "--out",
+                 str(tmp_path / "merged"), "--format", "hf", "--merge-lora"]) == 0
+    _assert_same_model(ref.logits(ref.load(tmp_path / "merged"), ids), theirs)
+
+
+def test_rslora_and_a_subset_of_targets_keep_peft_s_scale(tmp_path):
+    ref.save("llama3", tmp_path / "hf")
+    torch, _ = ref.load_torch_transformers()
+    peft = _peft()
+    config = peft.LoraConfig(r=16, lora_alpha=8.0, use_rslora=True,
+                             target_modules=["q_proj", "v_proj"], init_lora_weights=False,
+                             task_type="CAUSAL_LM")
+    torch.manual_seed(5)
+    adapted = peft.get_peft_model(ref.load(tmp_path / "hf"), config)
+    with torch.no_grad():
+        for n, p in adapted.named_parameters():
+            if "lora_" in n:
+                p.copy_(torch.randn(p.shape) * 0.3)
+    adapted.save_pretrained(str(tmp_path / "adapter"))
+    ids = helpers.token_ids()
+    _import(tmp_path, "llama3", "--adapter", str(tmp_path / "adapter"))
+    _assert_same_model(_tfllm_logits(tmp_path / "run", ids), ref.logits(adapted.eval(), ids))
+    with open(tmp_path / "run" / "config.yaml") as f:
+        text = f.read()
+    assert "rslora: true" in text and "self_attn.q_proj" in text
+
+
+@pytest.mark.parametrize("setting,expected", [
+    (["--set", "lora.rank=4"], "lora.rank=4 is not a rank vLLM serves"),
+    (["--set", "model.family=gpt"], "vLLM's GPT-2 takes no LoRA adapters"),
+])
+def test_what_vllm_would_refuse_is_refused_naming_the_fix(tmp_path, capsys, setting,
+                                                          expected):
+    from tests.harness import tiny_overrides
+    overrides = [a for o in tiny_overrides("llama") for a in ("--set", o)]
+    overrides += ["--set", "lora.rank=8", "--set", "train.steps=1", *setting]
+    if "model.family=gpt" in setting:
+        overrides = [a for o in tiny_overrides("gpt") for a in ("--set", o)] + [
+            "--set", "lora.rank=8", "--set", "train.steps=1"]
+    assert main(["train", "--workdir", str(tmp_path / "run"), *overrides]) == 0
+    capsys.readouterr()
+    assert main(["export", "--workdir", str(tmp_path / "run"), "--out",
+                 str(tmp_path / "out"), "--format", "peft"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and expected in err[0] and "--skip-vllm-checks" in err[0], err
+    assert not (tmp_path / "out").exists()
+    # an hf export without --merge-lora would drop the adapters: refused
+    assert main(["export", "--workdir", str(tmp_path / "run"), "--out",
+                 str(tmp_path / "out"), "--format", "hf"]) == 2
+    assert "--merge-lora" in capsys.readouterr().err
+
+
+def test_a_dora_adapter_is_refused_in_one_line(tmp_path, capsys):
+    ref.save("llama3", tmp_path / "hf")
+    _adapter("llama3", tmp_path / "hf", tmp_path / "adapter")
+    path = tmp_path / "adapter" / "adapter_config.json"
+    config = json.loads(path.read_text())
+    config["use_dora"] = True
+    path.write_text(json.dumps(config))
+    capsys.readouterr()
+    assert main(["import", "--preset", str(tmp_path / "hf"), "--workdir",
+                 str(tmp_path / "run"), "--adapter", str(tmp_path / "adapter")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "use_dora=True: DoRA is not supported" in err[0], err
+    assert not (tmp_path / "run").exists()

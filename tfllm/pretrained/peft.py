@@ -1,0 +1,318 @@
+"""LoRA adapters across the border: PEFT folders out and in, and merged weights.
+
+`tfllm export --format peft` writes what `peft.PeftModel.from_pretrained` loads onto the
+Hugging Face base model and what vLLM serves with `--enable-lora`:
+
+* `adapter_config.json`: `peft_type` LORA, `r`, `lora_alpha`, `use_rslora`,
+  `target_modules` (Hugging Face module names), `bias` "none", `task_type` CAUSAL_LM;
+* `adapter_model.safetensors`: `base_model.model.<module>.lora_A.weight` of shape
+  [r, in] and `...lora_B.weight` of shape [out, r] (torch's Linear orientation), so that
+  the module computes W x + s B A x with s = lora_alpha / r (/ sqrt(r) with rsLoRA).
+
+tfllm's A is (the kernel's input dimensions..., r) and B (r, its output dimensions...):
+flattened, A^T and B^T are peft's. GPT-2's fused `attn.c_attn` (query | key | value) is
+three tfllm projections with an adapter each: exported as one adapter of rank 3r whose
+A stacks the three and whose B is block-diagonal (exactly the same update), with
+`rank_pattern` / `alpha_pattern` keeping its scale. vLLM's GPT-2 takes no LoRA, so GPT-2
+adapters are refused unless `vllm_check=False`; the merged export serves everywhere.
+
+Adapters read back (`tfllm import --adapter DIR`) become the run's `lora` settings and
+its A and B weights: a standard peft adapter (one rank and alpha, no DoRA, no
+`modules_to_save`) onto the base it was trained on.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from typing import Dict, List, Optional, Tuple
+
+import numpy as np
+
+from tfllm.models.lora import LAYER_PREFIX, TARGETS, matches, scale, targeted
+from tfllm.pretrained.families import PretrainedError
+from tfllm.pretrained.hf_export import (DTYPES, Tensor, _model_prefix, _nbytes,
+                                        _write_safetensors, model_type_for)
+
+ADAPTER_CONFIG, ADAPTER_WEIGHTS = "adapter_config.json", "adapter_model.safetensors"
+#: the ranks vLLM's --max-lora-rank accepts (vllm/config/lora.py)
+VLLM_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+_PEFT_PREFIX = "base_model.model."
+
+
+def _family_of(model_type: str) -> str:
+    return "gpt" if model_type == "gpt2" else ("gemma3" if model_type == "gemma3_text"
+                                               else "llama")
+
+
+def _target_names(family: str, modules: List[str]) -> List[str]:
+    """peft target_modules for these modules: the last part of a name where it names no
+    other module of the family (q_proj), else the dotted name (attn.c_proj)."""
+    table = TARGETS[family]
+    out = []
+    for m in modules:
+        leaf = m.rsplit(".", 1)[-1]
+        out.append(leaf if sum(matches(t, leaf) for t in table) == 1 else m)
+    return out
+
+
+def _flat_a(a):
+    """tfllm A (in..., r) -> peft lora_A (r, in)."""
+    return a.reshape(-1, a.shape[-1]).T
+
+
+def _flat_b(b):
+    """tfllm B (r, out...) -> peft lora_B (out, r)."""
+    return b.reshape(b.shape[0], -1).T
+
+
+def adapter_tensors(m, model_type: str, lora) -> Tuple[List[Tensor], dict]:
+    """The adapter's tensors (from checkpoint variables) and its peft rank/alpha patterns.
+
+    Args:
+      m: the run's model config.
+      model_type: its Hugging Face model_type.
+      lora: the run's lora config (rank > 0).
+    """
+    family = _family_of(model_type)
+    r = lora.rank
+    modules = targeted(family, list(lora.targets))
+    tensors, patterns = [], {"rank_pattern": {}, "alpha_pattern": {}}
+    for i in range(m.num_layers):
+        prefix = _PEFT_PREFIX + LAYER_PREFIX[family].format(i=i)
+        for module, paths in modules.items():
+            sources = [f"block_{i}/{p}" for p in paths]
+            a_src = tuple(s + "/lora_a" for s in sources)
+            b_src = tuple(s + "/lora_b" for s in sources)
+            if len(paths) == 1:
+                a_make, b_make = _flat_a, _flat_b
+                rank = r
+            else:  # GPT-2's c_attn: one rank-3r adapter, block-diagonal B
+                def a_make(*a):
+                    return np.concatenate([_flat_a(x) for x in a], axis=0)
+
+                def b_make(*b):
+                    flat = [_flat_b(x) for x in b]
+                    out = np.zeros((sum(f.shape[0] for f in flat), r * len(flat)), flat[0].dtype)
+                    row = 0
+                    for k, f in enumerate(flat):
+                        out[row:row + f.shape[0], k * r:(k + 1) * r] = f
+                        row += f.shape[0]
+                    return out
+                rank = r * len(paths)
+                leaf = module.rsplit(".", 1)[-1]
+                patterns["rank_pattern"][leaf] = rank
+                # the same scale s at rank 3r: alpha' / 3r = alpha / r (rsLoRA: / sqrt)
+                patterns["alpha_pattern"][leaf] = lora.alpha * (
+                    math.sqrt(len(paths)) if lora.rslora else len(paths))
+            tensors.append(Tensor(prefix + module + ".lora_A.weight", a_src,
+                                  (rank, _in_size(m, family, paths[0])), a_make))
+            tensors.append(Tensor(prefix + module + ".lora_B.weight", b_src,
+                                  (sum(_out_size(m, family, p) for p in paths), rank),
+                                  b_make))
+    return tensors, patterns
+
+
+def _dims(m):
+    h = m.num_query_heads
+    kv = m.num_key_value_heads or h
+    hd = m.head_dim or m.hidden_dim // h
+    return m.hidden_dim, h * hd, kv * hd, m.intermediate_dim
+
+
+def _in_size(m, family, path) -> int:
+    e, q, _, f = _dims(m)
+    return {"attention/output": q, "mlp/down": f}.get(path, e)
+
+
+def _out_size(m, family, path) -> int:
+    e, q, kv, f = _dims(m)
+    return {"attention/query": q, "attention/key": kv, "attention/value": kv,
+            "mlp/gate": f, "mlp/up": f}.get(path, e)
+
+
+def vllm_refusal(model_type: str, lora) -> Optional[str]:
+    """Why vLLM would refuse or silently ignore this adapter, or None."""
+    if model_type == "gpt2":
+        return ("vLLM's GPT-2 takes no LoRA adapters: export merged weights (--format hf "
+                "--merge-lora)")
+    if lora.rank not in VLLM_RANKS:
+        return (f"lora.rank={lora.rank} is not a rank vLLM serves (--max-lora-rank takes "
+                f"{', '.join(map(str, VLLM_RANKS))}): train with one of them")
+    return None
+
+
+def export_peft(config, workdir: str, out: str, dtype: str = "float32",
+                vllm_check: bool = True) -> dict:
+    """Writes the LoRA adapters of the run in `workdir` (latest checkpoint) as a PEFT
+    adapter folder `out` (new or empty).
+
+    Args:
+      config: the run's config (lora.rank > 0).
+      workdir: the run directory.
+      out: the folder to create.
+      dtype: float32 or bfloat16 (the tensors' stored dtype).
+      vllm_check: refuse (one line) an adapter vLLM would refuse or ignore.
+
+    Returns:
+      A summary: out, step, model_type, r, tensors, bytes.
+    """
+    import tensorflow as tf
+
+    from tfllm.checkpoint.reader import Reader
+    from tfllm.checkpoint.workdir import Workdir
+    from tfllm.pretrained.exporter import require_new_folder, written_atomically
+    from tfllm.pretrained.importer import read_origin
+
+    lora = config.lora
+    if lora.rank <= 0:
+        raise PretrainedError(f"{workdir}: the run trains no LoRA adapters (lora.rank=0); "
+                              "export its weights with --format hf.")
+    if dtype not in DTYPES:
+        raise PretrainedError(f"--dtype {dtype}: choose one of {sorted(DTYPES)}.")
+    out = require_new_folder(out)
+    origin = read_origin(workdir) or {}
+    model_type = model_type_for(config.model, origin.get("backbone"))
+    why = vllm_refusal(model_type, lora) if vllm_check else None
+    if why:
+        raise PretrainedError(f"--format peft: {why}; or pass --skip-vllm-checks for an "
+                              "adapter only peft loads.")
+    path = Workdir(workdir).latest_checkpoint()
+    if path is None:
+        raise FileNotFoundError(f"{workdir}: no committed checkpoint; train first.")
+    reader = Reader(path)
+    prefix = _model_prefix(reader.variables)
+    tensors, patterns = adapter_tensors(config.model, model_type, lora)
+    for t in tensors:
+        for s in t.sources:
+            if prefix + s not in reader.variables:
+                raise PretrainedError(f"{path}: holds no {prefix + s} for {t.key}; the "
+                                      "checkpoint does not match the run's lora settings.")
+    np_dtype = np.dtype(tf.as_dtype(dtype).as_numpy_dtype)
+
+    def produce(t: Tensor) -> np.ndarray:
+        arrays = [reader.whole(prefix + s).astype(np.float32) for s in t.sources]
+        array = t.make(*arrays)
+        assert tuple(array.shape) == t.shape, (t.key, array.shape, t.shape)
+        return array.astype(np_dtype)
+
+    family = _family_of(model_type)
+    adapter_config = {
+        "peft_type": "LORA", "task_type": "CAUSAL_LM", "r": lora.rank,
+        "lora_alpha": lora.alpha, "use_rslora": bool(lora.rslora), "lora_dropout": 0.0,
+        "target_modules": _target_names(family, list(targeted(family, list(lora.targets)))),
+        "bias": "none", "use_dora": False, "modules_to_save": None,
+        "fan_in_fan_out": family == "gpt", "init_lora_weights": True,
+        "inference_mode": True, "base_model_name_or_path": origin.get("preset"),
+        "layers_to_transform": None, "layers_pattern": None, **patterns,
+        "revision": None,
+    }
+    with written_atomically(out) as tmp:
+        with open(os.path.join(tmp, ADAPTER_CONFIG), "w", encoding="utf-8") as f:
+            json.dump(adapter_config, f, indent=2, sort_keys=True)
+        _write_safetensors(os.path.join(tmp, ADAPTER_WEIGHTS), tensors, DTYPES[dtype],
+                           np_dtype.itemsize, produce)
+    return {"out": out, "step": reader.step, "model_type": model_type, "r": lora.rank,
+            "tensors": len(tensors), "bytes": sum(_nbytes(t, np_dtype.itemsize)
+                                                  for t in tensors)}
+
+
+# ---- merged weights (--format hf --merge-lora) -------------------------------------------
+def merged(reader, prefix: str, source: str, array: np.ndarray, lora) -> np.ndarray:
+    """A kernel with its adapter merged, W + s A B, in float32 (tfllm's layout)."""
+    if not source.endswith("/kernel"):
+        return array
+    layer = prefix + source[: -len("kernel")]
+    if layer + "lora_a" not in reader.variables:
+        return array
+    a = reader.whole(layer + "lora_a").astype(np.float32)
+    b = reader.whole(layer + "lora_b").astype(np.float32)
+    return array.astype(np.float32) + np.float32(scale(lora)) * np.tensordot(a, b, axes=1)
+
+
+# ---- adapters in (tfllm import --adapter) -------------------------------------------------
+def read_adapter(path: str, family: str) -> Tuple[dict, Dict[str, np.ndarray]]:
+    """The lora settings and tfllm's A/B arrays ({"block_i/<proj>/lora_a": array}) of a
+    peft adapter folder, for a base model of `family`."""
+    from safetensors.numpy import load_file
+    config_path = os.path.join(path, ADAPTER_CONFIG)
+    try:
+        with open(config_path, encoding="utf-8") as f:
+            c = json.load(f)
+    except FileNotFoundError:
+        raise PretrainedError(f"--adapter {path}: no {ADAPTER_CONFIG}; give a folder "
+                              "peft's save_pretrained wrote.") from None
+    except ValueError as e:
+        raise PretrainedError(f"{config_path}: not JSON ({e}).") from None
+    if not isinstance(c, dict) or c.get("peft_type") != "LORA":
+        raise PretrainedError(f"{config_path}: peft_type is {c.get('peft_type')!r}; only "
+                              "LORA adapters are read.")
+    for key, ok, fix in (("use_dora", lambda v: not v, "DoRA is not supported"),
+                         ("modules_to_save", lambda v: not v,
+                          "whole modules saved beside the adapter are not supported"),
+                         ("bias", lambda v: v in (None, "none"), "adapter biases are not "
+                          "supported"),
+                         ("layers_to_transform", lambda v: v is None,
+                          "adapters on some layers only are not supported"),
+                         ("target_modules", lambda v: isinstance(v, list),
+                          "a regular expression of modules is not supported: list them")):
+        if not ok(c.get(key)):
+            raise PretrainedError(f"{config_path}: {key}={c.get(key)!r}: {fix}.")
+    r, alpha, rslora = int(c["r"]), float(c["lora_alpha"]), bool(c.get("use_rslora"))
+    table = TARGETS[family]
+    modules = {}
+    for t in c["target_modules"]:
+        hit = [m for m in table if matches(m, t)]
+        if not hit:
+            raise PretrainedError(f"{config_path}: target module {t!r} is no projection "
+                                  f"tfllm's {family} family has ({sorted(table)}).")
+        modules.update({m: table[m] for m in hit})
+    ranks, alphas = c.get("rank_pattern") or {}, c.get("alpha_pattern") or {}
+    weights_path = os.path.join(path, ADAPTER_WEIGHTS)
+    if not os.path.exists(weights_path):
+        raise PretrainedError(f"--adapter {path}: no {ADAPTER_WEIGHTS} (tfllm reads "
+                              "safetensors adapters).")
+    stored = load_file(weights_path)
+    arrays = {}
+    layer = LAYER_PREFIX[family]
+    i = 0
+    while any(k.startswith(_PEFT_PREFIX + layer.format(i=i)) for k in stored):
+        for module, paths in modules.items():
+            key = _PEFT_PREFIX + layer.format(i=i) + module
+            try:
+                a, b = stored[key + ".lora_A.weight"], stored[key + ".lora_B.weight"]
+            except KeyError as e:
+                raise PretrainedError(f"{weights_path}: holds no {e.args[0]}; the adapter "
+                                      "does not match its adapter_config.json.") from None
+            a, b = a.astype(np.float32), b.astype(np.float32)
+            leaf = module.rsplit(".", 1)[-1]
+            rank = int(ranks.get(leaf, ranks.get(module, r)))
+            if len(paths) > 1 and rank == r * len(paths):  # tfllm's own block form
+                want = alpha * (math.sqrt(len(paths)) if rslora else len(paths))
+                if not math.isclose(float(alphas.get(leaf, alpha)), want):
+                    raise PretrainedError(f"{config_path}: alpha_pattern of {leaf} does "
+                                          "not keep one scale for all modules.")
+                rows = np.cumsum([0] + [b.shape[0] // len(paths)] * len(paths))
+                for k, p in enumerate(paths):
+                    block = b[rows[k]:rows[k + 1]]
+                    off = np.delete(block, np.s_[k * r:(k + 1) * r], axis=1)
+                    if np.any(off):
+                        raise PretrainedError(f"{weights_path}: {key} has rank "
+                                              f"{rank} that is not {len(paths)} separate "
+                                              f"rank-{r} adapters; tfllm needs one rank.")
+                    arrays[f"block_{i}/{p}/lora_a"] = a[k * r:(k + 1) * r].T
+                    arrays[f"block_{i}/{p}/lora_b"] = block[:, k * r:(k + 1) * r].T
+                continue
+            if rank != r or float(alphas.get(leaf, alpha)) != alpha:
+                raise PretrainedError(f"{config_path}: {module} has its own rank or alpha "
+                                      "(rank_pattern/alpha_pattern); tfllm trains one rank "
+                                      "and alpha for every module.")
+            rows = np.cumsum([0] + [b.shape[0] // len(paths)] * len(paths))
+            for k, p in enumerate(paths):  # GPT-2's c_attn: q, k, v share peft's A
+                arrays[f"block_{i}/{p}/lora_a"] = a.T
+                arrays[f"block_{i}/{p}/lora_b"] = b[rows[k]:rows[k + 1]].T
+        i += 1
+    settings = {"lora.rank": r, "lora.alpha": alpha, "lora.rslora": rslora,
+                "lora.targets": list(modules)}
+    return settings, arrays
