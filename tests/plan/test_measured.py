@@ -92,11 +92,62 @@ def test_data_and_model_move_float32_gradients_and_activations():
     assert p["collective_s"] == m["seconds"]
 
 
-def test_gather_buffers_are_two_blocks_in_bf16_and_one_float32_gradient():
+def test_block_buffers_peak_when_the_last_block_reduces_its_gradients():
     config = tiny("fsdp=4")
     b = sharded.gather_buffers(config, sharded.mesh_shape(config))
     h, i, v = 64, 128, 128
-    block = h * 16 * 4 * 2 + h * 8 * 4 * 2 + 3 * h * i + h * 2  # q, o; k, v; mlp; norms
-    assert b["gathered"] == 2 * max(block, v * h) * 2
-    assert b["gradient"] == max(v * h, h * i) * 4
-    assert sharded.gather_buffers(tiny("data=4"), {"data": 4})["bytes"] == 0
+    kernels = h * 16 * 4 * 2 + h * 8 * 4 * 2 + 3 * h * i  # q, o; k, v; gate, up, down
+    weights = kernels + 2 * h  # and the two norm scales, replicated: reduced, not gathered
+    # the units that move together, in forward order: the embedding alone, each block,
+    # the final norm with the head
+    units = [(u["name"], u["gathered"], u["reduced"]) for u in b["units"]]
+    assert units == [("token_embedding", v * h, v * h), ("block_0", kernels, weights),
+                     ("block_1", kernels, weights), ("final_norm + head", h * v, h * v + h)]
+    # block_1's backward: block_0's prefetched bf16 re-gather, block_1's bf16 partial
+    # gradients and its float32 reduce-scatter buffer
+    assert b["unit"] == "block_1 backward"
+    assert (b["gathered"], b["partials"], b["gradient"]) == (2 * kernels, 2 * weights,
+                                                             4 * weights)
+    assert b["bytes"] == 2 * kernels + 6 * weights
+    # data parallelism gathers nothing but reduces each block's gradients from one
+    # float32 buffer (buckets of at most mesh.gradient_bucket_mb, alive together)
+    data = sharded.gather_buffers(tiny("data=4"), {"data": 4})
+    assert (data["gathered"], data["bytes"]) == (0, 6 * weights)
+    # a mesh that does not split the batch has no blocks
+    assert sharded.gather_buffers(tiny("model=4"), {"model": 4})["bytes"] == 0
+
+
+def test_a_tied_head_gathers_the_embedding_table_again():
+    config = tiny_config("gpt", "fsdp=4")
+    units = sharded.weight_units(config, sharded.mesh_shape(config))
+    table = units[0]["gathered"]
+    assert units[0]["name"] == "token_embedding" and table > 0
+    assert units[-1]["gathered"] == table  # the final norm's scale and bias are replicated
+    assert len(units) == config.model.num_layers + 2
+
+
+# One tiny step with XLA on, in a child process (~30-60 s).
+@pytest.mark.slow
+def test_the_block_buffers_are_the_sizes_the_compiled_program_moves():
+    config = tiny("fsdp=4")
+    shape = sharded.mesh_shape(config)
+    run = measured.run_tiny(config, shape, layers=(2,))[2]
+    t = measured.tiny_config(config, 2, shape)
+    units = {u["name"]: u for u in sharded.weight_units(t, shape)}
+    b = sharded.gather_buffers(t, shape)
+    gathers = [c["elements"] for c in run["collectives"]
+               if c["kind"] == "all-gather" and c["dtype"] == "float16"]
+    reductions = [c["elements"] for c in run["collectives"]
+                  if c["kind"] == "all-reduce" and c["dtype"] == "float32"]
+    block = units["block_0"]
+    # each block's sharded weights travel as one bf16 gather (float16 bits), forward and
+    # again backward; its gradients as one float32 buffer (below mesh.gradient_bucket_mb),
+    # the replicated norms' apart from the kernels
+    assert gathers.count(block["gathered"]) == 2 * 2
+    assert reductions.count(block["gathered"]) == 2
+    # the buffers the memory model counts at its peak are those sizes
+    assert b["gathered"] == 2 * block["gathered"] and b["gradient"] == 4 * block["reduced"]
+    sc = measured.scales(config, t, shape)
+    assert measured.classify(block["gathered"], sc)[0] == "weight block"
+    # XLA's clusters of the busiest device (what `tfllm plan` times the dispatch of)
+    assert run["clusters"] > len(run["collectives"]) // 2 > 0

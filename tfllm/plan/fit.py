@@ -9,8 +9,11 @@ models one device's memory from shapes alone:
 * **gradients**: the step keeps every float32 gradient (in its variable's layout) until
   the global-norm clip, and sums micro-batches into a second set under gradient
   accumulation (`tfllm.train.step`);
-* **FSDP gather buffers**: `tfllm.plan.sharded.gather_buffers` (two blocks' gathered
-  weights in the compute dtype + the largest float32 gradient);
+* **block buffers** of `tfllm.parallel.blocks` (any mesh that splits the batch):
+  `tfllm.plan.sharded.gather_buffers`, from the model's own blocks: at the backward peak
+  the largest block's prefetched 16-bit gather of the block before, its per-device
+  partial gradients in the compute dtype and the float32 buffer its one reduce-scatter
+  sends;
 * **activations** of one device's micro-batch (`tfllm.plan.sharded.per_device_config`:
   rows, sequence and tensor-parallel widths of what one device computes), per token and
   layer by what the backward pass keeps (`ACTIVATION_TERMS`), the (T x T) attention
@@ -67,7 +70,8 @@ class Estimate:
     Args:
       state: weights, AdamW moments and FP8 histories in their layouts.
       gradients: the float32 gradients the step keeps (two sets under accumulation).
-      gather_buffers: FSDP's gathered weights and the largest float32 gradient.
+      gather_buffers: the block buffers of `tfllm.parallel.blocks` (gathered 16-bit
+        weights, partial gradients, the float32 reduction buffer) at their peak.
       activations: what the backward pass keeps of one micro-batch, logits included.
       peak: state + gather buffers + workspace + the larger of activations (with the
         accumulated gradients) and gradients.

@@ -51,6 +51,9 @@ PADDING = 1024  # DTensor pads merged all-reduce buffers to multiples of this
 _RING = {"all-reduce": 2, "all-gather": 1, "reduce-scatter": 1, "all-to-all": 1}
 BASIS = ("measured: the executed CPU program of this mesh at a tiny scale "
          "(tfllm.train.costs), scaled to this model")
+CLUSTERS_BASIS = ("measured: XLA clusters of the busiest device in DTensor's executed program "
+                  "of this mesh (jit_compile, CPU devices, the model's family at tiny widths, "
+                  "1 and 2 layers), a + b x layers")
 
 
 class MeasureError(RuntimeError):
@@ -87,7 +90,7 @@ def tiny_config(config, layers: int, shape: Dict[str, int]):
     tm.max_sequence_length = length
     t.data.sequence_length = length
     t.data.source = "synthetic"
-    t.train.jit_compile = False  # the collectives are the same; XLA on CPU is slow
+    t.train.jit_compile = True  # as on GPUs: DTensor hands XLA one cluster per piece
     return t
 
 
@@ -214,16 +217,34 @@ def extrapolate(one: Dict[tuple, dict], two: Dict[tuple, dict], layers: int) -> 
     return sorted(rows, key=lambda r: -r["sent"])
 
 
-def run_tiny(config, shape, layers=(1, 2), timeout: float = 900) -> Dict[int, List[dict]]:
-    """{layers: collectives of the busiest device} of one tiny step per layer count, run in
-    a child process with as many logical CPU devices as the mesh has."""
+def run_tiny(config, shape, layers=(1, 2), timeout: float = 900, jit_compile: bool = True,
+             tiny: bool = True) -> Dict[int, dict]:
+    """{layers: {"collectives": those of the busiest device, "clusters": XLA clusters of
+    its program}} of one step per layer count, run in a child process with as many
+    logical CPU devices as the mesh has.
+
+    Args:
+      jit_compile: XLA-compile the step as `tfllm train` does on GPUs (DTensor splits
+        each device's program into clusters; their count is what XLA is handed). Without
+        it the collectives are the same and "clusters" is 0.
+      tiny: run `tiny_config(config, n, shape)`; False runs `config` itself with n
+        layers (its own widths: check that the cluster count does not depend on them).
+    """
     from tfllm.config import to_dict
     devices = math.prod(shape.values())
+
+    def at(n):
+        if tiny:
+            return tiny_config(config, n, shape)
+        c = copy.deepcopy(config)
+        c.model.num_layers, c.data.source = n, "synthetic"
+        return c
+
     with tempfile.TemporaryDirectory(prefix="tfllm-measure-") as tmp:
         job = os.path.join(tmp, "job.json")
         with open(job, "w") as f:
-            json.dump({"devices": devices, "configs": {
-                str(n): to_dict(tiny_config(config, n, shape)) for n in layers}}, f)
+            json.dump({"devices": devices, "jit_compile": jit_compile, "configs": {
+                str(n): to_dict(at(n)) for n in layers}}, f)
         env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2", KERAS_BACKEND="tensorflow")
         env.pop("XLA_FLAGS", None)
         r = subprocess.run([sys.executable, "-m", "tfllm.plan.measured", job],
@@ -245,17 +266,24 @@ def measure(config, shape, target_bandwidth: float) -> dict:
     """
     runs = run_tiny(config, shape)
     scaled = {}
-    for n, collectives in runs.items():
+    for n, run in runs.items():
         tiny = tiny_config(config, n, shape)
-        scaled[n] = scaled_collectives(collectives, scales(config, tiny, shape), shape)
+        scaled[n] = scaled_collectives(run["collectives"], scales(config, tiny, shape), shape)
     rows = extrapolate(scaled[1], scaled[2], config.model.num_layers)
+    # DTensor's clusters of one device: a + b x layers through the 1- and 2-layer
+    # programs (each block adds the same clusters; checked against whole-depth programs
+    # in benchmarks/h100_plan.py --clusters)
+    one, two = runs[1]["clusters"], runs[2]["clusters"]
+    clusters = one + (two - one) * (config.model.num_layers - 1)
     sent = sum(r["sent"] for r in rows)
     detail = "; ".join(f"{r['kind']} {r['dtype']} {r['carries']} {r['sent'] / 1e9:.2f} GB"
                        for r in rows if r["sent"] >= 0.005e9)
     return {"bytes_per_device": sent, "detail": detail, "groups": rows,
             "count": sum(r["count"] for r in rows), "link_bandwidth": target_bandwidth,
             "seconds": sent / target_bandwidth, "basis": BASIS,
-            "tiny_runs": {str(n): len(c) for n, c in runs.items()}}
+            "clusters": clusters, "clusters_basis": CLUSTERS_BASIS,
+            "tiny_runs": {str(n): len(r["collectives"]) for n, r in runs.items()},
+            "tiny_clusters": {str(n): r["clusters"] for n, r in runs.items()}}
 
 
 def _child(job_path: str) -> None:
@@ -275,9 +303,10 @@ def _child(job_path: str) -> None:
         cfg = config_from_dict(data)
         tokens = SyntheticTokens(cfg.model.vocab_size, cfg.data.sequence_length + 1, seed=0)
         parallel = make_parallel(cfg)
-        step = build_train_state(cfg, parallel, False).step
+        step = build_train_state(cfg, parallel, job.get("jit_compile", False)).step
         step(feed.to_device(parallel, tokens.batch(0, cfg.train.global_batch_size, 1)))
-        out[layers] = [c.as_dict() for c in step.cost_report.collectives]
+        out[layers] = {"collectives": [c.as_dict() for c in step.cost_report.collectives],
+                       "clusters": step.cost_report.clusters}
         keras.backend.clear_session()
     with open(job_path + ".out", "w") as f:
         json.dump(out, f)

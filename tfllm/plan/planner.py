@@ -218,13 +218,14 @@ def _sources(result: dict) -> dict:
                         + (", cluster dispatch, NCCL latency and bandwidth, overlap"
                            if sharded else "") + " (tfllm.plan.timing)"}
     if sharded:
-        out["memory"] += ("; state: exact bytes of the layout; gather buffers: assumed "
-                          "(a model of tfllm/parallel/fsdp.py)")
+        out["memory"] += ("; state: exact bytes of the layout; block buffers: modelled "
+                          "from the model's blocks (tfllm/parallel/blocks.py's schedule)")
         out["collectives"] = result["collectives"]["basis"]
         out["optimizer update"] = ("modelled: AdamW's bytes of the device's shard of the "
                                    "layout, replacing the no-mesh program's full update")
-        out["clusters"] = ("modelled: one XLA cluster per collective + 1 (DTensor splits "
-                           "the device's program at each)")
+        out["clusters"] = result.get("clusters_basis") or (
+            "assumed: one XLA cluster per collective + 1 (DTensor splits the device's "
+            "program at each)")
     return out
 
 
@@ -302,9 +303,11 @@ def format_plan(p: dict) -> str:
         ("  outputs", f"{_gib(m['outputs'])} ({_gib(m['alias'])} aliased to arguments)"),
         ("  temporaries", f"{_gib(m['temp'])} (activations and workspace, remat="
                           f"{p['model'].get('remat', 'none')})"),
-        *([("  gather buffers", f"{_gib(m['gather_buffers'])} (assumed: 2 blocks' gathered "
-            f"weights {_gib(m['gather_detail']['gathered'])} + the largest weight's float32 "
-            f"gradient {_gib(m['gather_detail']['gradient'])}, tfllm/parallel/fsdp.py)")]
+        *([("  block buffers", f"{_gib(m['gather_buffers'])} (modelled, at "
+            f"{m['gather_detail']['unit']}: gathered 16-bit weights "
+            f"{_gib(m['gather_detail']['gathered'])} + partial gradients "
+            f"{_gib(m['gather_detail']['partials'])} + the float32 reduction buffer "
+            f"{_gib(m['gather_detail']['gradient'])}, tfllm/parallel/blocks.py)")]
           if m.get("gather_buffers") else []),
         ("GEMMs", f"{p['gemm_calls']:.0f} cuBLAS calls, {p['fp8_gemm_calls']:.0f} FP8 "
                   f"({p['fp8_projections']:.0f} FP8 projections)"),

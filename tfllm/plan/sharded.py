@@ -26,8 +26,7 @@ from __future__ import annotations
 
 import copy
 import math
-import re
-from typing import Dict, Optional, Tuple
+from typing import Dict, List, Optional, Tuple
 
 from tfllm.parallel import rules as rules_lib
 from tfllm.parallel.layouts import layout_rows, mesh_shape_from_config
@@ -127,28 +126,91 @@ def param_count(config) -> int:
     return sum(math.prod(int(d) for d in v.shape) for v in model.trainable_variables)
 
 
-def gather_buffers(config, shape) -> dict:
-    """Bytes of FSDP's gather buffers on one device: a model of what
-    `tfllm.parallel.fsdp` schedules, not a measurement.
+def _mesh_axes(spec):
+    """The mesh axes of a spec, flattened (a dimension may name a tuple of axes)."""
+    return [a for axis in spec for a in (axis if isinstance(axis, tuple) else (axis,)) if a]
 
-    A gather waits for the input of the block one ahead, and a gathered copy is dead once
-    its product ran (the backward gathers again): at most two blocks' gathered weights
-    are alive at a time, in the compute dtype (outside the blocks, the embedding and LM
-    head count as units of their own). A weight's gradient is cast to float32 in full
-    before its reduce-scatter: one such buffer of the largest weight.
+
+def weight_units(config, shape) -> List[dict]:
+    """The groups of weights that move together on one device, in forward order, with
+    their sizes: what `tfllm.models.causal_lm` hands to `tfllm.parallel.blocks`.
+
+    The token embedding is gathered on its own (`tfllm.parallel.fsdp`, outside any
+    block); each transformer block's trainable weights are one block; the final norm
+    and the head are one block (a tied head gathers the embedding table again, per
+    weight, inside it).
+
+    Returns:
+      [{"name", "gathered": elements of the unit's weights sharded over a batch axis, in
+        their compute layout (what its gather yields on one device), "reduced": elements
+        of all its trainable weights in their compute layout (its per-device partial
+        gradients, reduced as one float32 buffer)}].
     """
-    if shape.get("fsdp", 1) <= 1:
-        return {"bytes": 0, "gathered": 0, "gradient": 0}
-    sizes = compute_sizes(config, shape)
-    units: Dict[str, int] = {}
-    for path, n in sizes.items():
-        block = re.search(r"block_\d+", path)
-        key = block.group(0) if block else path
-        units[key] = units.get(key, 0) + n
-    two = sum(sorted(units.values(), reverse=True)[:2])
-    act = _ACT_BYTES.get(config.precision.policy, 4)
-    gathered, gradient = two * act, max(sizes.values()) * 4
-    return {"bytes": gathered + gradient, "gathered": gathered, "gradient": gradient}
+    from tfllm.models import build_model
+    model = build_model(config, allocate=False)
+    rules = rules_lib.rules_from_config(config.mesh.rules)
+    batch_axes = rules_lib.activation_mesh_axes(rules)
+    rows = {r.path: r for r in layout_rows(model, rules, shape)}
+
+    def unit(name, variables):
+        gathered = reduced = 0
+        for v in variables:
+            r = rows[v.path]
+            axes = _mesh_axes(r.spec)
+            n = math.prod(r.shape) // math.prod(
+                shape.get(a, 1) for a in axes if a not in batch_axes)
+            reduced += n
+            if any(a in batch_axes and shape.get(a, 1) > 1 for a in axes):
+                gathered += n
+        return {"name": name, "gathered": gathered, "reduced": reduced}
+
+    table = model.token_embedding.trainable_variables
+    head = model.final_norm.trainable_variables + (
+        table if model.lm_head is None else model.lm_head.trainable_variables)
+    return ([unit("token_embedding", table)]
+            + [unit(b.name, b.trainable_variables) for b in model.blocks]
+            + [unit("final_norm + head", head)])
+
+
+def gather_buffers(config, shape) -> dict:
+    """Bytes of the weight and gradient buffers of `tfllm.parallel.blocks` on one
+    device: a model of what the block schedule keeps alive, not a measurement.
+
+    Blocks exist when the batch is split (a data or fsdp axis above 1). With c the
+    compute dtype's bytes, g a unit's gathered and r its reduced elements
+    (`weight_units`):
+
+    * forward, while unit i computes: its gathered weights and those of unit i+1,
+      gathered one unit ahead: c (g_i + g_i+1);
+    * backward, while unit i reduces its gradients: the re-gather of unit i-1, prefetched;
+      unit i's per-device partial gradients in the compute dtype; and the float32
+      buffer its one reduce-scatter (or bucketed all-reduce) sends: c g_i-1 + (c + 4) r_i.
+
+    The peak is the larger over all units. Under NCCL the reduce-scatter's output is the
+    shard (already counted with the gradients); on CPU devices DTensor runs it as an
+    all-reduce and a slice, with a full float32 output more (not counted here).
+
+    Returns:
+      {"bytes", "gathered": c x the two units' gathered weights at the peak,
+       "gradient": the float32 buffer at the peak, "partials": the compute-dtype partial
+       gradients at the peak, "unit": the unit and phase of the peak, "units": the units}.
+    """
+    rules = rules_lib.rules_from_config(config.mesh.rules)
+    if not any(shape.get(a, 1) > 1 for a in rules_lib.activation_mesh_axes(rules)):
+        return {"bytes": 0, "gathered": 0, "gradient": 0, "partials": 0, "unit": None,
+                "units": []}
+    c = _ACT_BYTES.get(config.precision.policy, 4)
+    units = weight_units(config, shape)
+    g = [u["gathered"] for u in units] + [0]  # g[-1]: nothing before the first unit
+    phases = []
+    for i, u in enumerate(units):
+        phases.append({"gathered": c * (g[i] + g[i + 1]), "gradient": 0, "partials": 0,
+                       "unit": f"{u['name']} forward"})
+        phases.append({"gathered": c * g[i - 1], "gradient": 4 * u["reduced"],
+                       "partials": c * u["reduced"], "unit": f"{u['name']} backward"})
+    peak = max(phases, key=lambda p: p["gathered"] + p["gradient"] + p["partials"])
+    return dict(peak, bytes=peak["gathered"] + peak["gradient"] + peak["partials"],
+                units=units)
 
 
 def apply_mesh(config, local, result: dict, target, mesh_note: str, devices=None,
@@ -175,7 +237,7 @@ def apply_mesh(config, local, result: dict, target, mesh_note: str, devices=None
         mem[key] += diff
     buffers = gather_buffers(config, shape)
     mem["gather_buffers"] = buffers["bytes"]
-    mem["gather_detail"] = buffers
+    mem["gather_detail"] = {k: v for k, v in buffers.items() if k != "units"}
     mem["total"] = (mem["arguments"] + mem["outputs"] - mem["alias"] + mem["temp"]
                     + buffers["bytes"])
     # model_flops, flops and tokens_per_step stay those of the local program: one
@@ -237,7 +299,11 @@ def apply_mesh(config, local, result: dict, target, mesh_note: str, devices=None
     count = (measured or {}).get("count") or (
         trainable * ((data > 1) + 3 * (fsdp > 1)) + 4 * config.model.num_layers * (tp > 1))
     result["collective_count"] = count
-    result["clusters"] = count + 1
+    if (measured or {}).get("clusters"):
+        result["clusters"] = measured["clusters"]
+        result["clusters_basis"] = measured["clusters_basis"]
+    else:
+        result["clusters"] = count + 1
     # The no-mesh program updates every weight it computes with; the layout updates the
     # device's shard of the optimizer state (AdamW's two float32 moments: 8 bytes/param).
     local_params = sum(r.optimizer_bytes_per_device for r in state_bytes(local, one)[1]) / 8
