@@ -274,6 +274,7 @@ def write_markdown(results, path):
                        f"{100 * r['estimated_mfu']:.0f}% |")
     if results.get("moved"):
         out += moved_markdown(results)
+    out += clusters_markdown(results)
     out.append("")
     with open(path, "w") as f:
         f.write("\n".join(out) + results.get("notes", ""))
@@ -342,22 +343,96 @@ def comparison_markdown(standard, blocked) -> list:
     return out
 
 
+def clusters_markdown(results) -> list:
+    """Sections of h100_plan.md: DTensor's clusters per device (benchmarks/
+    plan_clusters.py) and the real per-device clusters compiled for the H100 against the
+    no-mesh proxy (benchmarks/plan_device_clusters.py)."""
+    out = []
+    rows = results.get("clusters") or []
+    if rows:
+        out += ["", f"## XLA clusters per device: DTensor's executed program "
+                f"({results['clusters_date']})", "",
+                "`python benchmarks/plan_clusters.py`: the train step as `tfllm train` runs "
+                "it (bf16, `jit_compile`, DTensor) on 8 logical CPU devices, at tiny widths "
+                "with 1, 2 and 3 layers; the busiest device's `_XlaCompile` ops counted in "
+                "the executed graphs (`tfllm.train.costs`). Each block adds the same "
+                "clusters (the 3-layer count checks it), so the model's count is "
+                "a + b x layers. `tfllm plan` measures the same way (1 and 2 layers) for "
+                "the dispatch term of its step time.", "",
+                "| model | mesh | layers | clusters at 1 / 2 / 3 layers | per block | "
+                "linear | clusters per step | collectives per step |",
+                "|---|---|---|---|---|---|---|---|"]
+        for r in rows:
+            c = r["tiny_clusters"]
+            out.append(f"| {r['model']} | {r['mesh']} | {r['layers']} | {c['1']} / {c['2']} "
+                       f"/ {c['3']} | {r['per_block']} | {'yes' if r['linear'] else 'NO'} | "
+                       f"{r['clusters']:,} | {r['collectives']:,} |")
+        w = results.get("clusters_width_check")
+        if w:
+            out += ["", f"Widths do not change the count: {w['model']} {w['mesh']} with 1 "
+                    f"layer has {w['own_widths']} clusters ({w['own_collectives']} "
+                    f"collectives) at its own widths (sequence 64) and {w['tiny_widths']} "
+                    f"({w['tiny_collectives']}) at the tiny ones."]
+    dev = results.get("device_clusters") or []
+    if dev:
+        gf = lambda x: f"{x / 1e9:,.0f}"  # noqa: E731
+        ms = lambda x: f"{1e3 * x:.2f}"  # noqa: E731
+        out += ["", f"## The real per-device clusters against the no-mesh proxy "
+                f"({results['device_clusters_date']})", "",
+                "`python benchmarks/plan_device_clusters.py`: the real model's step on the "
+                "mesh (bf16, sequence 2048, 1 sequence per device) executed once on 8 CPU "
+                "devices with XLA dumping every cluster; each distinct cluster compiled for "
+                "the H100 (`tfllm.plan.gpu_compile`) and counted per device; beside it the "
+                "program `tfllm plan` compiles, the no-mesh step at one device's shapes. "
+                "Only models whose 8 devices' activations fit this host's 23 GB can be run "
+                "(see the script's docstring).", "",
+                "| model | mesh | layers | clusters | kernels launched: clusters / no-mesh | "
+                "GEMM GFLOP: clusters / no-mesh | roofline ms: clusters / no-mesh | "
+                "largest cluster's temporaries GiB / no-mesh temporaries GiB |",
+                "|---|---|---|---|---|---|---|---|"]
+        for r in dev:
+            d, n = r["dtensor"], r["no_mesh"]
+            p = d["per_device"]
+            out.append(f"| {r['model']} | {r['mesh']} | {d['layers']} | {d['clusters']} | "
+                       f"{p['kernel_launches']:,.0f} / {n['kernel_launches']:,.0f} | "
+                       f"{gf(p['flops'])} / {gf(n['flops'])} | {ms(p['roofline_s'])} / "
+                       f"{ms(n['roofline_s'])} | {d['largest_cluster_temp'] / 2**30:.2f} / "
+                       f"{n['temp'] / 2**30:.2f} |")
+    return out
+
+
 #: [MODEL, POLICY, BATCH, MESH] of the stored rows planned again by --moved: each
 #: model's batch 1 and largest batch on one H100, and the llama-7b meshes a user would pick
 MOVED = [("gpt2-small", "bfloat16", 1, "data=1"), ("gpt2-small", "bfloat16", 24, "data=1"),
          ("llama-1b", "bfloat16", 1, "data=1"), ("llama-1b", "bfloat16", 5, "data=1"),
          ("llama-7b", "bfloat16", 1, "data=1"),
+         ("gpt2-small", "bfloat16", 8, "fsdp=8"), ("llama-1b", "bfloat16", 8, "fsdp=8"),
+         ("llama-1b", "bfloat16", 8, "data=2,fsdp=4"),
          ("llama-7b", "bfloat16", 16, "fsdp=8"), ("llama-7b", "bfloat16", 8, "fsdp=4,model=2")]
 
 
-def moved(results, log):
-    """Plans the MOVED rows again with today's planner (mesh rows with assumed
-    collectives: measuring them takes 10-20 minutes each on this machine)."""
+def moved(results, log, meshes_only=False, save=lambda results: None):
+    """Plans the MOVED rows again with today's planner; mesh rows measure their
+    collectives and DTensor's clusters (`tfllm.plan.measured`: tiny steps with XLA on
+    this machine's CPU devices, several minutes each). `meshes_only` keeps the stored
+    one-device rows (nothing a mesh changes moves them)."""
+    stored = {(r["model"], r["policy"], r["batch"], r["mesh_axes"]): r
+              for r in results.get("moved", [])}
     out = []
     for model, policy, batch, mesh in MOVED:
-        p = plan(model, policy, batch, mesh, collectives="assumed")
-        out.append(dict(row(model, policy, batch, p), mesh_axes=mesh))
+        key = (model, policy, batch, mesh)
+        if meshes_only and mesh == "data=1" and key in stored:
+            out.append(stored[key])
+            continue
+        p = plan(model, policy, batch, mesh,
+                 collectives="assumed" if mesh == "data=1" else "measured")
+        out.append(dict(row(model, policy, batch, p), mesh_axes=mesh,
+                        sources=p.get("sources"), memory_detail=p["memory"].get(
+                            "gather_detail"), collective_count=p.get("collective_count")))
         log(out[-1])
+        done = {(o["model"], o["policy"], o["batch"], o["mesh_axes"]) for o in out}
+        results["moved"] = out + [r for k, r in stored.items() if k not in done]
+        save(results)  # a plan takes minutes: keep each one
     results["moved"] = out
     results["moved_date"] = time.strftime("%Y-%m-%d")
     return out
@@ -377,8 +452,8 @@ def moved_markdown(results) -> list:
     pct = lambda x: f"{100 * x:.0f}%"  # noqa: E731
     out = ["", f"## How the rows moved: the plan that predicts (issue 35 item 6, "
            f"{results['moved_date']})", "",
-           "Re-planned with today's `tfllm plan` (mesh rows with `--collectives assumed`); "
-           "the tables above are the stored run. Three corrections move every row: "
+           "Re-planned with today's `tfllm plan` (mesh rows with measured collectives and "
+           "clusters); the tables above are the stored run. Three corrections move every row: "
            "**fits** compares against 75.1 GiB (79.1 GiB less `mesh.gpu_memory_reserve_mb` "
            "= 4096 MiB, which TensorFlow leaves to NCCL and cuBLAS), not 79.1; **the AdamW "
            "update** of a sharded layout is counted for the device's shard (the no-mesh "
@@ -391,18 +466,23 @@ def moved_markdown(results) -> list:
            "| kernel gap | 2 µs per kernel launch | NVIDIA, \"Getting Started with CUDA "
            "Graphs\" (2019): a few µs of launch overhead per short kernel without graphs |",
            "| cluster dispatch | 20 µs per DTensor XLA cluster | assumed: TensorFlow's "
-           "per-op overhead (\"Better performance with tf.function\"); clusters = "
-           "collectives + 1 (DTensor splits at each); no GPU measurement yet |",
+           "per-op overhead (\"Better performance with tf.function\"); no GPU measurement "
+           "yet. The count of clusters is measured: DTensor's executed program of the mesh "
+           "(`tfllm.plan.measured`, next sections) |",
            "| NCCL | 15 µs per collective + bytes at 450 GB/s | NVLink 4: 18 links x 25 "
            "GB/s (H100 datasheet); nccl-tests all_reduce_perf on 8 H100 SXM: 460-480 GB/s "
            "bus bandwidth at large sizes, tens of µs at small ones |",
            "| overlap | 0 | tfllm's FSDP ordered every gather behind a scalar all-reduce "
            "(issue 35 items 1-2); raise it once the executed program overlaps |", "",
            "Every compute and memory figure is compiled from **the no-mesh program at one "
-           "device's shapes**, not from DTensor's per-device clusters (compiling those needs "
-           "the real model's DTensor step on this host: `tests/plan` compiles them for "
-           "tiny models and checks that their GEMM FLOPs equal the plan's); the plan's "
-           "`sources` field says so per figure. The MFU column also moves with tfllm's "
+           "device's shapes**, not from DTensor's per-device clusters: running the real "
+           "model's DTensor step at sequence 2048 on 8 CPU devices of this host fits for "
+           "gpt2-small at 1-2 layers only (its per-device clusters are compared with the "
+           "proxy below); the plan's `sources` field (in the JSON) says per figure which "
+           "program it used. Mesh memory adds the block buffers of "
+           "`tfllm/parallel/blocks.py` (modelled from the model's blocks: the prefetched "
+           "16-bit gather of the block before, the block's 16-bit partial gradients and its "
+           "float32 reduction buffer). The MFU column also moves with tfllm's "
            "model FLOPs, which now count causal attention at half (MaxText's convention, "
            "issue 35 item 8). Rows not listed here were not planned again (one plan takes "
            "1-20 minutes on this 2-core machine); the fits of a stored row against 75.1 GiB "
@@ -423,6 +503,30 @@ def moved_markdown(results) -> list:
             f"{ms(r['estimated_step_s'])} | "
             f"{pct(old['estimated_mfu']) if old else '-'} → "
             f"{100 * r['estimated_mfu']:.0f}% |")
+    before = {(r["model"], r["policy"], r["batch"], r["mesh_axes"]): dict(
+        r, collective_count=r.get("collective_count", r["clusters"] - 1))
+        for r in results.get("moved_previous") or []}  # then clusters = collectives + 1
+    mesh_rows = [r for r in results["moved"] if r["mesh_axes"] != "data=1"]
+    if before and mesh_rows:
+        out += ["", f"Mesh rows against the previous re-plan ({results['moved_previous_date']}"
+                "; one-device rows did not move): memory now adds the block buffers in "
+                "place of per-weight gather buffers, clusters are DTensor's measured count "
+                "(before: collectives + 1, with the per-weight count of collectives assumed), "
+                "and collectives are measured on the executed program with blocks.", "",
+                "| model | mesh | batch | memory GiB before → now | block buffers GiB | "
+                "clusters before → now | collectives before → now | modelled step ms "
+                "before → now |", "|---|---|---|---|---|---|---|---|"]
+        for r in mesh_rows:
+            b = before.get((r["model"], r["policy"], r["batch"], r["mesh_axes"]))
+            arrow = lambda f, k: (f"{f(b[k])} → " if b and b.get(k) is not None  # noqa: E731
+                                  else "- → ") + f(r[k])
+            buffers = (r.get("memory_detail") or {})
+            size = sum(buffers.get(k, 0) for k in ("gathered", "partials", "gradient"))
+            out.append(f"| {r['model']} | {r['mesh_axes']} | {r['batch']} | "
+                       f"{arrow(lambda x: f'{x:.1f}', 'total_gib')} | {size / 2**30:.2f} | "
+                       f"{arrow(lambda x: f'{x:,}', 'clusters')} | "
+                       f"{arrow(lambda x: f'{x:,}', 'collective_count')} | "
+                       f"{arrow(ms, 'estimated_step_s')} |")
     return out
 
 
@@ -454,6 +558,8 @@ def main():
                              "(standard attention) with this blocked run's JSON.")
     parser.add_argument("--moved", action="store_true",
                         help="Plan the MOVED rows again and add how they moved to OUT.md.")
+    parser.add_argument("--moved-meshes", action="store_true",
+                        help="Like --moved, planning only the mesh rows again.")
     args = parser.parse_args()
     global ATTENTION_CHUNK
     ATTENTION_CHUNK = args.attention_chunk
@@ -465,12 +571,19 @@ def main():
             json.dump(done, f, indent=1)
         write_markdown(done, args.out + ".md")
         return
-    if args.moved:
+    if args.moved or args.moved_meshes:
         with open(args.out + ".json") as f:
             results = json.load(f)
-        moved(results, print)
-        with open(args.out + ".json", "w") as f:
-            json.dump(results, f, indent=1)
+
+        def save(results):
+            with open(args.out + ".json", "w") as f:
+                json.dump(results, f, indent=1)
+
+        if results.get("moved"):  # how the mesh rows move since: in OUT.md
+            results["moved_previous"] = results["moved"]
+            results["moved_previous_date"] = results["moved_date"]
+        moved(results, print, meshes_only=args.moved_meshes, save=save)
+        save(results)
         args.markdown_only = True
     if args.markdown_only:
         with open(args.out + ".json") as f:

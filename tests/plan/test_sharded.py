@@ -5,6 +5,7 @@ import pytest
 
 from tfllm.compiler.targets import get_target
 from tfllm.parallel.rules import DEFAULT_RULES, without_sequence_sharding
+from tfllm.plan.planner import figure_sources
 from tfllm.plan.sharded import apply_mesh, per_device_config
 from tests.harness import tiny_config
 
@@ -70,3 +71,19 @@ def test_the_adamw_update_and_the_clusters_are_counted_by_the_layout():
     # data parallelism replicates the state: each device updates every weight
     assert data["optimizer_update"]["layout_params"] == data["optimizer_update"][
         "program_params"]
+
+
+def test_measured_clusters_replace_the_assumed_count():
+    config = tiny("fsdp=8", **{"precision.policy": "bfloat16"})
+    local, note = per_device_config(config)
+    empty = {"memory": {"arguments": 0, "outputs": 0, "alias": 0, "temp": 0}}
+    m = {"bytes_per_device": 1e9, "link_bandwidth": 450e9, "seconds": 1e9 / 450e9,
+         "count": 18, "basis": "measured: ...", "clusters": 61,
+         "clusters_basis": "measured: XLA clusters of the busiest device"}
+    p = apply_mesh(config, local, empty, get_target("h100"), note, measured=m)
+    # DTensor's clusters are not one per collective: the measured count is used as is
+    assert (p["collective_count"], p["clusters"]) == (18, 61)
+    assert p["clusters_basis"].startswith("measured")
+    assert figure_sources(p)["clusters"].startswith("measured")
+    # the block buffers are in the memory (modelled from the model's blocks)
+    assert p["memory"]["gather_buffers"] > 0 and "units" not in p["memory"]["gather_detail"]

@@ -43,7 +43,7 @@ import subprocess
 import sys
 import tempfile
 from collections import defaultdict
-from typing import Dict, List
+from typing import Dict, List, Optional
 
 from tfllm.plan.sharded import compute_sizes, per_device_config
 
@@ -218,7 +218,7 @@ def extrapolate(one: Dict[tuple, dict], two: Dict[tuple, dict], layers: int) -> 
 
 
 def run_tiny(config, shape, layers=(1, 2), timeout: float = 900, jit_compile: bool = True,
-             tiny: bool = True) -> Dict[int, dict]:
+             tiny: bool = True, dump_to: Optional[str] = None) -> Dict[int, dict]:
     """{layers: {"collectives": those of the busiest device, "clusters": XLA clusters of
     its program}} of one step per layer count, run in a child process with as many
     logical CPU devices as the mesh has.
@@ -229,6 +229,8 @@ def run_tiny(config, shape, layers=(1, 2), timeout: float = 900, jit_compile: bo
         it the collectives are the same and "clusters" is 0.
       tiny: run `tiny_config(config, n, shape)`; False runs `config` itself with n
         layers (its own widths: check that the cluster count does not depend on them).
+      dump_to: a folder where XLA dumps the HLO of every cluster it compiles (the
+        device programs DTensor hands it: `benchmarks/plan_device_clusters.py`).
     """
     from tfllm.config import to_dict
     devices = math.prod(shape.values())
@@ -247,6 +249,8 @@ def run_tiny(config, shape, layers=(1, 2), timeout: float = 900, jit_compile: bo
                 str(n): to_dict(at(n)) for n in layers}}, f)
         env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2", KERAS_BACKEND="tensorflow")
         env.pop("XLA_FLAGS", None)
+        if dump_to:
+            env["XLA_FLAGS"] = f"--xla_dump_to={dump_to} --xla_dump_hlo_as_text"
         r = subprocess.run([sys.executable, "-m", "tfllm.plan.measured", job],
                            capture_output=True, text=True, timeout=timeout, env=env)
         if r.returncode != 0:

@@ -203,12 +203,16 @@ def plan(config, target_name: str = "h100", layers: str = "auto", devices=None,
                                                 sharded.LINK_BANDWIDTH[target.name])
     result = sharded.apply_mesh(config, local, result, target, mesh_note, devices,
                                 measured=measured_collectives)
-    result["sources"] = _sources(result)
+    result["sources"] = figure_sources(result)
     return finish(result, config, target, method)
 
 
-def _sources(result: dict) -> dict:
-    """Where each figure of a plan comes from: compiled, measured or assumed."""
+def figure_sources(result: dict) -> dict:
+    """Where each figure of a plan comes from: compiled, measured, modelled or assumed.
+
+    Args:
+      result: a plan's figures (after `tfllm.plan.sharded.apply_mesh` on a mesh).
+    """
     sharded = result.get("devices", 1) > 1
     program = ("the no-mesh program at one device's shapes (not DTensor's per-device "
                "clusters)" if sharded else "the step's one XLA program")
