@@ -8,6 +8,7 @@ first).
 
 * Configs: `tiny_overrides`, `tiny_config`, `text_overrides`, `tiny_text_config`,
   `write_text_corpus`.
+* Costs: `first_step_costs` (the first step's cost report and executed graphs).
 * Parity: `parity_run` (one training run, sharded or not), `parity_reference` (the
   single-device float32 run, cached per process), `assert_parity` (their agreement
   within the float32 tolerances justified below).
@@ -125,6 +126,36 @@ def tiny_text_config(tmp_path, axes="data=2,model=4", **extra):
     """The Config of `text_overrides(...)` loaded over the defaults."""
     from tfllm.config import load_config
     return load_config(None, text_overrides(tmp_path, axes, **extra))
+
+
+def first_step_costs(axes, layers, policy="float32", family="llama", **extra):
+    """(cost report, executed graphs) of the first training step of the tiny model
+    (`tiny_config`) with `layers` blocks on mesh `axes`, in graph mode.
+
+    Args:
+      axes: the mesh.
+      layers: model.num_layers (compare 2 and 3 to see what one block costs).
+      policy: precision.policy.
+      family: the model family.
+      **extra: more settings by dotted key.
+    """
+    from unittest import mock
+
+    from tfllm.data import SyntheticTokens, feed
+    from tfllm.parallel import make_parallel
+    from tfllm.train import costs
+    from tfllm.train.state import build_train_state
+    cfg = tiny_config(family, axes, **{"precision.policy": policy,
+                                       "model.num_layers": layers}, **extra)
+    parallel = make_parallel(cfg)
+    state = build_train_state(cfg, parallel, jit_compile=False)
+    data = SyntheticTokens(cfg.model.vocab_size, cfg.data.sequence_length + 1, seed=7)
+    seen, report = [], costs.report_from_graphs
+    with mock.patch.object(costs, "report_from_graphs",
+                           lambda graphs, *a, **k: seen.extend(graphs) or report(graphs, *a, **k)):
+        state.step(feed.to_device(parallel, data.batch(0, cfg.train.global_batch_size,
+                                                       cfg.train.grad_accum_steps)))
+    return state.step.cost_report, seen
 
 
 # ---- the parity harness -----------------------------------------------------------------

@@ -29,9 +29,10 @@ def test_cli_surface_is_frozen():
         "generate": ["--chat", "--help", "--max-new-tokens", "--prompt", "--seed", "--set",
                      "--temperature", "--top-k", "--top-p", "--workdir", "-h"],
         "eval": ["--help", "--set", "--steps", "--workdir", "-h"],
-        "export": ["--dtype", "--format", "--help", "--max-shard-size", "--out", "--set",
-                   "--workdir", "-h"],
-        "import": ["--help", "--preset", "--set", "--tokenizer", "--workdir", "-h"],
+        "export": ["--dtype", "--format", "--help", "--max-shard-size", "--merge-lora",
+                   "--out", "--set", "--skip-vllm-checks", "--workdir", "-h"],
+        "import": ["--adapter", "--help", "--preset", "--set", "--tokenizer", "--workdir",
+                   "-h"],
         "doctor": ["--config", "--help", "--set", "-h"],
         "launch": [],  # its own options: tests/launch/test_arguments.py freezes them
     }

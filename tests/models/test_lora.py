@@ -14,7 +14,8 @@ from tfllm.config import ConfigError
 from tfllm.models import build_model
 from tfllm.models.lora import projection_paths, scale, targeted, trainable_summary
 from tfllm.train.metrics import flops_per_token
-from tests.harness import assert_parity, parity_reference, parity_run, tiny_config
+from tests.harness import (assert_parity, first_step_costs, parity_reference, parity_run,
+                           tiny_config)
 
 LORA = (("lora.rank", 4), ("lora.alpha", 8.0))
 
@@ -81,9 +82,8 @@ def test_flops_count_no_weight_gradient_for_frozen_weights():
 @pytest.mark.slow  # two tiny-model steps on 8 devices: ~35-55 s on 2 cores
 @pytest.mark.parametrize("axes", ["fsdp=8"])
 def test_a_lora_step_on_fsdp_sends_only_adapter_gradients(axes):
-    from tests.parallel.test_blocks import _step
-    plain, _ = _step(axes, 2)
-    lora, _ = _step(axes, 2, **dict(LORA))
+    plain, _ = first_step_costs(axes, 2)
+    lora, _ = first_step_costs(axes, 2, **dict(LORA))
     reduced = lambda r: sorted(c.elements for c in r.collectives  # noqa: E731
                                if "block_1_reduce" in c.name)
     gathered = lambda r: [c.elements for c in r.collectives  # noqa: E731

@@ -15,33 +15,13 @@ of 2 and 3 blocks (what one more block adds is what each block costs):
 """
 
 import re
-from unittest import mock
 
 import numpy as np
 import pytest
 
-from tfllm.data import SyntheticTokens, feed
-from tfllm.parallel import make_parallel
-from tfllm.train import costs
-from tfllm.train.state import build_train_state
-from tests.harness import tiny_config
+from tests.harness import first_step_costs, tiny_config
 
 NCCL_DTYPES = {"float16", "float32", "float64", "int32", "int64"}
-
-
-def _step(axes, layers, policy="float32", family="llama", **extra):
-    """(cost report, executed graphs) of the first step of a tiny model."""
-    cfg = tiny_config(family, axes, **{"precision.policy": policy,
-                                       "model.num_layers": layers}, **extra)
-    parallel = make_parallel(cfg)
-    state = build_train_state(cfg, parallel, jit_compile=False)
-    data = SyntheticTokens(cfg.model.vocab_size, cfg.data.sequence_length + 1, seed=7)
-    seen, report = [], costs.report_from_graphs
-    with mock.patch.object(costs, "report_from_graphs",
-                           lambda graphs, *a, **k: seen.extend(graphs) or report(graphs, *a, **k)):
-        state.step(feed.to_device(parallel, data.batch(0, cfg.train.global_batch_size,
-                                                       cfg.train.grad_accum_steps)))
-    return state.step.cost_report, seen
 
 
 def _count(report, pred=lambda c: True):
@@ -54,7 +34,7 @@ def _scalar(c):
 
 @pytest.fixture(scope="module")
 def fsdp_runs():
-    return {n: _step("fsdp=8", n) for n in (2, 3)}
+    return {n: first_step_costs("fsdp=8", n) for n in (2, 3)}
 
 
 @pytest.mark.slow
@@ -129,13 +109,13 @@ def test_block_gathers_wait_for_the_block_ahead_and_regathers_come_one_block_ear
 
 @pytest.mark.slow
 def test_data_parallel_reduces_one_bucket_per_block():
-    two, _ = _step("data=8", 2)
-    three, _ = _step("data=8", 3)
+    two, _ = first_step_costs("data=8", 2)
+    three, _ = first_step_costs("data=8", 3)
     grads = lambda r: [c for c in r.collectives if not _scalar(c)]  # noqa: E731
     assert len(grads(three)) - len(grads(two)) == 1  # before: one per weight (9)
     assert len(grads(two)) - 2 <= 2  # the embedding and the final norm + head together
     # Buckets: a 0.01 MiB cap splits each block's 37,056 float32 gradients (145 KiB).
-    small, _ = _step("data=8", 2, **{"mesh.gradient_bucket_mb": 0.01})
+    small, _ = first_step_costs("data=8", 2, **{"mesh.gradient_bucket_mb": 0.01})
     largest_weight = 64 * 256
     assert len(grads(small)) > len(grads(two))
     for c in grads(small):
@@ -150,7 +130,7 @@ CASES = [("fsdp=8", "gpt", "bfloat16"), ("fsdp=8", "llama", "bfloat16"),
 @pytest.mark.slow
 @pytest.mark.parametrize("axes,family,policy", CASES)
 def test_every_collective_moves_a_dtype_nccl_takes(axes, family, policy):
-    report, _ = _step(axes, 2, policy, family)
+    report, _ = first_step_costs(axes, 2, policy, family)
     assert report.collectives
     for c in report.collectives:
         assert c.dtype in NCCL_DTYPES, c.describe()

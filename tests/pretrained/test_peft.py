@@ -15,7 +15,6 @@ import pytest
 from tfllm.cli.main import main
 from tests.pretrained import helpers
 from tests.pretrained import transformers_reference as ref
-from tests.pretrained.test_transformers import _assert_same_model
 
 #: peft's module names per family (tfllm's default: every projection)
 TARGETS = {"gpt2": ["c_attn", "c_proj", "c_fc"],
@@ -74,7 +73,7 @@ def test_a_peft_adapter_imports_exports_bit_exactly_and_merges(name, tmp_path):
     ids = helpers.token_ids()
     theirs = ref.logits(adapted, ids)
     _import(tmp_path, name, "--adapter", str(tmp_path / "adapter"))
-    _assert_same_model(_tfllm_logits(tmp_path / "run", ids), theirs)
+    ref.assert_same_model(_tfllm_logits(tmp_path / "run", ids), theirs)
     # The adapter back out: peft's tensors bit for bit (GPT-2's c_attn as rank 3r).
     vllm = [] if name != "gpt2" else ["--skip-vllm-checks"]
     assert main(["export", "--workdir", str(tmp_path / "run"), "--out",
@@ -90,11 +89,11 @@ def test_a_peft_adapter_imports_exports_bit_exactly_and_merges(name, tmp_path):
     # peft loads it onto the base and computes the same logits
     peft = _peft()
     reloaded = peft.PeftModel.from_pretrained(ref.load(tmp_path / "hf"), str(tmp_path / "out"))
-    _assert_same_model(ref.logits(reloaded.eval(), ids), theirs)
+    ref.assert_same_model(ref.logits(reloaded.eval(), ids), theirs)
     # merged weights load in plain transformers
     assert main(["export", "--workdir", str(tmp_path / "run"), "--out",
                  str(tmp_path / "merged"), "--format", "hf", "--merge-lora"]) == 0
-    _assert_same_model(ref.logits(ref.load(tmp_path / "merged"), ids), theirs)
+    ref.assert_same_model(ref.logits(ref.load(tmp_path / "merged"), ids), theirs)
 
 
 def test_rslora_and_a_subset_of_targets_keep_peft_s_scale(tmp_path):
@@ -113,7 +112,7 @@ def test_rslora_and_a_subset_of_targets_keep_peft_s_scale(tmp_path):
     adapted.save_pretrained(str(tmp_path / "adapter"))
     ids = helpers.token_ids()
     _import(tmp_path, "llama3", "--adapter", str(tmp_path / "adapter"))
-    _assert_same_model(_tfllm_logits(tmp_path / "run", ids), ref.logits(adapted.eval(), ids))
+    ref.assert_same_model(_tfllm_logits(tmp_path / "run", ids), ref.logits(adapted.eval(), ids))
     with open(tmp_path / "run" / "config.yaml") as f:
         text = f.read()
     assert "rslora: true" in text and "self_attn.q_proj" in text

@@ -19,23 +19,12 @@ from tfllm.pretrained import from_preset
 from tests.pretrained import helpers
 from tests.pretrained import transformers_reference as ref
 
-# float32 on both sides; only summation orders differ (torch's matmuls vs TF's einsums,
-# softmax, RMSNorm) over widths <= 64 with weights of std 0.3. Measured worst case over
-# the seven models: 5.1e-7 of the largest logit (2-3; Gemma 3: 4.0e-7); 1e-5 (the
-# issue's bound) leaves 20x headroom and catches any wrong tensor, transpose, RoPE frequency or epsilon
-# (errors of 1e-3 and more).
-REL = 1e-5
-
 
 def _tfllm_logits(model, ids):
     return np.asarray(model(ids), np.float32)
 
 
-def _assert_same_model(ours, theirs):
-    """Logits within REL of the largest, and the same greedy token at every position."""
-    err = np.abs(ours - theirs).max() / np.abs(theirs).max()
-    assert err <= REL, f"largest logit difference {err:.2e} of the largest logit"
-    np.testing.assert_array_equal(ours.argmax(-1), theirs.argmax(-1))
+_assert_same_model = ref.assert_same_model
 
 
 @pytest.mark.slow

@@ -263,7 +263,7 @@ def cmd_export(args) -> int:
                                    args.max_shard_size, args.merge_lora)))
         return 0
     if args.format == "peft":
-        from tfllm.pretrained.peft import export_peft
+        from tfllm.pretrained.hf_export import export_peft
         print(json.dumps(export_peft(config, args.workdir, args.out, args.dtype,
                                      not args.skip_vllm_checks)))
         return 0

@@ -35,6 +35,17 @@ class PretrainedError(ValueError):
 
 
 @dataclass(frozen=True)
+class Tensor:
+    """One tensor of a Hugging Face folder (a model's or an adapter's), made from tfllm
+    checkpoint variables (`tfllm.pretrained.hf_export`, `tfllm.pretrained.peft`)."""
+
+    key: str                          # the Hugging Face name
+    sources: Tuple[str, ...]          # tfllm variable paths below the model's name
+    shape: Tuple[int, ...]            # the Hugging Face shape
+    make: Callable[..., np.ndarray]   # (*source arrays) -> array of `shape`
+
+
+@dataclass(frozen=True)
 class Permuted:
     """A weight-map value whose keras-hub tensor is tfllm's with its axes permuted:
     tfllm's = np.transpose(keras-hub's, perm)."""

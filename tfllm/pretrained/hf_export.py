@@ -26,7 +26,6 @@ import json
 import os
 import re
 import struct
-from dataclasses import dataclass
 from typing import Callable, List, Optional, Sequence, Tuple
 
 import numpy as np
@@ -34,20 +33,11 @@ import numpy as np
 from tfllm import internals
 from tfllm.models import model_class
 from tfllm.models.llama.llama import is_local_layer
-from tfllm.pretrained.families import PretrainedError
+from tfllm.pretrained import peft
+from tfllm.pretrained.families import PretrainedError, Tensor
 
 #: --dtype -> safetensors dtype code
 DTYPES = {"float32": "F32", "bfloat16": "BF16"}
-
-
-@dataclass(frozen=True)
-class Tensor:
-    """One tensor of the Hugging Face folder, made from tfllm checkpoint variables."""
-
-    key: str                          # the Hugging Face name
-    sources: Tuple[str, ...]          # tfllm variable paths below the model's name
-    shape: Tuple[int, ...]            # the Hugging Face shape
-    make: Callable[..., np.ndarray]   # (*source arrays) -> array of `shape`
 
 
 def _same(x):
@@ -478,8 +468,7 @@ def export_hf(config, workdir: str, out: str, dtype: str = "float32",
     def produce(t: Tensor) -> np.ndarray:
         arrays = [reader.whole(prefix + s).astype(np.float32, copy=False) for s in t.sources]
         if merge_lora:
-            from tfllm.pretrained.peft import merged
-            arrays = [merged(reader, prefix, s, a, lora) for s, a in zip(t.sources, arrays)]
+            arrays = [peft.merged(reader, prefix, s, a, lora) for s, a in zip(t.sources, arrays)]
         array = t.make(*arrays)
         if tuple(array.shape) != t.shape:
             raise PretrainedError(f"{t.key}: made shape {list(array.shape)} from "
@@ -516,3 +505,69 @@ def export_hf(config, workdir: str, out: str, dtype: str = "float32",
     if not written:
         summary["tokenizer_note"] = why
     return summary
+
+
+# ---- LoRA adapters (tfllm export --format peft) -----------------------------------------
+def export_peft(config, workdir: str, out: str, dtype: str = "float32",
+                vllm_check: bool = True) -> dict:
+    """Writes the LoRA adapters of the run in `workdir` (latest checkpoint) as a PEFT
+    adapter folder `out` (new or empty): `tfllm.pretrained.peft` has the format.
+
+    Args:
+      config: the run's config (lora.rank > 0).
+      workdir: the run directory.
+      out: the folder to create.
+      dtype: float32 or bfloat16 (the tensors' stored dtype).
+      vllm_check: refuse (one line) an adapter vLLM would refuse or ignore.
+
+    Returns:
+      A summary: out, step, model_type, r, tensors, bytes.
+    """
+    import tensorflow as tf
+
+    from tfllm.checkpoint.reader import Reader
+    from tfllm.checkpoint.workdir import Workdir
+    from tfllm.pretrained.exporter import require_new_folder, written_atomically
+    from tfllm.pretrained.importer import read_origin
+
+    lora = config.lora
+    if lora.rank <= 0:
+        raise PretrainedError(f"{workdir}: the run trains no LoRA adapters (lora.rank=0); "
+                              "export its weights with --format hf.")
+    if dtype not in DTYPES:
+        raise PretrainedError(f"--dtype {dtype}: choose one of {sorted(DTYPES)}.")
+    out = require_new_folder(out)
+    origin = read_origin(workdir) or {}
+    model_type = model_type_for(config.model, origin.get("backbone"))
+    why = peft.vllm_refusal(model_type, lora) if vllm_check else None
+    if why:
+        raise PretrainedError(f"--format peft: {why}; or pass --skip-vllm-checks for an "
+                              "adapter only peft loads.")
+    path = Workdir(workdir).latest_checkpoint()
+    if path is None:
+        raise FileNotFoundError(f"{workdir}: no committed checkpoint; train first.")
+    reader = Reader(path)
+    prefix = _model_prefix(reader.variables)
+    tensors, patterns = peft.adapter_tensors(config.model, model_type, lora)
+    for t in tensors:
+        for s in t.sources:
+            if prefix + s not in reader.variables:
+                raise PretrainedError(f"{path}: holds no {prefix + s} for {t.key}; the "
+                                      "checkpoint does not match the run's lora settings.")
+    np_dtype = np.dtype(tf.as_dtype(dtype).as_numpy_dtype)
+
+    def produce(t: Tensor) -> np.ndarray:
+        arrays = [reader.whole(prefix + s).astype(np.float32) for s in t.sources]
+        array = t.make(*arrays)
+        assert tuple(array.shape) == t.shape, (t.key, array.shape, t.shape)
+        return array.astype(np_dtype)
+
+    config_json = peft.adapter_config(model_type, lora, patterns, origin.get("preset"))
+    with written_atomically(out) as tmp:
+        with open(os.path.join(tmp, peft.ADAPTER_CONFIG), "w", encoding="utf-8") as f:
+            json.dump(config_json, f, indent=2, sort_keys=True)
+        _write_safetensors(os.path.join(tmp, peft.ADAPTER_WEIGHTS), tensors, DTYPES[dtype],
+                           np_dtype.itemsize, produce)
+    return {"out": out, "step": reader.step, "model_type": model_type, "r": lora.rank,
+            "tensors": len(tensors), "bytes": sum(_nbytes(t, np_dtype.itemsize)
+                                                  for t in tensors)}

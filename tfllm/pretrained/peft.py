@@ -31,9 +31,7 @@ from typing import Dict, List, Optional, Tuple
 import numpy as np
 
 from tfllm.models.lora import LAYER_PREFIX, TARGETS, matches, scale, targeted
-from tfllm.pretrained.families import PretrainedError
-from tfllm.pretrained.hf_export import (DTYPES, Tensor, _model_prefix, _nbytes,
-                                        _write_safetensors, model_type_for)
+from tfllm.pretrained.families import PretrainedError, Tensor
 
 ADAPTER_CONFIG, ADAPTER_WEIGHTS = "adapter_config.json", "adapter_model.safetensors"
 #: the ranks vLLM's --max-lora-rank accepts (vllm/config/lora.py)
@@ -143,79 +141,18 @@ def vllm_refusal(model_type: str, lora) -> Optional[str]:
     return None
 
 
-def export_peft(config, workdir: str, out: str, dtype: str = "float32",
-                vllm_check: bool = True) -> dict:
-    """Writes the LoRA adapters of the run in `workdir` (latest checkpoint) as a PEFT
-    adapter folder `out` (new or empty).
-
-    Args:
-      config: the run's config (lora.rank > 0).
-      workdir: the run directory.
-      out: the folder to create.
-      dtype: float32 or bfloat16 (the tensors' stored dtype).
-      vllm_check: refuse (one line) an adapter vLLM would refuse or ignore.
-
-    Returns:
-      A summary: out, step, model_type, r, tensors, bytes.
-    """
-    import tensorflow as tf
-
-    from tfllm.checkpoint.reader import Reader
-    from tfllm.checkpoint.workdir import Workdir
-    from tfllm.pretrained.exporter import require_new_folder, written_atomically
-    from tfllm.pretrained.importer import read_origin
-
-    lora = config.lora
-    if lora.rank <= 0:
-        raise PretrainedError(f"{workdir}: the run trains no LoRA adapters (lora.rank=0); "
-                              "export its weights with --format hf.")
-    if dtype not in DTYPES:
-        raise PretrainedError(f"--dtype {dtype}: choose one of {sorted(DTYPES)}.")
-    out = require_new_folder(out)
-    origin = read_origin(workdir) or {}
-    model_type = model_type_for(config.model, origin.get("backbone"))
-    why = vllm_refusal(model_type, lora) if vllm_check else None
-    if why:
-        raise PretrainedError(f"--format peft: {why}; or pass --skip-vllm-checks for an "
-                              "adapter only peft loads.")
-    path = Workdir(workdir).latest_checkpoint()
-    if path is None:
-        raise FileNotFoundError(f"{workdir}: no committed checkpoint; train first.")
-    reader = Reader(path)
-    prefix = _model_prefix(reader.variables)
-    tensors, patterns = adapter_tensors(config.model, model_type, lora)
-    for t in tensors:
-        for s in t.sources:
-            if prefix + s not in reader.variables:
-                raise PretrainedError(f"{path}: holds no {prefix + s} for {t.key}; the "
-                                      "checkpoint does not match the run's lora settings.")
-    np_dtype = np.dtype(tf.as_dtype(dtype).as_numpy_dtype)
-
-    def produce(t: Tensor) -> np.ndarray:
-        arrays = [reader.whole(prefix + s).astype(np.float32) for s in t.sources]
-        array = t.make(*arrays)
-        assert tuple(array.shape) == t.shape, (t.key, array.shape, t.shape)
-        return array.astype(np_dtype)
-
+def adapter_config(model_type: str, lora, patterns: dict, base: Optional[str]) -> dict:
+    """adapter_config.json of the run's adapters (see the module docstring)."""
     family = _family_of(model_type)
-    adapter_config = {
+    return {
         "peft_type": "LORA", "task_type": "CAUSAL_LM", "r": lora.rank,
         "lora_alpha": lora.alpha, "use_rslora": bool(lora.rslora), "lora_dropout": 0.0,
         "target_modules": _target_names(family, list(targeted(family, list(lora.targets)))),
         "bias": "none", "use_dora": False, "modules_to_save": None,
         "fan_in_fan_out": family == "gpt", "init_lora_weights": True,
-        "inference_mode": True, "base_model_name_or_path": origin.get("preset"),
-        "layers_to_transform": None, "layers_pattern": None, **patterns,
-        "revision": None,
+        "inference_mode": True, "base_model_name_or_path": base,
+        "layers_to_transform": None, "layers_pattern": None, "revision": None, **patterns,
     }
-    with written_atomically(out) as tmp:
-        with open(os.path.join(tmp, ADAPTER_CONFIG), "w", encoding="utf-8") as f:
-            json.dump(adapter_config, f, indent=2, sort_keys=True)
-        _write_safetensors(os.path.join(tmp, ADAPTER_WEIGHTS), tensors, DTYPES[dtype],
-                           np_dtype.itemsize, produce)
-    return {"out": out, "step": reader.step, "model_type": model_type, "r": lora.rank,
-            "tensors": len(tensors), "bytes": sum(_nbytes(t, np_dtype.itemsize)
-                                                  for t in tensors)}
 
 
 # ---- merged weights (--format hf --merge-lora) -------------------------------------------
