@@ -85,18 +85,22 @@ def main():
     args = parser.parse_args()
     cases = CASES if not args.cases else [
         (m, mesh, int(b)) for m, mesh, b in (c.split(":") for c in args.cases.split(";"))]
-    rows = [count(*case, print) for case in cases]
-    check = None if args.no_width_check else width_check(*WIDTH_CHECK, print)
-    with open(args.out + ".json") as f:
-        results = json.load(f)
-    done = {(r["model"], r["mesh"]): r for r in results.get("clusters", [])}
-    done.update({(r["model"], r["mesh"]): r for r in rows})
-    results["clusters"] = list(done.values())
-    if check:
-        results["clusters_width_check"] = check
-    results["clusters_date"] = time.strftime("%Y-%m-%d")
-    with open(args.out + ".json", "w") as f:
-        json.dump(results, f, indent=1)
+    def save(key, value):  # each case takes minutes: keep each one
+        with open(args.out + ".json") as f:
+            results = json.load(f)
+        if key == "clusters":
+            done = {(r["model"], r["mesh"]): r for r in results.get("clusters", [])}
+            done[(value["model"], value["mesh"])] = value
+            value = list(done.values())
+        results[key] = value
+        results["clusters_date"] = time.strftime("%Y-%m-%d")
+        with open(args.out + ".json", "w") as f:
+            json.dump(results, f, indent=1)
+
+    if not args.no_width_check:
+        save("clusters_width_check", width_check(*WIDTH_CHECK, print))
+    for case in cases:
+        save("clusters", count(*case, print))
 
 
 if __name__ == "__main__":
