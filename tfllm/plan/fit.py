@@ -23,7 +23,9 @@ models one device's memory from shapes alone:
 Activations peak at the start of the backward pass, gradients at its end: the step needs
 the larger of the two beside the state. The model is checked against XLA's compiled H100
 programs (tests/plan/test_fit.py: within the tolerance it states, and above them where
-XLA keeps more than one layer's temporaries); the compile stays the judge (`tfllm plan`).
+XLA keeps more than one layer's temporaries), and the block buffers against a measured
+fsdp=8 step (benchmarks/results/fsdp_memory*.json); the compile stays the judge
+(`tfllm plan`).
 """
 
 from __future__ import annotations
