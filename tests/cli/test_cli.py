@@ -31,8 +31,8 @@ def test_cli_surface_is_frozen():
         "eval": ["--help", "--set", "--steps", "--workdir", "-h"],
         "export": ["--dtype", "--format", "--help", "--max-shard-size", "--merge-lora",
                    "--out", "--set", "--skip-vllm-checks", "--workdir", "-h"],
-        "import": ["--adapter", "--help", "--preset", "--set", "--tokenizer", "--workdir",
-                   "-h"],
+        "import": ["--adapter", "--config", "--help", "--preset", "--set", "--tokenizer",
+                   "--workdir", "-h"],
         "doctor": ["--config", "--help", "--set", "-h"],
         "launch": [],  # its own options: tests/launch/test_arguments.py freezes them
     }

@@ -156,3 +156,20 @@ def test_a_dora_adapter_is_refused_in_one_line(tmp_path, capsys):
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "use_dora=True: DoRA is not supported" in err[0], err
     assert not (tmp_path / "run").exists()
+
+
+def test_an_import_with_adapters_starts_them_from_their_init(tmp_path):
+    # The import builds the model zero-filled for the preset's weights; adapters, which
+    # no preset holds, must still start random (A) and zero (B), or A = B = 0 never moves.
+    import math
+
+    from tfllm.checkpoint.reader import Reader
+    from tfllm.checkpoint.workdir import Workdir
+    ref.save("llama3", tmp_path / "hf")
+    _import(tmp_path, "llama3", "--set", "lora.rank=8")
+    reader = Reader(Workdir(str(tmp_path / "run")).latest_checkpoint())
+    a = reader.whole("model/llama/block_0/attention/query/lora_a")
+    b = reader.whole("model/llama/block_0/attention/query/lora_b")
+    assert not b.any()
+    # peft's Kaiming-uniform variance 1 / (3 fan_in), fan_in = hidden 32
+    assert abs(a.std() - 1 / math.sqrt(3 * 32)) < 0.25 / math.sqrt(3 * 32)

@@ -279,7 +279,7 @@ def cmd_export(args) -> int:
 def cmd_import(args) -> int:
     from tfllm.pretrained import import_preset
     print(json.dumps(import_preset(args.preset, args.workdir, args.overrides, args.tokenizer,
-                                   args.adapter)))
+                                   args.adapter, args.config)))
     return 0
 
 
@@ -425,6 +425,9 @@ def build_parser() -> argparse.ArgumentParser:
                    metavar="SECTION.KEY=VALUE", help="Override a setting, e.g. mesh.axes.")
     p.add_argument("--tokenizer", default=None, help="Use this tokenizer instead of the "
                    "preset's: a keras-hub tokenizer preset or a SentencePiece .model file.")
+    p.add_argument("--config", default=None, help="A YAML file of fine-tuning settings "
+                   "(data, train, lora, ...; e.g. configs/sft-lora.yaml) applied over the "
+                   "preset's model and the fine-tuning defaults, before --set.")
     p.add_argument("--adapter", default=None, help="A PEFT LoRA adapter folder trained on "
                    "this base (adapter_config.json + adapter_model.safetensors): the run "
                    "gets its lora settings and weights, to evaluate or train on.")

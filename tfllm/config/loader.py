@@ -156,6 +156,25 @@ def config_from_dict(data: dict, overrides: Iterable[str] = (),
     return cfg
 
 
+def read_config_file(path: str) -> dict:
+    """The {section: {key: value}} mapping of a YAML config file (not yet validated)."""
+    if not os.path.isfile(path):
+        raise ConfigError(f"--config {path}: no such file. Presets live in configs/ "
+                          "(e.g. configs/tiny.yaml).")
+    with open(path, "rb") as f:
+        raw = f.read()
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"{path}: not UTF-8 text (byte offset {e.start}); save it as "
+                          "UTF-8.") from None
+    try:
+        return yaml.safe_load(text) or {}
+    except yaml.YAMLError as e:
+        raise ConfigError(f"{path}: not valid YAML: "
+                          f"{' '.join(str(e).split())}") from None
+
+
 def load_config(path: Optional[str] = None, overrides: Iterable[str] = ()) -> schema.Config:
     """Builds a validated Config from defaults, an optional YAML file and overrides.
 
@@ -163,23 +182,7 @@ def load_config(path: Optional[str] = None, overrides: Iterable[str] = ()) -> sc
       path: a YAML file of overrides, or None for the defaults.
       overrides: strings 'section.key=value', applied after the file.
     """
-    data = {}
-    if path:
-        if not os.path.isfile(path):
-            raise ConfigError(f"--config {path}: no such file. Presets live in configs/ "
-                              "(e.g. configs/tiny.yaml).")
-        with open(path, "rb") as f:
-            raw = f.read()
-        try:
-            text = raw.decode("utf-8")
-        except UnicodeDecodeError as e:
-            raise ConfigError(f"{path}: not UTF-8 text (byte offset {e.start}); save it as "
-                              "UTF-8.") from None
-        try:
-            data = yaml.safe_load(text) or {}
-        except yaml.YAMLError as e:
-            raise ConfigError(f"{path}: not valid YAML: "
-                              f"{' '.join(str(e).split())}") from None
+    data = read_config_file(path) if path else {}
     return config_from_dict(data, overrides, path or "config")
 
 

@@ -287,7 +287,9 @@ class TrainConfig:
                                   "mean of the last loss_spike_window losses (0: off).",
                                   min=0.0)
     loss_spike_window: int = _f(20, "Losses averaged by the loss-spike guard.", min=1)
-    sample_prompt: str = _f("def ", "Prompt of the sample printed at the end of training.")
+    sample_prompt: str = _f("def ", "Prompt of the sample printed at the end of training "
+                            "(data.format=messages: a user message, answered through the "
+                            "chat template).")
     sample_tokens: int = _f(48, "Tokens generated for the end-of-training sample (0: none).",
                             min=0)
     peer_timeout_s: float = _f(300.0, "Multi-client runs: a client whose heartbeat is silent "

@@ -255,7 +255,8 @@ def place_variables(model: keras.Model, parallel: Optional[Parallel], seed: int,
       seed: the init seed.
       zeros: fill with zeros instead of each variable's init (for weights about to be
         overwritten, e.g. a pretrained import: the random init's hashing needs several
-        times a tensor's size in temporaries).
+        times a tensor's size in temporaries); variables marked `init_when_loading`
+        (LoRA adapters, which no preset holds) still get their init.
     """
     check_keras()
     try:
@@ -281,7 +282,9 @@ def _place(model, parallel, seed: int, zeros: bool) -> None:
         # (remat) returns gradients only for trainable variables. Keras still lists them
         # as non-trainable, so the optimizer never touches them.
         differentiable = var.trainable or getattr(var, "kind", None) == "fp8_state"
+        # A weight no pretrained preset holds (a LoRA adapter) gets its init even then.
+        blank = zeros and not getattr(var, "init_when_loading", False)
         tf_var = new_variable(parallel, spec, tuple(var.shape),
-                              ("zeros",) if zeros else var.init, var.dtype, var.name,
+                              ("zeros",) if blank else var.init, var.dtype, var.name,
                               key=variable_key(seed, var.path), trainable=differentiable)
         adopt(var, tf_var)

@@ -50,23 +50,34 @@ def preset_model_section(source: Source) -> dict:
 
 
 def preset_config(source: Source, overrides: Iterable[str] = (),
-                  tokenizer_path: Optional[str] = None):
-    """The run config of an import: the preset's model, fine-tuning defaults, overrides.
+                  tokenizer_path: Optional[str] = None, recipe: Optional[str] = None):
+    """The run config of an import: the preset's model, fine-tuning defaults, a recipe
+    file, overrides.
 
     Args:
       source: the opened preset.
       overrides: 'section.key=value' strings, applied last (e.g. mesh.axes).
       tokenizer_path: where the run's tokenizer will be (data.tokenizer=file), or None to
         keep the default tokenizer settings.
+      recipe: a YAML config file (e.g. configs/sft-lora.yaml) whose settings apply over
+        the preset's and the defaults, before `overrides`; None: none.
     """
-    from tfllm.config.loader import config_from_dict
+    from tfllm.config.loader import config_from_dict, read_config_file
     model = preset_model_section(source)
     data = {"sequence_length": min(128, model["max_sequence_length"])}
     if tokenizer_path:
         data.update(tokenizer="file", tokenizer_path=tokenizer_path)
     sections = {"model": model, "data": data, **{k: dict(v) for k, v in
                                                  FINE_TUNE_DEFAULTS.items()}}
-    return config_from_dict(sections, overrides, f"{source.path}/config.json")
+    if recipe:
+        from tfllm.config.loader import apply_dict
+        from tfllm.config import schema
+        probe = schema.Config()
+        settings = read_config_file(recipe)
+        apply_dict(probe, settings, recipe)  # its own errors name the recipe file
+        for section, values in settings.items():
+            sections.setdefault(section, {}).update(values)
+    return config_from_dict(sections, overrides, recipe or f"{source.path}/config.json")
 
 
 def load_weights(model, source: Source) -> dict:
@@ -214,7 +225,8 @@ def load_adapter(model, arrays: dict) -> int:
 
 
 def import_preset(preset: str, workdir: str, overrides: Iterable[str] = (),
-                  tokenizer: Optional[str] = None, adapter: Optional[str] = None) -> dict:
+                  tokenizer: Optional[str] = None, adapter: Optional[str] = None,
+                  recipe: Optional[str] = None) -> dict:
     """Writes `workdir` as a tfllm run at step 0 holding the preset's weights.
 
     The run directory gets config.yaml (the model section derived from the preset, the
@@ -235,6 +247,8 @@ def import_preset(preset: str, workdir: str, overrides: Iterable[str] = (),
         preset directory or a SentencePiece .model file.
       adapter: a PEFT LoRA adapter folder of this base: its lora settings join the run's
         config and its A/B weights the checkpoint.
+      recipe: a YAML config file of fine-tuning settings (data, train, lora, ...) applied
+        over the preset's config (`preset_config`).
 
     Returns:
       A summary: workdir, backbone, format, params, tensors, bytes_read, largest_read.
@@ -264,7 +278,7 @@ def import_preset(preset: str, workdir: str, overrides: Iterable[str] = (),
             family = source.family.tfllm_family
             settings, adapter_arrays = read_adapter(os.path.expanduser(adapter), family)
             overrides = [f"{k}={json.dumps(v)}" for k, v in settings.items()] + list(overrides)
-        config = preset_config(source, overrides, Workdir(workdir).tokenizer_dir)
+        config = preset_config(source, overrides, Workdir(workdir).tokenizer_dir, recipe)
         # The mesh next: splitting the CPU into logical devices must happen before
         # anything (the tokenizer, the abstract backbone) initializes TensorFlow; with
         # several clients it is also where they meet.

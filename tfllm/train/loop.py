@@ -255,8 +255,14 @@ def _train(config, workdir, model_cls, out, signals, watchdog: list) -> dict:
         from tfllm.train.plots import plot_loss
         plot_loss(outputs.metrics_path, run_dir.plot_file)
     if t.sample_tokens and run.tokenizer is not None:
-        text = sample_text(run, t.sample_prompt, t.sample_tokens, temperature=0.8, top_k=40,
-                           seed=0)
+        if config.data.format == "messages":  # a reply through the chat template
+            from tfllm.generate.chat import chat_reply
+            reply = chat_reply(run, t.sample_prompt, t.sample_tokens, temperature=0.8,
+                               top_k=40, seed=0)
+            text = f"user: {t.sample_prompt}\nassistant: {reply}"
+        else:
+            text = sample_text(run, t.sample_prompt, t.sample_tokens, temperature=0.8,
+                               top_k=40, seed=0)
         progress.message("sample: " + text)
         last["sample"] = text
     last["first_step_s"] = first_step_s or 0.0

@@ -119,6 +119,8 @@ class Projection(keras.layers.Layer):
             self.lora_b = add_param(
                 self, "lora_b", [lora.rank] + [self.kernel_shape[i] for i in self._out_dims],
                 [None] + [self.kernel_axes[i] for i in self._out_dims], ("zeros",), "kernel")
+            # Imported weights fill the model (built with zeros); adapters start from this.
+            self.lora_a.init_when_loading = self.lora_b.init_when_loading = True
         if self.use_bias:
             self.bias = add_param(self, "bias", [self.kernel_shape[i] for i in self._bias_dims],
                                   [self.kernel_axes[i] for i in self._bias_dims], ("zeros",),
