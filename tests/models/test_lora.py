@@ -114,3 +114,26 @@ def test_a_lora_step_on_a_mesh_matches_one_device(family, axes, extra):
     # only A and B moved, and the optimizer holds state for them alone
     assert all(p.rsplit("/", 1)[-1] in ("lora_a", "lora_b") for p in run["weights"])
     assert [v.path for v in run["optimizer"].variables] == run["paths"]
+
+
+def test_fp8_projections_keep_fp8_gemms_and_compute_no_weight_gradient():
+    # One device, XLA: FP8 projections with frozen kernels run their forward GEMMs in FP8
+    # (6 in a GPT block), and of their backward GEMMs only the input gradients something
+    # trainable needs (down, up and output feed adapters upstream; the block's input
+    # feeds only frozen weights): 3, where full training has 6 more and 6 weight GEMMs.
+    from tfllm.data import SyntheticTokens, feed
+    from tfllm.precision.fp8_hlo import classify_dots
+    from tfllm.train.state import build_train_state
+    cfg = tiny_config("gpt", **{"precision.policy": "fp8", "model.num_layers": 1},
+                      **dict(LORA))
+    step = build_train_state(cfg, None, jit_compile=True).step
+    data = SyntheticTokens(cfg.model.vocab_size, cfg.data.sequence_length + 1)
+    batch = feed.to_device(None, data.batch(0, cfg.train.global_batch_size))
+    hlo = step.compiled.experimental_get_compiler_ir(
+        batch, feed.place(None, np.float32(float("inf")), ()))(stage="hlo")
+    dots = classify_dots(hlo)
+    fp8 = sorted(d.op_name for d in dots if d.kind == "full")
+    assert not [d for d in dots if d.kind == "half"]
+    forward = {p for p in ("query", "key", "value", "output", "up", "down")
+               for op in fp8 if f"/{p}_1/einsum/" in op}
+    assert len(forward) == 6 and len(fp8) == 6 + 3, fp8
