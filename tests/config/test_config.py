@@ -32,7 +32,7 @@ ALL_KEYS = {
               "on_nonfinite", "loss_spike_factor", "loss_spike_window", "sample_prompt",
               "sample_tokens", "peer_timeout_s"],
     "checkpoint": ["every", "max_to_keep", "async_save", "on_corruption"],
-    "lora": ["rank", "alpha", "rslora", "targets"],
+    "lora": ["rank", "alpha", "dropout", "rslora", "targets"],
 }
 
 

@@ -137,3 +137,53 @@ def test_fp8_projections_keep_fp8_gemms_and_compute_no_weight_gradient():
     forward = {p for p in ("query", "key", "value", "output", "up", "down")
                for op in fp8 if f"/{p}_1/einsum/" in op}
     assert len(forward) == 6 and len(fp8) == 6 + 3, fp8
+
+
+def test_dropout_masks_the_adapter_input_in_training_only():
+    from tfllm.models.common.noise import dropout, noise_seed
+    x = tf.ones((4, 64, 32))
+    with noise_seed(tf.constant(3)):
+        a, b = dropout(x, 0.25, "p"), dropout(x, 0.25, "p")
+        other = dropout(x, 0.25, "q")  # another layer draws another mask
+    with noise_seed(tf.constant(4)):
+        later = dropout(x, 0.25, "p")  # another step or micro-batch: another mask
+    np.testing.assert_array_equal(a, b)
+    assert not np.array_equal(a, other) and not np.array_equal(a, later)
+    kept = np.asarray(a)[np.asarray(a) != 0]
+    np.testing.assert_allclose(kept, 1 / 0.75)  # inverted dropout keeps the expectation
+    assert abs(1 - kept.size / a.numpy().size - 0.25) < 0.02
+    with pytest.raises(ValueError, match="needs a step seed"):
+        dropout(x, 0.25, "p")
+    # The model: a forward pass under a seed (the train step's) drops; evaluation and
+    # generation (no seed) never do.
+    model = build_model(tiny_config("llama", **dict(LORA), **{"lora.dropout": 0.5}))
+    for v in model.trainable_variables:
+        if v.path.endswith("lora_b"):
+            v.assign(np.random.RandomState(0).normal(size=v.shape).astype("float32"))
+    plain = model(_tokens())
+    np.testing.assert_array_equal(model(_tokens()), plain)
+    with noise_seed(tf.constant(0)):
+        dropped = model(_tokens())
+    assert np.abs(np.asarray(dropped) - np.asarray(plain)).max() > 1e-3
+
+
+@pytest.mark.parametrize("remat", ["full", "selective"])
+def test_a_recomputed_forward_pass_draws_the_same_dropout_mask(remat):
+    # One device: the same step with and without remat (which recomputes the forward pass
+    # in the backward one) gives the same gradients only if the masks are redrawn equal.
+    noisy = LORA + (("lora.dropout", 0.3),)
+    ref = parity_reference("llama", False, noisy)
+    run = parity_run("llama", None, False, noisy + (("model.remat", remat),))
+    assert_parity(run, ref)
+    clean = parity_reference("llama", False, LORA)
+    assert run["history"][-1]["loss"] != clean["history"][-1]["loss"]  # dropout acted
+
+
+@pytest.mark.slow  # one training run on 8 devices
+def test_dropout_trains_on_a_mesh():
+    # DTensor draws each shard's mask from the seed and its place on the mesh, so masks
+    # (not their expectation) depend on the mesh: the run is finite and repeatable.
+    noisy = LORA + (("lora.dropout", 0.3),)
+    runs = [parity_run("llama", "data=2,fsdp=2,model=2", False, noisy) for _ in range(2)]
+    losses = [[h["loss"] for h in r["history"]] for r in runs]
+    assert np.all(np.isfinite(losses)) and losses[0] == losses[1]

@@ -319,6 +319,9 @@ class LoraConfig:
                    min=0)
     alpha: float = _f(16.0, "Scale numerator: s = alpha / rank (alpha / sqrt(rank) with "
                       "rslora).", min=0.0)
+    dropout: float = _f(0.0, "Dropout on each adapter's input x in training (peft's "
+                        "lora_dropout; a mask drawn per step, micro-batch and projection, "
+                        "the same in a recomputed forward pass).", min=0.0, max=0.9)
     rslora: bool = _f(False, "Rank-stabilized LoRA: s = alpha / sqrt(rank).")
     targets: List[str] = _f([], "Projections that get adapters, in Hugging Face module "
                             "names as peft's target_modules (a name matches a module path "

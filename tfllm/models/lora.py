@@ -5,9 +5,9 @@
 is built; each then freezes its kernel W and adds two float32 weights, A (the kernel's
 input dimensions x rank) and B (rank x the kernel's output dimensions), computing
 
-    y = x W + s (x A) B,    s = alpha / rank   (alpha / sqrt(rank) with rslora)
+    y = x W + s (dropout(x) A) B,    s = alpha / rank   (alpha / sqrt(rank) with rslora)
 
-without ever forming W + s A B. A takes the kernel's input-dimension layout and B its
+without ever forming W + s A B (dropout only in training: `tfllm.models.common.noise`). A takes the kernel's input-dimension layout and B its
 output-dimension layout (the rank is never split), so adapters shard as their kernels
 do on data, FSDP and tensor-parallel meshes. A starts random (the variance of peft's
 Kaiming-uniform default), B at zero, so a fresh adapter leaves the model unchanged.
@@ -47,10 +47,11 @@ class LoraError(ConfigError):
 
 @dataclass(frozen=True)
 class LoraSpec:
-    """What one projection needs: the rank and the scale s."""
+    """What one projection needs: the rank, the scale s and the dropout rate on x."""
 
     rank: int
     scale: float
+    dropout: float = 0.0
 
 
 def scale(lora_config) -> float:
@@ -95,7 +96,8 @@ def enable_lora(model, lora_config) -> List[str]:
     if lora_config.rank <= 0:
         return []
     family = model.config.family
-    spec = LoraSpec(int(lora_config.rank), float(scale(lora_config)))
+    spec = LoraSpec(int(lora_config.rank), float(scale(lora_config)),
+                    float(lora_config.dropout))
     marked = []
     for i, block in enumerate(model.blocks):
         for path in projection_paths(family, list(lora_config.targets)):

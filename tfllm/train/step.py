@@ -17,6 +17,7 @@ from tfllm import internals
 from tfllm.compiler.jit import compile_fn
 from tfllm.data import feed
 from tfllm.models.loss import token_nll
+from tfllm.models.common.noise import noise_seed
 from tfllm.optim.adamw import global_norm
 from tfllm.parallel.placement import Parallel, new_variable, to_numpy
 from tfllm.train import costs, hlo_dump, xla
@@ -75,8 +76,9 @@ class TrainStep:
         self.cost_report = None
         self._called = False
 
-    def _micro(self, micro, trained_tokens=None):
-        logits, targets, _ = lm_forward(self.model, micro, self.packing_mask)
+    def _micro(self, micro, trained_tokens=None, seed=None):
+        with noise_seed(seed):  # a training forward pass: LoRA dropout acts (if any)
+            logits, targets, _ = lm_forward(self.model, micro, self.packing_mask)
         mask = trained_targets(micro)
         if mask is None:
             return self.model.compute_lm_loss(logits, targets)
@@ -96,10 +98,14 @@ class TrainStep:
         scale = self.loss_scale.scale if self.loss_scale is not None else None
         fp8_handles = [v.value for v in self.fp8_state]
         total_loss, total_grads, fp8_new = 0.0, None, None
-        for tokens in micro_batches:  # unrolled: grad_accum_steps is small and static
+        # Dropout masks differ per optimizer step and micro-batch (and layer).
+        noisy = any(getattr(l, "lora", None) and l.lora.dropout
+                    for l in self.model._flatten_layers())
+        step = tf.cast(self.optimizer.iterations, tf.int64) * accum if noisy else None
+        for i, tokens in enumerate(micro_batches):  # unrolled: grad_accum_steps is small
             with tf.GradientTape() as tape:
                 tape.watch(fp8_handles)
-                loss = self._micro(tokens, trained_tokens)
+                loss = self._micro(tokens, trained_tokens, None if step is None else step + i)
                 scaled = loss * scale if scale is not None else loss
             out = tape.gradient(scaled, self.variables + fp8_handles)
             # Embedding lookups give IndexedSlices; accumulate and clip dense tensors.

@@ -18,6 +18,7 @@ from typing import Optional, Sequence, Tuple
 import keras
 import tensorflow as tf
 
+from tfllm.models.common import noise
 from tfllm.models.common.remat import recompute
 from tfllm.parallel.context import apply_weight, constrain, gather_weight, weight_product
 
@@ -142,6 +143,8 @@ class Projection(keras.layers.Layer):
         y = weight_product(product, x, self.kernel, self.kernel_axes, self.name, extra,
                            equation=self.equation, einsum=einsum)
         if self.lora is not None:
+            if self.lora.dropout and noise.current() is not None:  # training
+                x = noise.dropout(x, self.lora.dropout, self.path)
             y = y + self._adapter(x)
         if self.use_bias:
             y = apply_weight(lambda y, b: y + b, y, self.bias, self.bias.logical_axes,

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import tensorflow as tf
 
+from tfllm.models.common import noise
 from tfllm.parallel.context import outside_block
 
 POLICIES = ("none", "full", "selective", "attention")
@@ -39,13 +40,14 @@ def recompute(fn):
     def call(*args):
         present = [i for i, a in enumerate(args)
                    if isinstance(a, (tf.Tensor, tf.Variable)) and a.dtype.is_floating]
+        seed = noise.current()  # the recomputation draws the forward pass's masks
 
         @tf.recompute_grad
         def inner(*tensors):
             full = list(args)
             for i, t in zip(present, tensors):
                 full[i] = t
-            with outside_block():
+            with outside_block(), noise.noise_seed(seed):
                 return fn(*full)
         return inner(*[args[i] for i in present])
     return call
