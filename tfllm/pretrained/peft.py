@@ -146,7 +146,8 @@ def adapter_config(model_type: str, lora, patterns: dict, base: Optional[str]) -
     family = _family_of(model_type)
     return {
         "peft_type": "LORA", "task_type": "CAUSAL_LM", "r": lora.rank,
-        "lora_alpha": lora.alpha, "use_rslora": bool(lora.rslora), "lora_dropout": 0.0,
+        "lora_alpha": lora.alpha, "use_rslora": bool(lora.rslora),
+        "lora_dropout": float(lora.dropout),
         "target_modules": _target_names(family, list(targeted(family, list(lora.targets)))),
         "bias": "none", "use_dora": False, "modules_to_save": None,
         "fan_in_fan_out": family == "gpt", "init_lora_weights": True,
@@ -251,5 +252,6 @@ def read_adapter(path: str, family: str) -> Tuple[dict, Dict[str, np.ndarray]]:
                 arrays[f"block_{i}/{p}/lora_b"] = b[rows[k]:rows[k + 1]].T
         i += 1
     settings = {"lora.rank": r, "lora.alpha": alpha, "lora.rslora": rslora,
+                "lora.dropout": float(c.get("lora_dropout") or 0.0),
                 "lora.targets": list(modules)}
     return settings, arrays
