@@ -91,16 +91,23 @@ def test_masked_loss_is_the_mean_over_trained_tokens_of_the_global_batch():
             np.testing.assert_allclose(g, g0, rtol=1e-5, atol=1e-7)
 
 
-def test_masked_step_on_a_mesh_equals_one_device():
+@pytest.mark.parametrize("mesh,extra", [
+    ("data=2", {}),
+    # full-parameter SFT on FSDP x tensor parallelism, and LoRA SFT on it
+    pytest.param("fsdp=2,model=2", {}, marks=pytest.mark.slow),  # ~15-20 s each
+    pytest.param("fsdp=2,model=2", {"lora.rank": 4}, marks=pytest.mark.slow),
+])
+def test_masked_step_on_a_mesh_equals_one_device(mesh, extra):
     """The loss mask is laid out as the tokens (DeviceFeed) and the loss normalised
-    globally: data=2 with 2 micro-batches gives one device's loss and gradients."""
+    globally: a mesh with 2 micro-batches gives one device's loss and gradients."""
     from tfllm.parallel import make_parallel
     from tfllm.train.state import build_train_state
     tokens, segments, mask = chat_batch(np.random.default_rng(2), 4, 128)
     out = []
-    for axes in (None, "data=2"):
+    for axes in (None, mesh):
         cfg = tiny_config("gpt", "data=1" if axes is None else axes,
-                          **{"train.global_batch_size": 4, "train.grad_accum_steps": 2})
+                          **{"train.global_batch_size": 4, "train.grad_accum_steps": 2},
+                          **extra)
         parallel = None if axes is None else make_parallel(cfg)
         step = build_train_state(cfg, parallel, False, packing_mask=True).step
         shape = (2, 2, 17)
