@@ -3,13 +3,15 @@ mesh run on CPU devices in a child process, classified and scaled to the planned
 No jax needed: nothing is compiled for a GPU here."""
 
 import math
+import os
 
 import pytest
 
 from tfllm.compiler.targets import get_target
+from tfllm.config import load_config
 from tfllm.plan import measured, sharded
 from tfllm.plan.planner import format_plan
-from tests.harness import tiny_config
+from tests.harness import ROOT, tiny_config
 
 
 def tiny(axes, **extra):
@@ -34,6 +36,19 @@ def test_tiny_weight_kinds_have_distinct_sizes_and_scale_to_the_model():
     assert measured.classify(size, sc) == (f"weight {kind}", s)
     assert measured.classify(sc["tokens"] * t.model.hidden_dim, sc)[0] == "activation"
     assert measured.classify(1, sc)[0] == "small"
+
+
+def test_the_tiny_step_splits_its_gradient_buckets_like_the_real_block():
+    config = load_config(os.path.join(ROOT, "configs", "llama-7b.yaml"), ["mesh.axes=fsdp=8"])
+    shape = sharded.mesh_shape(config)
+    t = measured.tiny_config(config, 2, shape)
+    block = lambda c: max(u["reduced"] for u in sharded.weight_units(c, shape)  # noqa: E731
+                          if u["name"].startswith("block_"))
+    # llama-7b's block (202M float32 gradients, 773 MiB) spans ~31 buckets of 25 MiB:
+    # the tiny block's bucket is as small a share of it
+    assert block(config) * 4 / 2**20 / config.mesh.gradient_bucket_mb > 30
+    assert t.mesh.gradient_bucket_mb / config.mesh.gradient_bucket_mb == pytest.approx(
+        block(t) / block(config))
 
 
 def _sharded_elements(config, shape):

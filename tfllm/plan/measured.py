@@ -45,7 +45,7 @@ import tempfile
 from collections import defaultdict
 from typing import Dict, List, Optional
 
-from tfllm.plan.sharded import compute_sizes, per_device_config
+from tfllm.plan.sharded import compute_sizes, per_device_config, weight_units
 
 PADDING = 1024  # DTensor pads merged all-reduce buffers to multiples of this
 _RING = {"all-reduce": 2, "all-gather": 1, "reduce-scatter": 1, "all-to-all": 1}
@@ -91,7 +91,19 @@ def tiny_config(config, layers: int, shape: Dict[str, int]):
     t.data.sequence_length = length
     t.data.source = "synthetic"
     t.train.jit_compile = True  # as on GPUs: DTensor hands XLA one cluster per piece
+    # Blocks reduce their gradients in buckets of at most mesh.gradient_bucket_mb: a
+    # real block spans many buckets (llama-7b's 202M parameters: one per weight at 25 MiB),
+    # a tiny one a single bucket. The bucket shrinks with the block, so that the tiny step
+    # splits its reductions as the real one does (collectives, and the clusters between).
+    t.mesh.gradient_bucket_mb = config.mesh.gradient_bucket_mb * (
+        _largest_block(t, shape) / _largest_block(config, shape))
     return t
+
+
+def _largest_block(config, shape) -> int:
+    """Elements the largest transformer block reduces on one device."""
+    return max(u["reduced"] for u in weight_units(config, shape)
+               if u["name"] not in ("token_embedding", "final_norm + head"))
 
 
 def _kind(path: str) -> str:
