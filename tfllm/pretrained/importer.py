@@ -318,9 +318,11 @@ def import_preset(preset: str, workdir: str, overrides: Iterable[str] = (),
         raise
     finally:
         source.close()
-    params = sum(int(np.prod(v.shape)) for v in model.trainable_variables)
+    from tfllm.models.lora import trainable_summary
+    counts = trainable_summary(model)  # LoRA: the adapters train, the rest is frozen
+    extra = {"trainable_params": counts["trainable"]} if config.lora.rank else {}
     return {"workdir": workdir, "backbone": source.backbone, "format": source.format,
-            "params": params, "mesh": dict(parallel.shape), **stats}
+            "params": counts["total"], **extra, "mesh": dict(parallel.shape), **stats}
 
 
 def _remove_crashed_import(tmp: str) -> None:
