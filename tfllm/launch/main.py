@@ -21,6 +21,7 @@ from typing import List, Optional
 
 from tfllm.contracts import BAD_INPUT_EXIT_CODE, LOGS_DIR
 from tfllm.launch import device as dev
+from tfllm.launch import scheduler
 from tfllm.launch import supervisor as sup
 from tfllm.launch import topology as topo
 from tfllm.launch.topology import LaunchError
@@ -72,6 +73,9 @@ Options:
   --gpus-per-host N      hostfile + --per-gpu: processes per host (default 8).
   --port PORT            first port; a host's workers use PORT, PORT+1, ... (default: free
                          ports in local mode, 9991 otherwise). All hosts must agree.
+  --port-per-rank        rank R uses PORT+R on whatever host it runs (default: a host's
+                         workers count from PORT): for host names that are one machine
+                         (several Slurm nodes or hostfile lines on one host).
   --job-name NAME        DTENSOR_JOB_NAME (default worker).
   --device auto|cpu|gpu  gpu sets DTENSOR_GPU_USE_NCCL_COMMUNICATION=1, cpu sets 0; auto
                          (default) sets 1 on each worker's host where nvidia-smi lists a GPU,
@@ -138,7 +142,7 @@ VALUED_OPTIONS = ("--mode", "--num-workers", "--gpus-per-host", "--port", "--job
                   "--hosts", "--host-pattern", "--log-dir", "--kill-timeout",
                   "--startup-timeout", "--ready-pattern", "--max-restarts",
                   "--expand-nodelist")
-FLAG_OPTIONS = ("--per-gpu", "--dry-run")
+FLAG_OPTIONS = ("--per-gpu", "--dry-run", "--port-per-rank")
 
 
 @dataclass
@@ -225,6 +229,7 @@ class Plan:
     command: List[str]
     ssh: List[str]
     exports: Optional[str]
+    port_per_rank: bool = False
 
 
 def make_plan(opts: Options, environ) -> Plan:
@@ -307,7 +312,8 @@ def make_plan(opts: Options, environ) -> Plan:
     return Plan(topology, device, per_gpu, opts.get("--job-name", "worker"),
                 int(port) if port else None, log_dir, kill_timeout, startup_timeout,
                 max_restarts, ready_pattern, list(command),
-                shlex.split(opts.get("--ssh", "ssh -o BatchMode=yes")), opts.get("--export"))
+                shlex.split(opts.get("--ssh", "ssh -o BatchMode=yes")), opts.get("--export"),
+                "--port-per-rank" in opts.flags)
 
 
 class Ports:
@@ -369,7 +375,14 @@ def reserve_free_ports(count: int) -> Ports:
 
 
 def check_port_free(port: int, local_mode: bool) -> None:
+    """Raises LaunchError when a program listens on `port` here (on any address).
+
+    SO_REUSEADDR, as TensorFlow's gRPC server binds: connections of an ended job that
+    linger in TIME_WAIT do not make the port busy (they did: "port 19995 is in use" for
+    a Slurm job started right after a cancelled one).
+    """
     with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             s.bind(("", port))
         except OSError:
@@ -382,7 +395,7 @@ def assign_ports(plan: Plan) -> Ports:
     t = plan.topology
     if t.mode == "local" and plan.port is None:
         return reserve_free_ports(t.world_size)
-    ports = topo.fixed_ports(t, plan.port)
+    ports = topo.fixed_ports(t, plan.port, plan.port_per_rank)
     if t.mode != "hostfile":  # hostfile ports are on other hosts
         for rank in t.own_ranks:
             check_port_free(ports[rank], t.mode == "local")
@@ -492,8 +505,10 @@ def _launch(plan: Plan, opts: Options, ports: Ports, say, fail) -> int:
         return fail(f"cannot create the log directory '{plan.log_dir}'; give a writable "
                     "--log-dir")
     log_dir = os.path.abspath(plan.log_dir)
+    # Slurm signals every process of a step itself: a forwarded second SIGTERM would make
+    # tfllm stop without saving.
     supervisor = sup.Supervisor(log_dir, plan.kill_timeout, plan.startup_timeout,
-                                plan.ready_pattern, say)
+                                plan.ready_pattern, say, forward_signals=t.mode != "slurm")
     supervisor.install_signal_handlers()
 
     def start_all(attempt: int) -> None:
@@ -511,7 +526,11 @@ def _launch(plan: Plan, opts: Options, ports: Ports, say, fail) -> int:
             f"{t.world_size}; logs in {log_dir}")
 
     try:
-        return sup.run_job(supervisor, start_all, plan.max_restarts, say)
+        code = sup.run_job(supervisor, start_all, plan.max_restarts, say)
+        if t.mode == "slurm":  # srun -K returns the highest code: let the cause's win
+            code = scheduler.exit_code(log_dir, t.own_ranks[0], t.world_size, code,
+                                       bool(supervisor.signal_received), os.environ, say)
+        return code
     except LaunchError as e:  # a port taken between attempts
         supervisor.stop_all()
         return fail(str(e))

@@ -64,11 +64,15 @@ class Supervisor:
       ready_pattern: a compiled regex that also marks readiness, or None.
       say: prints a launcher message (stderr).
       out: where prefixed worker output goes.
+      forward_signals: send the workers SIGTERM when the launcher gets a signal. False
+        under Slurm, which signals every process of a step itself (scancel, --signal, a
+        time limit, preemption): a second SIGTERM from us would make tfllm stop at once
+        without saving. The launcher then just waits for its worker's own exit.
     """
 
     def __init__(self, log_dir: str, kill_timeout: int, startup_timeout: int,
                  ready_pattern: Optional[re.Pattern] = None,
-                 say: Callable[[str], None] = print, out=None):
+                 say: Callable[[str], None] = print, out=None, forward_signals: bool = True):
         self.log_dir = log_dir
         self.kill_timeout = kill_timeout
         self.startup_timeout = startup_timeout
@@ -77,6 +81,7 @@ class Supervisor:
         self.out = out if out is not None else sys.stdout
         self.workers: Dict[int, Worker] = {}
         self.signal_received = 0
+        self.forward_signals = forward_signals
         self._out_lock = threading.Lock()
 
     # ---- signals -----------------------------------------------------------------------------
@@ -156,9 +161,14 @@ class Supervisor:
         self.workers = {}
         open(os.path.join(self.log_dir, "pids"), "w").close()
         start_all()
-        started, ready = time.monotonic(), False
+        started, ready, told = time.monotonic(), False, False
         while True:
-            if self.signal_received:
+            if self.signal_received and not self.forward_signals and not told:
+                told = True
+                self.say(f"received signal {self.signal_received}; not forwarding it: the "
+                         "scheduler signals the workers itself (a second SIGTERM would stop "
+                         "tfllm without saving)")
+            elif self.signal_received and self.forward_signals:
                 self.say(f"received signal {self.signal_received}; sending SIGTERM to the "
                          f"workers (SIGKILL after {self.kill_timeout} s)")
                 self.stop_all()

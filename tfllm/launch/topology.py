@@ -228,10 +228,13 @@ def _whole(name: str, value: str, minimum: int = 0) -> int:
 
 
 # ---- ports and environments -------------------------------------------------------------------
-def fixed_ports(topology: Topology, first: Optional[int]) -> List[int]:
-    """Each rank's port: a host's workers use first, first+1, ... (all hosts agree)."""
+def fixed_ports(topology: Topology, first: Optional[int], per_rank: bool = False) -> List[int]:
+    """Each rank's port: a host's workers use first, first+1, ... (all hosts agree); with
+    `per_rank`, rank r uses first+r whatever its host (several host names of one machine,
+    e.g. Slurm nodes that share a host, must not share a port: gRPC binds every interface)."""
     base = DEFAULT_PORT if first is None else first
-    ports = [base + slot for slot in topology.local_ranks]
+    slots = range(topology.world_size) if per_rank else topology.local_ranks
+    ports = [base + slot for slot in slots]
     if ports and max(ports) > 65535:
         raise LaunchError(f"--port {base} + workers per host exceeds 65535")
     return ports
