@@ -275,6 +275,7 @@ def write_markdown(results, path):
     if results.get("moved"):
         out += moved_markdown(results)
     out += clusters_markdown(results)
+    out += rise_markdown(results)
     out.append("")
     with open(path, "w") as f:
         f.write("\n".join(out) + results.get("notes", ""))
@@ -398,6 +399,22 @@ def clusters_markdown(results) -> list:
                        f"{gf(p['flops'])} / {gf(n['flops'])} | {ms(p['roofline_s'])} / "
                        f"{ms(n['roofline_s'])} | {d['largest_cluster_temp'] / 2**30:.2f} / "
                        f"{n['temp'] / 2**30:.2f} |")
+    return out
+
+
+def rise_markdown(results) -> list:
+    """A section of h100_plan.md: why a re-plan's one-device memory rose (`layer_check`:
+    full compiles at several layer counts of two versions of the step)."""
+    check = results.get("layer_check")
+    if not check:
+        return []
+    out = ["", f"## Why the no-mesh memory rose between the stored run and the re-plan "
+           f"({check['date']})", "", check["text"], "",
+           "| layers (full compile, batch 1) | " + " | ".join(check["versions"]) + " |",
+           "|---|" + "---|" * len(check["versions"])]
+    for layers, temps in sorted(check["temp_gib"].items(), key=lambda kv: int(kv[0])):
+        out.append(f"| {layers} | " + " | ".join("-" if t is None else f"{t:.3f}"
+                                                for t in temps) + " |")
     return out
 
 
