@@ -428,7 +428,7 @@ MOVED = [("gpt2-small", "bfloat16", 1, "data=1"), ("gpt2-small", "bfloat16", 24,
          ("llama-7b", "bfloat16", 16, "fsdp=8"), ("llama-7b", "bfloat16", 8, "fsdp=4,model=2")]
 
 
-def moved(results, log, meshes_only=False, save=lambda results: None):
+def moved(results, log, meshes_only=False, save=lambda results: None, only=None):
     """Plans the MOVED rows again with today's planner; mesh rows measure their
     collectives and DTensor's clusters (`tfllm.plan.measured`: tiny steps with XLA on
     this machine's CPU devices, several minutes each). `meshes_only` keeps the stored
@@ -438,8 +438,11 @@ def moved(results, log, meshes_only=False, save=lambda results: None):
     out = []
     for model, policy, batch, mesh in MOVED:
         key = (model, policy, batch, mesh)
-        if meshes_only and mesh == "data=1" and key in stored:
+        if key in stored and (meshes_only and mesh == "data=1"
+                              or only is not None and (model, mesh) not in only):
             out.append(stored[key])
+            continue
+        if only is not None and (model, mesh) not in only:
             continue
         p = plan(model, policy, batch, mesh,
                  collectives="assumed" if mesh == "data=1" else "measured")
@@ -577,6 +580,9 @@ def main():
                         help="Plan the MOVED rows again and add how they moved to OUT.md.")
     parser.add_argument("--moved-meshes", action="store_true",
                         help="Like --moved, planning only the mesh rows again.")
+    parser.add_argument("--rows", default=None,
+                        help="With --moved-meshes: MODEL:MESH;... to plan again (the others "
+                             "keep their stored figures; the previous run stays the 'before').")
     args = parser.parse_args()
     global ATTENTION_CHUNK
     ATTENTION_CHUNK = args.attention_chunk
@@ -596,10 +602,11 @@ def main():
             with open(args.out + ".json", "w") as f:
                 json.dump(results, f, indent=1)
 
-        if results.get("moved"):  # how the mesh rows move since: in OUT.md
+        if results.get("moved") and not args.rows:  # how the mesh rows move: in OUT.md
             results["moved_previous"] = results["moved"]
             results["moved_previous_date"] = results["moved_date"]
-        moved(results, print, meshes_only=args.moved_meshes, save=save)
+        only = ({tuple(r.split(":")) for r in args.rows.split(";")} if args.rows else None)
+        moved(results, print, meshes_only=args.moved_meshes, save=save, only=only)
         # the state-only rows' buffers follow today's model (no compile: seconds)
         results["state_only"] = [state_only(r["model"], r["mesh"], 8)
                                  for r in results.get("state_only", [])]
