@@ -10,11 +10,18 @@ directory cannot lead out either.
 
 Both take the caller's error class, so a checkpoint's bad name is a `CheckpointError` and
 a preset's a `PretrainedError` (one line and exit 2 at the command line).
+
+What such a path names is bounded too: `open_regular` and `read_regular` open it only when
+it is a regular file of at most a given size, checked on the opened descriptor (no race
+with a rename), and without blocking: a FIFO, a device such as /dev/zero, a socket or a
+directory is refused before a byte is read, where reading it would block forever or
+until memory runs out.
 """
 
 from __future__ import annotations
 
 import os
+import stat
 
 
 def relative_name(name, what: str, error=ValueError, flat: bool = False,
@@ -61,3 +68,46 @@ def inside(directory: str, name, what: str, error=ValueError, flat: bool = False
                     "uses only files inside the directory: replace the link by the file it "
                     "names (cp -rL copies a folder with its links resolved).")
     return path
+
+
+_KINDS = ((stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a FIFO (named pipe)"),
+          (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"),
+          (stat.S_ISSOCK, "a socket"))
+
+
+def open_regular(path: str, limit, what: str, error=ValueError, fix: str = ""):
+    """`path` opened for reading (binary) when it is a regular file of at most `limit`
+    bytes (None: any size); else raises `error` naming the path, what it is and `fix`.
+
+    Args:
+      what: what the file should be, for the message (e.g. "a SentencePiece model").
+    Raises:
+      OSError as `os.open` does (a missing file: FileNotFoundError).
+    """
+    # O_NONBLOCK: opening a FIFO for reading would wait for a writer; it is refused below.
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
+    try:
+        st = os.fstat(fd)
+        tail = f"; {fix}" if fix else ""
+        if not stat.S_ISREG(st.st_mode):
+            kind = next((name for test, name in _KINDS if test(st.st_mode)), "no regular file")
+            raise error(f"{path}: is {kind}, not a regular file; give {what} as a file{tail}.")
+        if limit is not None and st.st_size > limit:
+            raise error(f"{path}: {st.st_size} bytes, more than {what} holds (at most "
+                        f"{limit}){tail}.")
+        os.set_blocking(fd, True)
+        return os.fdopen(fd, "rb")
+    except BaseException:
+        os.close(fd)
+        raise
+
+
+def read_regular(path: str, limit, what: str, error=ValueError, fix: str = "") -> bytes:
+    """The bytes of `path` when it is a regular file of at most `limit` bytes
+    (`open_regular`); a file that grows past `limit` while read is refused too."""
+    with open_regular(path, limit, what, error, fix) as f:
+        data = f.read() if limit is None else f.read(limit + 1)
+    if limit is not None and len(data) > limit:
+        raise error(f"{path}: more than {limit} bytes (it grew while read), more than "
+                    f"{what} holds.")
+    return data

@@ -32,6 +32,7 @@ It imports only the checkpoint package and the config (never `train`, `models` o
 from __future__ import annotations
 
 import dataclasses
+import io
 import json
 import os
 import shutil
@@ -40,17 +41,18 @@ import time
 import uuid
 from typing import Optional
 
-import yaml
 
 from tfllm.checkpoint.checkpointer import Checkpointer
 from tfllm.checkpoint.reader import Reader
 from tfllm.checkpoint.shards import CheckpointError
 from tfllm.checkpoint.state import model_variables
 from tfllm.checkpoint.storage import committed, latest, step_name, write_json_atomic
-from tfllm.config.loader import CONFIG_FILE, ConfigError, config_path, save_config, to_dict
-from tfllm.contracts import (CHECKPOINTS_DIR, COSTS_FILE, LOGS_DIR, MARKER, METRICS_FILE,
-                             PLOT_FILE, PRETRAINED_FILE, TENSORBOARD_DIR, TOKENIZER_DIR,
-                             XLA_CACHE_DIR)
+from tfllm.confined import open_regular
+from tfllm.config.loader import (CONFIG_FILE, ConfigError, config_path, read_config_file,
+                                 save_config, to_dict)
+from tfllm.contracts import (CHECKPOINTS_DIR, COSTS_FILE, LOCKS_DIR, LOGS_DIR, MARKER,
+                             METRICS_FILE, PLOT_FILE, PRETRAINED_FILE, TENSORBOARD_DIR,
+                             TOKENIZER_DIR, XLA_CACHE_DIR)
 
 #: (section, key or None for the whole section) that define a run and must not change.
 RUN_DEFINING = (("model", None), ("data", None), ("optimizer", None),
@@ -66,7 +68,7 @@ RUN_OUTPUTS = (METRICS_FILE, TENSORBOARD_DIR, PLOT_FILE, CONFIG_FILE, COSTS_FILE
 #: itself), and those written before a run starts (`tfllm launch`'s logs, heartbeats and
 #: client logs; the XLA cache of `train.xla_cache=auto`), which may exist without a marker
 KEPT_DIRS = (CHECKPOINTS_DIR,)
-SHARED_DIRS = (LOGS_DIR, XLA_CACHE_DIR)
+SHARED_DIRS = (LOGS_DIR, XLA_CACHE_DIR, LOCKS_DIR)
 
 #: suffixes of tfllm's atomic writes (a temporary name, then a rename): config.yaml.tmp,
 #: metrics.jsonl.tmp, costs.json.part, loss.png.tmp.png
@@ -236,7 +238,9 @@ def read_metrics(path: str) -> list:
     records = []
     if not os.path.exists(path):
         return records
-    with open(path, encoding="utf-8") as f:
+    # a regular file: a FIFO or a link to a device planted there would block or never end
+    with open_regular(path, None, "metrics.jsonl", WorkdirError) as raw, \
+            io.TextIOWrapper(raw, encoding="utf-8") as f:
         for line in f:
             try:
                 records.append(json.loads(line))
@@ -368,10 +372,9 @@ def _check_same_run(state: WorkdirState, config) -> None:
 
 
 def _read_yaml(path: str) -> dict:
-    try:
-        with open(path, encoding="utf-8") as f:
-            saved = yaml.safe_load(f) or {}
-    except (OSError, ValueError, yaml.YAMLError) as e:
+    try:  # bounded: a regular file, no aliases, no deep nesting (the loader's rules)
+        saved = read_config_file(path)
+    except (OSError, ConfigError) as e:
         raise WorkdirError(f"{path} cannot be read ({' '.join(str(e).split())}); restore it "
                            "or use a new --workdir.") from None
     if not isinstance(saved, dict):

@@ -15,10 +15,71 @@ from typing import Any, Iterable, Optional
 import yaml
 
 from tfllm.config import schema
+from tfllm.confined import read_regular
 
 
 class ConfigError(ValueError):
     """A config file or override is wrong; the message names the key and the fix."""
+
+
+#: The deepest nesting a config has is 3 (section, key, a [logical, mesh] pair of
+#: mesh.rules); deeper YAML is no config, and each level costs the composer a Python frame.
+MAX_YAML_DEPTH = 8
+#: A config file or run config.yaml is a few KiB; more is no config (nor read whole).
+MAX_CONFIG_BYTES = 1 << 20
+#: Integer settings are int64 in TensorFlow and NumPy; a field's own `max` may be lower.
+_INT_LIMIT = 2 ** 63 - 1
+
+
+class _Unbounded(ConfigError):
+    """YAML a config never holds and that costs unbounded work: an alias, deep nesting."""
+
+
+class _BoundedLoader(yaml.SafeLoader):
+    """PyYAML's safe loader without aliases and with a nesting limit: a config needs
+    neither, and each lets a small text cost unbounded time and memory (an alias that
+    repeats an alias, a "billion laughs") or stack (a list nested 20,000 deep)."""
+
+    _depth = 0
+
+    def compose_node(self, parent, index):
+        if self.check_event(yaml.AliasEvent):
+            raise _Unbounded(f"a YAML alias (*{self.peek_event().anchor}) at line "
+                              f"{self.peek_event().start_mark.line + 1}; tfllm configs take "
+                              "no aliases or anchors: write the value out.")
+        if self._depth >= MAX_YAML_DEPTH:
+            raise _Unbounded(f"nested deeper than {MAX_YAML_DEPTH} levels at line "
+                              f"{self.peek_event().start_mark.line + 1}; a tfllm config is "
+                              "sections of keys (mesh.rules: a list of pairs).")
+        self._depth += 1
+        try:
+            return super().compose_node(parent, index)
+        finally:
+            self._depth -= 1
+
+
+def safe_yaml(text: str, source: str):
+    """`text` parsed as YAML by the bounded loader; ConfigError naming `source` when it
+    is not YAML, holds an alias, nests too deep or holds a number Python will not read
+    (an integer of more than 4300 digits)."""
+    loader = _BoundedLoader(text)
+    try:
+        return loader.get_single_data()
+    except _Unbounded as e:
+        raise _Unbounded(f"{source}: {e}") from None
+    except yaml.YAMLError as e:
+        raise ConfigError(f"{source}: not valid YAML: {' '.join(str(e).split())}") from None
+    except ValueError as e:  # int() of a too-long number in the constructor
+        raise ConfigError(f"{source}: holds a number too long to read ({e}); give a "
+                          "number of the setting's range.") from None
+    finally:
+        loader.dispose()
+
+
+def _shown(value: Any) -> str:
+    """repr(value), cut to a length one line of an error can hold."""
+    text = repr(value)
+    return text if len(text) <= 60 else f"{text[:40]}... ({len(text)} characters)"
 
 
 def _closest(name: str, options: Iterable[str]) -> str:
@@ -46,37 +107,42 @@ def _coerce(key: str, fld: dataclasses.Field, value: Any) -> Any:
         elif isinstance(value, str) and value.lower() in ("true", "false"):
             out = value.lower() == "true"
         else:
-            raise ConfigError(f"{key}: expected true or false, got {value!r}.")
+            raise ConfigError(f"{key}: expected true or false, got {_shown(value)}.")
     elif base == "int":
         if isinstance(value, bool) or not isinstance(value, (int, str)):
-            raise ConfigError(f"{key}: expected an integer, got {value!r}.")
+            raise ConfigError(f"{key}: expected an integer, got {_shown(value)}.")
         try:
             out = int(value)
-        except ValueError:
-            raise ConfigError(f"{key}: expected an integer, got {value!r}.") from None
+        except ValueError:  # also a string of more than 4300 digits
+            raise ConfigError(f"{key}: expected an integer, got {_shown(value)}.") from None
+        if abs(out) > _INT_LIMIT:  # before the range checks: a field may have no max
+            raise ConfigError(f"{key}: {_shown(value)} is out of range; integer settings "
+                              f"are at most {_INT_LIMIT} (int64).")
     elif base == "float":
         if isinstance(value, bool):
-            raise ConfigError(f"{key}: expected a number, got {value!r}.")
+            raise ConfigError(f"{key}: expected a number, got {_shown(value)}.")
         try:
             out = float(value)
+        except OverflowError:  # an integer beyond float64, e.g. 400 digits
+            out = math.inf
         except (TypeError, ValueError):
-            raise ConfigError(f"{key}: expected a number, got {value!r}.") from None
+            raise ConfigError(f"{key}: expected a number, got {_shown(value)}.") from None
         # Before the range checks: every comparison with NaN is False, so nan would pass
         # them. No float setting takes an infinity (each has a finite "off" value).
         if not math.isfinite(out):
-            raise ConfigError(f"{key}: {value!r} is not a finite number; give a finite "
-                              "value.")
+            raise ConfigError(f"{key}: {_shown(value)} is not a finite number; give a "
+                              "finite value.")
     elif base == "str":
         if isinstance(value, bool):
             value = "true" if value else "false"
         if not isinstance(value, (str, int, float)):
-            raise ConfigError(f"{key}: expected a string, got {value!r}.")
+            raise ConfigError(f"{key}: expected a string, got {_shown(value)}.")
         out = str(value)
     elif base == "List[str]":
         if isinstance(value, str):
             value = [v.strip() for v in value.split(",") if v.strip()]
         if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
-            raise ConfigError(f"{key}: expected a list of strings, got {value!r}.")
+            raise ConfigError(f"{key}: expected a list of strings, got {_shown(value)}.")
         out = list(value)
     elif base == "List[List[str]]":
         ok = isinstance(value, list) and all(
@@ -84,18 +150,18 @@ def _coerce(key: str, fld: dataclasses.Field, value: Any) -> Any:
             and (v[1] is None or isinstance(v[1], str)) for v in value)
         if not ok:
             raise ConfigError(f"{key}: expected a list of [logical_axis, mesh_axis] pairs, "
-                              f"got {value!r}.")
+                              f"got {_shown(value)}.")
         out = [[v[0], v[1] if v[1] not in (None, "null", "none") else None] for v in value]
     else:  # pragma: no cover - a schema field of a type this loader does not know
         raise ConfigError(f"{key}: unsupported field type {hint}.")
     meta = fld.metadata
     if "choices" in meta and out not in meta["choices"]:
-        raise ConfigError(f"{key}: {out!r} is not one of {list(meta['choices'])}."
-                          + _closest(str(out), map(str, meta["choices"])))
+        raise ConfigError(f"{key}: {_shown(out)} is not one of {list(meta['choices'])}."
+                          + _closest(str(out)[:100], map(str, meta["choices"])))
     if "min" in meta and out < meta["min"]:
-        raise ConfigError(f"{key}: {out!r} is below the minimum {meta['min']}.")
+        raise ConfigError(f"{key}: {_shown(out)} is below the minimum {meta['min']}.")
     if "max" in meta and out > meta["max"]:
-        raise ConfigError(f"{key}: {out!r} is above the maximum {meta['max']}.")
+        raise ConfigError(f"{key}: {_shown(out)} is above the maximum {meta['max']}.")
     return out
 
 
@@ -137,9 +203,11 @@ def parse_override(text: str) -> tuple:
         raise ConfigError(f"--set {text!r}: expected section.key=value.")
     key, raw = text.split("=", 1)
     try:
-        value = yaml.safe_load(raw) if raw.strip() else ""
-    except yaml.YAMLError:
-        value = raw
+        value = safe_yaml(raw, f"--set {key.strip()}") if raw.strip() else ""
+    except _Unbounded:
+        raise
+    except ConfigError:
+        value = raw  # not YAML: the setting's own check names it (a string, a number)
     return key.strip(), value
 
 
@@ -158,21 +226,16 @@ def config_from_dict(data: dict, overrides: Iterable[str] = (),
 
 def read_config_file(path: str) -> dict:
     """The {section: {key: value}} mapping of a YAML config file (not yet validated)."""
-    if not os.path.isfile(path):
+    if not os.path.exists(path):
         raise ConfigError(f"--config {path}: no such file. Presets live in configs/ "
                           "(e.g. configs/tiny.yaml).")
-    with open(path, "rb") as f:
-        raw = f.read()
+    raw = read_regular(path, MAX_CONFIG_BYTES, "a YAML config", ConfigError)
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as e:
         raise ConfigError(f"{path}: not UTF-8 text (byte offset {e.start}); save it as "
                           "UTF-8.") from None
-    try:
-        return yaml.safe_load(text) or {}
-    except yaml.YAMLError as e:
-        raise ConfigError(f"{path}: not valid YAML: "
-                          f"{' '.join(str(e).split())}") from None
+    return safe_yaml(text, path) or {}
 
 
 def load_config(path: Optional[str] = None, overrides: Iterable[str] = ()) -> schema.Config:
@@ -264,11 +327,41 @@ def validate(cfg: schema.Config) -> None:
     if bad:
         raise ConfigError(f"optimizer.weight_decay_exclude: unknown kind(s) {sorted(bad)}; "
                           "use bias, norm, embedding.")
+    elements = weight_elements(m)[1]
+    if elements > MAX_WEIGHT_ELEMENTS:
+        raise ConfigError(f"model: the sizes give up to {elements:.3g} weights (vocab_size "
+                          f"{m.vocab_size}, hidden_dim {m.hidden_dim}, num_layers "
+                          f"{m.num_layers}, intermediate_dim {m.intermediate_dim}), more than "
+                          f"the {MAX_WEIGHT_ELEMENTS:.3g} a tfllm model holds; lower them.")
     from tfllm.parallel import mesh as mesh_lib  # parsing only, no TensorFlow
+    if cfg.mesh.num_cpu_devices > mesh_lib.MAX_CPU_DEVICES:
+        raise ConfigError(f"mesh.num_cpu_devices: {cfg.mesh.num_cpu_devices} is above the "
+                          f"maximum {mesh_lib.MAX_CPU_DEVICES} logical CPU devices of one "
+                          "host; lower it (0: as many as the mesh needs).")
     try:
         mesh_lib.parse_axes(cfg.mesh.axes, mesh_axes_known(cfg))
     except mesh_lib.MeshError as e:
         raise ConfigError(str(e)) from None
+
+
+#: the most weights a model holds (2**40, about 1.1 trillion: 4.4 TB in float32)
+MAX_WEIGHT_ELEMENTS = 2 ** 40
+
+
+def weight_elements(m: schema.ModelConfig) -> tuple:
+    """(lower, upper) bounds of the number of weights of model config `m`, from its sizes
+    alone: nothing is built, so an absurd size is refused before it is allocated (the exact
+    count is `tfllm.plan.sharded.param_count`, which builds the model unallocated).
+    The bounds differ by what the family decides: a tied head, learned positions, a gated
+    MLP, biases and norms."""
+    head_dim = m.head_dim or max(m.hidden_dim // m.num_query_heads, 1)
+    kv = m.num_key_value_heads or m.num_query_heads
+    attention = m.hidden_dim * head_dim * 2 * (m.num_query_heads + kv)  # q, o; k, v
+    mlp = m.hidden_dim * m.intermediate_dim
+    lower = m.vocab_size * m.hidden_dim + m.num_layers * (attention + 2 * mlp)
+    upper = ((2 * m.vocab_size + m.max_sequence_length) * m.hidden_dim
+             + m.num_layers * (attention + 3 * mlp + 4 * m.hidden_dim + m.intermediate_dim))
+    return lower, upper
 
 
 def mesh_axes_known(cfg: schema.Config):

@@ -22,6 +22,17 @@ def _f(default, help, **meta):
     return field(default=default, metadata=meta)
 
 
+#: Upper bounds of the size settings: far above any model or job of today (Llama 3.1
+#: 405B: hidden 16384, intermediate 53248, 126 layers; Gemma 3: a 262144 vocabulary; 10M
+#: token contexts), low enough that a typo or a crafted config (hidden_dim=10**20) is one
+#: line at load time, not an allocation, a traceback or a segfault. The model's total size
+#: is bounded by `tfllm.config.loader.validate` and, against the host, by the command.
+_MAX_VOCAB = 2 ** 24
+_MAX_WIDTH = 2 ** 20
+_MAX_COUNT = 2 ** 12
+_MAX_TOKENS = 2 ** 24
+
+
 @dataclass
 class ModelConfig:
     """Architecture of the causal language model."""
@@ -32,15 +43,17 @@ class ModelConfig:
                      "scales (1 + scale), norms before and after attention and MLP, a tanh "
                      "GELU-gated MLP, query/key norms, tied embeddings).",
                      choices=("gpt", "llama", "gemma3"))
-    vocab_size: int = _f(2048, "Vocabulary size.", min=2)
-    hidden_dim: int = _f(128, "Width of the residual stream.", min=1)
-    num_layers: int = _f(4, "Number of transformer blocks.", min=1)
-    num_query_heads: int = _f(4, "Attention query heads.", min=1)
+    vocab_size: int = _f(2048, "Vocabulary size.", min=2, max=_MAX_VOCAB)
+    hidden_dim: int = _f(128, "Width of the residual stream.", min=1, max=_MAX_WIDTH)
+    num_layers: int = _f(4, "Number of transformer blocks.", min=1, max=_MAX_COUNT)
+    num_query_heads: int = _f(4, "Attention query heads.", min=1, max=_MAX_COUNT)
     num_key_value_heads: int = _f(0, "Key/value heads for grouped-query attention; 0 means "
-                                  "equal to num_query_heads.", min=0)
-    head_dim: int = _f(0, "Per-head width; 0 means hidden_dim // num_query_heads.", min=0)
-    intermediate_dim: int = _f(512, "Width of the MLP hidden layer.", min=1)
-    max_sequence_length: int = _f(256, "Longest sequence the model accepts.", min=1)
+                                  "equal to num_query_heads.", min=0, max=_MAX_COUNT)
+    head_dim: int = _f(0, "Per-head width; 0 means hidden_dim // num_query_heads.",
+                       min=0, max=_MAX_COUNT)
+    intermediate_dim: int = _f(512, "Width of the MLP hidden layer.", min=1, max=_MAX_WIDTH)
+    max_sequence_length: int = _f(256, "Longest sequence the model accepts.",
+                                  min=1, max=_MAX_TOKENS)
     tie_embeddings: Optional[bool] = _f(None, "Share the token embedding with the LM head; "
                                         "null means the family's default (gpt: true, llama: "
                                         "false).")
@@ -62,7 +75,7 @@ class ModelConfig:
                                       "rope_original_max_length / this are unchanged.",
                                       min=0.0)
     rope_original_max_length: int = _f(8192, "llama3 RoPE scaling: the context length of "
-                                       "pre-training.", min=1)
+                                       "pre-training.", min=1, max=_MAX_TOKENS)
     qkv_bias: Optional[bool] = _f(None, "Biases on the query/key/value projections only "
                                   "(Qwen2); null means use_bias.")
     qk_norm: bool = _f(False, "RMSNorm (epsilon norm_epsilon, a scale per head_dim channel) "
@@ -70,10 +83,11 @@ class ModelConfig:
                        "always has them).")
     sliding_window: int = _f(0, "Local attention: a query sees only the last N keys, itself "
                              "included (transformers' sliding_window); 0 means every layer "
-                             "attends to the whole context (rope families).", min=0)
+                             "attends to the whole context (rope families).",
+                             min=0, max=_MAX_TOKENS)
     sliding_window_pattern: int = _f(0, "With sliding_window: every Nth layer (N-1, 2N-1, "
                                      "...) attends globally and the others locally (Gemma 3: "
-                                     "6); 0 means every layer is local.", min=0)
+                                     "6); 0 means every layer is local.", min=0, max=_MAX_COUNT)
     rope_local_theta: float = _f(0.0, "RoPE base of the local (sliding-window) layers, which "
                                  "rope_scaling never scales (Gemma 3: 10000); 0 means "
                                  "rope_theta.", min=0.0)
@@ -91,7 +105,8 @@ class ModelConfig:
                               "keys with an online softmax, recomputed in the backward pass, "
                               "so no (T x T) scores are ever kept (memory linear in T) and "
                               "tiles the causal mask hides are skipped; 0 is standard "
-                              "attention. Same result up to float rounding.", min=0)
+                              "attention. Same result up to float rounding.",
+                              min=0, max=_MAX_TOKENS)
     remat: str = _f("none", "Activation rematerialization (tfllm.models.common.remat): none; "
                     "full (keep each block's input, recompute the block); selective (keep "
                     "matmul outputs, recompute norms, activations and attention scores); "
@@ -110,7 +125,8 @@ class MeshConfig:
     device_type: str = _f("auto", "auto (GPU when present, else CPU), CPU or GPU.",
                           choices=("auto", "CPU", "GPU"))
     num_cpu_devices: int = _f(0, "Logical CPU devices to split the host into; 0 means as "
-                              "many as the mesh needs.", min=0)
+                              "many as the mesh needs (at most tfllm.parallel.mesh."
+                              "MAX_CPU_DEVICES).", min=0)
     rules: List[List[str]] = _f([], "Ordered [logical_axis, mesh_axis] pairs that replace "
                                 "the default rules table (tfllm.parallel.rules."
                                 "DEFAULT_RULES); mesh_axis 'null' means replicated.")
@@ -118,7 +134,7 @@ class MeshConfig:
                                     "allocator's pool for NCCL's buffers (NVLS on HGX H100) "
                                     "and CUDA library workspaces, which allocate outside it "
                                     "(sets TF_DEVICE_MIN_SYS_MEMORY_IN_MB unless it is set).",
-                                    min=0)
+                                    min=0, max=_MAX_WIDTH)
     gpu_allocator: str = _f("bfc", "TensorFlow's GPU allocator: bfc (its default: one pool "
                             "taken at start-up) or cuda_malloc_async (CUDA's stream-ordered "
                             "allocator, which gives freed memory back so NCCL can use it; "
@@ -231,8 +247,8 @@ class DataConfig:
                             "each other.")
     shuffle_buffer: int = _f(256, "Documents in the shuffle buffers of all rows together "
                              "(each row stream gets an equal share; the buffers are part of "
-                             "every checkpoint).", min=1)
-    sequence_length: int = _f(128, "Tokens per training sequence.", min=2)
+                             "every checkpoint).", min=1, max=_MAX_TOKENS)
+    sequence_length: int = _f(128, "Tokens per training sequence.", min=2, max=_MAX_TOKENS)
     seed: int = _f(1234, "Seed of the data order.")
 
 
@@ -242,8 +258,9 @@ class TrainConfig:
 
     steps: int = _f(1200, "Optimizer steps to run.", min=1)
     global_batch_size: int = _f(16, "Sequences per optimizer step, over all devices and "
-                                "micro-batches.", min=1)
-    grad_accum_steps: int = _f(1, "Micro-batches accumulated per optimizer step.", min=1)
+                                "micro-batches.", min=1, max=_MAX_TOKENS)
+    grad_accum_steps: int = _f(1, "Micro-batches accumulated per optimizer step.",
+                               min=1, max=_MAX_TOKENS)
     loss_on: str = _f("all", "Which target tokens the loss trains on: all; completion "
                       "(prompt_completion data: the completion only); assistant (messages "
                       "data: every assistant turn, its end-of-turn token included); "
@@ -273,7 +290,8 @@ class TrainConfig:
                          "the end, after the final checkpoint). Without validation data "
                          "(data.validation_fraction) nothing is evaluated.", min=0)
     eval_steps: int = _f(16, "Validation batches per evaluation (at most: validation data "
-                         "shorter than this is padded, and padding is not counted).", min=1)
+                         "shorter than this is padded, and padding is not counted).",
+                         min=1, max=_MAX_TOKENS)
     deterministic: bool = _f(False, "Deterministic ops (tf.config.experimental."
                              "enable_op_determinism) for bitwise-reproducible resumes.")
     progress: str = _f("auto", "Progress display: bar (redrawn line), lines (one line per "

@@ -23,6 +23,13 @@ class MeshError(ValueError):
     """The mesh does not fit the devices, batch or model; the message says how to fix it."""
 
 
+#: the most devices a mesh holds: more than any DTensor job of today, few enough that a
+#: typo (data=10**20) is refused while parsing, before any device is set up
+MAX_MESH_DEVICES = 2 ** 16
+#: the most logical devices one host's CPU is split into: each is a TensorFlow device with
+#: its own threads and buffers, and a million of them exhaust the host (or segfault)
+MAX_CPU_DEVICES = 256
+
 _PAIR = re.compile(r"^\s*([A-Za-z_][A-Za-z0-9_]*)\s*=\s*(-?\d+)\s*$")
 
 
@@ -53,6 +60,11 @@ def parse_axes(text: str, known: Sequence[str] = KNOWN_MESH_AXES) -> List[Tuple[
         axes.append((name, size))
     if sum(1 for _, s in axes if s == -1) > 1:
         raise MeshError("mesh.axes: only one axis may be -1.")
+    fixed = math.prod(s for _, s in axes if s != -1)
+    if fixed > MAX_MESH_DEVICES:
+        raise MeshError(f"mesh.axes: the sizes multiply to {fixed} devices; a mesh holds at "
+                        f"most {MAX_MESH_DEVICES}: give the sizes of the job's devices (or "
+                        "-1 for the rest).")
     return axes
 
 
@@ -225,6 +237,10 @@ def build_mesh(axes_text: str, requested_device_type: str = "auto", num_cpu_devi
         # A -1 axis on CPU: one logical device per core (at most 8). More logical
         # devices than cores only add overhead (benchmarks/results/cpu_devices.md).
         wanted = num_cpu_devices or max((need or min(os.cpu_count() or 1, 8)) // clients, 1)
+        if wanted > MAX_CPU_DEVICES:
+            raise MeshError(f"mesh.axes={axes_text} needs {wanted} logical CPU devices on "
+                            f"this host; tfllm splits a CPU into at most {MAX_CPU_DEVICES}: "
+                            "use smaller axes on CPU, or GPUs.")
     if kind == "GPU":
         nccl = use_nccl()
         runtime_env.gpu_memory(gpu_memory_reserve_mb, gpu_allocator)
