@@ -41,7 +41,6 @@ import time
 import uuid
 from typing import Optional
 
-
 from tfllm.checkpoint.checkpointer import Checkpointer
 from tfllm.checkpoint.reader import Reader
 from tfllm.checkpoint.shards import CheckpointError

@@ -139,11 +139,35 @@ def cmd_train(args) -> int:
     return 0
 
 
+def _check_host_memory(config) -> None:
+    """A CPU run whose weights alone (float32, at least the sizes' lower bound) exceed
+    this host's memory is refused before anything is allocated (exit 2)."""
+    from tfllm.parallel import gpu_checks
+    from tfllm.config.loader import weight_elements
+    if gpu_checks.wanted(config.mesh.device_type):
+        return  # on GPUs: the plan's estimate (_check_memory) for training
+    need, host = 4 * weight_elements(config.model)[0], _host_memory()
+    if host and need > host:
+        raise InputError(f"model: at least {need / 2 ** 30:.1f} GiB of float32 weights, more "
+                         f"than this host's {host / 2 ** 30:.1f} GiB of memory; lower "
+                         "model.hidden_dim, model.num_layers or model.vocab_size, or run on "
+                         "GPUs.")
+
+
+def _host_memory() -> int:
+    """Bytes of physical memory of this host (0 when the OS does not say)."""
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return 0
+
+
 def _check_memory(config) -> None:
     """A GPU run whose step will not fit its GPUs stops here, before anything is built or
     written, with one line naming the `--set` that fits (`tfllm.plan.fit.FitError`, exit
     2). Only the command checks: the estimate is the plan's, a floor above training."""
     from tfllm.parallel import gpu_checks
+    _check_host_memory(config)
     if not config.train.memory_check or not gpu_checks.wanted(config.mesh.device_type):
         return
     from tfllm.contracts import num_clients
@@ -209,6 +233,7 @@ def _restored_run(args, config=None):
     if not run_dir.committed():  # before anything is built or written
         raise FileNotFoundError(f"{run_dir.checkpoints} holds no committed checkpoint; "
                                 "train first (tfllm train --workdir ...).")
+    _check_host_memory(config)
     _persist_compiles(args, config, args.workdir)
     run = Run(config, workdir=args.workdir, train_iterator=False, inference=True)
     # The weights were trained with the tokenizer whose fingerprint the checkpoint holds:
