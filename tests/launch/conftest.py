@@ -30,5 +30,5 @@ def real_slurm():
 
 @pytest.fixture(scope="session")
 def real_sshd():
-    """sshd on 127.0.0.1 with a throwaway key (`real_cluster.Sshd`)."""
+    """sshd on 127.0.0.1 and 127.0.0.2 with a throwaway key (`real_cluster.Sshd`)."""
     yield from _daemon(real_cluster.SSH_PACKAGES, real_cluster.Sshd)

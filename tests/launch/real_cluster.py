@@ -236,6 +236,7 @@ class SlurmCluster:
 SSHD_CONFIG = """\
 Port {port}
 ListenAddress 127.0.0.1
+ListenAddress 127.0.0.2
 HostKey {dir}/hostkey
 PidFile {dir}/sshd.pid
 AuthorizedKeysFile {dir}/authorized_keys
@@ -248,7 +249,7 @@ StrictModes no
 
 
 class Sshd:
-    """A foreground sshd on 127.0.0.1 with a throwaway host key and client key.
+    """A foreground sshd on 127.0.0.1 and 127.0.0.2 (two "hosts") with a throwaway host key and client key.
 
     Attributes:
       port: its port.

@@ -31,6 +31,9 @@ from tfllm.launch.topology import WorkerSpec
 _POLL_S = 0.2
 #: how long a lost-peer exit (76) waits for the rank that really failed to show
 _CAUSE_GRACE_S = 2.0
+#: ssh's own exit code when the connection failed or dropped (the remote command's is
+#: passed through otherwise): for the job that is a lost peer
+SSH_CONNECTION_LOST = 255
 #: worker exit codes that a restart would only repeat: bad input, failed storage
 FINAL_CODES = {BAD_INPUT_EXIT_CODE: "bad input", IO_ERROR_EXIT_CODE: "the storage failed"}
 
@@ -46,6 +49,7 @@ class Worker:
     matched: threading.Event
     ready_line: Optional[str] = None
     code: Optional[int] = None
+    remote: bool = False
 
 
 def exit_status(returncode: int) -> int:
@@ -132,7 +136,8 @@ class Supervisor:
         reader = threading.Thread(target=self._read, args=(spec.rank, process, log_path,
                                                            matched, ready_line), daemon=True)
         reader.start()
-        self.workers[spec.rank] = Worker(spec, process, reader, ready, matched, ready_line)
+        self.workers[spec.rank] = Worker(spec, process, reader, ready, matched, ready_line,
+                                         remote=remote)
         with open(os.path.join(self.log_dir, "pids"), "a") as f:
             f.write(f"{spec.rank} {process.pid}\n")
 
@@ -210,6 +215,11 @@ class Supervisor:
                 alive = True
                 continue
             worker.code = exit_status(returncode)
+            if worker.remote and worker.code == SSH_CONNECTION_LOST:
+                self.say(f"rank {rank}: the ssh connection to {worker.spec.host} was lost "
+                         f"(ssh exited {SSH_CONNECTION_LOST}); reporting it as a lost peer, "
+                         f"code {PEER_LOST_EXIT_CODE}")
+                worker.code = PEER_LOST_EXIT_CODE
             _signal_group(worker.process.pid, signal.SIGTERM)  # nothing outlives it
             if worker.code != 0:
                 failed.append((rank, worker.code))

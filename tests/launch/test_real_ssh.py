@@ -1,0 +1,133 @@
+"""Hostfile mode against a real sshd (tests/launch/conftest.py): two "hosts", 127.0.0.1
+and 127.0.0.2, each worker started over ssh. The 2-worker run gives one process's losses
+(the reference of test_real_slurm: the same settings), the checkpoint key reaches the
+workers on ssh's stdin only, and a dropped connection ends the run with the peer-loss code
+and leaves no process on either side.
+"""
+
+import json
+import os
+import signal
+import subprocess
+import time
+
+import numpy as np
+import pytest
+
+from tests.harness import metrics_records
+from tests.launch.helpers import PY, launcher_env, start
+from tests.launch.test_real_slurm import STEPS, TRAIN, _free_port_pair, reference  # noqa: F401
+
+TIMEOUT_S = 300
+SECRET = "tfllm-test-key-" + "5" * 24
+
+pytestmark = [pytest.mark.slow, pytest.mark.multiprocess, pytest.mark.timeout(900)]
+
+
+def _launch(sshd, tmp_path, workdir, *extra_train):
+    hostfile = tmp_path / "hosts"
+    hostfile.write_text("127.0.0.1\n127.0.0.2\n")
+    # PATH is passed on to the remote shells: this checkout's `tfllm` first
+    env = launcher_env(TFLLM_CHECKPOINT_KEY=SECRET,
+                       PATH=os.path.dirname(PY) + os.pathsep + os.environ["PATH"])
+    return start(["--mode", "hostfile", "--hostfile", str(hostfile), "--ssh", sshd.ssh,
+                  "--device", "cpu", "--port", str(_free_port_pair()), "--port-per-rank",
+                  "--kill-timeout", "5", "--startup-timeout", str(TIMEOUT_S), "--",
+                  "tfllm", "train", "--config", "configs/tiny.yaml", "--workdir",
+                  str(workdir), "--set", "mesh.axes=data=2", "--set",
+                  "mesh.num_cpu_devices=1", *TRAIN, *extra_train], env=env)
+
+
+def _command_lines():
+    out = subprocess.run(["ps", "-eo", "args"], capture_output=True, text=True).stdout
+    return out.splitlines()
+
+
+def _session_pids():
+    """sshd's per-connection processes (the listener is `sshd -D`)."""
+    out = subprocess.run(["pgrep", "-f", "^sshd: "], capture_output=True, text=True).stdout
+    return set(out.split())
+
+
+def _wait_gone(marker, before, wait_s=15.0):
+    deadline = time.monotonic() + wait_s
+    while time.monotonic() < deadline:
+        left = [l for l in _command_lines() if str(marker) in l and "pgrep" not in l]
+        sessions = _session_pids() - before
+        if not left and not sessions:
+            return
+        time.sleep(0.3)
+    raise AssertionError(f"left running: {left} sessions {sessions}")
+
+
+def _remote_workers(workdir):
+    """{rank: (pid, environment)} of the workers started by the remote shells."""
+    found = {}
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            cmdline = open(f"/proc/{pid}/cmdline", "rb").read()
+            environ = open(f"/proc/{pid}/environ", "rb").read().split(b"\0")
+        except OSError:
+            continue
+        ids = [e for e in environ if e.startswith(b"DTENSOR_CLIENT_ID=")]
+        if str(workdir).encode() in cmdline and b"tfllm" in cmdline and ids:
+            found[int(ids[0].split(b"=")[1])] = (pid, environ)
+    return found
+
+
+def _sshd_session_of(workdir, rank):
+    """The sshd process serving the worker of `rank` (its remote side's ancestor)."""
+    pid = _remote_workers(workdir).get(rank, ("1",))[0]
+    while pid != "1":
+        pid = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[1]
+        if open(f"/proc/{pid}/comm").read().startswith("sshd"):
+            return int(pid)
+    raise AssertionError(f"no sshd session serves rank {rank}")
+
+
+def test_hostfile_over_real_ssh_trains_like_one_process(real_sshd, reference, tmp_path):
+    workdir = tmp_path / "run"
+    before = _session_pids()
+    proc = _launch(real_sshd, tmp_path, workdir)
+    seen, keys = [], {}
+    try:
+        deadline = time.monotonic() + TIMEOUT_S
+        while proc.poll() is None and time.monotonic() < deadline:
+            seen += [l for l in _command_lines() if SECRET in l]  # ps, on both "hosts"
+            for rank, (_, environ) in _remote_workers(workdir).items():
+                keys[rank] = f"TFLLM_CHECKPOINT_KEY={SECRET}".encode() in environ
+            time.sleep(0.5)
+        out, err = proc.communicate(timeout=30)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.returncode == 0, (out[-3000:], err[-3000:])
+    assert not seen, seen  # the key is never on a command line
+    assert keys == {0: True, 1: True}, keys  # but in both remote workers' environment
+    assert "[rank 1] tfllm: client 1/2 ready on mesh [data=2]" in out
+    # and client 0 signed the checkpoint with it
+    (ckpt,) = (workdir / "checkpoints").iterdir()
+    assert "manifest_hmac_sha256" in json.loads((ckpt / "COMMIT").read_text())
+    np.testing.assert_allclose(np.array([r["loss"] for r in metrics_records(workdir)
+                                         if "loss" in r]), reference, rtol=1e-6)
+    _wait_gone(tmp_path, before)
+
+
+def test_a_dropped_connection_ends_the_run_as_a_lost_peer(real_sshd, tmp_path):
+    workdir = tmp_path / "run"
+    before = _session_pids()
+    proc = _launch(real_sshd, tmp_path, workdir, "--set", "train.steps=5000")
+    try:
+        deadline = time.monotonic() + TIMEOUT_S
+        metrics = workdir / "metrics.jsonl"
+        while not (metrics.exists() and '"step": 3,' in metrics.read_text()):
+            assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
+            time.sleep(0.1)
+        # Drop rank 1's connection on the server side: SIGKILL its sshd session process.
+        os.kill(_sshd_session_of(workdir, rank=1), signal.SIGKILL)
+        out, err = proc.communicate(timeout=TIMEOUT_S)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.returncode == 76, (out[-3000:], err[-3000:])
+    _wait_gone(tmp_path, before)
