@@ -130,10 +130,16 @@ Exit codes:
         (tfllm's "preempted, checkpoint saved, requeue me" code)
   74    a worker's storage failed (tfllm: disk full, quota, permissions); not restarted
   128+N the launcher itself got signal N (SIGINT 130, SIGTERM 143); it forwarded SIGTERM
+  76    also: hostfile mode, ssh to a worker's host lost its connection (ssh exited 255)
   other the first failing worker's exit code (128+N when a signal N killed it)
+  slurm: a rank stopped because another rank failed (it got Slurm's signal, or lost its
+        peer: 76) exits 0 once that rank's own code is recorded in LOG_DIR/exit.RANK,
+        so that srun --kill-on-bad-exit, which returns the highest code, returns it.
 
 Signals: SIGINT, SIGTERM and SIGHUP to the launcher are forwarded to every worker's process
-group as SIGTERM, then SIGKILL after --kill-timeout.
+group as SIGTERM, then SIGKILL after --kill-timeout. Not under --mode slurm: Slurm signals
+every process of the step itself (scancel, --signal, time limit, preemption), and a second
+SIGTERM would make tfllm stop without saving; the launcher waits for its worker instead.
 """
 
 #: the options that take a value, and the flags, that the launcher parser accepts
