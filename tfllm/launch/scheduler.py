@@ -53,9 +53,9 @@ def _read(log_dir: str, rank: int, key: str) -> Optional[Tuple[int, bool]]:
 
 
 def find_cause(log_dir: str, rank: int, world_size: int, key: str,
-               grace_s: float = CAUSE_GRACE_S) -> Optional[Tuple[int, int]]:
+               grace_s: Optional[float] = None) -> Optional[Tuple[int, int]]:
     """Another rank of this step that failed on its own: (rank, code), or None."""
-    deadline = time.monotonic() + grace_s
+    deadline = time.monotonic() + (CAUSE_GRACE_S if grace_s is None else grace_s)
     while True:
         for other in range(world_size):
             outcome = _read(log_dir, other, key) if other != rank else None
