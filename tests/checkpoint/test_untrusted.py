@@ -143,3 +143,51 @@ def test_data_state_names_are_confined_to_the_private_temp_dir(tmp_path, monkeyp
     assert sorted(os.listdir(tmp_path)) == ["sandbox"] and os.listdir(sandbox) == []
     DeviceFeed.restore_state(stand_in, {"iterator.json": b"{}", "iterator.index": b""})
     assert len(restored) == 1 and restored[0].endswith("iterator")
+
+
+def _forge_index(root, edit):
+    """Applies `edit(variables)` to client 0's index.json, then recomputes its hash in the
+    manifest and the chain above it (as anyone can)."""
+    path = root / "client_00000" / "index.json"
+    index = json.loads(path.read_text())
+    edit(index["variables"])
+    data = json.dumps(index).encode()
+    path.write_bytes(data)
+    _forge(root, _add("client_00000/index.json", data))
+
+
+def _block(variables):
+    return variables["w"]["blocks"][0]
+
+
+@pytest.mark.parametrize("edit, fragment", [
+    # a second block over the first: restored twice here, and the sum of sizes then
+    # exceeds the shape (with the first halved, a gap is left that no block fills)
+    (lambda v: v["w"]["blocks"].append(dict(_block(v))), "overlap"),
+    (lambda v: _block(v).update(size=[1, 3], nbytes=12), "cover 3 of its 6 elements"),
+    (lambda v: _block(v).update(start=[1, 0]), "reaches past its shape"),
+    (lambda v: v["w"].update(shape=[2, 10 ** 20]), "cover 6 of its 2000000000"),
+    (lambda v: v["w"].update(shape=[-2, 3]), "not a list of at most 8 sizes"),
+    (lambda v: v["w"].update(dtype="object"), "not one tfllm saves"),
+    (lambda v: _block(v).update(offset=10 ** 12), "at offset 1000000000000"),
+    (lambda v: _block(v).update(nbytes=4), "says 4 bytes"),
+    (lambda v: _block(v).update(start="0"), "malformed block"),
+])
+def test_a_crafted_index_is_refused_before_a_block_is_read(tmp_path, edit, fragment):
+    root = _save(tmp_path / "ckpt")
+    _forge_index(root, edit)
+    variables = _vars(7.0)
+    with pytest.raises(CheckpointError, match="malicious") as error:
+        Checkpointer(str(tmp_path / "ckpt")).restore(variables)
+    assert fragment in str(error.value) and "\n" not in str(error.value)
+    assert np.all(variables["w"].numpy() == 7.0)  # untouched
+
+
+@pytest.mark.parametrize("name", ["metadata.json", "COMMIT", "client_00000/shards.bin"])
+def test_a_checkpoint_file_that_is_a_fifo_is_refused_without_blocking(tmp_path, name):
+    root = _save(tmp_path / "ckpt")
+    os.remove(root / name)
+    os.mkfifo(root / name)  # opened as a file, it would wait for a writer forever
+    with pytest.raises((CheckpointError, FileNotFoundError)) as error:
+        Reader(str(root)).metadata()
+    assert "FIFO" in str(error.value) or name == "COMMIT"

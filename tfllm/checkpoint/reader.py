@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
 import re
 from typing import Dict, List
@@ -28,10 +29,10 @@ import numpy as np
 import tensorflow as tf
 
 from tfllm.checkpoint import signing
-from tfllm.checkpoint.shards import (CheckpointError, assemble, assign_blocks, target_blocks,
-                                     tf_variable)
+from tfllm.checkpoint.shards import (CheckpointError, assemble, assign_blocks, check_tiling,
+                                     target_blocks, tf_variable)
 from tfllm.checkpoint.storage import client_dir
-from tfllm.confined import inside
+from tfllm.confined import inside, open_regular, read_regular
 
 # Every name `storage` writes into a manifest: nothing else is ever read.
 _FILE_NAME = re.compile(r"^(metadata\.json|done\.\d{5}|"
@@ -39,6 +40,12 @@ _FILE_NAME = re.compile(r"^(metadata\.json|done\.\d{5}|"
 _STEP_DIR = re.compile(r"^step_(\d{8})$")
 _UNTRUSTED = ("the checkpoint was written by a buggy or malicious program: do not restore "
               "it, use another one")
+#: COMMIT and manifest.json are a few KiB; the other small files (metadata.json,
+#: index.json, done.*, a data iterator's state) are read whole, so each is bounded too
+_COMMIT_BYTES, _MANIFEST_BYTES, _SMALL_FILE_BYTES = 1 << 16, 1 << 26, 1 << 28
+#: the dtypes tfllm saves (weights, optimizer states, FP8 and loss-scale state, counters)
+_DTYPES = frozenset(("float32", "float16", "bfloat16", "float64", "int32", "int64",
+                     "float8_e4m3fn", "float8_e5m2", "bool", "uint8", "int8"))
 
 
 def _sha(data: bytes) -> str:
@@ -60,8 +67,7 @@ class Reader:
         self.path = path
         commit_path = os.path.join(path, "COMMIT")
         try:
-            with open(commit_path, "rb") as f:
-                commit = json.loads(f.read())
+            commit = json.loads(self._read_file(commit_path, _COMMIT_BYTES, missing=True))
             manifest_sha = commit["manifest_sha256"]
         except FileNotFoundError:
             raise CheckpointError(f"{commit_path}: missing; {path} is not a committed "
@@ -70,7 +76,7 @@ class Reader:
         except (ValueError, KeyError, TypeError) as e:
             raise CheckpointError(f"{commit_path}: corrupt ({e}).") from None
         manifest_path = os.path.join(path, "manifest.json")
-        data = self._read_file(manifest_path)
+        data = self._read_file(manifest_path, _MANIFEST_BYTES)
         if _sha(data) != manifest_sha:
             raise CheckpointError(f"{manifest_path}: sha256 differs from the one in COMMIT; "
                                   "the file is corrupt.")
@@ -81,9 +87,10 @@ class Reader:
             self.num_clients = int(manifest["num_clients"])
             self.files: Dict[str, dict] = dict(manifest["files"])
             for info in self.files.values():
-                if not (isinstance(info["bytes"], int) and isinstance(info["sha256"], str)):
-                    raise TypeError(f"a file entry {info!r} lacks an integer 'bytes' and a "
-                                    "string 'sha256'")
+                if not (type(info["bytes"]) is int and info["bytes"] >= 0
+                        and isinstance(info["sha256"], str)):
+                    raise TypeError(f"a file entry {str(info)[:80]} lacks a count 'bytes' "
+                                    "and a string 'sha256'")
         except (ValueError, KeyError, TypeError) as e:
             raise CheckpointError(f"{manifest_path}: malformed ({e}); "
                                   f"{_UNTRUSTED}.") from None
@@ -96,7 +103,12 @@ class Reader:
         for rel, info in self.files.items():
             if rel.endswith("shards.bin"):  # truncation check without reading them
                 full = self._paths[rel]
-                size = os.path.getsize(full) if os.path.exists(full) else None
+                try:  # a regular file: a FIFO or device is refused before it is opened
+                    open_regular(full, info["bytes"], "a shard file", CheckpointError,
+                                 _UNTRUSTED).close()
+                    size = os.path.getsize(full)
+                except FileNotFoundError:
+                    size = None
                 if size != info["bytes"]:
                     raise CheckpointError(f"{full}: {size} bytes, the manifest says "
                                           f"{info['bytes']}; the file is truncated or missing.")
@@ -105,14 +117,62 @@ class Reader:
             index_path = f"{client_dir(c)}/index.json"
             try:
                 index = json.loads(self.read(index_path))
+                shards = f"{client_dir(c)}/shards.bin"
                 for name, entry in index["variables"].items():
                     target = self.variables.setdefault(
                         name, {"shape": entry["shape"], "dtype": entry["dtype"], "blocks": []})
+                    if (target["shape"], target["dtype"]) != (entry["shape"], entry["dtype"]):
+                        raise ValueError(f"'{name}' has shape {str(entry['shape'])[:40]} "
+                                         f"{str(entry['dtype'])[:20]} here, "
+                                         f"{str(target['shape'])[:40]} "
+                                         f"{str(target['dtype'])[:20]} in another client's")
                     for block in entry["blocks"]:
-                        target["blocks"].append(dict(block, file=f"{client_dir(c)}/shards.bin"))
+                        target["blocks"].append(dict(block, file=shards))
             except (ValueError, KeyError, TypeError, AttributeError) as e:
                 raise CheckpointError(f"{os.path.join(path, index_path)}: malformed ({e}); "
                                       f"{_UNTRUSTED}.") from None
+        for name, entry in self.variables.items():
+            self._check_variable(name, entry)
+
+    def _check_variable(self, name: str, entry: dict) -> None:
+        """The index's entry of `name` is what a writer gives: a shape and dtype tfllm
+        saves, blocks inside the shape that tile it (disjoint, covering), each block's
+        bytes inside its shard file. Before any byte is read or allocated: a crafted index
+        cannot make a restore read past a file, allocate absurd arrays, or leave part of a
+        variable as uninitialized memory."""
+        where = f"{self.path}: the index entry of '{name}'"
+        shape, dtype = entry["shape"], entry["dtype"]
+        if not (isinstance(shape, list) and len(shape) <= 8
+                and all(type(n) is int and n >= 0 for n in shape)):
+            raise CheckpointError(f"{where} has the shape {str(shape)[:60]}, not a list of "
+                                  f"at most 8 sizes; {_UNTRUSTED}.")
+        if dtype not in _DTYPES:
+            raise CheckpointError(f"{where} has the dtype {str(dtype)[:40]!r}, not one tfllm "
+                                  f"saves; {_UNTRUSTED}.")
+        itemsize = np.dtype(_numpy_dtype(dtype)).itemsize
+        blocks = []
+        for block in entry["blocks"]:
+            start, size = block.get("start"), block.get("size")
+            offset, nbytes = block.get("offset"), block.get("nbytes")
+            fields = [*(start if isinstance(start, list) else [None]),
+                      *(size if isinstance(size, list) else [None]), offset, nbytes]
+            if not (all(type(n) is int and n >= 0 for n in fields)
+                    and len(start) == len(size) == len(shape)
+                    and isinstance(block.get("sha256"), str)):
+                raise CheckpointError(f"{where} has a malformed block {str(block)[:80]}; "
+                                      f"{_UNTRUSTED}.")
+            if any(s + n > dim for s, n, dim in zip(start, size, shape)):
+                raise CheckpointError(f"{where}: the block start={start} size={size} "
+                                      f"reaches past its shape {shape}; {_UNTRUSTED}.")
+            file_bytes = self.files.get(block["file"], {}).get("bytes", 0)
+            if nbytes != math.prod(size) * itemsize or offset + nbytes > file_bytes:
+                raise CheckpointError(f"{where}: the block start={start} size={size} says "
+                                      f"{nbytes} bytes at offset {offset} of {block['file']} "
+                                      f"({file_bytes} bytes in the manifest); {_UNTRUSTED}.")
+            blocks.append((tuple(start), tuple(size)))
+        problem = check_tiling(shape, blocks)
+        if problem:
+            raise CheckpointError(f"{where}: {problem}; {_UNTRUSTED}.")
 
     def _confine(self, rel, manifest_path: str) -> str:
         """The path of manifest entry `rel`, which must be a name the writer gives and
@@ -131,18 +191,25 @@ class Reader:
         return self._paths[rel]
 
     @staticmethod
-    def _read_file(path: str) -> bytes:
+    def _read_file(path: str, limit: int, missing: bool = False) -> bytes:
+        """The bytes of `path`, a regular file of at most `limit` bytes (a FIFO or a
+        device would block or never end); `missing`: a missing file raises
+        FileNotFoundError (the caller names it)."""
         try:
-            with open(path, "rb") as f:
-                return f.read()
+            return read_regular(path, limit, "a checkpoint file", CheckpointError,
+                                _UNTRUSTED)
+        except FileNotFoundError:
+            if missing:
+                raise
+            raise CheckpointError(f"{path}: cannot be read (missing).") from None
         except OSError as e:
             raise CheckpointError(f"{path}: cannot be read ({e}).") from None
 
     def read(self, rel: str) -> bytes:
         """A whole small file of the checkpoint, checked against the manifest."""
         full = self.file_path(rel)
-        data = self._read_file(full)
         info = self.files[rel]
+        data = self._read_file(full, min(info["bytes"], _SMALL_FILE_BYTES))
         if len(data) != info["bytes"] or _sha(data) != info["sha256"]:
             raise CheckpointError(f"{full}: {len(data)} bytes with a sha256 that does not "
                                   f"match the manifest ({info['bytes']} bytes); the file is "
@@ -165,7 +232,7 @@ class Reader:
         block = entry["blocks"][i]
         full = self.file_path(block["file"])
         try:
-            with open(full, "rb") as f:
+            with open_regular(full, None, "a shard file", CheckpointError, _UNTRUSTED) as f:
                 f.seek(block["offset"])
                 data = f.read(block["nbytes"])
         except (OSError, ValueError, TypeError) as e:  # also a negative or non-int offset

@@ -11,6 +11,7 @@ saved blocks that overlap it, so the target mesh need not match the one that sav
 
 from __future__ import annotations
 
+import math
 import zlib
 from typing import Callable, Dict, List, Sequence, Tuple
 
@@ -134,6 +135,29 @@ def _overlap(a: Block, b: Block):
 
 def _covered(block: Block) -> int:
     return int(np.prod(block[1], dtype=np.int64))
+
+
+def check_tiling(shape: Sequence[int], blocks: Sequence[Block]) -> str:
+    """Why `blocks` (each inside `shape`) do not tile the array of `shape` exactly once,
+    or "" when they do: no two overlap, and together they cover every element.
+
+    Saved blocks never overlap (one writer per distinct shard, see `is_writer`); blocks
+    that overlapped, or left a gap, would restore some elements twice and others never
+    (as uninitialized memory)."""
+    boxes = [(np.array(s, dtype=np.int64), np.array(s, dtype=np.int64) + np.array(n, np.int64))
+             for s, n in blocks if all(n)]  # empty blocks cover nothing
+    if boxes:
+        starts, ends = np.array([b[0] for b in boxes]), np.array([b[1] for b in boxes])
+        for i in range(len(boxes) - 1):  # a pair overlaps when it does on every dimension
+            hit = np.all((starts[i + 1:] < ends[i]) & (starts[i] < ends[i + 1:]), axis=1)
+            if hit.any():
+                j = i + 1 + int(np.argmax(hit))
+                return (f"the blocks start={starts[i].tolist()} and start={starts[j].tolist()} "
+                        "overlap")
+    covered = sum(math.prod(n) for _, n in blocks)
+    if covered != math.prod(shape):
+        return f"the blocks cover {covered} of its {math.prod(shape)} elements"
+    return ""
 
 
 def assemble(target: Block, saved: Sequence[Block], read: Callable[[int], np.ndarray],
