@@ -91,7 +91,7 @@ def open_regular(path: str, limit, what: str, error=ValueError, fix: str = ""):
         tail = f"; {fix}" if fix else ""
         if not stat.S_ISREG(st.st_mode):
             kind = next((name for test, name in _KINDS if test(st.st_mode)), "no regular file")
-            raise error(f"{path}: is {kind}, not a regular file; give {what} as a file{tail}.")
+            raise error(f"{path}: is {kind}, not a regular file; {what} must be a file{tail}.")
         if limit is not None and st.st_size > limit:
             raise error(f"{path}: {st.st_size} bytes, more than {what} holds (at most "
                         f"{limit}){tail}.")

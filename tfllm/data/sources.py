@@ -68,8 +68,11 @@ def resolve_files(patterns: List[str], key: str) -> List[str]:
                         f"--set {key}=data/*.txt.")
     files = []
     for pattern in patterns:
-        matches = sorted(p for p in glob.glob(os.path.expanduser(pattern), recursive=True)
-                         if os.path.isfile(p))
+        found = glob.glob(os.path.expanduser(pattern), recursive=True)
+        matches = sorted(p for p in found if os.path.isfile(p))  # regular files only
+        if found and not matches:
+            raise DataError(f"{key}: '{pattern}' matches {sorted(found)[0]}, which is no "
+                            "regular file (a directory, FIFO or device); name data files.")
         if not matches:
             raise DataError(f"{key}: '{pattern}' matches no files; fix the path or glob "
                             f"(relative paths are from {os.getcwd()}).")

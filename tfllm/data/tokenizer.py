@@ -16,6 +16,7 @@ from typing import Callable, Iterable, List, Optional
 
 import tensorflow as tf
 
+from tfllm.confined import open_regular, read_regular
 from tfllm.contracts import TOKENIZER_DIR, TOKENIZER_MODEL_FILE
 from tfllm.data.errors import DataError
 from tfllm.internals import preset_loader, safe_mode
@@ -128,11 +129,11 @@ class KerasHubTokenizer(Tokenizer):
     """
 
     def __init__(self, path: str):
+        self._fingerprint = "keras-hub:" + _sha256_of_folder(path)  # checks every file first
         try:
             self._hub = load_keras_hub_tokenizer(path)
         except DataError as e:  # name the setting, as the other tokenizer errors do
             raise DataError(f"data.tokenizer_path={e}") from None
-        self._fingerprint = "keras-hub:" + _sha256_of_folder(path)
         eod = getattr(self._hub, "end_token_id", None)
         if eod is None:
             raise DataError(f"data.tokenizer_path={path}: the keras-hub tokenizer defines no "
@@ -225,14 +226,33 @@ def _tokenizer_only_preset(path: str):
     return tokenizer
 
 
+#: the largest tokenizer file read (a SentencePiece model is a few MiB; a Hugging Face
+#: tokenizer.json tens of MiB): a bound, so that no link to a device or FIFO, nor a huge
+#: file named by data.tokenizer_path, is read until memory runs out or forever
+MAX_TOKENIZER_FILE_BYTES = 1 << 30
+
+
+def _read_model(path: str, what: str) -> bytes:
+    """A tokenizer file's bytes: a regular file of at most MAX_TOKENIZER_FILE_BYTES."""
+    return read_regular(path, MAX_TOKENIZER_FILE_BYTES, "a tokenizer file", DataError,
+                        f"{what} must name a SentencePiece .model file or a keras-hub "
+                        "tokenizer preset directory")
+
+
 def _sha256_of_folder(path: str) -> str:
-    """sha256 over a folder's files: each one's relative name and content's sha256."""
+    """sha256 over a folder's files: each one's relative name and content's sha256. Every
+    file must be a regular one of bounded size (read before keras-hub reads any)."""
     digest = hashlib.sha256()
     files = sorted((os.path.relpath(os.path.join(root, name), path), os.path.join(root, name))
                    for root, _, names in os.walk(path) for name in names)
     for rel, full in files:
-        with open(full, "rb") as f:
-            digest.update(rel.encode("utf-8") + b"\0" + hashlib.sha256(f.read()).digest())
+        with open_regular(full, MAX_TOKENIZER_FILE_BYTES, "a tokenizer file", DataError,
+                          "data.tokenizer_path must name a keras-hub tokenizer preset "
+                          "directory of files") as f:
+            content = hashlib.sha256()
+            for chunk in iter(lambda: f.read(1 << 24), b""):
+                content.update(chunk)
+        digest.update(rel.encode("utf-8") + b"\0" + content.digest())
     return digest.hexdigest()
 
 
@@ -297,8 +317,7 @@ def from_file(path: str) -> Tokenizer:
                         "existing SentencePiece .model file or keras-hub preset directory.")
     if os.path.isdir(path):
         return KerasHubTokenizer(path)
-    with open(path, "rb") as f:
-        proto = f.read()
+    proto = _read_model(path, "data.tokenizer_path")
     try:
         return SentencePieceTokenizer(proto, name=path)
     except (RuntimeError, OSError) as e:
@@ -348,8 +367,7 @@ def load_tokenizer(config, workdir: Optional[str] = None,
     run_path = run_tokenizer_path(workdir) if workdir else None
     if run_path and os.path.exists(run_path):
         try:
-            with open(run_path, "rb") as f:
-                tokenizer = SentencePieceTokenizer(f.read(), run_path)
+            tokenizer = SentencePieceTokenizer(_read_model(run_path, run_path), run_path)
         except (RuntimeError, OSError) as e:
             detail = str(e).splitlines()[0] if str(e) else type(e).__name__
             raise DataError(f"{run_path}: not a readable SentencePiece model ({detail}); put "
@@ -366,8 +384,7 @@ def load_tokenizer(config, workdir: Optional[str] = None,
     key = f"unigram-v{vocab}-{digest.hexdigest()[:16]}"
     cache_path = os.path.join(os.path.expanduser(data.data_dir), "tokenizers", key + ".model")
     if os.path.exists(cache_path):
-        with open(cache_path, "rb") as f:
-            proto = f.read()
+        proto = _read_model(cache_path, cache_path)
     else:
         start = time.perf_counter()
         proto = train_sentencepiece(texts, vocab)
