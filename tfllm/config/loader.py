@@ -194,7 +194,12 @@ def apply_dict(cfg: schema.Config, data: dict, source: str) -> None:
         if not isinstance(values, dict):
             raise ConfigError(f"{source}: section '{section}' must be a mapping of keys.")
         for key, value in values.items():
-            _set(cfg, f"{section}.{key}", value, source)
+            try:
+                _set(cfg, f"{section}.{key}", value, source)
+            except ConfigError as e:  # a value's error names the file it is in
+                text = str(e)
+                raise ConfigError(text if text.startswith(source) else f"{source}: {text}"
+                                  ) from None
 
 
 def parse_override(text: str) -> tuple:

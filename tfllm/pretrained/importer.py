@@ -132,6 +132,10 @@ def load_weights(model, source: Source) -> dict:
             arrays = source.read(kh_name, blocks, shape)
         dtype = np.dtype(var.dtype.as_numpy_dtype)
         arrays = {b: np.asarray(a).astype(dtype) for b, a in arrays.items()}
+        if not all(np.isfinite(a).all() for a in arrays.values()):  # after the cast: fp16 overflow
+            raise PretrainedError(f"{source.describe(kh_name)}: holds NaN or infinite values "
+                                  f"(tfllm's {path}); a model with them generates nonsense: "
+                                  "import a folder whose weights are finite.")
         size = sum(a.nbytes for a in arrays.values())
         stats["bytes_read"] += size
         stats["largest_read"] = max(stats["largest_read"], size)
