@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import errno
 import json
 import math
 import os
@@ -59,6 +60,12 @@ def _text(text: str) -> str:
     """An argparse type: a non-empty string."""
     if not text:
         raise argparse.ArgumentTypeError("is empty; give the text to continue")
+    try:  # bytes that are not UTF-8 reach Python as lone surrogates (PEP 383)
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise argparse.ArgumentTypeError(f"is not UTF-8 text (character {e.start}); give "
+                                         "UTF-8 text, as the terminal's locale encodes "
+                                         "it") from None
     return text
 
 
@@ -84,7 +91,14 @@ def _persist_compiles(args, config, workdir) -> None:
     directory = runtime_env.xla_cache_dir(config.train.xla_cache, workdir, client_id())
     if directory:
         args.created = _missing_folders(os.path.join(directory, "autotune"))
-    runtime_env.xla_cache(directory)
+    try:
+        runtime_env.xla_cache(directory)
+    except OSError as e:
+        if args.command not in ("generate", "eval") or io_failure(e) is None:
+            raise
+        # Reading a run needs no cache: a read-only or full workdir still serves it.
+        print(f"tfllm {args.command}: warning: no XLA compile cache ({_one_line(e)}); "
+              "compiling without it.", file=sys.stderr)
 
 
 def _missing_folders(path: str) -> list:
@@ -540,14 +554,28 @@ def _one_line(error: BaseException) -> str:
     return text or type(error).__name__
 
 
+#: errno values that mean a path given is one the system refuses: bad input (exit 2)
+_BAD_PATH_ERRNOS = frozenset((errno.ENAMETOOLONG, errno.ELOOP))
+
+
 def _failure(error: BaseException, args):
     """(exit code, one line) for a failure the user can fix; None for a bug."""
     prefix = f"tfllm {args.command}: error: "
-    if io_failure(error) is not None:  # first: a failed save is also a CheckpointError
+    failed = io_failure(error)
+    if failed is not None:  # first: a failed save is also a CheckpointError
         after = (_latest_checkpoint(args.workdir) + "; free space or fix the permissions, "
                  "then run the same command to resume" if args.command == "train" else
                  "Free space or fix the permissions, then run the command again")
-        return IO_ERROR_EXIT_CODE, f"{prefix}{_one_line(error)}. {after}."
+        workdir = getattr(args, "workdir", None)
+        where = (f" (writing under {workdir})" if workdir and not failed.filename
+                 and str(workdir) not in str(error) else "")  # a write names no path
+        return IO_ERROR_EXIT_CODE, f"{prefix}{_one_line(error)}{where}. {after}."
+    if isinstance(error, OSError) and error.errno in _BAD_PATH_ERRNOS:
+        name = str(error.filename)
+        name = name if len(name) <= 80 else f"{name[:60]}... ({len(name)} characters)"
+        return BAD_INPUT_EXIT_CODE, (f"{prefix}{name}: {error.strerror}; give a path the "
+                                     "system accepts (each name at most 255 bytes, no "
+                                     "symbolic link loop).")
     if isinstance(error, _input_errors()):
         return BAD_INPUT_EXIT_CODE, prefix + _one_line(error)
     return None

@@ -460,7 +460,7 @@ def main(argv: Optional[List[str]] = None, prog: str = "tfllm launch") -> int:
         print(f"{prog}: {message}", file=sys.stderr, flush=True)
 
     def fail(message: str) -> int:
-        print(f"{prog}: error: {message}\nRun '{prog} --help' for the options.",
+        print(f"{prog}: error: {message} (see {prog} --help)",  # one line, as tfllm's
               file=sys.stderr, flush=True)
         return BAD_INPUT_EXIT_CODE  # bad arguments or environment: nothing was started
 
