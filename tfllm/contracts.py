@@ -122,6 +122,9 @@ PRETRAINED_FILE = "pretrained.json"
 LOGS_DIR = "logs"
 #: the persistent XLA compile cache of `train.xla_cache=auto`, one folder per client
 XLA_CACHE_DIR = "xla_cache"
+#: one lock file per client, held by the `tfllm train` writing the run
+#: (`tfllm.checkpoint.lock`): one writer per run
+LOCKS_DIR = ".tfllm-locks"
 
 
 #: the variables `tfllm launch` gives a worker for the readiness handshake

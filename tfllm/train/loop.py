@@ -21,6 +21,7 @@ import sys
 import time
 from collections import deque
 
+from tfllm.checkpoint.lock import RunLock
 from tfllm.checkpoint.workdir import (Workdir, check_tokenizer, check_workdir, start_run,
                                       tokenizer_fingerprint)
 from tfllm.data.tokenizer import save_to_run
@@ -60,6 +61,17 @@ class _Outputs:
     def close(self):
         self.file.close()
         self.progress.close()
+
+
+class _Releaser:
+    """Releases the run's lock with the watchdogs (`stop`), on any exit of `train`."""
+
+    def __init__(self, lock):
+        self.lock = lock
+
+    def stop(self):
+        if self.lock is not None:
+            self.lock.release()
 
 
 def train(config, workdir: str, model_cls=None, out=None) -> dict:
@@ -110,10 +122,14 @@ def _train(config, workdir, model_cls, out, signals, watchdog: list) -> dict:
     signals.reinstall()  # after the mesh: TensorFlow's multi-client start takes SIGTERM
     check_tokenizer(state, run.tokenizer)
     evaluating = preflight(run)  # what would fail after the last step fails before the first
+    # One writer per run: after the input is checked (a refused run leaves the workdir as
+    # it was), before anything is written or cleared (a second train on a live run is
+    # refused here, naming the live process); released on any exit.
+    watchdog.append(_Releaser(RunLock(workdir, client_id()).acquire()))
     if primary:  # the marker first (a dead run's outputs cleared), then the run's files
         start_run(state, config)
-        if not has_checkpoint:
-            save_to_run(run.tokenizer, config, workdir)
+    if primary and not has_checkpoint:
+        save_to_run(run.tokenizer, config, workdir)
     checkpointer = run_dir.checkpointer(run.parallel, config.checkpoint)
     if num_clients() > 1 and t.peer_timeout_s > 0:  # from here a lost peer is reported
         watchdog.append(PeerWatchdog(workdir, client_id(), num_clients(), t.peer_timeout_s,

@@ -1,0 +1,80 @@
+"""One writer per run (tfllm.checkpoint.lock): a second `tfllm train` on a live run is
+refused naming the live process, before it writes or clears anything; the lock goes with
+its process however it ends, and a lock file left by a dead process is taken over."""
+
+import json
+import os
+import signal
+import time
+
+import pytest
+
+from tfllm.checkpoint.lock import RunLock
+from tfllm.checkpoint.workdir import WorkdirError
+from tfllm.cli.main import main
+from tests.harness import finish, snapshot_tree, start_process, tfllm_command, tiny_overrides
+
+
+def test_a_held_lock_refuses_a_second_holder_naming_the_first(tmp_path):
+    first = RunLock(str(tmp_path), 0).acquire()
+    with pytest.raises(WorkdirError, match=rf"a tfllm train \(pid {os.getpid()} on .*\) is "
+                                           "writing this run; wait for it to end"):
+        RunLock(str(tmp_path), 0).acquire()
+    with RunLock(str(tmp_path), 1):  # another client of the same run: its own lock
+        pass
+    first.release()
+    with RunLock(str(tmp_path), 0) as again:  # released: free again
+        assert again.previous is None  # this very process held it
+
+
+def test_a_dead_holder_s_lock_is_taken_over_and_named(tmp_path):
+    lock_dir = tmp_path / ".tfllm-locks"
+    lock_dir.mkdir()
+    dead = {"pid": 999999, "host": "elsewhere", "started": "2026-01-01T00:00:00"}
+    (lock_dir / "client_0.lock").write_text(json.dumps(dead))
+    with RunLock(str(tmp_path), 0) as lock:
+        assert lock.previous == dead
+        assert json.loads((lock_dir / "client_0.lock").read_text())["pid"] == os.getpid()
+
+
+def test_a_lock_folder_that_is_a_link_is_refused(tmp_path):
+    (tmp_path / "elsewhere").mkdir()
+    os.symlink(tmp_path / "elsewhere", tmp_path / ".tfllm-locks")
+    with pytest.raises(WorkdirError, match="is not a folder tfllm made"):
+        RunLock(str(tmp_path), 0).acquire()
+    assert os.listdir(tmp_path / "elsewhere") == []
+
+
+@pytest.mark.slow  # a training process and a second train in this one: ~30 s
+def test_a_second_train_on_a_live_run_is_refused_and_the_first_finishes(tmp_path, capsys):
+    run = str(tmp_path / "run")
+    # no save while the test looks (pruning would remove files by itself)
+    sets = [a for o in tiny_overrides("gpt", **{"train.steps": 100000,
+                                                "checkpoint.every": 100000,
+                                                "train.log_every": 1})
+            for a in ("--set", o)]
+    proc = start_process(tfllm_command("train", "--workdir", run, *sets))
+    try:
+        lock_file = os.path.join(run, ".tfllm-locks", "client_0.lock")
+        deadline = time.time() + 240
+        while time.time() < deadline and not os.path.exists(os.path.join(run,
+                                                                         "metrics.jsonl")):
+            time.sleep(0.5)  # training: past set-up, its files written
+        assert os.path.exists(lock_file), "the first run never took its lock"
+        before = snapshot_tree(run)
+        capsys.readouterr()
+        assert main(["train", "--workdir", run, *sets]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and f"pid {proc.pid}" in err[0] and "is writing this run" in err[0]
+        # nothing of the live run was cleared or rewritten by the refused one
+        after = snapshot_tree(run)
+        assert set(before) <= set(after) | {n for n in before if "tmp" in n}
+        proc.send_signal(signal.SIGTERM)
+        code, out, _ = finish(proc, timeout=120)
+        assert code == 75, out[-2000:]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    # and the lock is free again for the run's next train
+    with RunLock(run, 0) as lock:
+        assert lock.previous["pid"] == proc.pid

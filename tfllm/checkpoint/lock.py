@@ -1,0 +1,98 @@
+"""One writer per run: the `tfllm train` writing a workdir holds a lock there.
+
+Each client of a run holds `WORKDIR/.tfllm-locks/client_N.lock` from before it writes
+anything until it exits: an advisory `flock` on the open file, which the kernel releases
+when the process ends however it ends (a kill -9 included), so a lock is never stale. The
+file keeps the holder's pid, host and start time, so a second `tfllm train` on the same
+run is refused naming the live process, and a run that takes over the lock of a process
+that is gone says whose it was. Readers (`tfllm generate`, `eval`, `export`) take no lock:
+they read committed checkpoints only, which a writer never changes.
+
+flock is per host: on a network filesystem shared by several hosts (NFS), two hosts may
+each hold "the" lock; the checkpoint's own commit protocol still keeps every checkpoint
+whole.
+"""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import json
+import os
+import socket
+import time
+from typing import Optional
+
+from tfllm.checkpoint.workdir import WorkdirError
+from tfllm.contracts import LOCKS_DIR
+
+
+class RunLock:
+    """The lock of client `client` on `workdir` (a context manager; see the module).
+
+    Attributes:
+      previous: the holder a dead process left in the file when this lock was taken
+        ({"pid", "host", "started"}), or None.
+    """
+
+    def __init__(self, workdir: str, client: int = 0):
+        self.directory = os.path.join(workdir, LOCKS_DIR)
+        self.path = os.path.join(self.directory, f"client_{client}.lock")
+        self.previous: Optional[dict] = None
+        self._fd: Optional[int] = None
+
+    def acquire(self) -> "RunLock":
+        """Takes the lock; `WorkdirError` (exit 2) naming the live holder when another
+        process has it."""
+        if os.path.islink(self.directory) or (os.path.lexists(self.directory)
+                                              and not os.path.isdir(self.directory)):
+            raise WorkdirError(f"{self.directory} is not a folder tfllm made; remove it "
+                               "(it only ever holds tfllm's lock files).")
+        os.makedirs(self.directory, exist_ok=True)
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as e:
+            holder = _read(fd)
+            os.close(fd)
+            if e.errno not in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
+                raise
+            who = (f"pid {holder.get('pid')} on {holder.get('host')}, started "
+                   f"{holder.get('started')}" if holder else "another process")
+            raise WorkdirError(
+                f"--workdir {os.path.dirname(self.directory)}: a tfllm train ({who}) is "
+                "writing this run; wait for it to end, or stop it (Ctrl-C or kill -TERM "
+                "saves and exits 75), then run this again.") from None
+        old = _read(fd)
+        if old and (old.get("pid"), old.get("host")) != (os.getpid(), socket.gethostname()):
+            self.previous = old
+        record = {"pid": os.getpid(), "host": socket.gethostname(),
+                  "started": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, json.dumps(record).encode(), 0)
+        self._fd = fd
+        return self
+
+    def release(self) -> None:
+        """Lets the lock go (the file stays: removing it could race a waiting run)."""
+        if self._fd is not None:
+            try:
+                fcntl.flock(self._fd, fcntl.LOCK_UN)
+            finally:
+                os.close(self._fd)
+                self._fd = None
+
+    def __enter__(self) -> "RunLock":
+        return self.acquire()
+
+    def __exit__(self, *exc) -> None:
+        self.release()
+
+
+def _read(fd: int) -> dict:
+    try:
+        data = os.pread(fd, 4096, 0)
+        record = json.loads(data.decode()) if data else {}
+    except (OSError, ValueError):
+        return {}
+    return record if isinstance(record, dict) else {}
