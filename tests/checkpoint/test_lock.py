@@ -75,6 +75,10 @@ def test_a_second_train_on_a_live_run_is_refused_and_the_first_finishes(tmp_path
     finally:
         if proc.poll() is None:
             proc.kill()
-    # and the lock is free again for the run's next train
-    with RunLock(run, 0) as lock:
-        assert lock.previous["pid"] == proc.pid
+    # the lock is free again: the run's next train takes it and says whose it was
+    capsys.readouterr()
+    from tfllm.checkpoint.workdir import Workdir
+    saved = max(step for step, _ in Workdir(run).committed())
+    assert main(["train", "--workdir", run, *sets, "--set", f"train.steps={saved + 1}"]) == 0
+    out = capsys.readouterr().out
+    assert f".tfllm-locks/client_0.lock was left by pid {proc.pid}" in out, out[-1500:]

@@ -125,7 +125,8 @@ def _train(config, workdir, model_cls, out, signals, watchdog: list) -> dict:
     # One writer per run: after the input is checked (a refused run leaves the workdir as
     # it was), before anything is written or cleared (a second train on a live run is
     # refused here, naming the live process); released on any exit.
-    watchdog.append(_Releaser(RunLock(workdir, client_id()).acquire()))
+    lock = RunLock(workdir, client_id()).acquire()
+    watchdog.append(_Releaser(lock))
     if primary:  # the marker first (a dead run's outputs cleared), then the run's files
         start_run(state, config)
     if primary and not has_checkpoint:
@@ -164,6 +165,11 @@ def _train(config, workdir, model_cls, out, signals, watchdog: list) -> dict:
                      f"{describe(config.precision)}"
                      + (f"; resuming after step {start_step}" if start_step else "")
                      + progress_note)
+    if lock.previous:  # a run that died without ending: its lock went with it
+        p = lock.previous
+        progress.message(f"tfllm: note: {lock.path} was left by pid {p.get('pid')} on "
+                         f"{p.get('host')} (started {p.get('started')}), which is gone; "
+                         "this run holds it now")
     if config.lora.rank:
         progress.message(lora_summary(run.model, config.lora))
     feed = run.feed
