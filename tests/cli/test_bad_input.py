@@ -288,6 +288,74 @@ def _tokenizer_lambda(tmp, folder):
         {"class_name": "__lambda__", "config": {"value": "AAAA"}, "module": "builtins"}))
 
 
+def _fifo(relative):
+    """`relative` under {tmp} (a run's file: under {tmp}/run) made a FIFO: a reader that
+    opens it as a file waits for a writer forever."""
+    def setup(tmp, run, monkeypatch):
+        path = tmp / relative
+        path.parent.mkdir(parents=True, exist_ok=True)
+        if path.exists():
+            path.unlink()
+        os.mkfifo(path)
+    return setup
+
+
+def _symlink_loop(relative):
+    def setup(tmp, run, monkeypatch):
+        os.symlink(relative, tmp / relative)  # a link to itself
+    return setup
+
+
+#: 512 bytes that expand to 9**8 strings if aliases are followed (a "billion laughs")
+_ALIAS_BOMB = "train: {a: &a [x, x, x, x, x, x, x, x, x]}\n" + "".join(
+    f"x{i}: &{chr(98 + i)} [{', '.join(['*' + chr(97 + i)] * 9)}]\n" for i in range(8))
+
+
+def _forge_index(edit):
+    """Applies `edit(variables)` to client 0's index.json of the newest checkpoint, then
+    recomputes the hash chain (manifest, COMMIT) as anyone who edits a checkpoint can."""
+    def setup(tmp, run, monkeypatch):
+        root = run / "checkpoints" / "step_00000002"
+        path = root / "client_00000" / "index.json"
+        index = json.loads(path.read_text())
+        edit(index["variables"])
+        data = json.dumps(index).encode()
+        path.write_bytes(data)
+        manifest = json.loads((root / "manifest.json").read_text())
+        manifest["files"]["client_00000/index.json"] = {
+            "sha256": hashlib.sha256(data).hexdigest(), "bytes": len(data)}
+        text = json.dumps(manifest, indent=1, sort_keys=True).encode()
+        (root / "manifest.json").write_bytes(text)
+        commit = json.loads((root / "COMMIT").read_text())
+        commit["manifest_sha256"] = hashlib.sha256(text).hexdigest()
+        (root / "COMMIT").write_text(json.dumps(commit))
+    return setup
+
+
+def _first_weight(variables):
+    return variables[sorted(n for n in variables if n.startswith("model/"))[0]]
+
+
+def _overlapping_block(variables):
+    entry = _first_weight(variables)
+    entry["blocks"].append(dict(entry["blocks"][0]))
+
+
+def _absurd_shape(variables):
+    _first_weight(variables)["shape"][0] = 10 ** 20
+
+
+def _metrics_fail(code):
+    """Writing metrics.jsonl fails with OSError `code` and, as a write() does, no path."""
+    def setup(tmp, run, monkeypatch):
+        from tfllm.train import loop
+
+        def record(self, record, model):
+            raise OSError(code, os.strerror(code))
+        monkeypatch.setattr(loop._Outputs, "record", record)
+    return setup
+
+
 def _pending(why):
     """A row that fails today for a known reason outside this file: it must start to pass."""
     return pytest.mark.xfail(reason=why, strict=True)
@@ -499,6 +567,90 @@ ROWS = [
     pytest.param([*RESUME, "--set", "train.steps=3", "--set", "checkpoint.async_save=true"],
                  _storage_fails(errno.ENOSPC), IO_ERROR, "No space left on device",
                  id="disk-full-async-save"),
+    # bounded input (issue 38): YAML that costs unbounded work, numbers beyond any range
+    pytest.param(["train", "--workdir", "{tmp}/new", "--config", "{tmp}/bomb.yaml"],
+                 _write("bomb.yaml", _ALIAS_BOMB), BAD_INPUT, "bomb.yaml: a YAML alias (*a)",
+                 id="config-alias-bomb"),
+    pytest.param(["train", "--workdir", "{tmp}/new", "--set",
+                  "mesh.rules=[[batch, &x data], [embed, *x]]"], _no_setup, BAD_INPUT,
+                 "--set mesh.rules: a YAML alias (*x)", id="set-alias"),
+    pytest.param(RESUME, _write("run/config.yaml", _ALIAS_BOMB), BAD_INPUT,
+                 "config.yaml: a YAML alias (*a)", id="run-config-alias-bomb"),
+    pytest.param(["train", "--workdir", "{tmp}/new", "--config", "{tmp}/deep.yaml"],
+                 _write("deep.yaml", "[" * 20000 + "]" * 20000), BAD_INPUT,
+                 "deep.yaml: nested deeper than", id="config-nested-20000-deep"),
+    pytest.param(["train", "--workdir", "{tmp}/new", "--config", "/dev/zero"], _no_setup,
+                 BAD_INPUT, "/dev/zero: is a character device", id="config-is-a-device"),
+    pytest.param(["train", "--workdir", "{tmp}/new", "--config", "{tmp}/big.yaml"],
+                 _write("big.yaml", "#" * (1 << 20) + "\n"), BAD_INPUT,
+                 "more than a YAML config holds", id="config-too-large"),
+    pytest.param(["train", "--workdir", "{tmp}/new", "--set",
+                  "optimizer.learning_rate=" + "1" * 400], _no_setup, BAD_INPUT,
+                 "(400 characters) is not a finite number", id="float-of-400-digits"),
+    pytest.param(["train", "--workdir", "{tmp}/new", "--set", "train.steps=" + "9" * 5000],
+                 _no_setup, BAD_INPUT, "train.steps: expected an integer",
+                 id="integer-of-5000-digits"),
+    pytest.param(["train", "--workdir", "{tmp}/new", "--set", "train.seed=" + "9" * 30],
+                 _no_setup, BAD_INPUT, "train.seed: 999999999999999999999999999999 is out of "
+                 "range", id="integer-beyond-int64"),
+    pytest.param(["train", "--workdir", "{tmp}/new", "--set", f"mesh.axes=data={10 ** 20}"],
+                 _no_setup, BAD_INPUT, "a mesh holds at most 65536", id="mesh-sizes-1e20"),
+    pytest.param(["train", "--workdir", "{tmp}/new", "--set", "mesh.num_cpu_devices=1000000"],
+                 _no_setup, BAD_INPUT, "mesh.num_cpu_devices: 1000000 is above the maximum",
+                 id="num-cpu-devices-1e6"),
+    pytest.param(["train", "--workdir", "{tmp}/new", "--set", f"model.hidden_dim={10 ** 12}"],
+                 _no_setup, BAD_INPUT, "model.hidden_dim: 1000000000000 is above the maximum",
+                 id="hidden-dim-1e12"),
+    pytest.param(["train", "--workdir", "{tmp}/new", "--set", "model.hidden_dim=1000000",
+                  "--set", "model.vocab_size=10000000"], _no_setup, BAD_INPUT,
+                 "a tfllm model holds", id="model-beyond-the-config-limit"),
+    pytest.param(["train", "--workdir", "{tmp}/new", "--config", "configs/tiny.yaml", "--set",
+                  "mesh.device_type=CPU", "--set", "model.hidden_dim=262144"], _no_setup,
+                 BAD_INPUT, "of float32 weights, more than this host's",
+                 id="model-beyond-host-memory"),
+    pytest.param([*GEN, "--set", "mesh.device_type=CPU"],
+                 _edit_run_config("hidden_dim: 32", "hidden_dim: 262144"), BAD_INPUT,
+                 "of float32 weights, more than this host's",
+                 id="generate-model-beyond-host-memory"),
+    # file inputs that are no regular file, or too large
+    pytest.param([*TEXT, *CORPUS, "--set", "data.tokenizer=file", "--set",
+                  "data.tokenizer_path=/dev/zero"], _corpus, BAD_INPUT,
+                 "/dev/zero: is a character device", id="tokenizer-is-dev-zero"),
+    pytest.param([*TEXT, *CORPUS, "--set", "data.tokenizer=file", "--set",
+                  "data.tokenizer_path={tmp}/pipe.model"], _all(_corpus, _fifo("pipe.model")),
+                 BAD_INPUT, "pipe.model: is a FIFO", id="tokenizer-is-a-fifo"),
+    pytest.param([*TEXT, "--set", 'data.paths=["{tmp}/pipe.txt"]'], _fifo("pipe.txt"),
+                 BAD_INPUT, "pipe.txt, which is no regular file", id="data-file-is-a-fifo"),
+    pytest.param(["eval", "--workdir", "{run}"],
+                 _fifo("run/checkpoints/step_00000002/metadata.json"), BAD_INPUT,
+                 "metadata.json: is a FIFO", id="checkpoint-metadata-is-a-fifo"),
+    pytest.param(["eval", "--workdir", "{run}"], _forge_index(_overlapping_block), BAD_INPUT,
+                 "overlap", id="checkpoint-blocks-overlap"),
+    pytest.param(["eval", "--workdir", "{run}"], _forge_index(_absurd_shape), BAD_INPUT,
+                 "the blocks cover", id="checkpoint-absurd-shape"),
+    pytest.param(IMPORT, _hugging_face(_config_json(vocab_size=10 ** 15)), BAD_INPUT,
+                 "config.json: model.vocab_size: 1000000000000000 is above the maximum",
+                 id="import-absurd-sizes"),
+    pytest.param(IMPORT, _hugging_face(_weights(
+        lambda w: w["model.norm.weight"].__setitem__(0, np.nan))), BAD_INPUT,
+        "[model.norm.weight] (sequence_output_layernorm/scale): holds NaN",
+        id="import-nan-weights"),
+    pytest.param(IMPORT, _hugging_face(_weights(
+        lambda w: w["lm_head.weight"].__setitem__((0, 0), np.inf))), BAD_INPUT,
+        "[lm_head.weight] (token_embedding/reverse_embeddings): holds NaN or infinite",
+        id="import-infinite-weights"),
+    # errors that were no line or two (issue 38)
+    pytest.param(["train", "--workdir", "{tmp}/" + "x" * 300, "--config", "configs/tiny.yaml"],
+                 _no_setup, BAD_INPUT, "File name too long", id="workdir-name-too-long"),
+    pytest.param(["train", "--workdir", "{tmp}/loop/run", "--config", "configs/tiny.yaml"],
+                 _symlink_loop("loop"), BAD_INPUT, "Too many levels of symbolic links",
+                 id="workdir-symlink-loop"),
+    pytest.param([*GEN[:-1], "caf\udce9"], _no_setup, BAD_INPUT,
+                 "argument --prompt: is not UTF-8 text", id="prompt-not-utf8"),
+    pytest.param(["launch", "--bogus"], _no_setup, BAD_INPUT, "unknown argument '--bogus'",
+                 id="launch-unknown-flag"),
+    pytest.param([*RESUME, "--set", "train.steps=3"], _metrics_fail(errno.ENOSPC), IO_ERROR,
+                 "No space left on device (writing under", id="disk-full-writing-metrics"),
 ]
 
 
