@@ -765,3 +765,27 @@ def test_bad_input_in_a_process(argv, storage_errno, sig, expected_code, fragmen
         kill_group(proc)
     _check(proc.returncode, err, expected_code, fragment, argv[0], tmp_path, run, before,
            committed)
+
+
+def test_a_run_the_compile_cache_cannot_be_written_to_serves_generate(tmp_path, trained_run,
+                                                                      monkeypatch, capsys):
+    """The XLA compile cache is optional for reading a run: a workdir that refuses it (read
+    only, full) still serves generate, with one warning line (issue 38; as root, chmod
+    refuses nothing, so the cache's creation fails as a read-only file system fails it)."""
+    from tfllm.parallel import runtime_env
+
+    def read_only(directory, environ=None):
+        raise OSError(errno.EROFS, os.strerror(errno.EROFS), directory)
+    monkeypatch.setattr(runtime_env, "xla_cache", read_only)
+    run = _prepare(tmp_path, trained_run, _no_setup, None)
+    before = snapshot_tree(tmp_path)
+    capsys.readouterr()
+    code = main(["generate", "--workdir", str(run), "--prompt", "the cat", "--max-new-tokens",
+                 "2", "--set", "train.xla_cache=auto"])
+    captured = capsys.readouterr()
+    assert code == 0, captured.err
+    lines = [line for line in captured.err.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("tfllm generate: warning: no XLA compile "
+                                                   "cache"), captured.err
+    assert "Read-only file system" in lines[0] and captured.out.strip()
+    assert snapshot_tree(tmp_path) == before
