@@ -247,7 +247,8 @@ def _train(config, workdir, model_cls, out, signals, watchdog: list) -> dict:
                     record["mfu"] = progress.mfu(tps) or 0.0
             if evaluate_now:
                 record = record or {"step": number}
-                record.update(run.evaluate())
+                with _peer_lost_as_one_line(number, checkpointer):
+                    record.update(run.evaluate())
             if record is not None:
                 outputs.record(record, run.model)
                 last = record
@@ -255,17 +256,21 @@ def _train(config, workdir, model_cls, out, signals, watchdog: list) -> dict:
             if stop:
                 _save_and_stop(checkpointer, run, config, number,
                                signals.signame or "a signal on another client")
-            if save_now:
-                checkpointer.save(number, run.state_variables(),
-                                  _meta(config, number, run.tokenizer), run.feed.state_files)
+            if save_now:  # its agreement collectives may meet a lost peer too
+                with _peer_lost_as_one_line(number, checkpointer):
+                    checkpointer.save(number, run.state_variables(),
+                                      _meta(config, number, run.tokenizer),
+                                      run.feed.state_files)
         # The final checkpoint first, committed before anything after the last step
         # (evaluation, plot, sample) can fail.
-        if start_step < t.steps or checkpointer.latest_step() != t.steps:
-            checkpointer.save(t.steps, run.state_variables(),
-                              _meta(config, t.steps, run.tokenizer), run.feed.state_files)
-        checkpointer.wait()
+        with _peer_lost_as_one_line(t.steps, checkpointer):
+            if start_step < t.steps or checkpointer.latest_step() != t.steps:
+                checkpointer.save(t.steps, run.state_variables(),
+                                  _meta(config, t.steps, run.tokenizer), run.feed.state_files)
+            checkpointer.wait()
         if evaluating:
-            final = run.evaluate()
+            with _peer_lost_as_one_line(t.steps, checkpointer):
+                final = run.evaluate()
             progress.message(f"validation loss {final['eval_loss']:.4f} (perplexity "
                              f"{final['eval_perplexity']:.2f}) after step {t.steps}")
             last = {**last, **final, "step": t.steps}
