@@ -137,15 +137,17 @@ def _train(config, workdir, model_cls, out, signals, watchdog: list) -> dict:
                                      checkpointer.latest_step).start())
 
     start_step, first_step_s = 0, None
-    if imported:  # pretrained weights: a new run starts from them at step 0
-        meta = run_dir.restore_weights(run.model, step=0, fp8_state=False,
-                                       checkpointer=checkpointer, new_adapters=True)
-        progress_note = f"; fine-tuning from {meta['imported'].get('preset', 'imported weights')}"
-        meta = None
-    else:
-        progress_note = ""
-        meta = checkpointer.restore_latest(run.state_variables(),
-                                           client_files=run.feed.restore_state)
+    with _peer_lost_as_one_line(0, checkpointer):  # a restore's collectives too
+        if imported:  # pretrained weights: a new run starts from them at step 0
+            meta = run_dir.restore_weights(run.model, step=0, fp8_state=False,
+                                           checkpointer=checkpointer, new_adapters=True)
+            progress_note = ("; fine-tuning from "
+                             f"{meta['imported'].get('preset', 'imported weights')}")
+            meta = None
+        else:
+            progress_note = ""
+            meta = checkpointer.restore_latest(run.state_variables(),
+                                               client_files=run.feed.restore_state)
     if meta is not None:
         start_step = int(meta["step"])
         if primary:
