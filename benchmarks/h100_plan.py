@@ -526,7 +526,8 @@ def moved_markdown(results) -> list:
     before = {(r["model"], r["policy"], r["batch"], r["mesh_axes"]): dict(
         r, collective_count=r.get("collective_count", r["clusters"] - 1))
         for r in results.get("moved_previous") or []}  # then clusters = collectives + 1
-    mesh_rows = [r for r in results["moved"] if r["mesh_axes"] != "data=1"]
+    # the mesh rows planned again since the previous run (they carry their sources)
+    mesh_rows = [r for r in results["moved"] if r["mesh_axes"] != "data=1" and r.get("sources")]
     if before and mesh_rows:
         out += ["", f"Mesh rows against the previous re-plan ({results['moved_previous_date']}"
                 "; one-device rows did not move): memory now adds the block buffers in "
