@@ -16,12 +16,19 @@ it is a regular file of at most a given size, checked on the opened descriptor (
 with a rename), and without blocking: a FIFO, a device such as /dev/zero, a socket or a
 directory is refused before a byte is read, where reading it would block forever or
 until memory runs out.
+
+Output folders are new: `require_new_folder` refuses an existing non-empty --out, the
+filesystem root, and the run itself or a folder holding it; `written_atomically` writes
+into a temporary folder it creates and renames it last, deleting only that folder.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
+import shutil
 import stat
+import tempfile
 
 
 def relative_name(name, what: str, error=ValueError, flat: bool = False,
@@ -111,3 +118,48 @@ def read_regular(path: str, limit, what: str, error=ValueError, fix: str = "") -
         raise error(f"{path}: more than {limit} bytes (it grew while read), more than "
                     f"{what} holds.")
     return data
+
+
+# ---- new output folders (every `tfllm export` format) ---------------------------------------
+def require_new_folder(out: str, error=ValueError, keep=()) -> str:
+    """`out` as an absolute path for a new output folder: it must not exist or be an empty
+    folder (an export never overwrites or deletes files), and it may not be the
+    filesystem root, nor any folder in `keep` (the run's workdir) or one holding it.
+
+    Args:
+      out: the folder the user named (--out).
+      error: the exception class to raise (one line, exit 2 at the command line).
+      keep: folders the output may not replace or contain (e.g. the workdir).
+    """
+    out = os.path.abspath(os.path.expanduser(out))
+    real = os.path.realpath(out)
+    if real == os.path.dirname(real):
+        raise error(f"--out {out} is the filesystem root; export into a new directory.")
+    for folder in keep:
+        held = os.path.realpath(os.path.expanduser(folder))
+        if real == held or held.startswith(real.rstrip(os.sep) + os.sep):
+            raise error(f"--out {out} is or holds the run {folder}; export into a new "
+                        "directory (an export never replaces a run).")
+    if os.path.lexists(out) and (not os.path.isdir(out) or os.path.islink(out)
+                                 or os.listdir(out)):
+        raise error(f"--out {out} exists and is not empty; export into a new directory "
+                    "(an export never overwrites files).")
+    return out
+
+
+@contextlib.contextmanager
+def written_atomically(out: str):
+    """Yields a new temporary folder next to `out` (checked by `require_new_folder`),
+    renamed to `out` when the block succeeds and removed when it fails: only that folder,
+    which this call created, is ever deleted."""
+    parent = os.path.dirname(out) or "."
+    os.makedirs(parent, exist_ok=True)
+    tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(out)}.exporting-", dir=parent)
+    try:
+        yield tmp
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    if os.path.isdir(out) and not os.path.islink(out):
+        os.rmdir(out)  # empty (checked by require_new_folder); rmdir refuses anything else
+    os.replace(tmp, out)

@@ -152,19 +152,30 @@ def test_export_hf_bfloat16_in_shards_with_an_index(tmp_path):
     ref.load(out)  # transformers reads the sharded folder
 
 
-# keras-hub's exporter used to delete whatever --out held before writing the preset.
-@pytest.mark.parametrize("fmt", ["hf", "keras-hub"])
+# keras-hub's exporter used to delete whatever --out held before writing the preset, and
+# the SavedModel export whatever --out named (a user's folder, the run, "/").
+@pytest.mark.parametrize("fmt", ["hf", "keras-hub", "saved-model"])
 def test_export_never_writes_into_an_existing_folder(tmp_path, capsys, fmt):
+    from tests.harness import snapshot_tree
     ref.save("gpt2", tmp_path / "hf")
     assert main(["import", "--preset", str(tmp_path / "hf"), "--workdir",
                  str(tmp_path / "run")]) == 0
     (tmp_path / "out").mkdir()
     (tmp_path / "out" / "mine.txt").write_text("keep")
-    code = main(["export", "--workdir", str(tmp_path / "run"), "--out",
-                 str(tmp_path / "out"), "--format", fmt])
-    assert code == 2 and "exists and is not empty" in capsys.readouterr().err
+    run = snapshot_tree(tmp_path / "run")
+    for out, why in ((tmp_path / "out", "exists and is not empty"),
+                     (tmp_path / "run", "is or holds the run"),
+                     (tmp_path, "is or holds the run"),
+                     (tmp_path / "run" / "checkpoints", "exists and is not empty"),
+                     ("/", "is the filesystem root")):
+        capsys.readouterr()
+        code = main(["export", "--workdir", str(tmp_path / "run"), "--out", str(out),
+                     "--format", fmt])
+        err = capsys.readouterr().err.strip().splitlines()
+        assert code == 2 and len(err) == 1 and why in err[0], (out, err)
     assert os.listdir(tmp_path / "out") == ["mine.txt"]
-    assert not [n for n in os.listdir(tmp_path) if "exporting" in n]
+    assert snapshot_tree(tmp_path / "run") == run
+    assert not [n for n in os.listdir(tmp_path) if "exporting" in n or "tmp-export" in n]
 
 
 @pytest.mark.parametrize("name,key,value", [

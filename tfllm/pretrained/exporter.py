@@ -10,44 +10,23 @@ tokenizer, the tokenizer and preprocessor, so that
 
 from __future__ import annotations
 
-import contextlib
 import os
-import shutil
 
 import numpy as np
+
+from tfllm import confined
 
 from tfllm.pretrained.families import (Permuted, PretrainedError, default_backbone,
                                        family_for, keras_hub_path)
 from tfllm.pretrained.importer import read_origin
 
 
-def require_new_folder(out: str) -> str:
-    """`out` as an absolute path, which must not exist or be an empty folder: an export
-    never overwrites files (one line, exit 2, otherwise)."""
-    out = os.path.abspath(os.path.expanduser(out))
-    if os.path.lexists(out) and (not os.path.isdir(out) or os.listdir(out)):
-        raise PretrainedError(f"--out {out} exists and is not empty; export into a new "
-                              "directory (an export never overwrites files).")
-    return out
+def require_new_folder(out: str, workdir: str = None) -> str:
+    """`tfllm.confined.require_new_folder` with the pretrained formats' error."""
+    return confined.require_new_folder(out, PretrainedError, keep=(workdir,) if workdir else ())
 
 
-@contextlib.contextmanager
-def written_atomically(out: str):
-    """Yields a temporary folder next to `out` (checked by `require_new_folder`), renamed
-    to `out` when the block succeeds and removed when it fails."""
-    parent = os.path.dirname(out) or "."
-    os.makedirs(parent, exist_ok=True)
-    tmp = os.path.join(parent, f".{os.path.basename(out)}.exporting-{os.getpid()}")
-    shutil.rmtree(tmp, ignore_errors=True)  # only this process's own name
-    os.makedirs(tmp)
-    try:
-        yield tmp
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    if os.path.isdir(out):
-        os.rmdir(out)  # empty (checked by require_new_folder)
-    os.replace(tmp, out)
+written_atomically = confined.written_atomically
 
 
 def _run_tokenizer(config):
@@ -79,7 +58,7 @@ def export_preset(config, workdir: str, out_dir: str) -> dict:
                               f"{config.lora.rank}); a keras-hub preset holds plain weights: "
                               "export with --format hf --merge-lora, or the adapter alone "
                               "with --format peft.")
-    out_dir = require_new_folder(out_dir)
+    out_dir = require_new_folder(out_dir, workdir)
     origin = read_origin(workdir) or {}
     name = origin.get("backbone") or default_backbone(config.model)
     family = family_for(name, Workdir(workdir).pretrained_file)

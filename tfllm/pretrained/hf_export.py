@@ -446,7 +446,7 @@ def export_hf(config, workdir: str, out: str, dtype: str = "float32",
     if merge_lora and not lora.rank:
         raise PretrainedError(f"--merge-lora: {workdir} has no LoRA adapters (lora.rank=0).")
     max_bytes = _parse_size(max_shard_size)
-    out = require_new_folder(out)
+    out = require_new_folder(out, workdir)
     m = config.model
     origin = read_origin(workdir) or {}
     model_type = model_type_for(m, origin.get("backbone"))
@@ -536,7 +536,7 @@ def export_peft(config, workdir: str, out: str, dtype: str = "float32",
                               "export its weights with --format hf.")
     if dtype not in DTYPES:
         raise PretrainedError(f"--dtype {dtype}: choose one of {sorted(DTYPES)}.")
-    out = require_new_folder(out)
+    out = require_new_folder(out, workdir)
     origin = read_origin(workdir) or {}
     model_type = model_type_for(config.model, origin.get("backbone"))
     why = peft.vllm_refusal(model_type, lora) if vllm_check else None

@@ -17,7 +17,8 @@ import shutil
 
 import tensorflow as tf
 
-from tfllm.checkpoint.workdir import Workdir
+from tfllm.checkpoint.workdir import Workdir, WorkdirError
+from tfllm.confined import require_new_folder, written_atomically
 from tfllm.config import save_config
 from tfllm.contracts import TOKENIZER_DIR
 from tfllm.models import build_model
@@ -29,29 +30,26 @@ def export_model(config, workdir: str, out_dir: str) -> dict:
     Args:
       config: the run's config.
       workdir: the run directory (for the tokenizer).
-      out_dir: the output directory; written under a temporary name and renamed last so a
-        failed export never leaves a directory that looks complete.
+      out_dir: the output directory: new or empty (never the workdir, a folder holding
+        it, or the root); written under a temporary name and renamed last, so a failed
+        export leaves nothing behind.
 
     Returns:
       A summary: out, step, params.
     """
+    out_dir = require_new_folder(out_dir, WorkdirError, keep=(workdir,))
     run_dir = Workdir(workdir)
     model = build_model(config, None)  # plain tf.Variables on one device
     meta = run_dir.restore_weights(model, config=config.checkpoint)
-    tmp = out_dir.rstrip("/") + ".tmp-export"
-    shutil.rmtree(tmp, ignore_errors=True)
-    os.makedirs(tmp)
-    model.save_weights(os.path.join(tmp, "model.weights.h5"))
-
-    # Keras' own exporter: a SavedModel whose `serve` endpoint runs the model.
-    model.export(os.path.join(tmp, "saved_model"), format="tf_saved_model",
-                 input_signature=[tf.TensorSpec([None, None], tf.int32, name="token_ids")],
-                 verbose=False)
-    save_config(config, tmp)
-    if os.path.isdir(run_dir.tokenizer_dir):  # the export holds it as a run does
-        shutil.copytree(run_dir.tokenizer_dir, os.path.join(tmp, TOKENIZER_DIR))
-    if os.path.exists(out_dir):
-        shutil.rmtree(out_dir)
-    os.replace(tmp, out_dir)
+    with written_atomically(out_dir) as tmp:  # only its own temporary folder is deleted
+        model.save_weights(os.path.join(tmp, "model.weights.h5"))
+        # Keras' own exporter: a SavedModel whose `serve` endpoint runs the model.
+        model.export(os.path.join(tmp, "saved_model"), format="tf_saved_model",
+                     input_signature=[tf.TensorSpec([None, None], tf.int32,
+                                                    name="token_ids")],
+                     verbose=False)
+        save_config(config, tmp)
+        if os.path.isdir(run_dir.tokenizer_dir):  # the export holds it as a run does
+            shutil.copytree(run_dir.tokenizer_dir, os.path.join(tmp, TOKENIZER_DIR))
     params = sum(int(tf.size(v)) for v in model.trainable_variables)
     return {"out": out_dir, "step": int(meta["step"]), "params": params}
