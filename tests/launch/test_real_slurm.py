@@ -29,7 +29,7 @@ SBATCH_NODES = ("-N2", "-n2", "--ntasks-per-node=1", "--gpus-per-node=0", "--cpu
 pytestmark = [pytest.mark.slow, pytest.mark.multiprocess, pytest.mark.timeout(900)]
 
 
-def _free_port_pair():
+def free_port_pair():
     """A port P with P+1 also free (--port-per-rank: rank r listens on P+r)."""
     for _ in range(50):
         with socket.socket() as a, socket.socket() as b:
@@ -47,7 +47,7 @@ def _env(cluster, **extra):
     """The job's environment: the real Slurm tools and this checkout's `tfllm` on PATH,
     the CPU mesh of the template's documented variables."""
     env = launcher_env(SLURM_CONF=cluster.env["SLURM_CONF"], PATH=cluster.env["PATH"],
-                       TFLLM_MESH_AXES="data=2", TFLLM_PORT=str(_free_port_pair()),
+                       TFLLM_MESH_AXES="data=2", TFLLM_PORT=str(free_port_pair()),
                        TFLLM_LAUNCH_OPTIONS="--device cpu --port-per-rank --kill-timeout 5")
     env.pop("SCONTROL")  # the real scontrol expands the nodelist
     env.update(extra)

@@ -16,7 +16,7 @@ import pytest
 
 from tests.harness import metrics_records
 from tests.launch.helpers import PY, launcher_env, start
-from tests.launch.test_real_slurm import STEPS, TRAIN, _free_port_pair, reference  # noqa: F401
+from tests.launch.test_real_slurm import STEPS, TRAIN, free_port_pair, reference  # noqa: F401
 
 TIMEOUT_S = 300
 SECRET = "tfllm-test-key-" + "5" * 24
@@ -31,7 +31,7 @@ def _launch(sshd, tmp_path, workdir, *extra_train):
     env = launcher_env(TFLLM_CHECKPOINT_KEY=SECRET,
                        PATH=os.path.dirname(PY) + os.pathsep + os.environ["PATH"])
     return start(["--mode", "hostfile", "--hostfile", str(hostfile), "--ssh", sshd.ssh,
-                  "--device", "cpu", "--port", str(_free_port_pair()), "--port-per-rank",
+                  "--device", "cpu", "--port", str(free_port_pair()), "--port-per-rank",
                   "--kill-timeout", "5", "--startup-timeout", str(TIMEOUT_S), "--",
                   "tfllm", "train", "--config", "configs/tiny.yaml", "--workdir",
                   str(workdir), "--set", "mesh.axes=data=2", "--set",
