@@ -6,11 +6,11 @@ the test's own folder; `setup(tmp, run, monkeypatch)` prepares the bad input fir
 row checks what the README promises:
 
 - the exit code (2: bad input, nothing written; 74: the storage failed, the latest
-  committed checkpoint intact; 75: stopped by a signal);
+  committed checkpoint intact; 75: stopped by a signal; 130: a second signal);
 - stderr is ONE line that starts `tfllm COMMAND: ` and names the input (the fragment);
 - nothing the user had is lost or changed: with 2 every file under `{tmp}` is as it was
-  and none is added; with 74 and 75 every committed checkpoint is as it was and the
-  latest stays the latest.
+  and none is added; with 74, 75 and 130 every committed checkpoint is as it was and
+  the latest stays the latest.
 
 Rows run `tfllm.cli.main.main` in this process (most fail before TensorFlow is needed,
 in milliseconds); the few that need a process of their own (a signal, TensorFlow's
@@ -27,6 +27,7 @@ import shutil
 import signal
 import sys
 import tempfile
+import time
 
 import h5py
 import numpy as np
@@ -41,7 +42,7 @@ from tfllm.cli.main import main
 from tfllm.data.tokenizer import train_sentencepiece
 from tfllm.train import metrics
 
-BAD_INPUT, IO_ERROR, PREEMPTED = 2, 74, 75
+BAD_INPUT, IO_ERROR, PREEMPTED, HARD_STOP = 2, 74, 75, 130
 #: the trained run: 2 steps, a checkpoint after each, a 128-piece sentencepiece tokenizer
 RUN_SETTINGS = {
     "model.vocab_size": 128, "model.hidden_dim": 32, "model.num_layers": 1,
@@ -741,6 +742,11 @@ PROCESS_ROWS = [
     pytest.param([*RESUME, "--set", "train.steps=400", "--set", "checkpoint.every=0"],
                  errno.ENOSPC, signal.SIGTERM,
                  PREEMPTED, "could not be saved", id="signal-then-disk-full"),
+    # two SIGTERMs during set-up (after the mesh, before the first step): the second is
+    # the promised immediate stop, 130, nothing saved (it was -SIGTERM before the loop)
+    pytest.param([*RESUME, "--set", "train.steps=400"], None, (signal.SIGTERM, 2, "tfllm: "),
+                 HARD_STOP, "stopped at once by a second signal (SIGTERM)",
+                 id="two-signals-during-set-up"),
 ]
 
 
@@ -755,10 +761,14 @@ def test_bad_input_in_a_process(argv, storage_errno, sig, expected_code, fragmen
     env = {k: v for k, v in os.environ.items() if k != "TF_CPP_MIN_LOG_LEVEL"}
     proc = start_process([*_command(storage_errno), *_resolve(argv, tmp_path, run)], env)
     try:
-        if sig is not None:  # after the first step of this process
+        # a signal after the first step, or (signal, times, after which stdout line)
+        sig, times, after = sig if isinstance(sig, tuple) else (sig, 1, "step ")
+        if sig is not None:
             for line in proc.stdout:
-                if line.startswith("step "):
-                    proc.send_signal(sig)
+                if line.startswith(after):
+                    for _ in range(times):  # apart: two pending signals would merge
+                        proc.send_signal(sig)
+                        time.sleep(0.5)
                     break
         _, err = proc.communicate(timeout=300)
     finally:

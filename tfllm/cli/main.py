@@ -120,6 +120,15 @@ def _remove_empty(folders: list) -> None:
 
 
 def cmd_train(args) -> int:
+    from tfllm.train.preemption import SignalWatcher
+    # From the command's start, before TensorFlow's import and the run's set-up: a first
+    # SIGTERM/SIGINT is kept for the loop (which saves and exits 75 at its first step
+    # boundary), a second exits 130 at once, as at any later time.
+    with SignalWatcher():
+        return _train(args)
+
+
+def _train(args) -> int:
     from tfllm.train.loop import train
     from tfllm.parallel.watchdog import PeerLost
     from tfllm.train.preemption import NonFiniteError, Preempted

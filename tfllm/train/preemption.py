@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 import signal
 
+from tfllm import quiet
 from tfllm.contracts import HARD_STOP_EXIT_CODE
 
 
@@ -44,6 +45,11 @@ class SignalWatcher:
 
     def _handle(self, signum, frame):
         if self.signame is not None:  # the second signal: give up at once
+            name = signal.Signals(signum).name
+            os.write(2, f"tfllm train: stopped at once by a second signal ({name}); nothing "
+                        "was saved, the latest committed checkpoint stays the latest.\n"
+                        .encode())
+            quiet.release()  # the line through the command's stderr filter before _exit
             os._exit(HARD_STOP_EXIT_CODE)
         self.signame = signal.Signals(signum).name
 
@@ -53,6 +59,12 @@ class SignalWatcher:
                 self._previous[sig] = signal.signal(sig, self._handle)
             except ValueError:  # not the main thread (e.g. a notebook worker)
                 pass
+        # Nested in an outer watcher (the command's, entered before TensorFlow is even
+        # imported): a signal it caught during set-up is this one's first, so that the
+        # next one is the second (exit 130), and the loop stops at its first boundary.
+        outer = getattr(self._previous.get(signal.SIGTERM), "__self__", None)
+        if isinstance(outer, SignalWatcher) and self.signame is None:
+            self.signame = outer.signame
         return self
 
     def reinstall(self) -> None:
