@@ -1,4 +1,5 @@
 import dataclasses
+import os
 
 import pytest
 import yaml
@@ -183,3 +184,59 @@ def test_a_config_that_is_not_utf8_is_one_line(tmp_path):
 def test_local_attention_settings_are_checked(overrides, message):
     with pytest.raises(ConfigError, match=message):
         load_config(None, overrides)
+
+
+# ---- bounded input (issue 38) ------------------------------------------------------------------
+def test_yaml_aliases_are_refused_before_they_expand(tmp_path):
+    path = tmp_path / "c.yaml"  # 9**6 strings if the aliases were followed
+    path.write_text("train: {sample_prompt: &a x}\n" + "".join(
+        f"k{i}: &{chr(98 + i)} [{', '.join(['*' + chr(97 + i)] * 9)}]\n" for i in range(6)))
+    with pytest.raises(ConfigError, match=r"c.yaml: a YAML alias \(\*a\) at line 2"):
+        load_config(str(path))
+
+
+def test_deep_nesting_is_refused_without_recursing(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text("{a: " * 50000 + "1" + "}" * 50000)
+    with pytest.raises(ConfigError, match="c.yaml: nested deeper than 8 levels at line 1"):
+        load_config(str(path))
+
+
+def test_overrides_are_bounded_as_files_are():
+    with pytest.raises(ConfigError, match=r"--set mesh.rules: a YAML alias \(\*x\)"):
+        load_config(None, ["mesh.rules=[[batch, &x data], [embed, *x]]"])
+    # a value that is not YAML (here: too long a number for Python's int) stays a string,
+    # which the setting then refuses in a line of bounded length
+    with pytest.raises(ConfigError, match=r"train.steps: expected an integer, got '9999.*"
+                                          r"\(5002 characters\)\.$"):
+        load_config(None, ["train.steps=" + "9" * 5000])
+
+
+@pytest.mark.parametrize("override, fragment", [
+    ("optimizer.learning_rate=" + "1" * 400, "is not a finite number"),
+    ("train.seed=" + "9" * 20, "is out of range; integer settings are at most"),
+    ("model.hidden_dim=" + str(2 ** 21), "is above the maximum 1048576"),
+    ("mesh.num_cpu_devices=1000000", "above the maximum 256 logical CPU devices"),
+    ("mesh.axes=data=65537", "a mesh holds at most 65536"),
+])
+def test_numbers_beyond_their_field_are_one_line(override, fragment):
+    with pytest.raises(ConfigError) as error:
+        load_config(None, [override])
+    assert fragment in str(error.value) and len(str(error.value)) < 300
+
+
+def test_the_model_size_bound_brackets_the_built_model():
+    """weight_elements' bounds hold the exact count of every preset's model (the bounds
+    decide refusals: the upper against the config's limit, the lower against the host)."""
+    from tfllm.config.loader import weight_elements
+    from tfllm.plan.sharded import param_count
+    for name in ("tiny", "gpt2-small", "llama-1b"):
+        config = load_config(f"configs/{name}.yaml")
+        low, high = weight_elements(config.model)
+        assert low <= param_count(config) <= high, name
+
+
+def test_a_config_file_that_is_no_regular_file_is_refused(tmp_path):
+    os.mkfifo(tmp_path / "pipe.yaml")  # opened as a file, it would wait for a writer
+    with pytest.raises(ConfigError, match="pipe.yaml: is a FIFO"):
+        load_config(str(tmp_path / "pipe.yaml"))
