@@ -33,7 +33,8 @@ def test_cli_surface_is_frozen():
                    "--out", "--set", "--skip-vllm-checks", "--workdir", "-h"],
         "import": ["--adapter", "--config", "--help", "--preset", "--set", "--tokenizer",
                    "--workdir", "-h"],
-        "doctor": ["--config", "--help", "--set", "-h"],
+        "doctor": ["--config", "--help", "--ports", "--rank", "--report-dir", "--set",
+                   "--wait-s", "--world-size", "-h"],
         "launch": [],  # its own options: tests/launch/test_arguments.py freezes them
     }
 

@@ -371,9 +371,36 @@ def cmd_doctor(args) -> int:
         level, message = doctor_finding(config, host_gpus(facts.driver_gpus, facts.environ),
                                         num_clients())
         findings.append(gpu_checks.Finding(level, message))
+    if args.report_dir is not None:
+        findings = _job_findings(args, facts, findings)
+        if findings is None:
+            return 0  # not rank 0: its report is written
     for f in findings:
         print(f"{f.level}: {f.message}")
     return BAD_INPUT_EXIT_CODE if gpu_checks.first_error(findings) else 0
+
+
+def _job_findings(args, facts, findings):
+    """`tfllm doctor --report-dir`: this rank's report written; on rank 0 the job's
+    findings from every rank's (`tfllm.launch.doctor`), else None."""
+    import time
+    from tfllm.launch import doctor
+    from tfllm.launch.topology import DEFAULT_PORT
+    try:
+        rank, size = doctor.rank_and_size(os.environ, args.rank, args.world_size)
+        ports = ([int(p) for p in args.ports.split(",")] if args.ports else
+                 [DEFAULT_PORT + i for i in range(int(os.environ.get(
+                     "SLURM_NTASKS_PER_NODE", "1").split("(")[0] or 1))])
+    except ValueError as e:
+        raise InputError(f"{e} (--rank, --world-size, --ports P1,P2,... of whole numbers)")
+    started = time.time()
+    path = doctor.write_report(args.report_dir, doctor.node_report(facts, findings, rank,
+                                                                  ports))
+    if rank != 0:
+        print(f"ok: rank {rank} wrote {path}")
+        return None
+    reports = doctor.wait_reports(args.report_dir, size, args.wait_s, since=started - 300)
+    return doctor.compare(reports, size, args.wait_s)
 
 
 def cmd_plan(args) -> int:
@@ -496,8 +523,26 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--repeats", type=_whole(1), default=1, help="Repeat the timed steps.")
     p.set_defaults(fn=cmd_bench)
     p = sub.add_parser("doctor", help="Check this host's GPUs, driver, CUDA libraries and "
-                       "TensorFlow build for a run of --config (exit 2 on an error).")
+                       "TensorFlow build for a run of --config (exit 2 on an error); with "
+                       "--report-dir, every node of a job (srun tfllm doctor ...) in one "
+                       "report.")
     _common(p)
+    p.add_argument("--report-dir", default=None, metavar="DIR",
+                   help="A folder the job's nodes share: each rank writes its node's "
+                        "findings there and rank 0 prints one report for the job "
+                        "(tfllm.launch.doctor).")
+    p.add_argument("--rank", type=_whole(0), default=None,
+                   help="--report-dir: this process's rank (default: SLURM_PROCID, "
+                        "JOB_COMPLETION_INDEX or OMPI_COMM_WORLD_RANK).")
+    p.add_argument("--world-size", type=_whole(1), default=None,
+                   help="--report-dir: the job's ranks (default: SLURM_NTASKS or "
+                        "OMPI_COMM_WORLD_SIZE).")
+    p.add_argument("--ports", default=None, metavar="P1,P2,...",
+                   help="--report-dir: ports the job's workers will bind, checked free on "
+                        "every node (default: the launcher's first ports, one per rank "
+                        "on the node).")
+    p.add_argument("--wait-s", type=_whole(1), default=120,
+                   help="--report-dir: how long rank 0 waits for the other reports.")
     p.set_defaults(fn=cmd_doctor)
     p = sub.add_parser("plan", help="Compile the train step for a GPU target (no GPU "
                        "needed); print memory, kernels and a step-time estimate.")
