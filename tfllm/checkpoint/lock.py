@@ -1,11 +1,13 @@
 """One writer per run: the `tfllm train` writing a workdir holds a lock there.
 
 Each client of a run holds `WORKDIR/.tfllm-locks/client_N.lock` from before it writes
-anything until it exits: an advisory `flock` on the open file, which the kernel releases
-when the process ends however it ends (a kill -9 included), so a lock is never stale. The
-file keeps the holder's pid, host and start time, so a second `tfllm train` on the same
-run is refused naming the live process, and a run that takes over the lock of a process
-that is gone says whose it was. Readers (`tfllm generate`, `eval`, `export`) take no lock:
+anything until it exits: an advisory `flock` on the open (empty) file, which the kernel
+releases when the process ends however it ends (a kill -9 included), so a lock is never
+stale. Beside it, `client_N.holder` keeps the holder's pid, host and start time while it
+holds the lock (removed when it lets go), so a second `tfllm train` on the same run is
+refused naming the live process, and a run that finds the record of a process that died
+holding the lock says whose it was. A run that is refused after taking the lock (a
+checkpoint that fails its checks) leaves the folder as it found it. Readers (`tfllm generate`, `eval`, `export`) take no lock:
 they read committed checkpoints only, which a writer never changes.
 
 flock is per host: on a network filesystem shared by several hosts (NFS), two hosts may
@@ -38,6 +40,7 @@ class RunLock:
     def __init__(self, workdir: str, client: int = 0):
         self.directory = os.path.join(workdir, LOCKS_DIR)
         self.path = os.path.join(self.directory, f"client_{client}.lock")
+        self.holder = os.path.join(self.directory, f"client_{client}.holder")
         self.previous: Optional[dict] = None
         self._fd: Optional[int] = None
 
@@ -53,7 +56,7 @@ class RunLock:
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError as e:
-            holder = _read(fd)
+            holder = _read(self.holder)
             os.close(fd)
             if e.errno not in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
                 raise
@@ -63,20 +66,24 @@ class RunLock:
                 f"--workdir {os.path.dirname(self.directory)}: a tfllm train ({who}) is "
                 "writing this run; wait for it to end, or stop it (Ctrl-C or kill -TERM "
                 "saves and exits 75), then run this again.") from None
-        old = _read(fd)
+        self._fd = fd
+        old = _read(self.holder)  # left only by a holder that died
         if old and (old.get("pid"), old.get("host")) != (os.getpid(), socket.gethostname()):
             self.previous = old
         record = {"pid": os.getpid(), "host": socket.gethostname(),
                   "started": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, json.dumps(record).encode(), 0)
-        self._fd = fd
+        tmp = f"{self.holder}.{os.getpid()}.part"
+        with open(tmp, "w", encoding="utf-8") as f:
+            json.dump(record, f)
+        os.replace(tmp, self.holder)
         return self
 
     def release(self) -> None:
         """Lets the lock go (the file stays: removing it could race a waiting run)."""
         if self._fd is not None:
             try:
+                if os.path.isfile(self.holder) and not os.path.islink(self.holder):
+                    os.remove(self.holder)  # this holder's own record
                 fcntl.flock(self._fd, fcntl.LOCK_UN)
             finally:
                 os.close(self._fd)
@@ -89,10 +96,13 @@ class RunLock:
         self.release()
 
 
-def _read(fd: int) -> dict:
+def _read(path: str) -> dict:
+    """A holder record, or {} (missing, unreadable, not a small regular file)."""
     try:
-        data = os.pread(fd, 4096, 0)
-        record = json.loads(data.decode()) if data else {}
+        if os.path.islink(path) or not os.path.isfile(path) or os.path.getsize(path) > 4096:
+            return {}
+        with open(path, encoding="utf-8") as f:
+            record = json.load(f)
     except (OSError, ValueError):
         return {}
     return record if isinstance(record, dict) else {}

@@ -169,7 +169,7 @@ def _train(config, workdir, model_cls, out, signals, watchdog: list) -> dict:
                      + progress_note)
     if lock.previous:  # a run that died without ending: its lock went with it
         p = lock.previous
-        progress.message(f"tfllm: note: {lock.path} was left by pid {p.get('pid')} on "
+        progress.message(f"tfllm: note: {lock.holder} was left by pid {p.get('pid')} on "
                          f"{p.get('host')} (started {p.get('started')}), which is gone; "
                          "this run holds it now")
     if config.lora.rank:
