@@ -163,3 +163,28 @@ def written_atomically(out: str):
     if os.path.isdir(out) and not os.path.islink(out):
         os.rmdir(out)  # empty (checked by require_new_folder); rmdir refuses anything else
     os.replace(tmp, out)
+
+
+# ---- writing inside a folder tfllm owns ------------------------------------------------------
+_NEW = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC
+
+
+def open_for_writing(path: str, mode: str = "w", append: bool = False, **kwargs):
+    """`open(path, mode)` for tfllm's own files (a run's outputs and their temporary
+    names, a checkpoint's files, a launcher's logs) that never follows a symbolic link:
+    a link planted at the name (to a file elsewhere) fails with ELOOP, which the command
+    reports in one line naming it, instead of overwriting what the link points to.
+
+    Args:
+      path: the file.
+      mode: "w" or "wb" (or "a"/"ab" with `append`).
+      append: open for appending (created when missing) instead of truncating.
+      **kwargs: more arguments of `open` (e.g. buffering=0).
+    """
+    flags = (_NEW & ~os.O_TRUNC | os.O_APPEND) if append else _NEW
+    fd = os.open(path, flags, 0o644)
+    try:
+        return os.fdopen(fd, mode, **({} if "b" in mode else {"encoding": "utf-8"}), **kwargs)
+    except BaseException:
+        os.close(fd)
+        raise

@@ -41,6 +41,7 @@ from typing import Dict, List, Optional, Tuple
 import numpy as np
 
 from tfllm.checkpoint import signing
+from tfllm.confined import open_for_writing
 from tfllm.checkpoint.shards import CheckpointError
 
 FORMAT = 1
@@ -69,7 +70,7 @@ def _fsync_dir(path: str) -> None:
 
 def write_file(path: str, data: bytes) -> dict:
     """Writes `data` durably (write, flush, fsync) and returns its {sha256, bytes}."""
-    with open(path, "wb") as f:
+    with open_for_writing(path, "wb") as f:  # a link planted at the name is refused
         f.write(data)
         f.flush()
         os.fsync(f.fileno())
@@ -265,7 +266,8 @@ def committed(directory: str) -> List[Tuple[int, str]]:
     for name in os.listdir(directory):
         m = _COMMITTED.match(name)
         path = os.path.join(directory, name)
-        if m and os.path.isfile(os.path.join(path, "COMMIT")):
+        # a link named like a checkpoint (to another run's) is not one of this run's
+        if m and not os.path.islink(path) and os.path.isfile(os.path.join(path, "COMMIT")):
             out.append((int(m.group(1)), path))
     return sorted(out)
 
@@ -277,7 +279,10 @@ def latest(directory: str) -> Optional[str]:
 
 
 def delete(path: str) -> None:
-    """Removes a checkpoint: COMMIT first, so a half-deleted one is never restored."""
+    """Removes a checkpoint: COMMIT first, so a half-deleted one is never restored. A
+    symbolic link named like a checkpoint is not tfllm's: never followed or removed."""
+    if os.path.islink(path):
+        return
     try:
         os.remove(os.path.join(path, "COMMIT"))
     except FileNotFoundError:
@@ -300,7 +305,8 @@ def cleanup(directory: str) -> List[str]:
     removed = []
     for name in sorted(os.listdir(directory)):
         path = os.path.join(directory, name)
-        if name.startswith("step_") and os.path.isdir(path) and path not in keep:
+        if (name.startswith("step_") and os.path.isdir(path) and not os.path.islink(path)
+                and path not in keep):
             delete(path)
             removed.append(path)
     return removed

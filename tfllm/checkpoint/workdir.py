@@ -46,7 +46,7 @@ from tfllm.checkpoint.reader import Reader
 from tfllm.checkpoint.shards import CheckpointError
 from tfllm.checkpoint.state import model_variables
 from tfllm.checkpoint.storage import committed, latest, step_name, write_json_atomic
-from tfllm.confined import open_regular
+from tfllm.confined import open_for_writing, open_regular
 from tfllm.config.loader import (CONFIG_FILE, ConfigError, config_path, read_config_file,
                                  save_config, to_dict)
 from tfllm.contracts import (CHECKPOINTS_DIR, COSTS_FILE, LOCKS_DIR, LOGS_DIR, MARKER,
@@ -221,7 +221,7 @@ class Workdir:
             return
         keep = [r for r in read_metrics(path) if r.get("step", 0) <= last_step]
         tmp = path + ".tmp"
-        with open(tmp, "w", encoding="utf-8") as f:
+        with open_for_writing(tmp) as f:  # a link planted at the name is refused
             f.writelines(json.dumps(r) + "\n" for r in keep)
         os.replace(tmp, path)
 

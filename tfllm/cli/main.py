@@ -624,6 +624,12 @@ def _failure(error: BaseException, args):
         where = (f" (writing under {workdir})" if workdir and not failed.filename
                  and str(workdir) not in str(error) else "")  # a write names no path
         return IO_ERROR_EXIT_CODE, f"{prefix}{_one_line(error)}{where}. {after}."
+    if (isinstance(error, OSError) and error.errno == errno.ELOOP and error.filename
+            and os.path.islink(str(error.filename))):  # a link planted at tfllm's own name
+        return BAD_INPUT_EXIT_CODE, (f"{prefix}{error.filename} is a symbolic link where "
+                                     "tfllm writes its own file (it writes no links and "
+                                     "never through one): remove the link, then run the "
+                                     "command again.")
     if isinstance(error, OSError) and error.errno in _BAD_PATH_ERRNOS:
         name = str(error.filename)
         name = name if len(name) <= 80 else f"{name[:60]}... ({len(name)} characters)"

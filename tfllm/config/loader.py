@@ -15,7 +15,7 @@ from typing import Any, Iterable, Optional
 import yaml
 
 from tfllm.config import schema
-from tfllm.confined import read_regular
+from tfllm.confined import open_for_writing, read_regular
 
 
 class ConfigError(ValueError):
@@ -400,7 +400,7 @@ def save_config(cfg: schema.Config, workdir: str) -> str:
     os.makedirs(workdir, exist_ok=True)
     path = config_path(workdir)
     tmp = path + ".tmp"
-    with open(tmp, "w", encoding="utf-8") as f:
+    with open_for_writing(tmp) as f:  # a link planted at the name is refused
         f.write(dump_yaml(cfg))
     os.replace(tmp, path)
     return path

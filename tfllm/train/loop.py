@@ -22,6 +22,7 @@ import time
 from collections import deque
 
 from tfllm.checkpoint.lock import RunLock
+from tfllm.confined import open_for_writing
 from tfllm.checkpoint.workdir import (Workdir, check_tokenizer, check_workdir, start_run,
                                       tokenizer_fingerprint)
 from tfllm.data.tokenizer import save_to_run
@@ -50,7 +51,8 @@ class _Outputs:
         self.primary, self.progress = primary, progress
         self.metrics_path = workdir.metrics_file
         self.tensorboard = TensorBoard(workdir.tensorboard_dir) if primary else None
-        self.file = open(self.metrics_path if primary else os.devnull, "a", encoding="utf-8")
+        self.file = (open_for_writing(self.metrics_path, "a", append=True) if primary
+                     else open(os.devnull, "a", encoding="utf-8"))
 
     def record(self, record: dict, model) -> None:
         self.file.write(json.dumps(record) + "\n")

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 
 from tfllm.checkpoint.workdir import read_metrics
+from tfllm.confined import open_for_writing
 
 
 def plot_loss(metrics_path: str, png_path: str) -> str:
@@ -37,6 +38,7 @@ def plot_loss(metrics_path: str, png_path: str) -> str:
     ax.legend()
     fig.tight_layout()
     tmp = png_path + ".tmp.png"
-    fig.savefig(tmp)
+    with open_for_writing(tmp, "wb") as f:  # a link planted at the name is refused
+        fig.savefig(f, format="png")
     os.replace(tmp, png_path)
     return png_path
