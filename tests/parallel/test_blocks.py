@@ -122,6 +122,16 @@ def test_data_parallel_reduces_one_bucket_per_block():
         assert c.elements <= max(0.01 * 2 ** 20 / 4, largest_weight), c.describe()
 
 
+@pytest.mark.slow  # one tiny step on 8 devices
+def test_fsdp_reduce_scatters_a_block_once_whatever_the_bucket_size():
+    # FSDP2's one reduce-scatter per block: the bucket cap (0.01 MiB here, 25 MiB by
+    # default: ~31 pieces of a llama-7b block) splits only replicated gradients.
+    report, _ = first_step_costs("fsdp=8", 2, **{"mesh.gradient_bucket_mb": 0.01})
+    reduces = sorted(c.elements for c in report.collectives if "block_1_reduce" in c.name)
+    gathered = [c.elements for c in report.collectives if "block_1_gather" in c.name]
+    assert reduces == [128, gathered[0]], reduces  # the norms' all-reduce; the shards' one
+
+
 CASES = [("fsdp=8", "gpt", "bfloat16"), ("fsdp=8", "llama", "bfloat16"),
          ("data=2,fsdp=4", "llama", "bfloat16"), ("fsdp=4,model=2", "llama", "bfloat16"),
          ("data=2,fsdp=2,model=2", "gpt", "bfloat16"), ("data=2,model=4", "llama", "float32")]

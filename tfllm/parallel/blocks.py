@@ -146,7 +146,8 @@ class Block:
       previous: the block run before this one (its re-gather is prefetched), or None.
       regather: gather again in the backward pass (False under full remat, whose
         recomputation already gathers at backward time).
-      bucket_bytes: largest float32 gradient buffer reduced at once.
+      bucket_bytes: largest float32 gradient buffer all-reduced at once (replicated
+        weights; a block's FSDP shards are reduce-scattered in one buffer).
       name: names the block's collectives in the graph (`<name>_gather`, `_regather`,
         `_reduce`), so that cost reports and tests can tell blocks apart.
     """
@@ -320,7 +321,10 @@ class Block:
         lead = len(self.pieces.splits)
         for (gathered, kept, _), members in self.groups.items():
             members = [i for i in members if not self.frozen[i]]
-            for bucket in self._buckets(members):
+            # FSDP shards: the block's one reduce-scatter (FSDP2's), whatever its size;
+            # replicated (data-parallel) gradients: all-reduces of at most bucket_bytes.
+            for bucket in (self._buckets(members) if not gathered else
+                           [members] if members else []):
                 parts = []
                 for i in bucket:
                     dy = dys[i]
