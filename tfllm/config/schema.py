@@ -140,10 +140,13 @@ class MeshConfig:
                             "allocator, which gives freed memory back so NCCL can use it; "
                             "sets TF_GPU_ALLOCATOR unless it is set).",
                             choices=("bfc", "cuda_malloc_async"))
-    gradient_bucket_mb: float = _f(25.0, "Largest float32 gradient buffer reduced in one "
-                                   "collective (MiB): each block's gradients are reduced "
-                                   "together, split into buckets of at most this size "
-                                   "(PyTorch DDP's default bucket_cap_mb is 25).", min=0.001)
+    gradient_bucket_mb: float = _f(25.0, "Largest float32 buffer of replicated (data-"
+                                   "parallel) gradients all-reduced in one collective "
+                                   "(MiB): each block's are reduced together, split into "
+                                   "buckets of at most this size (PyTorch DDP's default "
+                                   "bucket_cap_mb is 25); a block's FSDP shards are "
+                                   "reduce-scattered in one buffer whatever the size.",
+                                   min=0.001)
 
 
 @dataclass
