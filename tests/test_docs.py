@@ -78,3 +78,11 @@ def test_docs_give_the_tier_commands_pytest_ini_defines():
         readme = f.read()
     command = re.search(r"^python -m pytest.*$", ci, re.M).group(0)
     assert command in readme, "CI runs the README's test command"
+
+
+def test_the_configuration_reference_is_generated_from_the_schema():
+    from tfllm.config.reference import reference
+    with open(os.path.join(ROOT, "docs", "configuration.md"), encoding="utf-8") as f:
+        stored = f.read()
+    assert stored == reference(), ("docs/configuration.md is stale: python -m "
+                                   "tfllm.config.reference > docs/configuration.md")
