@@ -108,7 +108,7 @@ def test_a_sharded_mesh_is_planned_per_device(bf16_plan):
     assert p["estimated_step_s"] > p["roofline_step_s"]  # tfllm.plan.timing's factors
     text = format_plan(p)
     assert "collectives (measured)" in text and "collectives (assumed)" in text
-    assert "memory: compiled" in text and "gather buffers" in text
+    assert "memory: compiled" in text and "block buffers" in text
 
 
 @pytest.mark.slow
