@@ -47,6 +47,27 @@ def assert_no_leftovers(marker, wait_s=5.0):
     assert not leftovers(marker), leftovers(marker)
 
 
+def wait_for_step(proc, workdir, step, timeout_s):
+    """Waits until `workdir`'s metrics.jsonl has logged `step` while `proc` (a job that
+    trains there) runs. Fails the test, with the job's output, when the job ends first;
+    or when `timeout_s` passes (the caller's cleanup then stops the job)."""
+    deadline = time.monotonic() + timeout_s
+    metrics = os.path.join(str(workdir), "metrics.jsonl")
+    marker = f'"step": {step},'
+    while True:
+        try:
+            with open(metrics, encoding="utf-8") as f:
+                if marker in f.read():
+                    return
+        except FileNotFoundError:
+            pass
+        if proc.poll() is not None:
+            raise AssertionError(f"the job ended with {proc.returncode} before step {step}: "
+                                 f"{proc.communicate()}")
+        assert time.monotonic() < deadline, f"no step {step} in {metrics} after {timeout_s} s"
+        time.sleep(0.1)
+
+
 def kill_workers(log_dir):
     """Last-resort cleanup for a failed test: SIGKILL the worker groups the launcher recorded."""
     path = os.path.join(str(log_dir), "pids")

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from tests.harness import metrics_records, tfllm_command
-from tests.launch.helpers import ROOT, launcher_env
+from tests.launch.helpers import ROOT, launcher_env, wait_for_step
 
 TIMEOUT_S = 300
 STEPS = 24
@@ -165,11 +165,7 @@ def test_scancel_saves_and_the_resubmitted_job_resumes(real_slurm, reference, tm
     env = _env(real_slurm)
     proc = _sbatch(real_slurm, workdir, env)
     try:
-        deadline = time.monotonic() + TIMEOUT_S
-        metrics = workdir / "metrics.jsonl"
-        while not (metrics.exists() and '"step": 3,' in metrics.read_text()):
-            assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
-            time.sleep(0.1)
+        wait_for_step(proc, workdir, 3, TIMEOUT_S)
         job = real_slurm.squeue()[0]
         started = time.monotonic()
         subprocess.run([*scancel, job], env=real_slurm.env, check=True, timeout=30)

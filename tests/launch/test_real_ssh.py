@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from tests.harness import metrics_records
-from tests.launch.helpers import PY, launcher_env, start
+from tests.launch.helpers import PY, launcher_env, start, wait_for_step
 from tests.launch.test_real_slurm import STEPS, TRAIN, free_port_pair, reference  # noqa: F401
 
 TIMEOUT_S = 300
@@ -118,11 +118,7 @@ def test_a_dropped_connection_ends_the_run_as_a_lost_peer(real_sshd, tmp_path):
     before = _session_pids()
     proc = _launch(real_sshd, tmp_path, workdir, "--set", "train.steps=5000")
     try:
-        deadline = time.monotonic() + TIMEOUT_S
-        metrics = workdir / "metrics.jsonl"
-        while not (metrics.exists() and '"step": 3,' in metrics.read_text()):
-            assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
-            time.sleep(0.1)
+        wait_for_step(proc, workdir, 3, TIMEOUT_S)
         # Drop rank 1's connection on the server side: SIGKILL its sshd session process.
         os.kill(_sshd_session_of(workdir, rank=1), signal.SIGKILL)
         out, err = proc.communicate(timeout=TIMEOUT_S)
