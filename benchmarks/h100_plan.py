@@ -184,7 +184,7 @@ def write_markdown(results, path):
            "target h100 (XLA's `h100_sxm.txtpb`: 79.1 GiB, 3.35 TB/s, 989 TFLOP/s bf16, "
            "1979 TFLOP/s FP8 dense). Made by `python benchmarks/h100_plan.py` on a 2-core "
            "CPU machine without a GPU; figures are XLA's compiled memory and a roofline "
-           "lower bound on the step time (README: \"Planning a GPU run on a laptop\").", "",
+           "lower bound on the step time (docs/planning.md, \"How it works\").", "",
            "## One H100: memory, largest batch, FP8 coverage, estimated MFU", "",
            "| model | policy | largest batch found to fit | memory at that batch (GiB) | "
            "memory at batch 1 (GiB) | + per sequence (GiB) | FP8 GEMMs / projections | "

@@ -1,6 +1,6 @@
 """tfllm's packages are floors: each imports only the floors below it, so the import graph
 between them has no cycle, and a new package or a new upward import is a deliberate
-change of this table (README, "Layout")."""
+change of this table (docs/architecture.md)."""
 
 import ast
 import pathlib

@@ -3,7 +3,7 @@
 A row is (argv, setup, exit code, message fragment). In argv `{run}` is a fresh copy of a
 trained run (a sentencepiece tokenizer, committed checkpoints of steps 1 and 2) and `{tmp}`
 the test's own folder; `setup(tmp, run, monkeypatch)` prepares the bad input first. Every
-row checks what the README promises:
+row checks what the docs promise (docs/checkpoints.md, "Exit codes"):
 
 - the exit code (2: bad input, nothing written; 74: the storage failed, the latest
   committed checkpoint intact; 75: stopped by a signal; 130: a second signal);
@@ -502,7 +502,7 @@ ROWS = [
                   "--set", "data.tokenizer_path={tmp}/folder"],
                  _write("folder/readme.txt", "not a preset"), BAD_INPUT,
                  "data.tokenizer_path", id="tokenizer-folder-not-a-preset"),
-    # data (README, "Training on your own text files")
+    # data (docs/training.md, "Training on your own text files")
     pytest.param([*TEXT, "--set", 'data.paths=["{tmp}/none/*.txt"]'], _no_setup, BAD_INPUT,
                  "matches no files", id="data-pattern-matches-nothing"),
     pytest.param([*TEXT, *CORPUS], _write("corpus/empty.txt", ""), BAD_INPUT,
@@ -534,7 +534,7 @@ ROWS = [
                   "--set", "data.source=tfds", "--set", "data.tfds_name=lm1bb",
                   "--set", "data.tfds_data_dir={tmp}/tfds", "--set", "train.xla_cache=off"],
                  _no_setup, BAD_INPUT, "Did you mean 'lm1b'", id="tfds-unknown-name"),
-    # tfllm import (README, "Fine-tune a pretrained model")
+    # tfllm import (docs/fine-tuning.md)
     pytest.param(IMPORT, _hugging_face(_config_json(model_type="gemma")), BAD_INPUT,
                  "GemmaBackbone is not an architecture tfllm can hold",
                  id="import-unknown-architecture"),

@@ -117,5 +117,5 @@ def test_chunks_do_not_gather_the_queries():
     # (DTensor relayouts a sliced sharded dimension: one more collective per chunk);
     # folding keeps every chunk local, so the chunked forward pass communicates exactly
     # what the standard one does. (Backward, DTensor all-reduces each chunk's key/value
-    # gradient separately: see the README's "Long sequences".)
+    # gradient separately: see docs/precision.md, "Blocked attention".)
     assert _forward_collectives(2) == _forward_collectives(0) > 0

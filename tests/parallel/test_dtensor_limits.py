@@ -2,7 +2,7 @@
 
 benchmarks/dtensor_per_device_probe.py tries every route for running such an op (a
 fused-attention custom call, here an `XlaCallModule` that runs on the CPU) on each
-device's local shards inside a step; the README's "Fused (cuDNN) attention on a DTensor
+device's local shards inside a step; docs/design.md's "Fused (cuDNN) attention on a DTensor
 mesh" explains the findings. This test holds them: when a TensorFlow upgrade opens a
 route, an outcome changes and it fails, which is the signal to build `model.attention=cudnn`.
 """

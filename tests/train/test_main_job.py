@@ -30,7 +30,7 @@ def test_default_run_on_the_embedded_corpus(tmp_path):
     evals = [r["eval_loss"] for r in records if "eval_loss" in r]
     assert len(evals) == 2
     # 40 steps already beat a uniform guess over the 2048 pieces by a wide margin
-    # (ln 2048 = 7.62); the full 1200-step run reaches 3.59 (README).
+    # (ln 2048 = 7.62); the full 1200-step run reaches 3.59 (README, docs/training.md).
     assert evals[-1] < math.log(2048) - 1.5
     assert evals[-1] < evals[0]
     assert (workdir / "tokenizer" / "tokenizer.model").exists()

@@ -128,7 +128,7 @@ def test_what_xla_compiles_of_evaluation_and_generation_on_a_mesh():
         prompt_length=int(tokens.shape[1]), max_new_tokens=4, **options["static"])
     # The decode loop is not compiled whole on a mesh: DTensor rebuilds the While op
     # without its XLA mark, so it is lowered to TensorFlow control flow and its body's
-    # matmuls run as TensorFlow ops (README, "XLA on a DTensor mesh"). The report says so.
+    # matmuls run as TensorFlow ops (docs/design.md, "XLA on a DTensor mesh"). The report says so.
     assert report.clusters >= 1
     assert "matmul" in report.core_outside() and "Enter" in report.outside
 
