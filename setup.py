@@ -45,7 +45,12 @@ setup(
         "test": ["pytest>=7", "pytest-timeout", "pytest-xdist", "nbclient", "nbformat", "ipykernel",
                  "transformers>=5.0,<6", "torch==2.13.0",
                  # the reference of LoRA adapters (tfllm export --format peft / --adapter)
-                 "peft>=0.14,<1"],
+                 "peft>=0.14,<1",
+                 # tests/test_docs.py builds the documentation site in strict mode
+                 "mkdocs>=1.6,<2"],
+        # The documentation site (mkdocs.yml): `mkdocs serve`, `mkdocs build --strict`.
+        # 1.6: the first with anchor validation and docs-relative absolute links.
+        "docs": ["mkdocs>=1.6,<2"],
         # Opening the notebooks (`jupyter lab notebooks/`); 03 and 06 also need `plan`.
         "notebooks": ["jupyterlab", "ipykernel"],
         # `tfllm plan`: jaxlib's compile-only CUDA client (no NVIDIA wheels, no driver).

@@ -1,5 +1,6 @@
-"""The README and docs/ stay true to the repository: links resolve, the tests the testing
-page names exist, and the quick-loop command it gives is the tier pytest.ini defines."""
+"""The README and docs/ stay true to the repository: links resolve, the site builds with
+MkDocs in strict mode, the tests the testing page names exist, and the quick-loop command
+it gives is the tier pytest.ini defines."""
 
 import ast
 import glob
@@ -86,3 +87,40 @@ def test_the_configuration_reference_is_generated_from_the_schema():
         stored = f.read()
     assert stored == reference(), ("docs/configuration.md is stale: python -m "
                                    "tfllm.config.reference > docs/configuration.md")
+
+
+def test_the_site_builds_in_strict_mode(tmp_path):
+    # `mkdocs build --strict` in this process (about a second): any warning, such as a link
+    # to a page, file or heading that does not exist, or a page that does not build, fails.
+    try:
+        from mkdocs.commands.build import build
+        from mkdocs.config import load_config
+        from mkdocs.exceptions import Abort
+    except ImportError:
+        pytest.skip("mkdocs is not installed: pip install -e '.[docs]' (the test extra has it)")
+    import logging
+
+    class Warnings(logging.Handler):
+        def __init__(self):
+            super().__init__(logging.WARNING)
+            self.lines = []
+
+        def emit(self, record):
+            self.lines.append(record.getMessage())
+
+    warnings = Warnings()
+    logger = logging.getLogger("mkdocs")
+    logger.addHandler(warnings)
+    try:
+        config = load_config(os.path.join(ROOT, "mkdocs.yml"), site_dir=str(tmp_path / "site"))
+        assert config.strict, "mkdocs.yml sets strict: true"
+        try:
+            build(config)
+        except Abort:
+            pass  # the warnings say why
+    finally:
+        logger.removeHandler(warnings)
+    assert warnings.lines == []
+    assert (tmp_path / "site" / "index.html").exists()
+    # The notebooks the pages link to are part of the site.
+    assert (tmp_path / "site" / "repo" / "notebooks" / "01_quickstart.ipynb").exists()
