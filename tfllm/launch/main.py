@@ -24,11 +24,10 @@ from tfllm.launch import device as dev
 from tfllm.launch import scheduler
 from tfllm.launch import supervisor as sup
 from tfllm.launch import topology as topo
+# REUSE_PORT_ENV makes TensorFlow's gRPC server bind with SO_REUSEPORT: it may then share
+# a port the launcher holds (`Ports`)
+from tfllm.launch.ports import REUSE_PORT_ENV, port_free
 from tfllm.launch.topology import LaunchError
-
-#: makes TensorFlow's gRPC server bind with SO_REUSEPORT (tensorflow/core/
-#: distributed_runtime/rpc/grpc_server_lib.cc): it may then share a port the launcher holds
-REUSE_PORT_ENV = "TF_GRPC_REUSE_PORT"
 
 USAGE = """\
 Usage: {prog} --mode MODE [options] -- COMMAND [ARGS...]
@@ -387,14 +386,10 @@ def check_port_free(port: int, local_mode: bool) -> None:
     linger in TIME_WAIT do not make the port busy (they did: "port 19995 is in use" for
     a Slurm job started right after a cancelled one).
     """
-    with socket.socket() as s:
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            s.bind(("", port))
-        except OSError:
-            raise LaunchError(f"port {port} is in use on {socket.gethostname()}; choose "
-                              "another --port" + (" or omit it to pick free ports"
-                                                  if local_mode else "")) from None
+    if not port_free(port):
+        raise LaunchError(f"port {port} is in use on {socket.gethostname()}; choose "
+                          "another --port" + (" or omit it to pick free ports"
+                                              if local_mode else ""))
 
 
 def assign_ports(plan: Plan) -> Ports:
