@@ -373,34 +373,21 @@ def cmd_doctor(args) -> int:
         findings.append(gpu_checks.Finding(level, message))
     if args.report_dir is not None:
         findings = _job_findings(args, facts, findings)
-        if findings is None:
-            return 0  # not rank 0: its report is written
     for f in findings:
         print(f"{f.level}: {f.message}")
     return BAD_INPUT_EXIT_CODE if gpu_checks.first_error(findings) else 0
 
 
 def _job_findings(args, facts, findings):
-    """`tfllm doctor --report-dir`: this rank's report written; on rank 0 the job's
-    findings from every rank's (`tfllm.launch.doctor`), else None."""
-    import time
+    """`tfllm doctor --report-dir`: this rank's part of the job's doctor
+    (`tfllm.launch.doctor.run`); on rank 0 the job's findings."""
     from tfllm.launch import doctor
-    from tfllm.launch.topology import DEFAULT_PORT
     try:
         rank, size = doctor.rank_and_size(os.environ, args.rank, args.world_size)
-        ports = ([int(p) for p in args.ports.split(",")] if args.ports else
-                 [DEFAULT_PORT + i for i in range(int(os.environ.get(
-                     "SLURM_NTASKS_PER_NODE", "1").split("(")[0] or 1))])
+        ports = doctor.node_ports(os.environ, rank, args.ports)
     except ValueError as e:
         raise InputError(f"{e} (--rank, --world-size, --ports P1,P2,... of whole numbers)")
-    started = time.time()
-    path = doctor.write_report(args.report_dir, doctor.node_report(facts, findings, rank,
-                                                                  ports))
-    if rank != 0:
-        print(f"ok: rank {rank} wrote {path}")
-        return None
-    reports = doctor.wait_reports(args.report_dir, size, args.wait_s, since=started - 300)
-    return doctor.compare(reports, size, args.wait_s)
+    return doctor.run(args.report_dir, facts, findings, rank, size, ports, args.wait_s)
 
 
 def cmd_plan(args) -> int:
@@ -538,9 +525,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="--report-dir: the job's ranks (default: SLURM_NTASKS or "
                         "OMPI_COMM_WORLD_SIZE).")
     p.add_argument("--ports", default=None, metavar="P1,P2,...",
-                   help="--report-dir: ports the job's workers will bind, checked free on "
-                        "every node (default: the launcher's first ports, one per rank "
-                        "on the node).")
+                   help="--report-dir: ports the job's workers will bind on this node, "
+                        "checked free there and reached from client 0 (default: this "
+                        "rank's DTENSOR_JOBS port under tfllm launch, else the launcher's "
+                        "first ports, one per task on the node; 0: a free one).")
     p.add_argument("--wait-s", type=_whole(1), default=120,
                    help="--report-dir: how long rank 0 waits for the other reports.")
     p.set_defaults(fn=cmd_doctor)

@@ -1,7 +1,8 @@
 """The doctor for many nodes: every node's findings in one report.
 
 `srun tfllm doctor --report-dir DIR` (or one `tfllm doctor --report-dir DIR` per rank of
-a hostfile or Kubernetes job, with `--rank`/`--world-size` where no scheduler says them)
+a hostfile or Kubernetes job, with `--rank`/`--world-size` where no scheduler says them,
+or `tfllm launch ... -- tfllm doctor --report-dir DIR`, which gives the job's own ports)
 makes each rank write what it found on its node to `DIR/doctor.rank_R.json` (DIR must be
 shared by the nodes, as a run's workdir is). Rank 0 waits for every rank's file and
 prints one report:
@@ -12,18 +13,31 @@ prints one report:
   built with, the NCCL library and the driver (an error where they differ, naming which
   node has which);
 * the same GPUs (count and kind) everywhere;
-* the job's ports free on every node (`--ports`, default the launcher's first port and
-  the next ones, one per local rank);
+* the job's ports (`--ports`, default the launcher's: `DTENSOR_JOBS`'s under `tfllm
+  launch`, else its first port and the next ones, one per local rank) free on every node,
+  and reachable from client 0: each rank listens on them while the doctor runs, bound as
+  TensorFlow's gRPC server binds them (`tfllm.launch.ports`), and rank 0 connects to every
+  rank's address (the host the launcher would name: the Slurm node, the `DTENSOR_JOBS`
+  entry, else the host name) and port; an unreachable one is named with the likely cause;
 * the NCCL settings each node has (`NCCL_SOCKET_IFNAME`, `NCCL_IB_HCA`, the P2P/SHM/NVLS
   switches and every other `NCCL_*`), a warning where nodes differ;
-* XLA's `ptxas` and libdevice on GPU nodes.
+* XLA's `ptxas` and libdevice (`tfllm.launch.xla_files`): an error on a GPU node without
+  libdevice, a note on CPU nodes;
+* on GPU nodes, once every port answered, a short all-reduce over every GPU of the job
+  (`tfllm.launch.allreduce`: DTensor with NCCL, as a run) with its algorithm and bus
+  bandwidth, and the transport NCCL picked on each node read from NCCL's log, with a
+  warning where it is sockets or shared memory though NVLink or InfiniBand exist
+  (`tfllm.launch.nccl_log`). Without GPUs it is skipped and the report says so.
 
 The driver version is read through NVIDIA's management library (libnvidia-ml) where it
 loads, else from nvidia-smi; `TFLLM_DRIVER_VERSION` overrides both (a CUDA
 forward-compatibility container runs a newer user-mode driver than the host's kernel
-module reports). Without a GPU none of those is read and the GPU checks say so; an
-all-reduce bandwidth test is not part of this report (it needs GPUs and a mesh: run a
-short `tfllm bench` on the job's mesh).
+module reports). Without a GPU none of those is read and the GPU checks say so.
+
+The ranks meet through files in DIR: rank 0 writes `doctor.go.json` once it has probed
+every port (the other ranks keep listening until then), naming each rank's run (a random
+nonce per rank, so that files of an earlier doctor are never taken for this one's) and
+the bandwidth test's plan; each rank writes `doctor.allreduce_R.json` after the test.
 """
 
 from __future__ import annotations
@@ -32,23 +46,34 @@ import ctypes
 import glob
 import json
 import os
-import shutil
+import secrets
 import socket
 import time
 from typing import Dict, List, Mapping, Optional, Sequence, Tuple
 
+from tfllm.launch import allreduce, nccl_log, ports as job_ports, xla_files
+from tfllm.launch.findings import NCCL_SETTINGS, compare  # noqa: F401  (the doctor's API)
+from tfllm.launch.topology import DEFAULT_PORT, LaunchError, slurm_topology
 from tfllm.parallel.gpu_checks import Finding, HostFacts
 
 REPORT = "doctor.rank_{}.json"
-#: the NCCL variables that decide the transport, listed even when unset
-NCCL_SETTINGS = ("NCCL_SOCKET_IFNAME", "NCCL_IB_HCA", "NCCL_P2P_DISABLE", "NCCL_SHM_DISABLE",
-                 "NCCL_NVLS_ENABLE", "NCCL_IB_DISABLE", "NCCL_NET_GDR_LEVEL")
+GO = "doctor.go.json"
+ALLREDUCE = "doctor.allreduce_{}.json"
+#: how long the other ranks keep listening after --wait-s (rank 0 probes every port)
+PROBE_MARGIN_S = 60
+#: the bandwidth test's limit (a cold start of TensorFlow on GPUs JIT-compiles its PTX
+#: for minutes when the CUDA cache is empty)
+ALLREDUCE_TIMEOUT_S = 900
 
 
 def rank_and_size(env: Mapping[str, str], rank: Optional[int] = None,
                   size: Optional[int] = None) -> Tuple[int, int]:
-    """This process's rank and the job's size: given, else Slurm's, Kubernetes Indexed
-    Job's / mpirun's, else one process."""
+    """This process's rank and the job's size: given, else the launcher's (DTENSOR_CLIENT_ID
+    of DTENSOR_JOBS), Slurm's, Kubernetes Indexed Job's / mpirun's, else one process."""
+    jobs = [j for j in env.get("DTENSOR_JOBS", "").split(",") if j]
+    if jobs and rank is None and str(env.get("DTENSOR_CLIENT_ID", "")).isdigit():
+        rank = int(env["DTENSOR_CLIENT_ID"])
+        size = len(jobs) if size is None else size
     if rank is None:
         for key in ("SLURM_PROCID", "JOB_COMPLETION_INDEX", "OMPI_COMM_WORLD_RANK"):
             if str(env.get(key, "")).isdigit():
@@ -63,6 +88,36 @@ def rank_and_size(env: Mapping[str, str], rank: Optional[int] = None,
     if not 0 <= rank < size:
         raise ValueError(f"--rank {rank} is not below --world-size {size}.")
     return rank, size
+
+
+def job_address(env: Mapping[str, str], rank: int) -> str:
+    """The name client 0 reaches `rank` by, as the launcher would give it: its
+    `DTENSOR_JOBS` entry, else its Slurm node, else this host's name."""
+    jobs = [j for j in env.get("DTENSOR_JOBS", "").split(",") if j]
+    if rank < len(jobs):
+        return jobs[rank].rsplit(":", 1)[0]
+    if env.get("SLURM_PROCID") and env.get("SLURM_NTASKS"):
+        try:
+            return slurm_topology(env).hosts[rank]
+        except (LaunchError, IndexError):
+            pass
+    return socket.gethostname()
+
+
+def node_ports(env: Mapping[str, str], rank: int, given: Optional[str]) -> List[int]:
+    """The job's ports on this node: `given` ("P1,P2,..."), else this rank's
+    `DTENSOR_JOBS` port, else the launcher's first port and one more per task of the
+    node. Raises ValueError for a bad list."""
+    if given:
+        found = [int(p) for p in given.split(",")]
+        if any(not 0 <= p <= 65535 for p in found):
+            raise ValueError(f"--ports {given}: ports are 0-65535")
+        return found
+    jobs = [j for j in env.get("DTENSOR_JOBS", "").split(",") if j]
+    if rank < len(jobs):
+        return [int(jobs[rank].rsplit(":", 1)[1])]
+    per_node = env.get("SLURM_NTASKS_PER_NODE", "1").split("(")[0] or "1"
+    return [DEFAULT_PORT + i for i in range(int(per_node))]
 
 
 def driver_version(facts: HostFacts, env: Mapping[str, str]) -> Optional[str]:
@@ -96,37 +151,14 @@ def nccl_version() -> Optional[str]:
     return f"{v // 10000}.{v // 100 % 100}.{v % 100}"
 
 
-def ptxas() -> Optional[str]:
-    """Where XLA's GPU compiler finds ptxas (PATH or the nvidia-cuda-nvcc wheel)."""
-    found = shutil.which("ptxas")
-    if found:
-        return found
-    try:
-        import tensorflow as tf
-        site = os.path.dirname(os.path.dirname(tf.__file__))
-    except ImportError:
-        return None
-    hits = glob.glob(os.path.join(site, "nvidia", "cuda_nvcc", "bin", "ptxas"))
-    return hits[0] if hits else None
-
-
-def port_free(port: int) -> bool:
-    """Whether a server may bind `port` on every interface (as TensorFlow's gRPC does,
-    address reuse included, so ports of an ended job in TIME_WAIT count as free)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            s.bind(("", port))
-        except OSError:
-            return False
-    return True
-
-
 def node_report(facts: HostFacts, findings: Sequence[Finding], rank: int,
                 ports: Sequence[int]) -> dict:
-    """What one rank found on its node, as written to its report file."""
+    """What one rank found on its node, as written to its report file (`run` adds the
+    ports it listens on and its nonce)."""
     env = facts.environ
     gpu = bool(facts.driver_gpus or facts.tf_gpus)
+    tf_dir = xla_files.tensorflow_dir()
+    reuse = job_ports.reuse_port(env)
     return {
         "host": socket.gethostname(), "rank": rank, "tensorflow": facts.tf_version,
         "cuda": facts.build.get("cuda_version"), "cudnn": facts.build.get("cudnn_version"),
@@ -136,21 +168,38 @@ def node_report(facts: HostFacts, findings: Sequence[Finding], rank: int,
                        for g in facts.driver_gpus),
         "tf_gpus": facts.tf_gpus,
         "nccl_env": {k: v for k, v in sorted(env.items()) if k.startswith("NCCL_")},
-        "ports": {str(p): port_free(p) for p in ports},
-        "ptxas": ptxas() if gpu else None,
+        "ports": {str(p): job_ports.port_free(p, reuse) for p in ports},
+        "address": job_address(env, rank),
+        "ptxas": xla_files.ptxas(env, tf_dir) if gpu else None,
+        "libdevice": xla_files.libdevice(env, tf_dir),
+        "links": nccl_log.host_links() if facts.driver_gpus else None,
         "findings": [[f.level, f.message] for f in findings],
     }
 
 
-def write_report(directory: str, report: dict) -> str:
-    """Writes this rank's report into `directory` (whole or not at all)."""
+def write_json(directory: str, name: str, record: dict) -> str:
+    """Writes `record` as `directory/name`, whole or not at all (the doctor's one write:
+    reports, the go file, the bandwidth results)."""
     os.makedirs(directory, exist_ok=True)
-    path = os.path.join(directory, REPORT.format(report["rank"]))
+    path = os.path.join(directory, name)
     tmp = f"{path}.{os.getpid()}.part"
     with open(tmp, "w", encoding="utf-8") as f:
-        json.dump(report, f, indent=1, sort_keys=True)
+        json.dump(record, f, indent=1, sort_keys=True)
     os.replace(tmp, path)
     return path
+
+
+def write_report(directory: str, report: dict) -> str:
+    """Writes this rank's report into `directory` (whole or not at all)."""
+    return write_json(directory, REPORT.format(report["rank"]), report)
+
+
+def _read_json(path: str) -> Optional[dict]:
+    try:
+        with open(path, encoding="utf-8") as f:
+            return json.load(f)
+    except (OSError, ValueError):
+        return None
 
 
 def wait_reports(directory: str, size: int, timeout_s: float,
@@ -161,89 +210,131 @@ def wait_reports(directory: str, size: int, timeout_s: float,
     reports: Dict[int, dict] = {}
     while True:
         for rank in range(size):
-            if rank in reports:
-                continue
             path = os.path.join(directory, REPORT.format(rank))
             try:
-                if os.path.getmtime(path) + 1.0 < since:
-                    continue
-                with open(path, encoding="utf-8") as f:
-                    reports[rank] = json.load(f)
-            except (OSError, ValueError):
+                fresh = rank not in reports and os.path.getmtime(path) + 1.0 >= since
+            except OSError:
                 continue
+            found = _read_json(path) if fresh else None
+            if found is not None:
+                reports[rank] = found
         if len(reports) == size or time.monotonic() > deadline:
             return reports
         time.sleep(0.2)
 
 
-def _groups(reports: Sequence[dict], key) -> Dict[str, List[str]]:
-    out: Dict[str, List[str]] = {}
-    for r in reports:
-        out.setdefault(json.dumps(key(r)) if not isinstance(key(r), str) else key(r),
-                       []).append(f"{r['host']} (rank {r['rank']})")
-    return out
+def _wait_for(directory: str, names: Dict[int, str], nonces: Dict[int, str],
+              timeout_s: float) -> Dict[int, dict]:
+    """{rank: record} of the files `names[rank]` whose "nonce" is `nonces[rank]` (this
+    doctor's, not an earlier one's), waiting up to `timeout_s` for all."""
+    deadline = time.monotonic() + timeout_s
+    found: Dict[int, dict] = {}
+    while True:
+        for rank, name in names.items():
+            record = None if rank in found else _read_json(os.path.join(directory, name))
+            if record is not None and record.get("nonce") == nonces.get(rank):
+                found[rank] = record
+        if len(found) == len(names) or time.monotonic() > deadline:
+            return found
+        time.sleep(0.2)
 
 
-def _gpu_list(gpus: Sequence[str]) -> str:
-    """['H100', 'H100'] -> '2 x H100'."""
-    counts: Dict[str, int] = {}
-    for g in gpus:
-        counts[g] = counts.get(g, 0) + 1
-    return ", ".join(f"{n} x {g}" for g, n in sorted(counts.items())) or "none"
+def greeting(rank: int, nonce: str) -> bytes:
+    """What rank `rank`'s listeners answer: client 0 checks it reached that process."""
+    return f"tfllm-doctor rank {rank} {nonce}\n".encode()
 
 
-def _differ(what: str, groups: Dict[str, List[str]]) -> str:
-    parts = [f"{value} on {', '.join(nodes[:3])}{' ...' if len(nodes) > 3 else ''}"
-             for value, nodes in sorted(groups.items(), key=lambda g: -len(g[1]))]
-    return f"{what} differ between nodes: " + "; ".join(parts)
+def reachability(reports: Dict[int, dict]) -> List[dict]:
+    """Client 0 connects to every rank's address and listening ports: one record per
+    port, {"rank", "host", "address", "port", "error": None or [what, likely cause]}."""
+    targets = [(rank, r) for rank, r in sorted(reports.items())
+               for _ in r.get("listening", [])]
+    ports = [p for _, r in sorted(reports.items()) for p in r.get("listening", [])]
+    errors = job_ports.probe_all([(r["address"], port, greeting(rank, r.get("nonce", "")))
+                                  for (rank, r), port in zip(targets, ports)])
+    return [{"rank": rank, "host": r["host"], "address": r["address"], "port": port,
+             "error": list(error) if error else None}
+            for (rank, r), port, error in zip(targets, ports, errors)]
 
 
-def compare(reports: Dict[int, dict], size: int, waited_s: float) -> List[Finding]:
-    """The job's findings from every rank's report (see the module docstring)."""
-    findings: List[Finding] = []
-    missing = [r for r in range(size) if r not in reports]
-    if missing:
-        findings.append(Finding("error", f"ranks {', '.join(map(str, missing))} of {size} "
-                                         f"wrote no report within {waited_s:g} s: their "
-                                         "nodes did not run the doctor, or --report-dir is "
-                                         "not shared by the nodes"))
+def bandwidth_plan(reports: Dict[int, dict], size: int, probed: Sequence[dict]) -> dict:
+    """{"jobs": DTENSOR_JOBS of the all-reduce test} when every node has GPUs TensorFlow
+    uses and answered on a port, else {"skipped": why}."""
     nodes = [reports[r] for r in sorted(reports)]
-    for r in nodes:
-        for level, message in r["findings"]:
-            if level != "ok":
-                findings.append(Finding(level, f"{r['host']} (rank {r['rank']}): {message}"))
-    for key, level in (("tensorflow", "error"), ("cuda", "error"), ("cudnn", "error"),
-                       ("nccl", "error"), ("driver", "warning")):
-        groups = _groups(nodes, lambda r, k=key: str(r.get(k)))
-        if len(groups) > 1:
-            name = {"tensorflow": "TensorFlow", "cuda": "CUDA", "cudnn": "cuDNN",
-                    "nccl": "NCCL", "driver": "driver"}[key]
-            findings.append(Finding(level, _differ(f"the {name} versions", groups)))
-    gpus = _groups(nodes, lambda r: _gpu_list(r["gpus"]))
-    if len(gpus) > 1:
-        findings.append(Finding("error", _differ("the GPUs", gpus)))
-    for r in nodes:
-        taken = [p for p, free in r["ports"].items() if not free]
-        if taken:
-            findings.append(Finding("error", f"{r['host']} (rank {r['rank']}): port "
-                                             f"{', '.join(taken)} is in use; stop what holds "
-                                             "it or give the job another --port"))
-        if r["gpus"] and not r["ptxas"]:
-            findings.append(Finding("warning", f"{r['host']}: no ptxas (XLA compiles GPU "
-                                               "kernels with it): pip install "
-                                               "nvidia-cuda-nvcc-cu12 or put CUDA's bin on "
-                                               "PATH"))
-    nccl = _groups(nodes, lambda r: {k: r["nccl_env"].get(k) for k in
-                                     sorted(set(NCCL_SETTINGS) | set(r["nccl_env"]))})
-    if len(nccl) > 1:
-        findings.append(Finding("warning", _differ("the NCCL settings", nccl)))
-    if nodes:
-        first = nodes[0]
-        settings = ", ".join(f"{k}={first['nccl_env'].get(k, 'unset')}" for k in
-                             NCCL_SETTINGS) if first["nccl_env"] else "no NCCL_* variable set"
-        findings.append(Finding("ok", f"NCCL settings: {settings}"))
-        findings.append(Finding("ok", f"{len(nodes)} of {size} nodes reported: TensorFlow "
-                                      f"{first['tensorflow']}, CUDA {first['cuda']}, cuDNN "
-                                      f"{first['cudnn']}, NCCL {first['nccl']}, driver "
-                                      f"{first['driver']}, GPUs: {_gpu_list(first['gpus'])}"))
-    return findings
+    if not any(r.get("tf_gpus") for r in nodes):
+        return {"skipped": "no GPU: bandwidth test skipped"}
+    if len(nodes) < size:
+        return {"skipped": "ranks are missing: bandwidth test skipped"}
+    without = [f"{r['host']} (rank {r['rank']})" for r in nodes if not r.get("tf_gpus")]
+    if without:
+        return {"skipped": f"TensorFlow uses no GPU on {', '.join(without[:3])}: "
+                           "bandwidth test skipped"}
+    answered = {p["rank"] for p in probed if not p["error"]}
+    silent = [r for r in sorted(reports) if r not in answered]
+    if silent:
+        return {"skipped": f"client 0 cannot reach rank {', '.join(map(str, silent))} on "
+                           "any port: bandwidth test skipped"}
+    port = {p["rank"]: p["port"] for p in reversed(probed) if not p["error"]}
+    return {"jobs": ",".join(f"{reports[r]['address']}:{port[r]}" for r in sorted(reports))}
+
+
+def run(directory: str, facts: HostFacts, findings: Sequence[Finding], rank: int,
+        size: int, ports: Sequence[int], wait_s: float) -> List[Finding]:
+    """One rank's doctor (see the module docstring): its report written, its ports
+    listened on until rank 0 probed them, the bandwidth test when rank 0 plans one.
+
+    Args:
+      directory: the folder the nodes share (--report-dir).
+      facts, findings: this node's facts and single-host findings.
+      rank, size: this rank and the job's ranks.
+      ports: the job's ports on this node (0: a free one).
+      wait_s: how long rank 0 waits for the other reports.
+
+    Returns:
+      On rank 0 the job's findings; on the others what this rank did.
+    """
+    nonce = secrets.token_hex(8)
+    report = node_report(facts, findings, rank, ports)  # ports checked free, then bound
+    started = time.time()
+    reports, probed, plan = {}, [], {"skipped": "bandwidth test not planned"}
+    with job_ports.Listeners(ports, greeting(rank, nonce),
+                             job_ports.reuse_port(facts.environ)) as heard:
+        report.update(listening=heard.listening, nonce=nonce)
+        path = write_report(directory, report)
+        if rank == 0:
+            reports = wait_reports(directory, size, wait_s, since=started - 300)
+            probed = reachability(reports)
+            plan = bandwidth_plan(reports, size, probed)
+            nonces = {str(r): rep.get("nonce") for r, rep in reports.items()}
+            write_json(directory, GO, {"nonce": nonce, "nonces": nonces, "bandwidth": plan})
+        else:
+            go = _wait_for_go(directory, rank, nonce, wait_s + PROBE_MARGIN_S)
+            if go is None:
+                return [Finding("ok", f"rank {rank} wrote {path}"),
+                        Finding("warning", f"rank 0 probed no port of rank {rank} within "
+                                           f"{wait_s + PROBE_MARGIN_S:g} s (rank 0's report "
+                                           "says why)")]
+            plan = go["bandwidth"]
+    # The listeners are closed: the all-reduce's runtime binds the same ports.
+    if "jobs" in plan:
+        result = allreduce.run_client(plan["jobs"], rank, facts.environ, ALLREDUCE_TIMEOUT_S)
+        write_json(directory, ALLREDUCE.format(rank), dict(result, nonce=nonce))
+    if rank != 0:
+        return [Finding("ok", f"rank {rank} wrote {path}")]
+    results = {}
+    if "jobs" in plan:
+        results = _wait_for(directory, {r: ALLREDUCE.format(r) for r in reports},
+                            {r: rep.get("nonce") for r, rep in reports.items()},
+                            PROBE_MARGIN_S)
+    return compare(reports, size, wait_s, probed, plan, results)
+
+
+def _wait_for_go(directory: str, rank: int, nonce: str, timeout_s: float) -> Optional[dict]:
+    """Rank 0's go file once it names this rank's nonce (rank 0 probed its ports)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        go = _read_json(os.path.join(directory, GO))
+        if go and go.get("nonces", {}).get(str(rank)) == nonce:
+            return go
+        time.sleep(0.2)
+    return None
