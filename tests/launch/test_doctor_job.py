@@ -145,3 +145,5 @@ def test_srun_doctor_reports_every_node(real_slurm, tmp_path):
     assert result.returncode == 0, result.stderr[-2000:]
     assert "2 of 2 nodes reported: TensorFlow" in result.stdout, result.stdout
     assert "rank 1 wrote" in result.stdout
+    # each rank listened on a free port (--ports 0); client 0 reached both by node name
+    assert "ok: client 0 reached 2 of 2 job ports of 2 ranks" in result.stdout
