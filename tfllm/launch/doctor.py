@@ -247,14 +247,13 @@ def greeting(rank: int, nonce: str) -> bytes:
 def reachability(reports: Dict[int, dict]) -> List[dict]:
     """Client 0 connects to every rank's address and listening ports: one record per
     port, {"rank", "host", "address", "port", "error": None or [what, likely cause]}."""
-    targets = [(rank, r) for rank, r in sorted(reports.items())
-               for _ in r.get("listening", [])]
-    ports = [p for _, r in sorted(reports.items()) for p in r.get("listening", [])]
+    targets = [(rank, r, port) for rank, r in sorted(reports.items())
+               for port in r.get("listening", [])]
     errors = job_ports.probe_all([(r["address"], port, greeting(rank, r.get("nonce", "")))
-                                  for (rank, r), port in zip(targets, ports)])
+                                  for rank, r, port in targets])
     return [{"rank": rank, "host": r["host"], "address": r["address"], "port": port,
              "error": list(error) if error else None}
-            for (rank, r), port, error in zip(targets, ports, errors)]
+            for (rank, r, port), error in zip(targets, errors)]
 
 
 def bandwidth_plan(reports: Dict[int, dict], size: int, probed: Sequence[dict]) -> dict:
