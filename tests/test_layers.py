@@ -12,6 +12,7 @@ ROOT = pathlib.Path(tfllm.__file__).parent
 #: lowest first; a package may import the packages of lower floors only
 FLOORS = (
     ("contracts", "internals", "quiet", "confined"),  # ground: contracts, private-API fence
+    ("files",),  # the one way to write and delete (with the ground floor's names)
     ("parallel",),  # mesh, rules table, layouts, placement, the mesh context
     ("config", "compiler", "optim", "data"),  # schema; compiling; AdamW; corpora, tokenizers
     ("checkpoint", "precision"),  # workdir and checkpoints; dtype policies, FP8

@@ -1,5 +1,5 @@
 """File names read from files (a checkpoint's manifest, a preset's weight map) kept inside
-their directory: the one rule, for reading and writing alike.
+their directory, and files read only when regular and bounded: the one rule for reading.
 
 A name written by someone else decides which file tfllm opens (or, restoring a data
 iterator, writes). `relative_name` accepts only a plain relative path: no absolute path,
@@ -17,18 +17,13 @@ with a rename), and without blocking: a FIFO, a device such as /dev/zero, a sock
 directory is refused before a byte is read, where reading it would block forever or
 until memory runs out.
 
-Output folders are new: `require_new_folder` refuses an existing non-empty --out, the
-filesystem root, and the run itself or a folder holding it; `written_atomically` writes
-into a temporary folder it creates and renames it last, deleting only that folder.
+This module only reads; every write and delete goes through `tfllm.files`.
 """
 
 from __future__ import annotations
 
-import contextlib
 import os
-import shutil
 import stat
-import tempfile
 
 
 def relative_name(name, what: str, error=ValueError, flat: bool = False,
@@ -118,73 +113,3 @@ def read_regular(path: str, limit, what: str, error=ValueError, fix: str = "") -
         raise error(f"{path}: more than {limit} bytes (it grew while read), more than "
                     f"{what} holds.")
     return data
-
-
-# ---- new output folders (every `tfllm export` format) ---------------------------------------
-def require_new_folder(out: str, error=ValueError, keep=()) -> str:
-    """`out` as an absolute path for a new output folder: it must not exist or be an empty
-    folder (an export never overwrites or deletes files), and it may not be the
-    filesystem root, nor any folder in `keep` (the run's workdir) or one holding it.
-
-    Args:
-      out: the folder the user named (--out).
-      error: the exception class to raise (one line, exit 2 at the command line).
-      keep: folders the output may not replace or contain (e.g. the workdir).
-    """
-    out = os.path.abspath(os.path.expanduser(out))
-    real = os.path.realpath(out)
-    if real == os.path.dirname(real):
-        raise error(f"--out {out} is the filesystem root; export into a new directory.")
-    for folder in keep:
-        held = os.path.realpath(os.path.expanduser(folder))
-        if real == held or held.startswith(real.rstrip(os.sep) + os.sep):
-            raise error(f"--out {out} is or holds the run {folder}; export into a new "
-                        "directory (an export never replaces a run).")
-    if os.path.lexists(out) and (not os.path.isdir(out) or os.path.islink(out)
-                                 or os.listdir(out)):
-        raise error(f"--out {out} exists and is not empty; export into a new directory "
-                    "(an export never overwrites files).")
-    return out
-
-
-@contextlib.contextmanager
-def written_atomically(out: str):
-    """Yields a new temporary folder next to `out` (checked by `require_new_folder`),
-    renamed to `out` when the block succeeds and removed when it fails: only that folder,
-    which this call created, is ever deleted."""
-    parent = os.path.dirname(out) or "."
-    os.makedirs(parent, exist_ok=True)
-    tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(out)}.exporting-", dir=parent)
-    try:
-        yield tmp
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    if os.path.isdir(out) and not os.path.islink(out):
-        os.rmdir(out)  # empty (checked by require_new_folder); rmdir refuses anything else
-    os.replace(tmp, out)
-
-
-# ---- writing inside a folder tfllm owns ------------------------------------------------------
-_NEW = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC
-
-
-def open_for_writing(path: str, mode: str = "w", append: bool = False, **kwargs):
-    """`open(path, mode)` for tfllm's own files (a run's outputs and their temporary
-    names, a checkpoint's files, a launcher's logs) that never follows a symbolic link:
-    a link planted at the name (to a file elsewhere) fails with ELOOP, which the command
-    reports in one line naming it, instead of overwriting what the link points to.
-
-    Args:
-      path: the file.
-      mode: "w" or "wb" (or "a"/"ab" with `append`).
-      append: open for appending (created when missing) instead of truncating.
-      **kwargs: more arguments of `open` (e.g. buffering=0).
-    """
-    flags = (_NEW & ~os.O_TRUNC | os.O_APPEND) if append else _NEW
-    fd = os.open(path, flags, 0o644)
-    try:
-        return os.fdopen(fd, mode, **({} if "b" in mode else {"encoding": "utf-8"}), **kwargs)
-    except BaseException:
-        os.close(fd)
-        raise

@@ -12,7 +12,7 @@ CLI, training, the checkpointer, the watchdog and the launcher name the same thi
   entries of `DTENSOR_JOBS`).
 * **The readiness handshake** between `tfllm launch` and its workers: a worker whose mesh
   is up creates `TFLLM_READY_FILE` and prints `READY_LINE` with `TFLLM_READY_KEY`
-  (`announce_ready`); the launcher waits for one of them.
+  (`tfllm.parallel.coordination.announce_ready`); the launcher waits for one of them.
 * **Exit codes**, a contract with schedulers, scripts and `tfllm launch`, and which
   failures map to them:
 
@@ -37,8 +37,7 @@ from __future__ import annotations
 
 import errno
 import os
-import sys
-from typing import Mapping, Optional
+from typing import Optional
 
 #: bad input (an argument, config, data, tokenizer, checkpoint, workdir); nothing written
 BAD_INPUT_EXIT_CODE = 2
@@ -106,8 +105,10 @@ def client_id() -> int:
 #: the marker a run (or an import) writes first: the workdir is tfllm's
 MARKER = ".tfllm-run"
 #: the names of what a run keeps in its workdir (`tfllm.checkpoint.workdir.Workdir` joins
-#: them; config.yaml is `tfllm.config.loader.CONFIG_FILE`)
+#: them)
 CHECKPOINTS_DIR = "checkpoints"
+#: the resolved config, in a run directory and in an export (`tfllm.config.loader`)
+CONFIG_FILE = "config.yaml"
 METRICS_FILE = "metrics.jsonl"
 TENSORBOARD_DIR = "tensorboard"
 PLOT_FILE = "loss.png"
@@ -125,24 +126,13 @@ XLA_CACHE_DIR = "xla_cache"
 #: one lock file per client, held by the `tfllm train` writing the run
 #: (`tfllm.checkpoint.lock`): one writer per run
 LOCKS_DIR = ".tfllm-locks"
+#: the files and folders a run writes: cleared when a dead run without checkpoints is
+#: reused (`tfllm.checkpoint.workdir`), the only top-level names tfllm deletes in a run
+RUN_OUTPUTS = (METRICS_FILE, TENSORBOARD_DIR, PLOT_FILE, CONFIG_FILE, COSTS_FILE,
+               TOKENIZER_DIR, PRETRAINED_FILE)
 
 
 #: the variables `tfllm launch` gives a worker for the readiness handshake
 READY_FILE_ENV, READY_KEY_ENV = "TFLLM_READY_FILE", "TFLLM_READY_KEY"
 #: the line a worker prints once its mesh is up when given TFLLM_READY_KEY
 READY_LINE = "tfllm: ready {}"
-
-
-def announce_ready(environ: Mapping[str, str], out=None) -> None:
-    """The worker's side of the readiness handshake (tfllm calls it once its mesh is up):
-    creates TFLLM_READY_FILE and prints the TFLLM_READY_KEY line, whichever are set."""
-    path = environ.get(READY_FILE_ENV)
-    if path:
-        with open(path + ".tmp", "w") as f:
-            f.write(str(environ.get("DTENSOR_CLIENT_ID", "0")))
-        os.replace(path + ".tmp", path)  # appears complete or not at all
-    key = environ.get(READY_KEY_ENV)
-    if key:
-        # The process's real stdout: the launcher reads it even where tfllm sends its
-        # progress of clients other than 0 to a log file.
-        print(READY_LINE.format(key), file=out or sys.__stdout__, flush=True)

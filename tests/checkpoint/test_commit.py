@@ -182,9 +182,10 @@ def test_a_failure_marker_appears_with_its_text(tmp_path, monkeypatch):
     seen = []
     replace = os.replace
 
-    def watched(src, dst):
-        seen.append((os.path.exists(dst), json.loads(open(src).read())["errno"]))
-        replace(src, dst)
+    def watched(src, dst, **dir_fds):  # names inside tmp_path (tfllm.files renames by fd)
+        seen.append((os.path.exists(tmp_path / dst),
+                     json.loads((tmp_path / src).read_text())["errno"]))
+        replace(src, dst, **dir_fds)
     monkeypatch.setattr(os, "replace", watched)
     storage.mark_failed(str(tmp_path), OSError(errno.ENOSPC, "full"),
                         OSError(errno.ENOSPC, "full"))

@@ -6,9 +6,9 @@ import os
 
 import pytest
 
+from tfllm import files
 from tfllm.checkpoint import storage
 from tfllm.cli.main import main
-from tfllm.confined import open_for_writing
 from tests.harness import tiny_overrides
 
 
@@ -16,13 +16,12 @@ def test_writing_through_a_planted_link_is_refused(tmp_path):
     victim = tmp_path / "victim.txt"
     victim.write_text("mine")
     os.symlink(victim, tmp_path / "metrics.jsonl.tmp")
-    with pytest.raises(OSError) as caught:
-        open_for_writing(str(tmp_path / "metrics.jsonl.tmp"))
-    assert caught.value.errno == 40  # ELOOP: O_NOFOLLOW met a link
-    with pytest.raises(OSError):
-        open_for_writing(str(tmp_path / "metrics.jsonl.tmp"), "a", append=True)
+    with pytest.raises(files.Refused, match="is a symbolic link"):
+        files.open_for_writing(str(tmp_path), "metrics.jsonl.tmp")
+    with pytest.raises(files.Refused, match="is a symbolic link"):
+        files.open_for_writing(str(tmp_path), "metrics.jsonl.tmp", "a", append=True)
     assert victim.read_text() == "mine"
-    with open_for_writing(str(tmp_path / "new.txt")) as f:  # a plain new file is fine
+    with files.open_for_writing(str(tmp_path), "new.txt") as f:  # a plain new file is fine
         f.write("x")
 
 

@@ -8,7 +8,7 @@ import subprocess
 
 import pytest
 
-from tfllm import contracts
+from tfllm.parallel import coordination
 from tfllm.launch import topology as topo
 from tfllm.launch.device import NCCL_ENV as NCCL, NCCL_PROBE_SH
 from tfllm.launch.main import make_plan, parse
@@ -148,11 +148,11 @@ def test_worker_environment_and_handshake():
 def test_announce_ready_creates_the_file_and_prints_the_key(tmp_path):
     out = io.StringIO()
     path = tmp_path / "ready.1"
-    contracts.announce_ready({"TFLLM_READY_FILE": str(path), "TFLLM_READY_KEY": "abc",
-                         "DTENSOR_CLIENT_ID": "1"}, out)
+    coordination.announce_ready({"TFLLM_READY_FILE": str(path), "TFLLM_READY_KEY": "abc",
+                                 "DTENSOR_CLIENT_ID": "1"}, out)
     assert path.read_text() == "1"
     assert out.getvalue() == "tfllm: ready abc\n"
-    contracts.announce_ready({}, out)  # outside a launcher: nothing
+    coordination.announce_ready({}, out)  # outside a launcher: nothing
     assert out.getvalue() == "tfllm: ready abc\n"
 
 

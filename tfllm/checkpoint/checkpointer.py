@@ -18,6 +18,7 @@ from tfllm.checkpoint import storage
 from tfllm.checkpoint.reader import Reader
 from tfllm.checkpoint.shards import CheckpointError, owned_blocks, tf_variable
 from tfllm.confined import relative_name
+from tfllm.files import make_dirs
 from tfllm import contracts
 
 log = logging.getLogger("tfllm.checkpoint")
@@ -97,7 +98,7 @@ class Checkpointer:
         self.timings: Dict[str, float] = {}
         self._thread: Optional[threading.Thread] = None
         self._error: Optional[BaseException] = None
-        os.makedirs(self.directory, exist_ok=True)
+        make_dirs(self.directory)
         self.removed = storage.cleanup(self.directory) if self.client_id == 0 else []
         for path in self.removed:
             log.warning("removed the uncommitted checkpoint %s (an interrupted save)", path)
@@ -157,7 +158,7 @@ class Checkpointer:
     def _write(self, step, nonce, snapshot, files, metadata) -> None:
         start = time.perf_counter()
         tmp = os.path.join(self.directory, f"{storage.step_name(step)}.tmp-{nonce}")
-        os.makedirs(tmp, exist_ok=True)
+        make_dirs(self.directory, tmp)  # a link planted at its name is refused
         try:
             storage.write_client(tmp, self.client_id, snapshot, files)
             if self.client_id == 0:

@@ -25,6 +25,7 @@ import socket
 import time
 from typing import Optional
 
+from tfllm import files
 from tfllm.checkpoint.workdir import WorkdirError
 from tfllm.contracts import LOCKS_DIR
 
@@ -38,11 +39,12 @@ class RunLock:
     """
 
     def __init__(self, workdir: str, client: int = 0):
+        self.workdir = workdir
         self.directory = os.path.join(workdir, LOCKS_DIR)
         self.path = os.path.join(self.directory, f"client_{client}.lock")
         self.holder = os.path.join(self.directory, f"client_{client}.holder")
         self.previous: Optional[dict] = None
-        self._fd: Optional[int] = None
+        self._file = None
 
     def acquire(self) -> "RunLock":
         """Takes the lock; `WorkdirError` (exit 2) naming the live holder when another
@@ -51,13 +53,13 @@ class RunLock:
                                               and not os.path.isdir(self.directory)):
             raise WorkdirError(f"{self.directory} is not a folder tfllm made; remove it "
                                "(it only ever holds tfllm's lock files).")
-        os.makedirs(self.directory, exist_ok=True)
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
+        # created when missing, never truncated (its holder may be writing it), no link
+        lock = files.open_for_writing(self.workdir, self.path, "ab", append=True)
         try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            fcntl.flock(lock.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError as e:
             holder = _read(self.holder)
-            os.close(fd)
+            lock.close()
             if e.errno not in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
                 raise
             who = (f"pid {holder.get('pid')} on {holder.get('host')}, started "
@@ -66,28 +68,26 @@ class RunLock:
                 f"--workdir {os.path.dirname(self.directory)}: a tfllm train ({who}) is "
                 "writing this run; wait for it to end, or stop it (Ctrl-C or kill -TERM "
                 "saves and exits 75), then run this again.") from None
-        self._fd = fd
+        self._file = lock
         old = _read(self.holder)  # left only by a holder that died
         if old and (old.get("pid"), old.get("host")) != (os.getpid(), socket.gethostname()):
             self.previous = old
         record = {"pid": os.getpid(), "host": socket.gethostname(),
                   "started": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
-        tmp = f"{self.holder}.{os.getpid()}.part"
-        with open(tmp, "w", encoding="utf-8") as f:
-            json.dump(record, f)
-        os.replace(tmp, self.holder)
+        files.write_atomically(self.workdir, self.holder, json.dumps(record),
+                               suffix=f".{os.getpid()}.part")
         return self
 
     def release(self) -> None:
         """Lets the lock go (the file stays: removing it could race a waiting run)."""
-        if self._fd is not None:
+        if self._file is not None:
             try:
                 if os.path.isfile(self.holder) and not os.path.islink(self.holder):
-                    os.remove(self.holder)  # this holder's own record
-                fcntl.flock(self._fd, fcntl.LOCK_UN)
+                    files.remove(self.workdir, self.holder)  # this holder's own record
+                fcntl.flock(self._file.fileno(), fcntl.LOCK_UN)
             finally:
-                os.close(self._fd)
-                self._fd = None
+                self._file.close()
+                self._file = None
 
     def __enter__(self) -> "RunLock":
         return self.acquire()

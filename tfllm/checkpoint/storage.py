@@ -29,19 +29,19 @@ the storage failed), and the others fail at once, as it does (`mark_failed`).
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import hashlib
 import json
 import os
 import re
-import shutil
 import time
 from typing import Dict, List, Optional, Tuple
 
 import numpy as np
 
+from tfllm import files
 from tfllm.checkpoint import signing
-from tfllm.confined import open_for_writing
 from tfllm.checkpoint.shards import CheckpointError
 
 FORMAT = 1
@@ -68,21 +68,22 @@ def _fsync_dir(path: str) -> None:
         os.close(fd)
 
 
-def write_file(path: str, data: bytes) -> dict:
-    """Writes `data` durably (write, flush, fsync) and returns its {sha256, bytes}."""
-    with open_for_writing(path, "wb") as f:  # a link planted at the name is refused
+def write_file(root: str, path: str, data: bytes) -> dict:
+    """Writes `data` durably (write, flush, fsync) to `path` inside `root` (a link on the
+    way or at the name is refused: `tfllm.files`); returns its {sha256, bytes}."""
+    with files.open_for_writing(root, path, "wb") as f:
         f.write(data)
         f.flush()
         os.fsync(f.fileno())
     return {"sha256": hashlib.sha256(data).hexdigest(), "bytes": len(data)}
 
 
-def write_json_atomic(path: str, obj) -> dict:
-    """A JSON file that readers see whole or not at all (write to .part, then rename)."""
-    info = write_file(path + ".part", json.dumps(obj, indent=1, sort_keys=True).encode())
-    os.replace(path + ".part", path)
-    _fsync_dir(os.path.dirname(path))
-    return info
+def write_json_atomic(root: str, path: str, obj) -> dict:
+    """A JSON file inside `root` that readers see whole or not at all (written durably to
+    .part, then renamed); returns its {sha256, bytes}."""
+    data = json.dumps(obj, indent=1, sort_keys=True).encode()
+    files.write_atomically(root, path, data, suffix=".part", durable=True)
+    return {"sha256": hashlib.sha256(data).hexdigest(), "bytes": len(data)}
 
 
 def _raw(array: np.ndarray) -> np.ndarray:
@@ -91,7 +92,7 @@ def _raw(array: np.ndarray) -> np.ndarray:
 
 
 def write_client(tmp: str, client_id: int, variables: Dict[str, dict],
-                 files: Dict[str, bytes]) -> None:
+                 client_files: Dict[str, bytes]) -> None:
     """Writes this client's shards, index and files, then its `done.<client>` token.
 
     Args:
@@ -99,13 +100,14 @@ def write_client(tmp: str, client_id: int, variables: Dict[str, dict],
       client_id: this client.
       variables: name -> {"shape", "dtype", "blocks": [((start, size), array)], or a
         callable returning that list, called when the variable is written}.
-      files: relative name -> bytes, stored under client_XXXXX/files/.
+      client_files: relative name -> bytes, stored under client_XXXXX/files/.
     """
     rel = client_dir(client_id)
-    os.makedirs(os.path.join(tmp, rel, "files"), exist_ok=True)
+    root = os.path.dirname(tmp)  # the checkpoints folder: the save's folder is walked too
+    files.make_dirs(root, os.path.join(tmp, rel, "files"))
     listing, index = {}, {}
     data_hash, offset = hashlib.sha256(), 0
-    with open(os.path.join(tmp, rel, "shards.bin"), "wb") as f:
+    with files.open_for_writing(root, os.path.join(tmp, rel, "shards.bin"), "wb") as f:
         for name in sorted(variables):
             entry = variables[name]
             owned = entry["blocks"]() if callable(entry["blocks"]) else entry["blocks"]
@@ -124,15 +126,14 @@ def write_client(tmp: str, client_id: int, variables: Dict[str, dict],
         os.fsync(f.fileno())
     listing[f"{rel}/shards.bin"] = {"sha256": data_hash.hexdigest(), "bytes": offset}
     listing[f"{rel}/index.json"] = write_file(
-        os.path.join(tmp, rel, "index.json"),
+        root, os.path.join(tmp, rel, "index.json"),
         json.dumps({"format": FORMAT, "client": client_id, "variables": index},
                    sort_keys=True).encode())
-    for name, data in sorted(files.items()):
-        path = os.path.join(tmp, rel, "files", name)
-        os.makedirs(os.path.dirname(path), exist_ok=True)
-        listing[f"{rel}/files/{name}"] = write_file(path, data)
+    for name, data in sorted(client_files.items()):
+        path = os.path.join(tmp, rel, "files", name)  # its folders made on the way
+        listing[f"{rel}/files/{name}"] = write_file(root, path, data)
     _fsync_dir(os.path.join(tmp, rel))
-    write_json_atomic(os.path.join(tmp, f"done.{client_id:05d}"),
+    write_json_atomic(root, os.path.join(tmp, f"done.{client_id:05d}"),
                       {"client": client_id, "files": listing})
 
 
@@ -161,34 +162,35 @@ def commit(directory: str, tmp: str, step: int, nonce: str, num_clients: int,
     tokens = [os.path.join(tmp, f"done.{c:05d}") for c in range(num_clients)]
     wait_for(lambda: all(os.path.exists(t) for t in tokens), timeout_s,
              f"the done.* tokens of {num_clients} clients in {tmp}")
-    files = {}
+    listing = {}
     for token in tokens:
         with open(token, "rb") as f:
             data = f.read()
-        files.update(json.loads(data)["files"])
-        files[os.path.basename(token)] = {"sha256": hashlib.sha256(data).hexdigest(),
-                                          "bytes": len(data)}
-    files["metadata.json"] = write_file(
-        os.path.join(tmp, "metadata.json"),
+        listing.update(json.loads(data)["files"])
+        listing[os.path.basename(token)] = {"sha256": hashlib.sha256(data).hexdigest(),
+                                            "bytes": len(data)}
+    listing["metadata.json"] = write_file(
+        directory, os.path.join(tmp, "metadata.json"),
         json.dumps(metadata, indent=1, sort_keys=True).encode())
-    manifest = {"format": FORMAT, "step": step, "num_clients": num_clients, "files": files}
+    manifest = {"format": FORMAT, "step": step, "num_clients": num_clients, "files": listing}
     manifest = json.dumps(manifest, indent=1, sort_keys=True).encode()
-    manifest_info = write_file(os.path.join(tmp, "manifest.json"), manifest)
+    manifest_info = write_file(directory, os.path.join(tmp, "manifest.json"), manifest)
     _fsync_dir(tmp)
     final = os.path.join(directory, step_name(step))
     old = None
-    if os.path.exists(final):
+    if os.path.lexists(final):
         # Saving a step that already exists (e.g. a rerun after restoring it): move the old
         # one aside first; until COMMIT lands the previous step is the latest, never a mix.
+        # (A link named like it is refused: it is not this run's.)
         old = final + f".replaced-{nonce}"
-        os.replace(final, old)
-    os.replace(tmp, final)
+        files.replace(directory, final, old)
+    files.replace(directory, tmp, final)
     _fsync_dir(directory)
-    write_json_atomic(os.path.join(final, "COMMIT"),
+    write_json_atomic(directory, os.path.join(final, "COMMIT"),
                       {"step": step, "nonce": nonce,
                        "manifest_sha256": manifest_info["sha256"], **signing.sign(manifest)})
     if old is not None:
-        shutil.rmtree(old, ignore_errors=True)
+        files.remove_tree(directory, old, ignore_errors=True)
     return final
 
 
@@ -226,15 +228,13 @@ def mark_failed(tmp: str, error: BaseException, io_error: Optional[OSError] = No
     if io_error is not None:
         record.update(errno=io_error.errno, strerror=io_error.strerror)
     marker = os.path.join(tmp, FAILED_IO if io_error is not None else FAILED)
-    text = marker + ".part"
+    root = os.path.dirname(tmp)
     try:  # the text first, then the name: a waiting client never reads a half-written marker
-        with open(text, "w") as f:
-            f.write(json.dumps(record))
-        os.replace(text, marker)
-    except OSError:  # a full disk may refuse the text but still let the name be created
+        files.write_atomically(root, marker, json.dumps(record), suffix=".part")
+    except (OSError, files.Refused):  # a full disk may refuse the text, not the name
         try:
-            open(marker, "a").close()
-        except OSError:
+            files.open_for_writing(root, marker, "a", append=True).close()
+        except (OSError, files.Refused):
             pass  # without the name the others time out
 
 
@@ -280,14 +280,14 @@ def latest(directory: str) -> Optional[str]:
 
 def delete(path: str) -> None:
     """Removes a checkpoint: COMMIT first, so a half-deleted one is never restored. A
-    symbolic link named like a checkpoint is not tfllm's: never followed or removed."""
+    symbolic link named like a checkpoint is not tfllm's: never followed or removed (nor
+    is anything not named as tfllm names checkpoints: `tfllm.files`)."""
     if os.path.islink(path):
         return
-    try:
-        os.remove(os.path.join(path, "COMMIT"))
-    except FileNotFoundError:
-        pass
-    shutil.rmtree(path, ignore_errors=True)
+    root = os.path.dirname(path)
+    with contextlib.suppress(files.Refused):  # a COMMIT that is a link goes with its folder
+        files.remove(root, os.path.join(path, "COMMIT"))
+    files.remove_tree(root, path, ignore_errors=True)
 
 
 def cleanup(directory: str) -> List[str]:
@@ -305,8 +305,8 @@ def cleanup(directory: str) -> List[str]:
     removed = []
     for name in sorted(os.listdir(directory)):
         path = os.path.join(directory, name)
-        if (name.startswith("step_") and os.path.isdir(path) and not os.path.islink(path)
-                and path not in keep):
+        if (name.startswith("step_") and files.owned_name(name) and os.path.isdir(path)
+                and not os.path.islink(path) and path not in keep):
             delete(path)
             removed.append(path)
     return removed

@@ -35,7 +35,6 @@ import dataclasses
 import io
 import json
 import os
-import shutil
 import socket
 import time
 import uuid
@@ -46,22 +45,19 @@ from tfllm.checkpoint.reader import Reader
 from tfllm.checkpoint.shards import CheckpointError
 from tfllm.checkpoint.state import model_variables
 from tfllm.checkpoint.storage import committed, latest, step_name, write_json_atomic
-from tfllm.confined import open_for_writing, open_regular
-from tfllm.config.loader import (CONFIG_FILE, ConfigError, config_path, read_config_file,
+from tfllm import files
+from tfllm.confined import open_regular
+from tfllm.config.loader import (ConfigError, config_path, read_config_file,
                                  save_config, to_dict)
 from tfllm.contracts import (CHECKPOINTS_DIR, COSTS_FILE, LOCKS_DIR, LOGS_DIR, MARKER,
-                             METRICS_FILE, PLOT_FILE, PRETRAINED_FILE, TENSORBOARD_DIR,
-                             TOKENIZER_DIR, XLA_CACHE_DIR)
+                             METRICS_FILE, PLOT_FILE, PRETRAINED_FILE, RUN_OUTPUTS,
+                             TENSORBOARD_DIR, TOKENIZER_DIR, XLA_CACHE_DIR)
 
 #: (section, key or None for the whole section) that define a run and must not change.
 RUN_DEFINING = (("model", None), ("data", None), ("optimizer", None),
                 ("precision", None), ("train", "global_batch_size"),
                 ("train", "grad_accum_steps"), ("train", "seed"))
 
-
-#: files and folders a run writes; cleared when a dead run without checkpoints is reused
-RUN_OUTPUTS = (METRICS_FILE, TENSORBOARD_DIR, PLOT_FILE, CONFIG_FILE, COSTS_FILE,
-               TOKENIZER_DIR, PRETRAINED_FILE)
 
 #: tfllm's folders that are kept: checkpoints (the checkpointer removes interrupted saves
 #: itself), and those written before a run starts (`tfllm launch`'s logs, heartbeats and
@@ -71,7 +67,7 @@ SHARED_DIRS = (LOGS_DIR, XLA_CACHE_DIR, LOCKS_DIR)
 
 #: suffixes of tfllm's atomic writes (a temporary name, then a rename): config.yaml.tmp,
 #: metrics.jsonl.tmp, costs.json.part, loss.png.tmp.png
-_LEFTOVER_SUFFIXES = (".tmp", ".part", ".tmp.png")
+_LEFTOVER_SUFFIXES = files.TEMPORARY_SUFFIXES
 
 
 class Workdir:
@@ -220,15 +216,12 @@ class Workdir:
         if not os.path.exists(path):
             return
         keep = [r for r in read_metrics(path) if r.get("step", 0) <= last_step]
-        tmp = path + ".tmp"
-        with open_for_writing(tmp) as f:  # a link planted at the name is refused
-            f.writelines(json.dumps(r) + "\n" for r in keep)
-        os.replace(tmp, path)
+        files.write_atomically(self.path, path, "".join(json.dumps(r) + "\n" for r in keep))
 
     def write_costs(self, costs: dict) -> str:
         """Writes the step's cost report as WORKDIR/costs.json (whole or not at all);
         returns the path."""
-        write_json_atomic(self.costs_file, costs)
+        write_json_atomic(self.path, self.costs_file, costs)
         return self.costs_file
 
 
@@ -306,11 +299,10 @@ def write_marker(directory: str, kind: str) -> dict:
     Returns:
       The marker.
     """
-    os.makedirs(directory, exist_ok=True)
     marker = {"tfllm": "run", "kind": kind, "run_id": uuid.uuid4().hex,
               "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "host": socket.gethostname(),
               "pid": os.getpid()}
-    write_json_atomic(Workdir(directory).marker_file, marker)
+    write_json_atomic(directory, Workdir(directory).marker_file, marker)
     return marker
 
 
@@ -463,11 +455,11 @@ def start_run(state: WorkdirState, config) -> None:
         for name in sorted(os.listdir(workdir)):
             if _kind_of(workdir, name) != "output" or name in keep:
                 continue
-            path = os.path.join(workdir, name)
+            path = os.path.join(workdir, name)  # only tfllm's names (tfllm.files)
             if os.path.isdir(path):
-                shutil.rmtree(path)
+                files.remove_tree(workdir, path)
             else:
-                os.remove(path)
+                files.remove(workdir, path)
     if not state.has_checkpoint or read_marker(workdir) is None:
         write_marker(workdir, "train")
 

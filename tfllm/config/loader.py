@@ -15,7 +15,9 @@ from typing import Any, Iterable, Optional
 import yaml
 
 from tfllm.config import schema
-from tfllm.confined import open_for_writing, read_regular
+from tfllm import files
+from tfllm.confined import read_regular
+from tfllm.contracts import CONFIG_FILE
 
 
 class ConfigError(ValueError):
@@ -385,10 +387,6 @@ def dump_yaml(cfg: schema.Config) -> str:
     return yaml.safe_dump(to_dict(cfg), sort_keys=False)
 
 
-#: the resolved config's file in a run directory (and in an export)
-CONFIG_FILE = "config.yaml"
-
-
 def config_path(directory: str) -> str:
     """DIRECTORY/config.yaml: where a run (`tfllm.checkpoint.workdir.Workdir`) or an
     export keeps its resolved config."""
@@ -396,11 +394,8 @@ def config_path(directory: str) -> str:
 
 
 def save_config(cfg: schema.Config, workdir: str) -> str:
-    """Writes the resolved config to WORKDIR/config.yaml atomically; returns the path."""
-    os.makedirs(workdir, exist_ok=True)
+    """Writes the resolved config to WORKDIR/config.yaml atomically (config.yaml.tmp, then
+    renamed; a link planted at either name is refused); returns the path."""
     path = config_path(workdir)
-    tmp = path + ".tmp"
-    with open_for_writing(tmp) as f:  # a link planted at the name is refused
-        f.write(dump_yaml(cfg))
-    os.replace(tmp, path)
+    files.write_atomically(workdir, path, dump_yaml(cfg))
     return path

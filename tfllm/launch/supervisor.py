@@ -23,7 +23,7 @@ import time
 from dataclasses import dataclass
 from typing import Callable, Dict, Optional, Sequence
 
-from tfllm.confined import open_for_writing
+from tfllm import files
 from tfllm.contracts import (BAD_INPUT_EXIT_CODE, IO_ERROR_EXIT_CODE, PEER_LOST_EXIT_CODE,
                               PREEMPTED_EXIT_CODE, STARTUP_TIMEOUT_EXIT_CODE)
 from tfllm.contracts import READY_LINE
@@ -115,9 +115,8 @@ class Supervisor:
         """
         log_path = os.path.join(self.log_dir, f"rank_{spec.rank}.log")
         ready = self.ready_file(spec.rank)
-        if os.path.exists(ready):
-            os.remove(ready)
-        with open_for_writing(log_path, "a", append=True) as log:  # never through a link
+        files.remove(self.log_dir, ready)  # the previous attempt's (tfllm's name: ready.N)
+        with files.open_for_writing(self.log_dir, log_path, "a", append=True) as log:
             log.write(f"=== multiworker: rank {spec.rank} attempt {attempt} started "
                       f"{time.strftime('%Y-%m-%dT%H:%M:%SZ', time.gmtime())} ===\n")
         env = dict(os.environ) if remote else dict(os.environ, **spec.env)
@@ -139,13 +138,14 @@ class Supervisor:
         reader.start()
         self.workers[spec.rank] = Worker(spec, process, reader, ready, matched, ready_line,
                                          remote=remote)
-        with open_for_writing(os.path.join(self.log_dir, "pids"), "a", append=True) as f:
+        with files.open_for_writing(self.log_dir, "pids", "a", append=True) as f:
             f.write(f"{spec.rank} {process.pid}\n")
 
     def _read(self, rank: int, process, log_path: str, matched: threading.Event,
               ready_line: Optional[str]) -> None:
         """Tees the worker's output: raw to its log, prefixed to our stdout."""
-        with open_for_writing(log_path, "ab", append=True, buffering=0) as log:
+        with files.open_for_writing(self.log_dir, log_path, "ab", append=True,
+                                    buffering=0) as log:
             for raw in iter(process.stdout.readline, b""):
                 log.write(raw)
                 line = raw.decode("utf-8", "replace").rstrip("\n")
@@ -165,7 +165,7 @@ class Supervisor:
     def run_attempt(self, start_all: Callable[[], None]) -> int:
         """Starts the workers (`start_all`) and watches them; the attempt's exit code."""
         self.workers = {}
-        open_for_writing(os.path.join(self.log_dir, "pids")).close()
+        files.open_for_writing(self.log_dir, "pids").close()
         start_all()
         started, ready, told = time.monotonic(), False, False
         while True:

@@ -1,16 +1,21 @@
 """Agreement between the clients of a multi-client job, over TensorFlow's coordination
 service (the key-value store and barriers that DTensor's multi-client runtime starts).
 
-Single-client runs need no agreement: every function here is then a local no-op.
+Single-client runs need no agreement: every function here is then a local no-op. A
+worker also answers `tfllm launch`'s readiness handshake here (`announce_ready`, whose
+names are `tfllm.contracts`').
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import os
+import sys
+from typing import Mapping
 
-from tfllm import internals
-from tfllm.contracts import client_id, num_clients
+from tfllm import files, internals
+from tfllm.contracts import READY_FILE_ENV, READY_KEY_ENV, READY_LINE, client_id, num_clients
 
 _TIMEOUT_MS = 10 * 60 * 1000  # a client slower than this is treated as gone
 
@@ -116,3 +121,17 @@ def barrier(name: str) -> None:
     """Waits until every client reaches the barrier `name`."""
     if num_clients() > 1:
         internals.eager_context().wait_at_barrier(f"tfllm/{name}", _TIMEOUT_MS)
+
+
+def announce_ready(environ: Mapping[str, str], out=None) -> None:
+    """The worker's side of the readiness handshake (tfllm calls it once its mesh is up):
+    creates TFLLM_READY_FILE and prints the TFLLM_READY_KEY line, whichever are set."""
+    path = environ.get(READY_FILE_ENV)
+    if path:  # in the launcher's log folder, whole or not at all, never through a link
+        files.write_atomically(os.path.dirname(os.path.abspath(path)), path,
+                               str(environ.get("DTENSOR_CLIENT_ID", "0")))
+    key = environ.get(READY_KEY_ENV)
+    if key:
+        # The process's real stdout: the launcher reads it even where tfllm sends its
+        # progress of clients other than 0 to a log file.
+        print(READY_LINE.format(key), file=out or sys.__stdout__, flush=True)

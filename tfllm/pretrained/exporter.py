@@ -14,19 +14,15 @@ import os
 
 import numpy as np
 
-from tfllm import confined
-
+from tfllm import files
 from tfllm.pretrained.families import (Permuted, PretrainedError, default_backbone,
                                        family_for, keras_hub_path)
 from tfllm.pretrained.importer import read_origin
 
 
 def require_new_folder(out: str, workdir: str = None) -> str:
-    """`tfllm.confined.require_new_folder` with the pretrained formats' error."""
-    return confined.require_new_folder(out, PretrainedError, keep=(workdir,) if workdir else ())
-
-
-written_atomically = confined.written_atomically
+    """`tfllm.files.require_new_folder` with the pretrained formats' error."""
+    return files.require_new_folder(out, PretrainedError, keep=(workdir,) if workdir else ())
 
 
 def _run_tokenizer(config):
@@ -100,7 +96,7 @@ def export_preset(config, workdir: str, out_dir: str) -> dict:
         raise PretrainedError(f"{name}'s weights {missing[:5]} have no tfllm counterpart.")
 
     tokenizer = _run_tokenizer(config)
-    with written_atomically(out_dir) as tmp:
+    with files.written_atomically(out_dir) as tmp:  # keras-hub writes into that new folder
         if tokenizer is not None:
             task_cls = getattr(keras_hub.models, name.replace("Backbone", "CausalLM"))
             pre_cls = getattr(keras_hub.models,

@@ -30,7 +30,7 @@ from typing import Callable, List, Optional, Sequence, Tuple
 
 import numpy as np
 
-from tfllm import internals
+from tfllm import files, internals
 from tfllm.models import model_class
 from tfllm.models.llama.llama import is_local_layer
 from tfllm.pretrained import peft
@@ -353,10 +353,10 @@ def plan_shards(tensors: Sequence[Tensor], itemsize: int,
     return shards
 
 
-def _write_safetensors(path: str, tensors: Sequence[Tensor], code: str, itemsize: int,
-                       produce: Callable[[Tensor], np.ndarray]) -> None:
-    """Writes a safetensors file: the header first (shapes are known), then each tensor
-    as it is produced, so only one is in memory."""
+def _write_safetensors(root: str, path: str, tensors: Sequence[Tensor], code: str,
+                       itemsize: int, produce: Callable[[Tensor], np.ndarray]) -> None:
+    """Writes a safetensors file `path` inside `root`: the header first (shapes are
+    known), then each tensor as it is produced, so only one is in memory."""
     header, offset = {"__metadata__": {"format": "pt"}}, 0
     for t in tensors:
         n = _nbytes(t, itemsize)
@@ -365,7 +365,7 @@ def _write_safetensors(path: str, tensors: Sequence[Tensor], code: str, itemsize
         offset += n
     data = json.dumps(header, separators=(",", ":")).encode("utf-8")
     data += b" " * (-len(data) % 8)
-    with open(path, "wb") as f:
+    with files.open_for_writing(root, path, "wb") as f:
         f.write(struct.pack("<Q", len(data)))
         f.write(data)
         for t in tensors:
@@ -433,7 +433,7 @@ def export_hf(config, workdir: str, out: str, dtype: str = "float32",
     from tfllm.checkpoint.reader import Reader
     from tfllm.checkpoint.workdir import Workdir
     from tfllm.data.chat_template import export_template
-    from tfllm.pretrained.exporter import require_new_folder, written_atomically
+    from tfllm.pretrained.exporter import require_new_folder
     from tfllm.pretrained.importer import read_origin
 
     if dtype not in DTYPES:
@@ -476,32 +476,31 @@ def export_hf(config, workdir: str, out: str, dtype: str = "float32",
                                   "the checkpoint does not match the run's model config.")
         return array.astype(np_dtype)
 
-    with written_atomically(out) as tmp:
+    with files.written_atomically(out) as tmp:
         written, bos, eos, why = _tokenizer_files(config, tmp)
         export_template(config.data, tmp)  # the run's chat template, when it has one
-        with open(os.path.join(tmp, "config.json"), "w", encoding="utf-8") as f:
+        with files.open_for_writing(tmp, "config.json") as f:
             json.dump(hf_config(m, model_type, dtype, bos, eos), f, indent=2,
                       sort_keys=True)
-        with open(os.path.join(tmp, "generation_config.json"), "w", encoding="utf-8") as f:
+        with files.open_for_writing(tmp, "generation_config.json") as f:
             json.dump({"bos_token_id": bos, "eos_token_id": eos}, f, indent=2)
         itemsize = np_dtype.itemsize
         shards = plan_shards(tensors, itemsize, max_bytes)
-        files = []
+        names = []
         weight_map = {}
         for k, shard in enumerate(shards):
             name = ("model.safetensors" if len(shards) == 1 else
                     f"model-{k + 1:05d}-of-{len(shards):05d}.safetensors")
-            _write_safetensors(os.path.join(tmp, name), shard, code, itemsize, produce)
-            files.append(name)
+            _write_safetensors(tmp, name, shard, code, itemsize, produce)
+            names.append(name)
             weight_map.update({t.key: name for t in shard})
         total = sum(_nbytes(t, itemsize) for t in tensors)
         if len(shards) > 1:
-            with open(os.path.join(tmp, "model.safetensors.index.json"), "w",
-                      encoding="utf-8") as f:
+            with files.open_for_writing(tmp, "model.safetensors.index.json") as f:
                 json.dump({"metadata": {"total_size": total},
                            "weight_map": dict(sorted(weight_map.items()))}, f, indent=2)
     summary = {"out": out, "step": reader.step, "model_type": model_type, "dtype": dtype,
-               "files": files, "tensors": len(tensors), "bytes": total, "tokenizer": written}
+               "files": names, "tensors": len(tensors), "bytes": total, "tokenizer": written}
     if not written:
         summary["tokenizer_note"] = why
     return summary
@@ -527,7 +526,7 @@ def export_peft(config, workdir: str, out: str, dtype: str = "float32",
 
     from tfllm.checkpoint.reader import Reader
     from tfllm.checkpoint.workdir import Workdir
-    from tfllm.pretrained.exporter import require_new_folder, written_atomically
+    from tfllm.pretrained.exporter import require_new_folder
     from tfllm.pretrained.importer import read_origin
 
     lora = config.lora
@@ -563,10 +562,10 @@ def export_peft(config, workdir: str, out: str, dtype: str = "float32",
         return array.astype(np_dtype)
 
     config_json = peft.adapter_config(model_type, lora, patterns, origin.get("preset"))
-    with written_atomically(out) as tmp:
-        with open(os.path.join(tmp, peft.ADAPTER_CONFIG), "w", encoding="utf-8") as f:
+    with files.written_atomically(out) as tmp:
+        with files.open_for_writing(tmp, peft.ADAPTER_CONFIG) as f:
             json.dump(config_json, f, indent=2, sort_keys=True)
-        _write_safetensors(os.path.join(tmp, peft.ADAPTER_WEIGHTS), tensors, DTYPES[dtype],
+        _write_safetensors(tmp, peft.ADAPTER_WEIGHTS, tensors, DTYPES[dtype],
                            np_dtype.itemsize, produce)
     return {"out": out, "step": reader.step, "model_type": model_type, "r": lora.rank,
             "tensors": len(tensors), "bytes": sum(_nbytes(t, np_dtype.itemsize)

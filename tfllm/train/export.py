@@ -13,12 +13,11 @@ The output directory holds:
 from __future__ import annotations
 
 import os
-import shutil
 
 import tensorflow as tf
 
+from tfllm import files
 from tfllm.checkpoint.workdir import Workdir, WorkdirError
-from tfllm.confined import require_new_folder, written_atomically
 from tfllm.config import save_config
 from tfllm.contracts import TOKENIZER_DIR
 from tfllm.models import build_model
@@ -37,11 +36,12 @@ def export_model(config, workdir: str, out_dir: str) -> dict:
     Returns:
       A summary: out, step, params.
     """
-    out_dir = require_new_folder(out_dir, WorkdirError, keep=(workdir,))
+    out_dir = files.require_new_folder(out_dir, WorkdirError, keep=(workdir,))
     run_dir = Workdir(workdir)
     model = build_model(config, None)  # plain tf.Variables on one device
     meta = run_dir.restore_weights(model, config=config.checkpoint)
-    with written_atomically(out_dir) as tmp:  # only its own temporary folder is deleted
+    with files.written_atomically(out_dir) as tmp:  # only its own temporary folder is deleted
+        # Keras writes by path, into that new folder (made by tfllm.files: no link)
         model.save_weights(os.path.join(tmp, "model.weights.h5"))
         # Keras' own exporter: a SavedModel whose `serve` endpoint runs the model.
         model.export(os.path.join(tmp, "saved_model"), format="tf_saved_model",
@@ -50,6 +50,6 @@ def export_model(config, workdir: str, out_dir: str) -> dict:
                      verbose=False)
         save_config(config, tmp)
         if os.path.isdir(run_dir.tokenizer_dir):  # the export holds it as a run does
-            shutil.copytree(run_dir.tokenizer_dir, os.path.join(tmp, TOKENIZER_DIR))
+            files.copy_tree(tmp, run_dir.tokenizer_dir, TOKENIZER_DIR)
     params = sum(int(tf.size(v)) for v in model.trainable_variables)
     return {"out": out_dir, "step": int(meta["step"]), "params": params}

@@ -16,13 +16,12 @@ from __future__ import annotations
 import contextlib
 import json
 import math
-import os
 import sys
 import time
 from collections import deque
 
+from tfllm import files
 from tfllm.checkpoint.lock import RunLock
-from tfllm.confined import open_for_writing
 from tfllm.checkpoint.workdir import (Workdir, check_tokenizer, check_workdir, start_run,
                                       tokenizer_fingerprint)
 from tfllm.data.tokenizer import save_to_run
@@ -50,18 +49,23 @@ class _Outputs:
     def __init__(self, workdir: Workdir, primary: bool, progress: Progress):
         self.primary, self.progress = primary, progress
         self.metrics_path = workdir.metrics_file
-        self.tensorboard = TensorBoard(workdir.tensorboard_dir) if primary else None
-        self.file = (open_for_writing(self.metrics_path, "a", append=True) if primary
-                     else open(os.devnull, "a", encoding="utf-8"))
+        # TensorFlow writes the event files by path: into a folder made here, no link
+        self.tensorboard = (TensorBoard(files.make_dirs(workdir.path, workdir.tensorboard_dir))
+                            if primary else None)
+        # appended to, never through a link planted at the name
+        self.file = (files.open_for_writing(workdir.path, self.metrics_path, "a", append=True)
+                     if primary else None)
 
     def record(self, record: dict, model) -> None:
-        self.file.write(json.dumps(record) + "\n")
-        self.file.flush()
+        if self.file is not None:
+            self.file.write(json.dumps(record) + "\n")
+            self.file.flush()
         if self.tensorboard is not None:
             self.tensorboard.write(record["step"], record, model)
 
     def close(self):
-        self.file.close()
+        if self.file is not None:
+            self.file.close()
         self.progress.close()
 
 
@@ -113,8 +117,9 @@ def _train(config, workdir, model_cls, out, signals, watchdog: list) -> dict:
     state = check_workdir(workdir, config)
     has_checkpoint, imported = state.has_checkpoint, state.imported
     if not primary:  # other clients log to their own file
-        os.makedirs(run_dir.logs_dir, exist_ok=True)
-        out = open(os.path.join(run_dir.logs_dir, f"client_{client_id()}.log"), "a")
+        # logs/ may be a link (tfllm launch's folder): it is the root of this write
+        out = files.open_for_writing(run_dir.logs_dir, f"client_{client_id()}.log", "a",
+                                     append=True)
     if t.deterministic:
         import tensorflow as tf
         tf.config.experimental.enable_op_determinism()

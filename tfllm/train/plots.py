@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+import io
 import os
 
+from tfllm import files
 from tfllm.checkpoint.workdir import read_metrics
-from tfllm.confined import open_for_writing
 
 
 def plot_loss(metrics_path: str, png_path: str) -> str:
@@ -13,7 +14,7 @@ def plot_loss(metrics_path: str, png_path: str) -> str:
 
     Args:
       metrics_path: WORKDIR/metrics.jsonl.
-      png_path: the output file (written atomically).
+      png_path: the output file in the run directory (written atomically).
 
     Returns:
       png_path.
@@ -37,8 +38,9 @@ def plot_loss(metrics_path: str, png_path: str) -> str:
     ax.grid(alpha=0.3)
     ax.legend()
     fig.tight_layout()
-    tmp = png_path + ".tmp.png"
-    with open_for_writing(tmp, "wb") as f:  # a link planted at the name is refused
-        fig.savefig(f, format="png")
-    os.replace(tmp, png_path)
+    image = io.BytesIO()
+    fig.savefig(image, format="png")
+    # loss.png.tmp.png, then renamed; a link planted at either name is refused
+    files.write_atomically(os.path.dirname(os.path.abspath(png_path)), png_path,
+                           image.getvalue(), suffix=".tmp.png")
     return png_path

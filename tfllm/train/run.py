@@ -13,11 +13,11 @@ from typing import Optional
 from tfllm.checkpoint import run_state_variables
 from tfllm.compiler.jit import resolve_jit
 from tfllm.config.loader import to_dict
-from tfllm.contracts import announce_ready, client_id, num_clients
+from tfllm.contracts import client_id, num_clients
 from tfllm.data.feed import DeviceFeed
 from tfllm.generate import Generator
 from tfllm.parallel import make_parallel
-from tfllm.parallel.coordination import check_same_config, check_same_devices
+from tfllm.parallel.coordination import announce_ready, check_same_config, check_same_devices
 from tfllm.parallel.mesh import check_gpus
 from tfllm.train import hlo_dump
 from tfllm.train.evaluate import Evaluator
