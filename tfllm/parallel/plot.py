@@ -10,10 +10,13 @@ several devices (replicated over a mesh axis) is striped with all of their colou
 
 from __future__ import annotations
 
+import io
 import itertools
 import math
+import os
 from typing import Dict, List, Mapping, Optional, Sequence, Tuple
 
+from tfllm import files
 from tfllm.parallel.rules import shard_shape, spec_to_str, token_batch_spec
 
 Block = Tuple[Tuple[int, ...], Tuple[int, ...]]
@@ -157,6 +160,9 @@ def plot_layouts(rows, mesh_shape: Mapping[str, int], rules,
         draw_tensor(axes[-1], "token batch", tuple(batch_shape), spec,
                     ("activation_batch", "activation_length"), mesh_shape)
     fig.tight_layout()
-    if path is not None:
-        fig.savefig(path, dpi=110)
+    if path is not None:  # drawn in memory, written whole, never through a link
+        image = io.BytesIO()
+        fig.savefig(image, dpi=110, format=os.path.splitext(path)[1][1:] or "png")
+        path = os.path.abspath(path)
+        files.write_atomically(os.path.dirname(path), path, image.getvalue())
     return fig

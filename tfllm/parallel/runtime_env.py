@@ -13,6 +13,7 @@ from __future__ import annotations
 import os
 from typing import Dict, MutableMapping, Optional
 
+from tfllm import files
 from tfllm.contracts import XLA_CACHE_DIR
 
 # TensorFlow's GPU device keeps this much memory out of its allocator's pool
@@ -99,8 +100,8 @@ def xla_cache(directory: Optional[str],
     changes: Dict[str, str] = {}
     if not directory:
         return changes
-    autotune = os.path.join(directory, "autotune")
-    os.makedirs(autotune, exist_ok=True)
+    # XLA writes by path: into folders made here (no link below the cache's own folder)
+    autotune = files.make_dirs(directory, "autotune")
     _add_flag(environ, "TF_XLA_FLAGS", "--tf_xla_persistent_cache_directory", directory,
               changes)
     _add_flag(environ, "XLA_FLAGS", "--xla_gpu_per_fusion_autotune_cache_dir", autotune,

@@ -26,6 +26,7 @@ import threading
 import time
 from typing import Callable, Dict, Optional, Tuple
 
+from tfllm import files
 from tfllm.contracts import LOGS_DIR, PEER_LOST_EXIT_CODE
 
 
@@ -96,7 +97,7 @@ class PeerWatchdog:
         self._seen: Dict[int, Tuple[Optional[str], float]] = {}
 
     def start(self) -> "PeerWatchdog":
-        os.makedirs(os.path.join(self.workdir, LOGS_DIR), exist_ok=True)
+        files.make_dirs(os.path.join(self.workdir, LOGS_DIR))  # may be a link: the root
         now = time.monotonic()
         self._seen = {p: (self._read(p), now) for p in self.watched()}
         self._write(done=False)
@@ -124,11 +125,9 @@ class PeerWatchdog:
                   "pid": os.getpid()}
         if self._verdict is not None:
             record["lost"] = {"peer": self._verdict[0], "silent_s": self._verdict[1]}
-        try:
-            with open(path + ".tmp", "w") as f:
-                json.dump(record, f)
-            os.replace(path + ".tmp", path)
-        except OSError:
+        try:  # logs/ may be a link (tfllm launch's folder): it is the root of this write
+            files.write_atomically(os.path.dirname(path), path, json.dumps(record))
+        except (OSError, files.Refused):
             pass  # a full or flaky disk must not stop training; peers may then time out
 
     def _read(self, peer: int) -> Optional[str]:
