@@ -291,7 +291,7 @@ def validate(cfg: schema.Config) -> None:
                           "rope_scaling=llama3 (Llama 3.1 uses 4.0 and 1.0).")
     if m.attention == "cudnn":
         raise ConfigError("model.attention=cudnn: TensorFlow 2.21's DTensor cannot run "
-                          "cuDNN's fused attention inside a step (README: 'Fused (cuDNN) "
+                          "cuDNN's fused attention inside a step (docs/design.md: 'Fused (cuDNN) "
                           "attention on a DTensor mesh'); use model.attention=xla, with "
                           "model.attention_chunk for long sequences.")
     if cfg.train.profile_steps:

@@ -98,7 +98,7 @@ class ModelConfig:
                         "TensorFlow ops, standard or blocked by attention_chunk, compiled by "
                         "XLA on every device) or cudnn (cuDNN's fused flash attention), "
                         "which TensorFlow 2.21's DTensor cannot run inside a step: refused, "
-                        "see the README's 'Fused (cuDNN) attention on a DTensor mesh'.",
+                        "see docs/design.md's 'Fused (cuDNN) attention on a DTensor mesh'.",
                         choices=("xla", "cudnn"))
     attention_chunk: int = _f(0, "Blocked (flash) attention: when > 0 and the sequence is "
                               "longer, attention runs over tiles of this many queries and "
