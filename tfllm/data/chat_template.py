@@ -29,6 +29,7 @@ import jinja2.nodes
 import jinja2.sandbox
 import jinja2.utils
 
+from tfllm import files
 from tfllm.data.errors import DataError
 
 TEMPLATE_FILE = "chat_template.jinja"
@@ -299,15 +300,13 @@ def copy_template_files(source: str, folder: str) -> List[str]:
     tokenizer_config.json, special_tokens_map.json: the template, its special tokens and
     added tokens) into a run's tokenizer `folder`, where `load_chat_template` finds them;
     files `folder` already has are kept. Returns the names copied."""
-    import shutil
-
     copied = []
     if not os.path.isdir(source):
         return copied
     for name in (TEMPLATE_FILE, TOKENIZER_CONFIG, SPECIAL_TOKENS_MAP):
         src, dst = os.path.join(source, name), os.path.join(folder, name)
-        if os.path.isfile(src) and not os.path.exists(dst):
-            shutil.copyfile(src, dst)
+        if os.path.isfile(src) and not os.path.lexists(dst):
+            files.copy_file(folder, src, name)
             copied.append(name)
     return copied
 
@@ -322,12 +321,11 @@ def export_template(data, folder: str) -> Optional[str]:
     except DataError:
         return None
     path = os.path.join(folder, TEMPLATE_FILE)
-    with open(path, "w", encoding="utf-8") as f:
-        f.write(template.source)
+    files.write_atomically(folder, path, template.source)
     config_path = os.path.join(folder, TOKENIZER_CONFIG)
     if os.path.isfile(config_path):
         config = _read_json(config_path)
         config["chat_template"] = template.source
-        with open(config_path, "w", encoding="utf-8") as f:
-            json.dump(config, f, indent=2, ensure_ascii=False)
+        files.write_atomically(folder, config_path,
+                               json.dumps(config, indent=2, ensure_ascii=False))
     return path

@@ -21,11 +21,11 @@ import json
 import os
 import sys
 import sysconfig
-import tempfile
 from typing import Dict, List, Optional, Tuple
 
 import tensorflow as tf
 
+from tfllm import files
 from tfllm.data.errors import DataError
 
 SUFFIXES = (".py", ".txt", ".rst")
@@ -158,7 +158,6 @@ def _write(directory: str, root: str, validation_fraction: float) -> Dict:
     if not docs:
         raise DataError(f"data.source=corpus: no UTF-8 .py/.txt/.rst files under {root}; "
                         "use data.source=text with data.paths instead.")
-    os.makedirs(directory, exist_ok=True)
     splits = {"train": [], "validation": []}
     for relpath, text in docs:
         splits["validation" if in_validation(relpath, validation_fraction) else "train"]\
@@ -167,20 +166,20 @@ def _write(directory: str, root: str, validation_fraction: float) -> Dict:
         splits["validation"].append(splits["train"].pop())  # tiny roots: keep one doc
     manifest = {"format": FORMAT_VERSION, "python": sys.version.split()[0], "root": root,
                 "validation_fraction": validation_fraction, "splits": {}}
-    for split, texts in splits.items():
-        name = f"{split}.tfrecord"
-        fd, tmp = tempfile.mkstemp(dir=directory, prefix=f".{name}.")
-        os.close(fd)
-        with tf.io.TFRecordWriter(tmp) as writer:
-            for text in texts:
-                writer.write(_example(text))
-        os.replace(tmp, os.path.join(directory, name))
-        path = os.path.join(directory, name)
-        manifest["splits"][split] = {
-            "file": name, "docs": len(texts), "file_bytes": os.path.getsize(path),
-            "text_bytes": sum(len(t.encode("utf-8")) for t in texts), "sha256": _sha256(path)}
-    fd, tmp = tempfile.mkstemp(dir=directory, prefix=".manifest.")
-    with os.fdopen(fd, "w") as f:
-        json.dump(manifest, f, indent=1, sort_keys=True)
-    os.replace(tmp, os.path.join(directory, MANIFEST))
+    # TensorFlow writes by path: into a new folder of this process's, in the cache folder
+    # (the root of these writes), each file then renamed into place
+    with files.temporary_folder(".building-", directory) as tmp:
+        for split, texts in splits.items():
+            name = f"{split}.tfrecord"
+            with tf.io.TFRecordWriter(os.path.join(tmp, name)) as writer:
+                for text in texts:
+                    writer.write(_example(text))
+            path = os.path.join(directory, name)
+            files.replace(directory, os.path.join(tmp, name), path)
+            manifest["splits"][split] = {
+                "file": name, "docs": len(texts), "file_bytes": os.path.getsize(path),
+                "text_bytes": sum(len(t.encode("utf-8")) for t in texts),
+                "sha256": _sha256(path)}
+    files.write_atomically(directory, MANIFEST, json.dumps(manifest, indent=1, sort_keys=True),
+                           suffix=f".{os.getpid()}.tmp")
     return manifest

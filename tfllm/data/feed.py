@@ -21,13 +21,13 @@ from __future__ import annotations
 import math
 import os
 import re
-import tempfile
 from typing import Dict, Optional, Sequence
 
 import numpy as np
 import tensorflow as tf
 
 from tfllm.confined import inside
+from tfllm.files import open_for_writing, temporary_folder
 from tfllm.data.errors import DataError
 from tfllm.data.synthetic import SyntheticTokens
 from tfllm.parallel import rules as rules_lib
@@ -238,7 +238,7 @@ class DeviceFeed:
         # TensorFlow writes (and reads) an iterator's state only as a tf.train.Checkpoint
         # under a path prefix, and those files are what a checkpoint holds: their bytes
         # pass through a temporary folder.
-        with tempfile.TemporaryDirectory() as tmp:
+        with temporary_folder("tfllm-iterator-") as tmp:
             self._train.save_state(os.path.join(tmp, "iterator"))
             return {name: open(os.path.join(tmp, name), "rb").read()
                     for name in sorted(os.listdir(tmp))}
@@ -253,9 +253,9 @@ class DeviceFeed:
                 "the checkpoint holds no data-iterator state for this client: it was saved "
                 "with another number of clients (each client saves the position of its own "
                 "rows). Resume with the same number of clients, or start a new --workdir.")
-        with tempfile.TemporaryDirectory() as tmp:
+        with temporary_folder("tfllm-iterator-") as tmp:
             for name, data in files.items():
-                with open(state_file(tmp, name), "wb") as f:
+                with open_for_writing(tmp, state_file(tmp, name), "wb") as f:
                     f.write(data)
             self._train.restore_state(os.path.join(tmp, "iterator"))
         self._peeked = None  # the restored position replaces the peeked first batch

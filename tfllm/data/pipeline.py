@@ -35,6 +35,7 @@ from typing import Dict, Iterable, Optional
 import numpy as np
 import tensorflow as tf
 
+from tfllm import files
 from tfllm.data.errors import DataError
 from tfllm.data.packing import PackedStream
 from tfllm.data.samples import prepare_samples
@@ -224,10 +225,11 @@ class Batches:
         return batch
 
     def save_state(self, path_prefix: str) -> str:
-        """Writes this client's iterator position; returns the checkpoint path."""
-        os.makedirs(os.path.dirname(os.path.abspath(path_prefix)), exist_ok=True)
-        with open(path_prefix + ".json", "w") as f:
-            json.dump({"count": self._count, "rows": self.rows}, f)
+        """Writes this client's iterator position under `path_prefix` (in a folder tfllm
+        made: `tfllm.data.feed` gives a temporary one); returns the checkpoint path."""
+        folder = os.path.dirname(os.path.abspath(path_prefix))
+        files.write_atomically(folder, path_prefix + ".json",
+                               json.dumps({"count": self._count, "rows": self.rows}))
         if self._synthetic is not None or self._packed is not None:
             return path_prefix + ".json"
         return tf.train.Checkpoint(iterator=self._iterator).write(path_prefix)

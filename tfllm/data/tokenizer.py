@@ -10,12 +10,12 @@ from __future__ import annotations
 import hashlib
 import io
 import os
-import tempfile
 import time
 from typing import Callable, Iterable, List, Optional
 
 import tensorflow as tf
 
+from tfllm import files
 from tfllm.confined import open_regular, read_regular
 from tfllm.contracts import TOKENIZER_DIR, TOKENIZER_MODEL_FILE
 from tfllm.data.errors import DataError
@@ -243,9 +243,10 @@ def _sha256_of_folder(path: str) -> str:
     """sha256 over a folder's files: each one's relative name and content's sha256. Every
     file must be a regular one of bounded size (read before keras-hub reads any)."""
     digest = hashlib.sha256()
-    files = sorted((os.path.relpath(os.path.join(root, name), path), os.path.join(root, name))
-                   for root, _, names in os.walk(path) for name in names)
-    for rel, full in files:
+    entries = sorted((os.path.relpath(os.path.join(root, name), path),
+                      os.path.join(root, name))
+                     for root, _, names in os.walk(path) for name in names)
+    for rel, full in entries:
         with open_regular(full, MAX_TOKENIZER_FILE_BYTES, "a tokenizer file", DataError,
                           "data.tokenizer_path must name a keras-hub tokenizer preset "
                           "directory of files") as f:
@@ -290,12 +291,10 @@ def train_sentencepiece(texts: Iterable[str], vocab_size: int,
     return model.getvalue()
 
 
-def _write_atomic(path: str, data: bytes) -> None:
-    os.makedirs(os.path.dirname(path), exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path), prefix=".tmp.")
-    with os.fdopen(fd, "wb") as f:
-        f.write(data)
-    os.replace(tmp, path)
+def _write_atomic(root: str, path: str, data: bytes) -> None:
+    """`path` inside `root` (the workdir, or the data_dir cache), whole or not at all; the
+    temporary name is this process's, as runs may share the cache."""
+    files.write_atomically(root, path, data, suffix=f".{os.getpid()}.tmp")
 
 
 def _check_vocab(tokenizer: Tokenizer, model_vocab: int, what: str) -> Tokenizer:
@@ -338,7 +337,7 @@ def save_to_run(tokenizer: Tokenizer, config, workdir: str) -> Optional[str]:
                                                                    SentencePieceTokenizer):
         return None
     path = run_tokenizer_path(workdir)
-    _write_atomic(path, tokenizer.proto)
+    _write_atomic(workdir, path, tokenizer.proto)
     return path
 
 
@@ -382,7 +381,8 @@ def load_tokenizer(config, workdir: Optional[str] = None,
     for text in texts:
         digest.update(hashlib.sha256(text.encode("utf-8")).digest())
     key = f"unigram-v{vocab}-{digest.hexdigest()[:16]}"
-    cache_path = os.path.join(os.path.expanduser(data.data_dir), "tokenizers", key + ".model")
+    cache = os.path.expanduser(data.data_dir)
+    cache_path = os.path.join(cache, "tokenizers", key + ".model")
     if os.path.exists(cache_path):
         proto = _read_model(cache_path, cache_path)
     else:
@@ -390,8 +390,8 @@ def load_tokenizer(config, workdir: Optional[str] = None,
         proto = train_sentencepiece(texts, vocab)
         log(f"trained a {vocab}-piece SentencePiece tokenizer in "
             f"{time.perf_counter() - start:.1f}s")
-        _write_atomic(cache_path, proto)
+        _write_atomic(cache, cache_path, proto)
     if run_path:
-        _write_atomic(run_path, proto)
+        _write_atomic(workdir, run_path, proto)
     return _check_vocab(SentencePieceTokenizer(proto, run_path or cache_path), vocab,
                         "the trained SentencePiece model")
