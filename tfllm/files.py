@@ -82,6 +82,9 @@ _OWNED = re.compile("|".join(f"(?:{pattern})" for pattern, _ in OWNED_NAMES))
 
 _DIR = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 _made: set = set()  # absolute paths of the folders this process made (see the module)
+# temporary folders stay this process's after removal: a library given one may make it
+# again (XLA's dump folder), and its random name is no one else's
+_temporary: set = set()
 _made_lock = threading.Lock()
 
 
@@ -330,7 +333,8 @@ def new_temporary_folder(prefix: str = "tfllm-", parent: Optional[str] = None) -
     if parent is not None:
         make_dirs(parent)
     path = os.path.abspath(tempfile.mkdtemp(prefix=prefix, dir=parent))
-    _remember(path)
+    with _made_lock:
+        _temporary.add(path)
     return path
 
 
@@ -347,7 +351,7 @@ def temporary_folder(prefix: str = "tfllm-", parent: Optional[str] = None):
 # ---- deleting -----------------------------------------------------------------------------
 def _made_here(path: str) -> bool:
     with _made_lock:
-        return path in _made
+        return path in _made or path in _temporary
 
 
 def _forget(path: str) -> None:

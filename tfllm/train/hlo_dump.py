@@ -21,10 +21,9 @@ import atexit
 import glob
 import os
 import re
-import shutil
-import tempfile
 from typing import Dict, Iterable, List, Optional, Tuple
 
+from tfllm import files
 from tfllm.precision.fp8_hlo import fp8_dot_counts
 
 _DUMP_TO = re.compile(r"--xla_dump_to[= ](\S+)")
@@ -75,7 +74,7 @@ class HloDump:
         else:
             os.environ["XLA_FLAGS"] = self.previous_flags
         if self.owned:
-            shutil.rmtree(self.directory, ignore_errors=True)
+            files.remove_tree(self.directory, ignore_errors=True)
 
 
 _current: Optional[HloDump] = None
@@ -94,8 +93,8 @@ def start() -> HloDump:
     if given:
         _current = HloDump(given.group(1), owned=False, previous_flags=flags)
     else:
-        directory = tempfile.mkdtemp(prefix="tfllm-hlo-")
-        atexit.register(shutil.rmtree, directory, True)
+        directory = files.new_temporary_folder("tfllm-hlo-")
+        atexit.register(files.remove_tree, directory, ignore_errors=True)
         # Only --xla_dump_to: XLA aborts the process on a flag it does not know, and
         # text, the format read here, is its default.
         os.environ["XLA_FLAGS"] = ((flags + " ") if flags else "") + f"--xla_dump_to={directory}"

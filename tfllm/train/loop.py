@@ -204,7 +204,7 @@ def _train(config, workdir, model_cls, out, signals, watchdog: list) -> dict:
     pending, shown = [], {}
     from tfllm.config.loader import profile_steps
     from tfllm.train.profile import StepProfiler, profile_dir
-    profiler = StepProfiler(profile_steps(t), profile_dir(workdir, client_id()))
+    profiler = StepProfiler(profile_steps(t), profile_dir(workdir, client_id()), workdir)
     start = time.perf_counter()
     try:
         for step in range(start_step, t.steps):

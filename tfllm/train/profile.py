@@ -23,6 +23,7 @@ import re
 from collections import defaultdict
 from typing import Dict, List, Optional, Tuple
 
+from tfllm import files
 from tfllm.checkpoint.workdir import Workdir
 
 
@@ -38,15 +39,19 @@ class StepProfiler:
     Args:
       steps: (first, last) step numbers (`tfllm.config.loader.profile_steps`), or None.
       logdir: TensorBoard log directory of this client.
+      root: the folder tfllm owns that holds `logdir` (the workdir); default: its parent.
     """
 
-    def __init__(self, steps: Optional[Tuple[int, int]], logdir: str):
+    def __init__(self, steps: Optional[Tuple[int, int]], logdir: str,
+                 root: Optional[str] = None):
         self.steps, self.logdir, self.active = steps, logdir, False
+        self.root = root or os.path.dirname(logdir)
 
     def before(self, number: int) -> None:
         if self.steps and number == self.steps[0] and not self.active:
             import tensorflow as tf
-            os.makedirs(self.logdir, exist_ok=True)
+            # TensorFlow writes the trace by path: into folders made here, no link
+            files.make_dirs(self.root, self.logdir)
             tf.profiler.experimental.start(self.logdir, options=tf.profiler.experimental.
                                            ProfilerOptions(host_tracer_level=2,
                                                            device_tracer_level=1,
