@@ -13,11 +13,11 @@ from __future__ import annotations
 import json
 import logging
 import os
-import shutil
 from typing import Dict, Iterable, Optional
 
 import numpy as np
 
+from tfllm import files
 from tfllm.checkpoint import model_variables
 from tfllm.checkpoint.workdir import Workdir, read_marker, write_marker
 from tfllm.contracts import MARKER, TOKENIZER_DIR, TOKENIZER_MODEL_FILE
@@ -182,12 +182,12 @@ def _write_tokenizer(source: Source, tokenizer: Optional[str], out: Workdir) -> 
     if tokenizer:
         tokenizer = os.path.abspath(os.path.expanduser(tokenizer))
         if os.path.isdir(tokenizer):
-            shutil.copytree(tokenizer, out.tokenizer_dir)
+            files.copy_tree(out.path, tokenizer, TOKENIZER_DIR)
             return TOKENIZER_DIR
         if os.path.isfile(tokenizer):
-            os.makedirs(out.tokenizer_dir)
-            shutil.copy(tokenizer, os.path.join(out.tokenizer_dir, TOKENIZER_MODEL_FILE))
-            return f"{TOKENIZER_DIR}/{TOKENIZER_MODEL_FILE}"
+            name = f"{TOKENIZER_DIR}/{TOKENIZER_MODEL_FILE}"
+            files.copy_file(out.path, tokenizer, name)
+            return name
         raise PretrainedError(f"--tokenizer {tokenizer}: no such file or directory.")
     try:
         hub = load_keras_hub_tokenizer(
@@ -195,11 +195,12 @@ def _write_tokenizer(source: Source, tokenizer: Optional[str], out: Workdir) -> 
             "pass --tokenizer (a keras-hub tokenizer preset or a SentencePiece .model file)")
     except DataError as e:
         raise PretrainedError(str(e)) from None
-    target = out.tokenizer_dir
+    target = files.make_dirs(out.path, TOKENIZER_DIR)  # keras-hub writes into it by path
     hub.save_to_preset(target)
     # Tokenizer.from_preset finds the tokenizer class through the backbone's config.json.
-    with open(os.path.join(target, "config.json"), "w", encoding="utf-8") as f:
-        json.dump(keras.saving.serialize_keras_object(source.abstract), f, indent=1)
+    files.write_atomically(out.path, os.path.join(target, "config.json"),
+                           json.dumps(keras.saving.serialize_keras_object(source.abstract),
+                                      indent=1))
     return TOKENIZER_DIR
 
 
@@ -270,6 +271,7 @@ def import_preset(preset: str, workdir: str, overrides: Iterable[str] = (),
         raise PretrainedError(f"--workdir {workdir} exists and is not empty; import into a "
                               "new directory (an import never overwrites a run).")
     tmp = workdir.rstrip("/") + ".importing"
+    parent = os.path.dirname(workdir)  # the root of the import's own folder and its rename
     tmp_dir = Workdir(tmp)
     primary = client_id() == 0
     if primary:  # before any client joins
@@ -311,14 +313,12 @@ def import_preset(preset: str, workdir: str, overrides: Iterable[str] = (),
         agree_nonce(parallel.mesh, num_clients())
         if primary:
             tmp_dir.save_config(config)
-            with open(tmp_dir.pretrained_file, "w", encoding="utf-8") as f:
-                json.dump(origin, f, indent=1, sort_keys=True)
-            if os.path.isdir(workdir):
-                os.rmdir(workdir)  # empty (checked above)
-            os.replace(tmp, workdir)
+            files.write_atomically(tmp, tmp_dir.pretrained_file,
+                                   json.dumps(origin, indent=1, sort_keys=True))
+            files.replace(parent, tmp, workdir)  # an empty --workdir is replaced by it
     except BaseException:
-        if primary:
-            shutil.rmtree(tmp, ignore_errors=True)
+        if primary:  # only the import's own folder (made by this process)
+            files.remove_tree(parent, tmp, ignore_errors=True)
         raise
     finally:
         source.close()
@@ -339,7 +339,7 @@ def _remove_crashed_import(tmp: str) -> None:
         raise PretrainedError(f"{tmp} exists and is not a crashed tfllm import (it has no "
                               f"{MARKER} marker of one); tfllm never deletes files it did "
                               "not write: move it away, or import into another --workdir.")
-    shutil.rmtree(tmp)
+    files.remove_tree(os.path.dirname(tmp), tmp)  # its name is tfllm's: NAME.importing
 
 
 def read_origin(workdir: str) -> Optional[Dict]:
