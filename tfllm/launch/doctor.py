@@ -51,6 +51,7 @@ import socket
 import time
 from typing import Dict, List, Mapping, Optional, Sequence, Tuple
 
+from tfllm import files
 from tfllm.launch import allreduce, nccl_log, ports as job_ports, xla_files
 from tfllm.launch.findings import NCCL_SETTINGS, compare  # noqa: F401  (the doctor's API)
 from tfllm.launch.topology import DEFAULT_PORT, LaunchError, slurm_topology
@@ -180,12 +181,9 @@ def node_report(facts: HostFacts, findings: Sequence[Finding], rank: int,
 def write_json(directory: str, name: str, record: dict) -> str:
     """Writes `record` as `directory/name`, whole or not at all (the doctor's one write:
     reports, the go file, the bandwidth results)."""
-    os.makedirs(directory, exist_ok=True)
     path = os.path.join(directory, name)
-    tmp = f"{path}.{os.getpid()}.part"
-    with open(tmp, "w", encoding="utf-8") as f:
-        json.dump(record, f, indent=1, sort_keys=True)
-    os.replace(tmp, path)
+    files.write_atomically(directory, path, json.dumps(record, indent=1, sort_keys=True),
+                           suffix=f".{os.getpid()}.part")
     return path
 
 

@@ -19,6 +19,7 @@ import sys
 from dataclasses import dataclass, field
 from typing import List, Optional
 
+from tfllm import files
 from tfllm.contracts import BAD_INPUT_EXIT_CODE, LOGS_DIR
 from tfllm.launch import device as dev
 from tfllm.launch import scheduler
@@ -501,7 +502,7 @@ def _launch(plan: Plan, opts: Options, ports: Ports, say, fail) -> int:
                                                                             os.environ)))
         return 0
     try:
-        os.makedirs(plan.log_dir, exist_ok=True)
+        files.make_dirs(plan.log_dir)
     except OSError:
         return fail(f"cannot create the log directory '{plan.log_dir}'; give a writable "
                     "--log-dir")

@@ -16,6 +16,7 @@ import os
 import time
 from typing import Callable, Mapping, Optional, Tuple
 
+from tfllm import files
 from tfllm.contracts import PEER_LOST_EXIT_CODE
 
 #: how long a consequence waits for the failing rank's record to appear
@@ -37,9 +38,7 @@ def is_consequence(code: int, signalled: bool) -> bool:
 
 def record(log_dir: str, rank: int, key: str, code: int, signalled: bool) -> None:
     path = os.path.join(log_dir, f"exit.{rank}")
-    with open(path + ".tmp", "w") as f:
-        f.write(f"{key} {code} {int(signalled)}\n")
-    os.replace(path + ".tmp", path)
+    files.write_atomically(log_dir, path, f"{key} {code} {int(signalled)}\n")
 
 
 def _read(log_dir: str, rank: int, key: str) -> Optional[Tuple[int, bool]]:
