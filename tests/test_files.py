@@ -338,8 +338,6 @@ def _writes(tree):
             yield node.lineno, "xla flag"
 
 
-@pytest.mark.xfail(reason="the write sites move to tfllm.files package by package "
-                          "(issue 38.1)", strict=False)
 def test_nothing_outside_tfllm_files_writes_or_deletes():
     """Every write, rename and delete of tfllm goes through tfllm.files (see its
     docstring); a library that writes by path is named in _ALLOWED with why."""

@@ -12,6 +12,7 @@ import traceback
 from typing import Optional
 
 import tfllm  # noqa: F401  (sets KERAS_BACKEND before keras is imported)
+from tfllm import files
 from tfllm.contracts import (BAD_INPUT_EXIT_CODE, HARD_STOP_EXIT_CODE, IO_ERROR_EXIT_CODE,
                               NONFINITE_EXIT_CODE, PEER_LOST_EXIT_CODE, PREEMPTED_EXIT_CODE,
                               InputError, io_failure)
@@ -111,11 +112,10 @@ def _missing_folders(path: str) -> list:
 
 
 def _remove_empty(folders: list) -> None:
-    """Removes `folders` (deepest first) up to the first that is not empty or is gone."""
+    """Removes `folders` (deepest first) up to the first that is not empty, is gone, or
+    was not made by this process (`tfllm.files.remove_empty_folder`)."""
     for path in folders:
-        try:
-            os.rmdir(path)
-        except OSError:
+        if not files.remove_empty_folder(path):
             return
 
 

@@ -15,6 +15,7 @@
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import re
@@ -22,6 +23,7 @@ import re
 import numpy as np
 import tensorflow as tf
 
+from tfllm import files
 from tfllm.checkpoint import run_state_variables
 from tfllm.checkpoint.shards import tf_variable
 from tfllm.data import SyntheticTokens, feed
@@ -38,8 +40,9 @@ def _entry_signature(hlo_text: str):
 
 
 def export_step(config, out_dir: str, check: bool = False) -> dict:
-    """Writes the step's HLO and description to `out_dir`; returns the description."""
-    os.makedirs(out_dir, exist_ok=True)
+    """Writes the step's HLO and description to `out_dir` (the root of these writes: made
+    when missing); returns the description."""
+    files.make_dirs(out_dir)
     # One device, no DTensor: plain XLA parameters.
     state = build_train_state(config, None, jit_compile=True)
     model, optimizer, step = state.model, state.optimizer, state.step
@@ -106,12 +109,9 @@ def export_step(config, out_dir: str, check: bool = False) -> dict:
         "tokens_per_step": tokens_per_step,
         "tensorflow": tf.__version__,
     }
-    with open(os.path.join(out_dir, "step.hlo.pb"), "wb") as f:
-        f.write(hlo_bytes)
-    with open(os.path.join(out_dir, "step.hlo.txt"), "w") as f:
-        f.write(hlo_text)
-    with open(os.path.join(out_dir, "step.json"), "w") as f:
-        json.dump(description, f, indent=1)
+    files.write_atomically(out_dir, "step.hlo.pb", hlo_bytes)
+    files.write_atomically(out_dir, "step.hlo.txt", hlo_text)
+    files.write_atomically(out_dir, "step.json", json.dumps(description, indent=1))
     if check:  # one step's inputs and TensorFlow's results, for the runner to match
         inputs = ([b.numpy() for b in batch] + [limit.numpy()]
                   + [var.numpy() for var in captured])
@@ -119,5 +119,7 @@ def export_step(config, out_dir: str, check: bool = False) -> dict:
         arrays = {f"input/{i}": x for i, x in enumerate(inputs)}
         arrays.update({f"metric/{k}": np.asarray(v) for k, v in result.items()})
         arrays.update({f"update/{i}": captured[i - len(batch) - 1].numpy() for i in written})
-        np.savez(os.path.join(out_dir, "check.npz"), **arrays)
+        archive = io.BytesIO()
+        np.savez(archive, **arrays)
+        files.write_atomically(out_dir, "check.npz", archive.getvalue())
     return description

@@ -25,7 +25,7 @@ import json
 import os
 import time
 
-from tfllm import internals
+from tfllm import files, internals
 
 # Compile flags for deviceless planning:
 # * no autotuning (it would run kernels on a device);
@@ -135,10 +135,10 @@ def main(argv=None) -> int:
     with open(args.target_config) as f:
         config = f.read()
     result = compile_for_target(hlo, config)
-    with open(os.path.splitext(args.out)[0] + ".hlo.txt", "w") as f:
-        f.write(result.pop("optimized_hlo"))
-    with open(args.out, "w") as f:
-        json.dump(result, f)
+    out = os.path.abspath(args.out)  # in the planner's folder: the root of these writes
+    files.write_atomically(os.path.dirname(out), os.path.splitext(out)[0] + ".hlo.txt",
+                           result.pop("optimized_hlo"))
+    files.write_atomically(os.path.dirname(out), out, json.dumps(result))
     return 0
 
 

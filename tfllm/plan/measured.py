@@ -41,10 +41,10 @@ import os
 import re
 import subprocess
 import sys
-import tempfile
 from collections import defaultdict
 from typing import Dict, List, Optional
 
+from tfllm import files
 from tfllm.plan.sharded import compute_sizes, per_device_config, weight_units
 
 PADDING = 1024  # DTensor pads merged all-reduce buffers to multiples of this
@@ -254,11 +254,11 @@ def run_tiny(config, shape, layers=(1, 2), timeout: float = 3600, jit_compile: b
         c.model.num_layers, c.data.source = n, "synthetic"
         return c
 
-    with tempfile.TemporaryDirectory(prefix="tfllm-measure-") as tmp:
+    with files.temporary_folder("tfllm-measure-") as tmp:
         job = os.path.join(tmp, "job.json")
-        with open(job, "w") as f:
-            json.dump({"devices": devices, "jit_compile": jit_compile, "configs": {
-                str(n): to_dict(at(n)) for n in layers}}, f)
+        files.write_atomically(tmp, job, json.dumps({
+            "devices": devices, "jit_compile": jit_compile,
+            "configs": {str(n): to_dict(at(n)) for n in layers}}))
         env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2", KERAS_BACKEND="tensorflow")
         # LLVM at -O0: the clusters and collectives are the same, CPU code generation of
         # each cluster much shorter (a tiny llama-1b step on fsdp=8 took over 15 minutes
@@ -327,8 +327,9 @@ def _child(job_path: str) -> None:
         out[layers] = {"collectives": [c.as_dict() for c in step.cost_report.collectives],
                        "clusters": step.cost_report.clusters}
         keras.backend.clear_session()
-    with open(job_path + ".out", "w") as f:
-        json.dump(out, f)
+    # the job's folder is the parent's temporary folder: the root of this write
+    files.write_atomically(os.path.dirname(os.path.abspath(job_path)), job_path + ".out",
+                           json.dumps(out))
 
 
 if __name__ == "__main__":

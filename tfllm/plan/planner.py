@@ -29,9 +29,9 @@ import math
 import os
 import subprocess
 import sys
-import tempfile
 from typing import Optional
 
+from tfllm import files
 from tfllm.parallel.mesh import MeshError
 from tfllm.compiler import hlo_stats
 from tfllm.compiler.targets import Target, get_target
@@ -63,8 +63,7 @@ def compile_in_child(hlo_path: str, target: Target, timeout: float = 1800) -> di
     """Runs `tfllm.plan.gpu_compile` in a child process; returns its result + HLO text."""
     work = os.path.dirname(hlo_path)
     config_path = os.path.join(work, f"{target.name}.txtpb")
-    with open(config_path, "w") as f:
-        f.write(target.target_config())
+    files.write_atomically(work, config_path, target.target_config())
     out = os.path.join(work, f"compiled_{target.name}.json")
     env = dict(os.environ)
     env.pop("XLA_FLAGS", None)  # TensorFlow's flags (e.g. dumps) are not the planner's
@@ -103,7 +102,7 @@ def plan_program(config, target: Target, keep_dir: Optional[str] = None) -> dict
     """
     import keras
     from tfllm.plan.export_step import export_step
-    with tempfile.TemporaryDirectory(prefix="tfllm-plan-") as tmp:
+    with files.temporary_folder("tfllm-plan-") as tmp:
         work = keep_dir or tmp
         desc = export_step(config, work)
         # Keras keeps every model built in the process (its global state): without this
