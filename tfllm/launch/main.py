@@ -533,7 +533,7 @@ def _launch(plan: Plan, opts: Options, ports: Ports, say, fail) -> int:
             code = scheduler.exit_code(log_dir, t.own_ranks[0], t.world_size, code,
                                        bool(supervisor.signal_received), os.environ, say)
         return code
-    except LaunchError as e:  # a port taken between attempts
+    except (LaunchError, files.Refused) as e:  # a port taken; a link planted in the logs
         supervisor.stop_all()
         return fail(str(e))
     finally:
