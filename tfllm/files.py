@@ -27,6 +27,10 @@ scratch disk is fine); below the root nothing is followed:
   filesystem root, and the run or a folder holding it; `written_atomically` writes into a
   temporary folder it makes beside --out and renames it last, deleting only that folder.
 
+The calls: `make_dirs`, `open_for_writing`, `write_atomically`, `replace`, `copy_file`,
+`copy_tree`, `new_temporary_folder` / `temporary_folder`, `remove`, `remove_tree`,
+`remove_empty_folder`, and for exports `require_new_folder` and `written_atomically`.
+
 The threat is a file planted in a folder tfllm owns (a shared or copied workdir, a crafted
 checkpoint folder, a mistaken link) before or between tfllm's writes. Another user who may
 write into the root while tfllm writes there is not: the root's permissions are the user's.
