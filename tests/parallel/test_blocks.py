@@ -134,7 +134,8 @@ def test_fsdp_reduce_scatters_a_block_once_whatever_the_bucket_size():
 
 CASES = [("fsdp=8", "gpt", "bfloat16"), ("fsdp=8", "llama", "bfloat16"),
          ("data=2,fsdp=4", "llama", "bfloat16"), ("fsdp=4,model=2", "llama", "bfloat16"),
-         ("data=2,fsdp=2,model=2", "gpt", "bfloat16"), ("data=2,model=4", "llama", "float32")]
+         ("data=2,fsdp=2,model=2", "gpt", "bfloat16"),
+         ("data=2,fsdp=2,model=2", "llama", "bfloat16"), ("data=2,model=4", "llama", "float32")]
 
 
 @pytest.mark.slow
@@ -144,9 +145,18 @@ def test_every_collective_moves_a_dtype_nccl_takes(axes, family, policy):
     assert report.collectives
     for c in report.collectives:
         assert c.dtype in NCCL_DTYPES, c.describe()
-    if policy == "bfloat16" and "model" not in axes:
-        # Block weights travel in 16 bits (bfloat16 as float16 bits), not as float32.
-        gathers = [c for c in report.collectives if c.kind == "all-gather"
-                   and re.search(r"block_\d+_(re)?gather", c.name)]
-        assert gathers and {c.dtype for c in gathers} == {"float16"}, \
+    if policy == "bfloat16" and "fsdp" in axes:
+        # Block weights travel in 16 bits (bfloat16 as float16 bits) through collective
+        # gathers on every mesh, three axes included, not as float32 all-reduces.
+        gathers = [c for c in report.collectives if re.search(r"block_\d+_(re)?gather", c.name)
+                   and c.dtensor_op == "all-gather"]
+        assert gathers and {(c.kind, c.dtype) for c in gathers} == {("all-gather", "float16")}, \
             [c.describe() for c in gathers]
+        # So do attention's keys and values where the sequence is split (over fsdp, when
+        # data takes the batch rows): one gather each per block (tfllm.parallel.fsdp.
+        # relayout_16bit; DTensor alone moves them as float32 all-reduces, 4x the bytes)
+        kv = [c for c in report.collectives if "attention" in c.name
+              and c.dtensor_op == "all-gather"]
+        assert len(kv) == (2 * 2 if "data" in axes else 0), [c.describe() for c in kv]
+        assert all((c.kind, c.dtype) == ("all-gather", "float16") for c in kv), \
+            [c.describe() for c in kv]

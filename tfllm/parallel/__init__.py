@@ -22,4 +22,5 @@ def make_parallel(config):
                       gpu_allocator=config.mesh.gpu_allocator)
     return Parallel(mesh, rules,
                     config.optimizer.shard_optimizer_state,
-                    int(config.mesh.gradient_bucket_mb * 2 ** 20))
+                    int(config.mesh.gradient_bucket_mb * 2 ** 20),
+                    attention_recomputed=config.model.remat in ("attention", "selective"))

@@ -57,25 +57,28 @@ DTENSOR_SETTINGS = {
 _USER_SET = {name for name in DTENSOR_SETTINGS if name in os.environ}
 
 
-def configure_dtensor(mesh_shape=None) -> dict:
+def configure_dtensor(mesh_shape=None, attention_recomputed: bool = False) -> dict:
     """Sets the DTensor lowering settings FSDP needs, unless the user set them; returns
     the values in effect.
 
     Args:
-      mesh_shape: {axis: size} of the mesh about to be used. DTensor's CollectiveGatherV2
-        lowering fails on a gather over two mesh axes at once (TF 2.21,
-        `LowerAllGatherOpToCollective` in tensorflow/dtensor/mlir/collectives.cc: a
-        Reshape to the wrong element count), which attention's keys and values need
-        when the sequence is split over fsdp and heads over model (data, fsdp and model
-        all > 1, under remat=attention). There the gather lowering stays DTensor's
-        default (zero-padded all-reduce; bfloat16 weights then travel upcast to float32).
+      mesh_shape: {axis: size} of the mesh about to be used.
+      attention_recomputed: whether the model recomputes its attention core in the
+        backward pass (`model.remat` attention or selective). DTensor's
+        CollectiveGatherV2 lowering fails on one gather of that recomputation when data,
+        fsdp and model are all > 1 (TF 2.21, `LowerAllGatherOpToCollective` in
+        tensorflow/dtensor/mlir/collectives.cc: "'tf.Reshape' op requires 'output'
+        number of elements to match", measured on the tiny gpt of tests/models/
+        test_remat.py). Only there the gather lowering stays DTensor's default
+        (zero-padded all-reduce; bfloat16 weights then travel upcast to float32); every
+        other mesh and policy gathers in 16 bits.
     """
     sizes = mesh_shape or {}
-    multi_axis_gathers = all(sizes.get(a, 1) > 1 for a in ("data", "fsdp", "model"))
+    three_axes = all(sizes.get(a, 1) > 1 for a in ("data", "fsdp", "model"))
     for name, value in DTENSOR_SETTINGS.items():
         if name in _USER_SET:
             continue
-        if name == _GATHER_V2 and multi_axis_gathers:
+        if name == _GATHER_V2 and three_axes and attention_recomputed:
             os.environ.pop(name, None)
         else:
             os.environ[name] = value
@@ -163,6 +166,31 @@ def _gather(w, compute_layout, zero=None):
         bits = dtensor.relayout(tf.bitcast(w, tf.float16), compute_layout)
         return tf.bitcast(bits, w.dtype)
     return dtensor.relayout(w, compute_layout)
+
+
+def relayout_16bit(x, layout):
+    """`dtensor.relayout(x, layout)` that moves a bfloat16 tensor as float16 bits.
+
+    DTensor's collective gather (and NCCL) take no bfloat16: left as it is, a bfloat16
+    activation gathered for attention's keys and values travels as a zero-padded float32
+    all-reduce, 4x the bytes of a 16-bit gather. A relayout only copies (gather, slice or
+    all-to-all), so the bits arrive exact. Its gradient is DTensor's own rule for a
+    relayout, `relayout_like` back to the input's layout, on float16 bits as well.
+    Other dtypes, and meshes without the collective gather lowering, relayout as usual.
+    """
+    if x.dtype not in _AS_FLOAT16 or not gathers_as_collective():
+        return dtensor.relayout(x, layout)
+
+    @tf.custom_gradient
+    def op(x):
+        y = tf.bitcast(dtensor.relayout(tf.bitcast(x, tf.float16), layout), x.dtype)
+
+        def grad(dy):
+            if dy.dtype not in _AS_FLOAT16:
+                return dtensor.relayout_like(dy, x)
+            return tf.bitcast(dtensor.relayout_like(tf.bitcast(dy, tf.float16), x), dy.dtype)
+        return y, grad
+    return op(x)
 
 
 def _gate_zero():

@@ -32,18 +32,23 @@ class Parallel:
       mesh: a `dtensor.Mesh`.
       rules: ordered (logical axis, mesh axis or None) pairs.
       shard_optimizer_state: ZeRO-1, optimizer states further sharded over "data".
+      bucket_bytes: the largest replicated-gradient reduction (`tfllm.parallel.blocks`).
+      attention_recomputed: the model recomputes its attention core (`model.remat`
+        attention or selective); see `fsdp.configure_dtensor`.
     """
 
     def __init__(self, mesh, rules: rules_lib.Rules = rules_lib.DEFAULT_RULES,
                  shard_optimizer_state: bool = False,
-                 bucket_bytes: int = blocks.DEFAULT_BUCKET_BYTES):
+                 bucket_bytes: int = blocks.DEFAULT_BUCKET_BYTES,
+                 attention_recomputed: bool = False):
         self.mesh = mesh
         self.rules = tuple(rules)
         self.shape: Dict[str, int] = mesh_shape(mesh)
         self.shard_optimizer_state = shard_optimizer_state
         self.bucket_bytes = bucket_bytes
         self.device_type = mesh.device_type()
-        fsdp.configure_dtensor(self.shape)
+        self.attention_recomputed = attention_recomputed
+        fsdp.configure_dtensor(self.shape, attention_recomputed)
 
     # ---- specs and layouts ---------------------------------------------------------------
     def spec(self, path: str, shape: Sequence[int], logical_axes) -> rules_lib.Spec:
@@ -77,7 +82,8 @@ class Parallel:
         if not any(l == "activation_length" and m is not None for l, m in self.rules):
             return self
         return Parallel(self.mesh, rules_lib.without_sequence_sharding(self.rules),
-                        self.shard_optimizer_state, self.bucket_bytes)
+                        self.shard_optimizer_state, self.bucket_bytes,
+                        self.attention_recomputed)
 
     def _weight_layouts(self, w, logical_axes, name):
         """(shard layout, compute layout) of a weight, or None when nothing is gathered:
@@ -159,7 +165,7 @@ class Parallel:
 
     def constrain(self, x, logical_axes, name: str = "activation"):
         spec = self.spec(name, x.shape.as_list(), logical_axes)
-        return dtensor.relayout(x, self.layout(spec))
+        return fsdp.relayout_16bit(x, self.layout(spec))
 
     # ---- shards ------------------------------------------------------------------------
     def local_blocks(self, shape: Sequence[int], spec: rules_lib.Spec):
