@@ -52,7 +52,7 @@ COMMON = {"model.family": "llama", "model.max_sequence_length": 64,
 def child(size: str, mesh: str, policy: str, out_path: str) -> None:
     """Two steps; writes their peaks (RSS, live tensors), the tensors held after them and
     the first step's largest collective to `out_path` (JSON)."""
-    from tfllm.parallel.mesh import setup_cpu_devices
+    from tfllm.runtime.devices import setup_cpu_devices
     setup_cpu_devices(8)
     from tfllm.data import feed
     from tfllm.config import load_config

@@ -19,7 +19,7 @@ import keras  # noqa: E402
 import pytest  # noqa: E402
 
 from tests.harness import fake_cluster_tools  # noqa: E402
-from tfllm.parallel.mesh import setup_cpu_devices  # noqa: E402
+from tfllm.runtime.devices import setup_cpu_devices  # noqa: E402
 
 NUM_DEVICES = 8
 assert setup_cpu_devices(NUM_DEVICES) == NUM_DEVICES, "TensorFlow was initialized too early"

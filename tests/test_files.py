@@ -263,7 +263,7 @@ _ALLOWED = {
     ("internals.py", "export_tokenizer"):
         "keras-hub's Hugging Face tokenizer writer, into the new folder of "
         "tfllm.files.written_atomically (tfllm export --format hf)",
-    ("parallel/runtime_env.py", "xla flag"):
+    ("runtime/environment.py", "xla flag"):
         "XLA's compile cache and autotune folders, made by tfllm.files.make_dirs",
     ("train/hlo_dump.py", "xla flag"):
         "XLA dumps into a temporary folder made by tfllm.files (or the user's own "

@@ -13,6 +13,7 @@ ROOT = pathlib.Path(tfllm.__file__).parent
 FLOORS = (
     ("contracts", "internals", "quiet", "confined"),  # ground: contracts, private-API fence
     ("files",),  # the one way to write and delete (with the ground floor's names)
+    ("runtime",),  # the host and the processes: devices, GPU checks, env, peers
     ("parallel",),  # mesh, rules table, layouts, placement, the mesh context
     ("config", "compiler", "optim", "data"),  # schema; compiling; AdamW; corpora, tokenizers
     ("checkpoint", "precision"),  # workdir and checkpoints; dtype policies, FP8

@@ -12,7 +12,7 @@ CLI, training, the checkpointer, the watchdog and the launcher name the same thi
   entries of `DTENSOR_JOBS`).
 * **The readiness handshake** between `tfllm launch` and its workers: a worker whose mesh
   is up creates `TFLLM_READY_FILE` and prints `READY_LINE` with `TFLLM_READY_KEY`
-  (`tfllm.parallel.coordination.announce_ready`); the launcher waits for one of them.
+  (`tfllm.runtime.coordination.announce_ready`); the launcher waits for one of them.
 * **Exit codes**, a contract with schedulers, scripts and `tfllm launch`, and which
   failures map to them:
 
@@ -47,7 +47,7 @@ NONFINITE_EXIT_CODE = 3
 IO_ERROR_EXIT_CODE = 74
 #: stopped by a signal after saving (sysexits' EX_TEMPFAIL: "try again")
 PREEMPTED_EXIT_CODE = 75
-#: a peer of a multi-client job stopped responding (tfllm.parallel.watchdog)
+#: a peer of a multi-client job stopped responding (tfllm.runtime.watchdog)
 PEER_LOST_EXIT_CODE = 76
 #: `tfllm launch`: no worker became ready within --startup-timeout (as timeout(1))
 STARTUP_TIMEOUT_EXIT_CODE = 124

@@ -101,7 +101,7 @@ def set_xla_lazy_compilation(enabled: bool) -> None:
 
 def eager_context():
     """TensorFlow's eager context: its coordination service (key-value store, barriers)
-    is what DTensor's multi-client runtime started (`tfllm.parallel.coordination`)."""
+    is what DTensor's multi-client runtime started (`tfllm.runtime.coordination`)."""
     try:
         from tensorflow.python.eager import context
     except ImportError:

@@ -55,7 +55,7 @@ def start(devices: int = 8, needs: Sequence[str] = (), posix: bool = False) -> s
                                 "root, then restart the kernel.")
     import tensorflow as tf
 
-    from tfllm.parallel.mesh import setup_cpu_devices
+    from tfllm.runtime.devices import setup_cpu_devices
     os.environ["TFLLM_DEVICE"] = "cpu"  # NCCL off, as `tfllm launch --device cpu`
     try:
         tf.config.set_visible_devices([], "GPU")  # every mesh here is a CPU mesh

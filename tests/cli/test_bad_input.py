@@ -782,11 +782,11 @@ def test_a_run_the_compile_cache_cannot_be_written_to_serves_generate(tmp_path, 
     """The XLA compile cache is optional for reading a run: a workdir that refuses it (read
     only, full) still serves generate, with one warning line (issue 38; as root, chmod
     refuses nothing, so the cache's creation fails as a read-only file system fails it)."""
-    from tfllm.parallel import runtime_env
+    from tfllm.runtime import environment
 
     def read_only(directory, environ=None):
         raise OSError(errno.EROFS, os.strerror(errno.EROFS), directory)
-    monkeypatch.setattr(runtime_env, "xla_cache", read_only)
+    monkeypatch.setattr(environment, "xla_cache", read_only)
     run = _prepare(tmp_path, trained_run, _no_setup, None)
     before = snapshot_tree(tmp_path)
     capsys.readouterr()

@@ -8,7 +8,7 @@ import subprocess
 
 import pytest
 
-from tfllm.parallel import coordination
+from tfllm.runtime import coordination
 from tfllm.launch import topology as topo
 from tfllm.launch.device import NCCL_ENV as NCCL, NCCL_PROBE_SH
 from tfllm.launch.main import make_plan, parse

@@ -3,10 +3,11 @@ import os
 import pytest
 
 from tfllm.parallel import mesh
+from tfllm.runtime import devices
 
 from tfllm.contracts import num_clients
-from tfllm.parallel.mesh import MeshError, check_batch, parse_axes, resolve_axes
-from tfllm.parallel.rules import DEFAULT_RULES, candidate_axis
+from tfllm.parallel.mesh import MeshError, parse_axes, resolve_axes
+from tfllm.parallel.rules import DEFAULT_RULES, candidate_axis, check_batch
 
 
 def test_parse_and_fill():
@@ -71,7 +72,7 @@ class _FakeDTensor:
         self.calls, self.already = [], already_initialized
 
     def initialize_accelerator_system(self, kind, **kwargs):
-        self.calls.append(("init", kind, os.environ.get(mesh.NCCL_ENV)))
+        self.calls.append(("init", kind, os.environ.get(devices.NCCL_ENV)))
         if self.already:
             raise ValueError(self.already)
         return kind
@@ -81,7 +82,7 @@ class _FakeDTensor:
         return "mesh"
 
 
-_GPU_ENV = (mesh.NCCL_ENV, "TF_DEVICE_MIN_SYS_MEMORY_IN_MB", "TF_GPU_ALLOCATOR")
+_GPU_ENV = (devices.NCCL_ENV, "TF_DEVICE_MIN_SYS_MEMORY_IN_MB", "TF_GPU_ALLOCATOR")
 
 
 @pytest.fixture(autouse=True)
@@ -95,7 +96,7 @@ def _restore_gpu_env(monkeypatch):
 
 def _build_on_fake_gpus(monkeypatch, fake, gpus=8):
     import tensorflow.experimental
-    monkeypatch.setattr(mesh, "_gpu_count", lambda: gpus)
+    monkeypatch.setattr(devices, "_gpu_count", lambda: gpus)
     monkeypatch.setattr(tensorflow.experimental, "dtensor", fake)
     return mesh.build_mesh("data=2,fsdp=4", "GPU")
 
@@ -105,14 +106,14 @@ def test_a_single_process_gpu_mesh_uses_nccl(monkeypatch):
     assert _build_on_fake_gpus(monkeypatch, fake) == "mesh"
     # NCCL is asked for before DTensor initializes the GPUs (which reads the variable).
     assert fake.calls == [("init", "GPU", "1"), ("mesh", [("data", 2), ("fsdp", 4)], 8, "GPU")]
-    assert os.environ[mesh.NCCL_ENV] == "1"
+    assert os.environ[devices.NCCL_ENV] == "1"
 
 
 def test_an_explicit_no_to_nccl_is_kept(monkeypatch):
-    monkeypatch.setenv(mesh.NCCL_ENV, "0")
+    monkeypatch.setenv(devices.NCCL_ENV, "0")
     fake = _FakeDTensor()
     _build_on_fake_gpus(monkeypatch, fake)
-    assert [c[0] for c in fake.calls] == ["mesh"] and os.environ[mesh.NCCL_ENV] == "0"
+    assert [c[0] for c in fake.calls] == ["mesh"] and os.environ[devices.NCCL_ENV] == "0"
 
 
 def test_a_worker_launched_with_device_cpu_keeps_nccl_off(monkeypatch):
@@ -122,7 +123,7 @@ def test_a_worker_launched_with_device_cpu_keeps_nccl_off(monkeypatch):
     monkeypatch.setenv(DEVICE_ENV, "cpu")
     fake = _FakeDTensor()
     _build_on_fake_gpus(monkeypatch, fake)
-    assert [c[0] for c in fake.calls] == ["mesh"] and os.environ[mesh.NCCL_ENV] == "0"
+    assert [c[0] for c in fake.calls] == ["mesh"] and os.environ[devices.NCCL_ENV] == "0"
 
 
 def test_nccl_is_taken_back_with_a_warning_when_tensorflow_started_first(monkeypatch):
@@ -130,12 +131,12 @@ def test_nccl_is_taken_back_with_a_warning_when_tensorflow_started_first(monkeyp
     with pytest.warns(UserWarning, match="without NCCL"):
         _build_on_fake_gpus(monkeypatch, fake)
     # fsdp._sliced_reduction reads the variable: it must say what DTensor really does.
-    assert os.environ[mesh.NCCL_ENV] == "0"
+    assert os.environ[devices.NCCL_ENV] == "0"
 
 
 def test_cpu_meshes_leave_nccl_alone(monkeypatch):
     mesh.build_mesh("data=2", "CPU")
-    assert mesh.NCCL_ENV not in os.environ
+    assert devices.NCCL_ENV not in os.environ
 
 
 _SPY = """
@@ -156,7 +157,7 @@ main(sys.argv[1:])
 @pytest.mark.slow
 def test_tfllm_train_builds_the_mesh_before_tensorflow_starts(tmp_path):
     # NCCL can only be turned on before TensorFlow initializes (see
-    # _initialize_gpus_single_client): nothing on `tfllm train`'s path may start it first.
+    # devices._initialize_gpus_single_client): nothing on `tfllm train`'s path may start it first.
     import subprocess
     import sys
     from tests.harness import ROOT
@@ -169,7 +170,7 @@ def test_tfllm_train_builds_the_mesh_before_tensorflow_starts(tmp_path):
 def test_a_gpu_mesh_sets_the_memory_reserve_before_tensorflow_makes_its_devices(monkeypatch):
     fake = _FakeDTensor()
     import tensorflow.experimental
-    monkeypatch.setattr(mesh, "_gpu_count", lambda: 8)
+    monkeypatch.setattr(devices, "_gpu_count", lambda: 8)
     monkeypatch.setattr(tensorflow.experimental, "dtensor", fake)
     mesh.build_mesh("fsdp=8", "GPU", gpu_memory_reserve_mb=6144,
                     gpu_allocator="cuda_malloc_async")

@@ -2,9 +2,11 @@
 
 import pytest
 
-from tfllm.parallel.rules import (DEFAULT_RULES, ShardingError, activation_mesh_axes,
-                                  resolve_spec, rules_from_config, sequence_axis, shard_shape,
+from tfllm.parallel.rules import (DEFAULT_RULES, BatchLayout, ShardingError,
+                                  activation_mesh_axes, batch_layout, resolve_spec,
+                                  rules_from_config, sequence_axis, shard_shape,
                                   token_batch_spec, without_sequence_sharding, zero1_spec)
+from tfllm.runtime.devices import MeshError
 
 MESH = {"data": 2, "fsdp": 2, "model": 2}
 
@@ -103,3 +105,16 @@ def test_decoding_rules_never_split_the_sequence():
     for shape, axes in (((64, 128), ("embed", "mlp")), ((128, 64), ("vocab", "embed"))):
         assert resolve_spec("w", shape, axes, rules, MESH) == \
             resolve_spec("w", shape, axes, DEFAULT_RULES, MESH)
+
+
+def test_a_batch_layout_is_one_answer_checked_to_divide():
+    # Rows over data, the sequence over fsdp (hybrid); fsdp alone takes the rows.
+    assert batch_layout(16, 2, 64, DEFAULT_RULES, {"data": 2, "fsdp": 4}) == BatchLayout(
+        8, "data", "fsdp")
+    assert batch_layout(16, 1, 30, DEFAULT_RULES, {"fsdp": 4}) == BatchLayout(16, "fsdp", None)
+    assert batch_layout(3, 1, 30, DEFAULT_RULES, {"model": 2}) == BatchLayout(3, None, None)
+    # The batch's own errors, before the generic sharding error could name a tensor.
+    with pytest.raises(MeshError, match=r"= 4 sequences per micro-batch do not divide"):
+        batch_layout(16, 4, 64, DEFAULT_RULES, {"data": 8})
+    with pytest.raises(MeshError, match=r"data.sequence_length \(30\) does not divide"):
+        batch_layout(16, 1, 30, DEFAULT_RULES, {"data": 2, "fsdp": 4})

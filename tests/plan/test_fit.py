@@ -12,7 +12,7 @@ import pytest
 
 from tfllm.config import load_config
 from tfllm.contracts import BAD_INPUT_EXIT_CODE
-from tfllm.parallel import gpu_checks
+from tfllm.runtime import gpu_checks
 from tfllm.plan import fit
 from tests.harness import ROOT
 

@@ -2,8 +2,8 @@
 
 import pytest
 
-from tfllm.parallel import coordination
-from tfllm.parallel.coordination import ClientMismatchError, check_same_devices
+from tfllm.runtime import coordination
+from tfllm.runtime.coordination import ClientMismatchError, check_same_devices
 
 
 class _Store:

@@ -4,9 +4,9 @@ import subprocess
 
 import pytest
 
-from tfllm.parallel import gpu_checks
-from tfllm.parallel.gpu_checks import Gpu, HostFacts
-from tfllm.parallel.mesh import MeshError, check_gpus
+from tfllm.runtime import gpu_checks
+from tfllm.runtime.gpu_checks import Gpu, HostFacts
+from tfllm.runtime.devices import MeshError, check_gpus
 
 # TensorFlow 2.21's wheel: machine code up to sm_89, Hopper only as PTX (compute_90).
 BUILD = {"is_cuda_build": True, "cuda_version": "12.5.1",

@@ -4,7 +4,7 @@ import io
 import json
 import time
 
-from tfllm.parallel.watchdog import PeerWatchdog, heartbeat_path, lost_message, peer_from_error
+from tfllm.runtime.watchdog import PeerWatchdog, heartbeat_path, lost_message, peer_from_error
 from tfllm.contracts import PEER_LOST_EXIT_CODE
 
 

@@ -1,13 +1,13 @@
 """A peer lost while the loop saves or evaluates is a lost peer (exit 76, one line), as it
 is in a step: every collective the loop and the checkpointer issue goes through the same
-classification (tfllm.parallel.watchdog.peer_from_error)."""
+classification (tfllm.runtime.watchdog.peer_from_error)."""
 
 import pytest
 import tensorflow as tf
 
 from tfllm.checkpoint.checkpointer import Checkpointer
 from tfllm.config import load_config
-from tfllm.parallel.watchdog import PeerLost
+from tfllm.runtime.watchdog import PeerLost
 from tfllm.train import loop
 from tests.harness import tiny_overrides
 

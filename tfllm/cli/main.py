@@ -87,13 +87,13 @@ def _persist_compiles(args, config, workdir) -> None:
     leak the setting into child processes, so only the command sets it. The folders it
     creates are kept in `args.created`: a command that fails removes them while they are
     still empty (`main`), so that a refused run leaves its workdir as it was."""
-    from tfllm.parallel import runtime_env
+    from tfllm.runtime import environment
     from tfllm.contracts import client_id
-    directory = runtime_env.xla_cache_dir(config.train.xla_cache, workdir, client_id())
+    directory = environment.xla_cache_dir(config.train.xla_cache, workdir, client_id())
     if directory:
         args.created = _missing_folders(os.path.join(directory, "autotune"))
     try:
-        runtime_env.xla_cache(directory)
+        environment.xla_cache(directory)
     except OSError as e:
         if args.command not in ("generate", "eval") or io_failure(e) is None:
             raise
@@ -130,7 +130,7 @@ def cmd_train(args) -> int:
 
 def _train(args) -> int:
     from tfllm.train.loop import train
-    from tfllm.parallel.watchdog import PeerLost
+    from tfllm.runtime.watchdog import PeerLost
     from tfllm.train.preemption import NonFiniteError, Preempted
     from tfllm.checkpoint.workdir import check_workdir
     config = _load_for_workdir(args)
@@ -165,7 +165,7 @@ def _train(args) -> int:
 def _check_host_memory(config) -> None:
     """A CPU run whose weights alone (float32, at least the sizes' lower bound) exceed
     this host's memory is refused before anything is allocated (exit 2)."""
-    from tfllm.parallel import gpu_checks
+    from tfllm.runtime import gpu_checks
     from tfllm.config.loader import weight_elements
     if gpu_checks.wanted(config.mesh.device_type):
         return  # on GPUs: the plan's estimate (_check_memory) for training
@@ -189,7 +189,7 @@ def _check_memory(config) -> None:
     """A GPU run whose step will not fit its GPUs stops here, before anything is built or
     written, with one line naming the `--set` that fits (`tfllm.plan.fit.FitError`, exit
     2). Only the command checks: the estimate is the plan's, a floor above training."""
-    from tfllm.parallel import gpu_checks
+    from tfllm.runtime import gpu_checks
     _check_host_memory(config)
     if not config.train.memory_check or not gpu_checks.wanted(config.mesh.device_type):
         return
@@ -361,7 +361,7 @@ def cmd_bench(args) -> int:
 
 def cmd_doctor(args) -> int:
     """Prints every GPU start-up check of this host; exit 2 when one fails."""
-    from tfllm.parallel import gpu_checks
+    from tfllm.runtime import gpu_checks
     config = _load(args)
     facts = gpu_checks.gather()
     findings = gpu_checks.check(facts, config.precision.policy, config.mesh.device_type)
@@ -569,11 +569,11 @@ _DEBUG_HELP = "On a failure, print Python's traceback before the one-line messag
 #: checkpoint, peers, pretrained folders)
 INPUT_ERROR_CLASSES = (
     ("tfllm.config.loader", "ConfigError"),
-    ("tfllm.parallel.mesh", "MeshError"),
+    ("tfllm.runtime.devices", "MeshError"),
     ("tfllm.parallel.rules", "ShardingError"),
     ("tfllm.data.errors", "DataError"),
     ("tfllm.checkpoint.shards", "CheckpointError"),
-    ("tfllm.parallel.coordination", "ClientMismatchError"),
+    ("tfllm.runtime.coordination", "ClientMismatchError"),
     ("tfllm.pretrained.families", "PretrainedError"),
 )
 

@@ -18,6 +18,7 @@ from tfllm.config import schema
 from tfllm import files
 from tfllm.confined import read_regular
 from tfllm.contracts import CONFIG_FILE
+from tfllm.runtime.devices import MAX_CPU_DEVICES
 
 
 class ConfigError(ValueError):
@@ -341,9 +342,9 @@ def validate(cfg: schema.Config) -> None:
                           f"{m.num_layers}, intermediate_dim {m.intermediate_dim}), more than "
                           f"the {MAX_WEIGHT_ELEMENTS:.3g} a tfllm model holds; lower them.")
     from tfllm.parallel import mesh as mesh_lib  # parsing only, no TensorFlow
-    if cfg.mesh.num_cpu_devices > mesh_lib.MAX_CPU_DEVICES:
+    if cfg.mesh.num_cpu_devices > MAX_CPU_DEVICES:
         raise ConfigError(f"mesh.num_cpu_devices: {cfg.mesh.num_cpu_devices} is above the "
-                          f"maximum {mesh_lib.MAX_CPU_DEVICES} logical CPU devices of one "
+                          f"maximum {MAX_CPU_DEVICES} logical CPU devices of one "
                           "host; lower it (0: as many as the mesh needs).")
     try:
         mesh_lib.parse_axes(cfg.mesh.axes, mesh_axes_known(cfg))

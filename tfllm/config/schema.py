@@ -125,7 +125,7 @@ class MeshConfig:
     device_type: str = _f("auto", "auto (GPU when present, else CPU), CPU or GPU.",
                           choices=("auto", "CPU", "GPU"))
     num_cpu_devices: int = _f(0, "Logical CPU devices to split the host into; 0 means as "
-                              "many as the mesh needs (at most tfllm.parallel.mesh."
+                              "many as the mesh needs (at most tfllm.runtime.devices."
                               "MAX_CPU_DEVICES).", min=0)
     rules: List[List[str]] = _f([], "Ordered [logical_axis, mesh_axis] pairs that replace "
                                 "the default rules table (tfllm.parallel.rules."

@@ -1,4 +1,4 @@
-"""Token sources and the device feed (floor 2: imports parallel and the ground floor).
+"""Token sources and the device feed (floor 3: imports parallel and the floors below).
 
 Owns the data: embedded corpus, text/TFRecord/TFDS pipelines, tokenizers, synthetic
 tokens; and, in `feed`, everything about how token rows reach the devices (which rows a

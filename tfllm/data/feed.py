@@ -31,7 +31,6 @@ from tfllm.files import open_for_writing, temporary_folder
 from tfllm.data.errors import DataError
 from tfllm.data.synthetic import SyntheticTokens
 from tfllm.parallel import rules as rules_lib
-from tfllm.parallel.mesh import check_batch
 
 #: the logical axes of a batch's rows and of its tokens
 BATCH_AXES = ("activation_batch",)
@@ -162,19 +161,14 @@ class DeviceFeed:
                  train_iterator: bool = True):
         self.config, self.parallel, self.tokenizer = config, parallel, tokenizer
         t, d = config.train, config.data
-        self.micro_batch_rows = t.global_batch_size // t.grad_accum_steps
-        self.row_length = d.sequence_length + 1
-        rules, shape = parallel.rules, parallel.shape
         # The batch's own error first (naming train.global_batch_size or
         # data.sequence_length), before the generic sharding error could fire.
-        rows_axis = rules_lib.candidate_axis("activation_batch", rules, shape)
-        check_batch(t.global_batch_size, t.grad_accum_steps, rows_axis, shape,
-                    d.sequence_length, rules_lib.candidate_axis(
-                        "activation_length", rules, shape, used=(rows_axis,)))
+        layout = rules_lib.batch_layout(t.global_batch_size, t.grad_accum_steps,
+                                        d.sequence_length, parallel.rules, parallel.shape)
+        self.micro_batch_rows = layout.micro_batch_rows
+        self.row_length = d.sequence_length + 1
         #: the mesh axis of the rows, and of the model's sequence (None: not split)
-        self.batch_axis = batch_spec(parallel, (self.micro_batch_rows, self.row_length))[0]
-        self.sequence_axis = rules_lib.sequence_axis(self.micro_batch_rows,
-                                                     d.sequence_length, rules, shape)
+        self.batch_axis, self.sequence_axis = layout.rows_axis, layout.sequence_axis
         #: the rows of each micro-batch this client reads
         self.rows = local_rows(parallel, self.micro_batch_rows, self.row_length)
         self._synthetic = None

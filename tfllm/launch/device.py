@@ -21,10 +21,11 @@ import shutil
 import subprocess
 from typing import Callable, Dict, Mapping
 
-#: what `tfllm launch --device` asked for, in every worker: auto, gpu or cpu
-DEVICE_ENV = "TFLLM_DEVICE"
-#: DTensor's switch between NCCL and TensorFlow's own collectives on GPU meshes
-NCCL_ENV = "DTENSOR_GPU_USE_NCCL_COMMUNICATION"
+# What `tfllm launch --device` asked for, in every worker (auto, gpu or cpu), and DTensor's
+# switch between NCCL and TensorFlow's own collectives on GPU meshes: the worker's side of
+# the rule (`tfllm.runtime.devices.use_nccl`) owns both names.
+from tfllm.runtime.devices import DEVICE_ENV, NCCL_ENV
+
 DEVICES = ("auto", "gpu", "cpu")
 
 #: `resolve_device_env` for TFLLM_DEVICE=auto, as POSIX shell run on a remote host. A

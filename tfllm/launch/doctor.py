@@ -7,7 +7,7 @@ makes each rank write what it found on its node to `DIR/doctor.rank_R.json` (DIR
 shared by the nodes, as a run's workdir is). Rank 0 waits for every rank's file and
 prints one report:
 
-* each node's own findings (the single-node checks of `tfllm.parallel.gpu_checks`),
+* each node's own findings (the single-node checks of `tfllm.runtime.gpu_checks`),
   prefixed with its host;
 * the versions a job needs equal on every node: TensorFlow, the CUDA and cuDNN it was
   built with, the NCCL library and the driver (an error where they differ, naming which
@@ -55,7 +55,7 @@ from tfllm import files
 from tfllm.launch import allreduce, nccl_log, ports as job_ports, xla_files
 from tfllm.launch.findings import NCCL_SETTINGS, compare  # noqa: F401  (the doctor's API)
 from tfllm.launch.topology import DEFAULT_PORT, LaunchError, slurm_topology
-from tfllm.parallel.gpu_checks import Finding, HostFacts
+from tfllm.runtime.gpu_checks import Finding, HostFacts
 
 REPORT = "doctor.rank_{}.json"
 GO = "doctor.go.json"

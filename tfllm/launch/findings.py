@@ -10,7 +10,7 @@ import json
 from typing import Dict, List, Mapping, Optional, Sequence
 
 from tfllm.launch import nccl_log, xla_files
-from tfllm.parallel.gpu_checks import Finding
+from tfllm.runtime.gpu_checks import Finding
 
 #: the NCCL variables that decide the transport, listed even when unset
 NCCL_SETTINGS = ("NCCL_SOCKET_IFNAME", "NCCL_IB_HCA", "NCCL_P2P_DISABLE", "NCCL_SHM_DISABLE",

@@ -1,9 +1,11 @@
 """Meshes, sharding rules, layouts and variable placement (the Keras 3 <-> DTensor bridge).
 
-Floor 1 (imports only the ground floor). Owns the rules table (`rules`: which mesh axis
-each logical axis takes, the batch's included), the mesh context model code sees
-(`context`), how weights are placed and gathered (`placement`, `fsdp`) and agreement
-between clients (`coordination`). Batches are placed by `tfllm.data.feed`.
+Floor 2 (imports the runtime and the ground floor). Owns the rules table (`rules`: which
+mesh axis each logical axis takes, and a batch's layout, `batch_layout`), the meshes laid
+over the devices the runtime set up (`mesh`; `tfllm.runtime.devices`), the mesh context
+model code sees (`context`) and how weights are placed and gathered (`placement`, `fsdp`).
+Batches are placed by `tfllm.data.feed`; agreement between clients is
+`tfllm.runtime.coordination`'s.
 """
 
 from tfllm.parallel.context import constrain, current, use

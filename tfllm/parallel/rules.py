@@ -28,7 +28,10 @@ sequence stays whole.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Mapping, Optional, Sequence, Tuple
+
+from tfllm.runtime.devices import MeshError
 
 Rules = Sequence[Tuple[str, Optional[str]]]
 Spec = Tuple[Optional[str], ...]
@@ -114,6 +117,63 @@ def sequence_axis(batch_rows: int, length: int, rules: Rules,
     spec = resolve_spec("activations", (batch_rows, length),
                         ("activation_batch", "activation_length"), rules, mesh_shape)
     return spec[1]
+
+
+@dataclass(frozen=True)
+class BatchLayout:
+    """How a training batch lies on the mesh (`batch_layout`).
+
+    Attributes:
+      micro_batch_rows: M, the rows of one micro-batch (global batch / accumulation).
+      rows_axis: the mesh axis of a micro-batch's rows (None: every device has them all).
+      sequence_axis: the mesh axis that splits the model's (M, T) sequence (None: whole).
+    """
+    micro_batch_rows: int
+    rows_axis: Optional[str]
+    sequence_axis: Optional[str]
+
+
+def batch_layout(global_batch: int, grad_accum: int, sequence_length: int, rules: Rules,
+                 mesh_shape: Mapping[str, int]) -> BatchLayout:
+    """The one question for a batch's layout: which mesh axes carry its rows and its
+    sequence, checked to divide (`check_batch`'s error, naming train.global_batch_size or
+    data.sequence_length, comes before the generic sharding error could).
+
+    Args:
+      global_batch, grad_accum: train.global_batch_size, train.grad_accum_steps.
+      sequence_length: data.sequence_length (T; a batch's rows hold T+1 tokens).
+      rules: the rules table.
+      mesh_shape: mesh axis name -> size.
+
+    Raises:
+      MeshError: the rows or the sequence do not divide over their mesh axes.
+    """
+    rows_axis = candidate_axis("activation_batch", rules, mesh_shape)
+    check_batch(global_batch, grad_accum, rows_axis, mesh_shape, sequence_length,
+                candidate_axis("activation_length", rules, mesh_shape, used=(rows_axis,)))
+    micro = global_batch // grad_accum
+    return BatchLayout(micro, token_batch_spec((micro, sequence_length + 1), rules,
+                                               mesh_shape)[0],
+                       sequence_axis(micro, sequence_length, rules, mesh_shape))
+
+
+def check_batch(global_batch: int, grad_accum: int, spec_axis: Optional[str], shape: dict,
+                sequence_length: Optional[int] = None,
+                sequence_axis: Optional[str] = None) -> None:
+    """Each micro-batch must split evenly over the mesh axis that shards its rows, and the
+    sequence over the axis that splits it (batch over data and fsdp together)."""
+    micro = global_batch // grad_accum
+    if spec_axis and micro % shape[spec_axis]:
+        raise MeshError(
+            f"train.global_batch_size ({global_batch}) / train.grad_accum_steps ({grad_accum}) "
+            f"= {micro} sequences per micro-batch do not divide over mesh axis '{spec_axis}' "
+            f"(size {shape[spec_axis]}); use a multiple of {shape[spec_axis]}.")
+    if sequence_axis and sequence_length and sequence_length % shape[sequence_axis]:
+        raise MeshError(
+            f"data.sequence_length ({sequence_length}) does not divide over mesh axis "
+            f"'{sequence_axis}' (size {shape[sequence_axis]}), which splits the sequence "
+            f"because the batch's rows take '{spec_axis}'; use a multiple of "
+            f"{shape[sequence_axis]}, or a mesh without both axes.")
 
 
 def activation_mesh_axes(rules: Rules):

@@ -309,7 +309,7 @@ def _child(job_path: str) -> None:
     """Runs one tiny step per config of the job on a CPU mesh; writes their collectives."""
     with open(job_path) as f:
         job = json.load(f)
-    from tfllm.parallel.mesh import setup_cpu_devices
+    from tfllm.runtime.devices import setup_cpu_devices
     if setup_cpu_devices(job["devices"]) != job["devices"]:
         raise SystemExit(f"could not make {job['devices']} logical CPU devices")
     import keras

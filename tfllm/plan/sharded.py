@@ -82,9 +82,10 @@ def per_device_config(config, devices=None) -> Tuple[object, str]:
         return local, "one device"
     rules = rules_lib.rules_from_config(config.mesh.rules)
     m, t = config.model, config.train
-    micro_rows, length = t.global_batch_size // t.grad_accum_steps, config.data.sequence_length
-    row_axis = rules_lib.token_batch_spec((micro_rows, length + 1), rules, shape)[0]
-    seq_axis = rules_lib.sequence_axis(micro_rows, length, rules, shape)
+    length = config.data.sequence_length
+    batch = rules_lib.batch_layout(t.global_batch_size, t.grad_accum_steps, length, rules,
+                                   shape)
+    micro_rows, row_axis, seq_axis = batch.micro_batch_rows, batch.rows_axis, batch.sequence_axis
     rows, seq = shape[row_axis] if row_axis else 1, shape[seq_axis] if seq_axis else 1
     local.train.global_batch_size = t.global_batch_size // rows
     if seq > 1:
@@ -259,16 +260,16 @@ def apply_mesh(config, local, result: dict, target, mesh_note: str, devices=None
         sent += b_ag + b_rs
         detail.append(f"fsdp: all-gather weights {b_ag / 1e9:.2f} GB, "
                       f"reduce-scatter grads {b_rs / 1e9:.2f} GB")
-    micro_rows = config.train.global_batch_size // config.train.grad_accum_steps
-    rules = rules_lib.rules_from_config(config.mesh.rules)
-    seq_axis = rules_lib.sequence_axis(micro_rows, config.data.sequence_length, rules, shape)
+    batch = rules_lib.batch_layout(config.train.global_batch_size,
+                                   config.train.grad_accum_steps, config.data.sequence_length,
+                                   rules_lib.rules_from_config(config.mesh.rules), shape)
+    seq_axis, row_axis = batch.sequence_axis, batch.rows_axis
     if seq_axis:
         # Attention gathers each layer's keys and values of its rows over the sequence
         # axis forward and reduce-scatters their gradients backward.
         seq, m = shape[seq_axis], config.model
         kv_width = (m.num_key_value_heads or m.num_query_heads) * (
             m.head_dim or m.hidden_dim // m.num_query_heads) // tp
-        row_axis = rules_lib.token_batch_spec((micro_rows, 2), rules, shape)[0]
         rows_per_device = config.train.global_batch_size // (shape[row_axis] if row_axis else 1)
         kv_bytes = rows_per_device * config.data.sequence_length * kv_width * act
         b = m.num_layers * 2 * 2 * (seq - 1) / seq * kv_bytes

@@ -27,10 +27,10 @@ from tfllm.checkpoint.workdir import (Workdir, check_tokenizer, check_workdir, s
 from tfllm.data.tokenizer import save_to_run
 from tfllm.models.lora import summary_line as lora_summary
 from tfllm.config.loader import to_dict
-from tfllm.parallel.coordination import any_client
+from tfllm.runtime.coordination import any_client
 from tfllm.contracts import client_id, num_clients
 from tfllm.parallel.placement import to_numpy
-from tfllm.parallel.watchdog import PeerLost, PeerWatchdog, lost_message, peer_from_error
+from tfllm.runtime.watchdog import PeerLost, PeerWatchdog, lost_message, peer_from_error
 from tfllm.precision import describe
 from tfllm.train import hlo_dump
 from tfllm.train.metrics import Throughput, flops_per_token, mesh_peak

@@ -17,8 +17,8 @@ from tfllm.contracts import client_id, num_clients
 from tfllm.data.feed import DeviceFeed
 from tfllm.generate import Generator
 from tfllm.parallel import make_parallel
-from tfllm.parallel.coordination import announce_ready, check_same_config, check_same_devices
-from tfllm.parallel.mesh import check_gpus
+from tfllm.runtime.coordination import announce_ready, check_same_config, check_same_devices
+from tfllm.runtime.devices import check_gpus
 from tfllm.train import hlo_dump
 from tfllm.train.evaluate import Evaluator
 from tfllm.train.state import build_train_state
@@ -47,7 +47,7 @@ class Run:
         t, d = config.train, config.data
         # A GPU host is checked first: a driver too old for TensorFlow's PTX, CUDA
         # libraries that fail to load (TensorFlow would fall back to the CPU without a
-        # word), FP8 without FP8 tensor cores (tfllm.parallel.gpu_checks).
+        # word), FP8 without FP8 tensor cores (tfllm.runtime.gpu_checks).
         check_gpus(config.mesh.device_type, config.precision.policy)
         # The mesh first: splitting the CPU into logical devices must happen before
         # anything (tf.data, tokenizer ops) initializes TensorFlow.
