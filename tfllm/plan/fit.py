@@ -50,13 +50,12 @@ WORKSPACE_BYTES = GIB // 2
 #: h100_plan_blocked.md: llama-7b fits 4 x 2048 per GPU with it)
 SUGGESTED_CHUNK = 512
 #: Micro-batches of one step whose activations are alive at once (None: all of them).
-#: The step unrolls its micro-batches into one program (tfllm.train.step) and XLA
-#: schedules their forward passes ahead of their backward passes: the compiled H100
-#: program of llama-1b on fsdp=8 with 8 micro-batches of 4 sequences keeps 341 GiB of
-#: temporaries, about 8x one micro-batch's; gpt2-small with 2 micro-batches of 32
-#: sequences 58.5 GiB, 1.5x. Until the step runs them one after another, accumulation
-#: saves no memory.
-MICRO_BATCHES_LIVE = None
+#: The step unrolls its micro-batches into one program, each waiting by a data
+#: dependency for the previous one's backward pass (tfllm.train.step.after_backward):
+#: the compiled H100 program of a tiny llama (2 layers, width 128, 16 x 128 tokens per
+#: micro-batch, bf16) keeps 1.04x the temporaries of one micro-batch with 4 of them
+#: (2.70x before the dependency; tests/plan/test_fit.py measures it).
+MICRO_BATCHES_LIVE = 1
 #: the remat modes from least to most recompute (tfllm.models.common.remat)
 REMAT_ORDER = ("none", "attention", "selective", "full")
 
@@ -241,15 +240,36 @@ def _batch_choices(config, devices) -> List[int]:
     return out
 
 
+def _accum_choices(config, devices, batch: int) -> List[int]:
+    """Gradient accumulation steps for a global batch: the config's first, then doubling
+    while the micro-batch's rows still divide over the same mesh axis."""
+    t = config.train
+    shape = sharded.mesh_shape(config, devices)
+    rules = rules_lib.rules_from_config(config.mesh.rules)
+    length = config.data.sequence_length + 1
+    carried = rules_lib.token_batch_spec((batch // t.grad_accum_steps, length), rules,
+                                         shape)[0]
+    out, accum = [t.grad_accum_steps], t.grad_accum_steps * 2
+    while batch % accum == 0:
+        try:
+            if rules_lib.token_batch_spec((batch // accum, length), rules, shape)[0] != carried:
+                break
+        except rules_lib.ShardingError:
+            break
+        out.append(accum)
+        accum *= 2
+    return out
+
+
 def candidates(config, devices=None):
     """(overrides, config) in the order a suggestion tries them: the cheapest first.
 
     bfloat16 instead of float32 (float32 runs the GEMMs at the TF32 rate at best); then,
     keeping the global batch, blocked attention (recomputes each tile's scores: +10% step
     on llama-7b) and each remat mode in `REMAT_ORDER` (+10-22% step,
-    benchmarks/results/remat.md); only then a smaller global batch (a change of the
-    recipe). More gradient accumulation is not tried: it saves no memory in today's step
-    (`MICRO_BATCHES_LIVE`)."""
+    benchmarks/results/remat.md); then more gradient accumulation (smaller micro-batches,
+    the same recipe: one micro-batch's activations alive at a time,
+    `MICRO_BATCHES_LIVE`); only then a smaller global batch (a change of the recipe)."""
     base: Dict[str, str] = {}
     cfg = copy.deepcopy(config)
     if cfg.precision.policy == "float32":
@@ -260,19 +280,22 @@ def candidates(config, devices=None):
         chunks.append(SUGGESTED_CHUNK)
     remats = REMAT_ORDER[REMAT_ORDER.index(cfg.model.remat):]
     for batch in _batch_choices(cfg, devices):
-        for remat in remats:
-            for chunk in chunks:
-                c = copy.deepcopy(cfg)
-                c.model.remat, c.model.attention_chunk = remat, chunk
-                c.train.global_batch_size = batch
-                sets = dict(base)
-                if chunk != config.model.attention_chunk:
-                    sets["model.attention_chunk"] = str(chunk)
-                if remat != config.model.remat:
-                    sets["model.remat"] = remat
-                if batch != config.train.global_batch_size:
-                    sets["train.global_batch_size"] = str(batch)
-                yield sets, c
+        for accum in _accum_choices(cfg, devices, batch):
+            for remat in remats:
+                for chunk in chunks:
+                    c = copy.deepcopy(cfg)
+                    c.model.remat, c.model.attention_chunk = remat, chunk
+                    c.train.global_batch_size, c.train.grad_accum_steps = batch, accum
+                    sets = dict(base)
+                    if chunk != config.model.attention_chunk:
+                        sets["model.attention_chunk"] = str(chunk)
+                    if remat != config.model.remat:
+                        sets["model.remat"] = remat
+                    if accum != config.train.grad_accum_steps:
+                        sets["train.grad_accum_steps"] = str(accum)
+                    if batch != config.train.global_batch_size:
+                        sets["train.global_batch_size"] = str(batch)
+                    yield sets, c
 
 
 def suggest(config, devices=None, target: str = "h100"):
