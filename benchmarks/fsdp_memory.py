@@ -54,6 +54,7 @@ def child(size: str, mesh: str, policy: str, out_path: str) -> None:
     the first step's largest collective to `out_path` (JSON)."""
     from tfllm.runtime.devices import setup_cpu_devices
     setup_cpu_devices(8)
+    from tfllm.compiler.reports import FirstCall
     from tfllm.data import feed
     from tfllm.config import load_config
     from tfllm.data import SyntheticTokens
@@ -76,7 +77,8 @@ def child(size: str, mesh: str, policy: str, out_path: str) -> None:
     # Peaks of live tensor bytes per step (TF_CPU_ALLOCATOR_USE_BFC: the host's one
     # allocator, shared by the logical devices, keeps exact statistics).
     tf.config.experimental.reset_memory_stats("CPU:0")
-    state.step(batch)
+    first = FirstCall(state.step.parallel, False)  # reads the first step's executed graphs
+    state.step(batch, reader=first)
     rss_first = _peak_rss_gib()
     tensors_first = tf.config.experimental.get_memory_info("CPU:0")["peak"] / 2**30
     tf.config.experimental.reset_memory_stats("CPU:0")
@@ -84,7 +86,7 @@ def child(size: str, mesh: str, policy: str, out_path: str) -> None:
     state.step(batch)
     tensors = tf.config.experimental.get_memory_info("CPU:0")
     rss_second = _peak_rss_gib()
-    report = state.step.cost_report  # read from the first step's executed graphs
+    report = first.report.costs
     largest = report.largest.elements if report.largest is not None else 0
     count = len(report.collectives)
     with open(out_path, "w") as f:

@@ -356,7 +356,7 @@ def clusters_markdown(results) -> list:
                 "`python benchmarks/plan_clusters.py`: the train step as `tfllm train` runs "
                 "it (bf16, `jit_compile`, DTensor) on 8 logical CPU devices, at tiny widths "
                 "with 1, 2 and 3 layers; the busiest device's `_XlaCompile` ops counted in "
-                "the executed graphs (`tfllm.train.costs`). `tfllm plan` measures the same "
+                "the executed graphs (`tfllm.compiler.costs`). `tfllm plan` measures the same "
                 "way with 1 and 2 layers (a + b x layers) for the dispatch term of its step "
                 "time; the 3-layer count checks that extrapolation: a middle block (its "
                 "re-gather prefetched by the block after, its own prefetching the one "

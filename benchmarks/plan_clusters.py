@@ -6,7 +6,7 @@ On a mesh, TensorFlow hands XLA not one program per device but many clusters, sp
 every collective; `tfllm plan` prices each cluster's dispatch (`tfllm.plan.timing`). This
 runs the step that `tfllm train` runs (`jit_compile`, DTensor, 8 logical CPU devices) of
 each model's family on each mesh at tiny widths with 1, 2 and 3 layers, reads the busiest
-device's clusters from the executed graphs (`tfllm.train.costs`), checks that each block
+device's clusters from the executed graphs (`tfllm.compiler.costs`), checks that each block
 adds the same count, and extrapolates to the model's layers. One case also runs at the
 model's own widths (a short sequence) to check that widths do not change the count.
 Adds {"clusters": [...]} to OUT.json; `benchmarks/h100_plan.py --markdown-only` writes

@@ -141,21 +141,23 @@ def first_step_costs(axes, layers, policy="float32", family="llama", **extra):
     """
     from unittest import mock
 
+    from tfllm.compiler import costs
+    from tfllm.compiler.reports import FirstCall
     from tfllm.data import SyntheticTokens, feed
     from tfllm.parallel import make_parallel
-    from tfllm.train import costs
     from tfllm.train.state import build_train_state
     cfg = tiny_config(family, axes, **{"precision.policy": policy,
                                        "model.num_layers": layers}, **extra)
     parallel = make_parallel(cfg)
     state = build_train_state(cfg, parallel, jit_compile=False)
     data = SyntheticTokens(cfg.model.vocab_size, cfg.data.sequence_length + 1, seed=7)
-    seen, report = [], costs.report_from_graphs
+    seen, report, first = [], costs.report_from_graphs, FirstCall(parallel, False)
     with mock.patch.object(costs, "report_from_graphs",
                            lambda graphs, *a, **k: seen.extend(graphs) or report(graphs, *a, **k)):
         state.step(feed.to_device(parallel, data.batch(0, cfg.train.global_batch_size,
-                                                       cfg.train.grad_accum_steps)))
-    return state.step.cost_report, seen
+                                                       cfg.train.grad_accum_steps)),
+                   reader=first)
+    return first.report.costs, seen
 
 
 # ---- the parity harness -----------------------------------------------------------------
@@ -215,6 +217,7 @@ def parity_run(family, axes, jit, extra=()):
       A dict: loss, grads (per trainable variable), history (each step's metrics),
       weights ({path: numpy}), paths, model, optimizer, parallel (None on one device).
     """
+    from tfllm.compiler.reports import FirstCall
     from tfllm.data import SyntheticTokens, feed
     from tfllm.parallel import make_parallel
     from tfllm.parallel.placement import to_numpy
@@ -229,10 +232,11 @@ def parity_run(family, axes, jit, extra=()):
     batch = lambda i: feed.to_device(parallel, data.batch(i, t.global_batch_size,  # noqa: E731
                                                           t.grad_accum_steps))
     loss, grads = step.loss_and_grads(batch(0))
-    history = [step(batch(i)) for i in range(PARITY_STEPS)]
+    first = FirstCall(parallel, jit)  # the first step's report: what XLA compiled
+    history = [step(batch(i), reader=first if i == 0 else None) for i in range(PARITY_STEPS)]
     if jit and not single:
         # XLA really compiled the step on every device (not only the flag was passed).
-        report = step.xla_report
+        report = first.report.xla
         assert report.clusters >= 1 and len(report.devices) == parallel.mesh.num_local_devices()
         assert report.core_outside() == {}, report.examples
     weights = {v.path: to_numpy(v) for v in model.trainable_variables}

@@ -265,7 +265,7 @@ _ALLOWED = {
         "tfllm.files.written_atomically (tfllm export --format hf)",
     ("runtime/environment.py", "xla flag"):
         "XLA's compile cache and autotune folders, made by tfllm.files.make_dirs",
-    ("train/hlo_dump.py", "xla flag"):
+    ("compiler/hlo_dump.py", "xla flag"):
         "XLA dumps into a temporary folder made by tfllm.files (or the user's own "
         "--xla_dump_to, which tfllm never deletes)",
     ("plan/measured.py", "xla flag"):

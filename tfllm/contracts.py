@@ -112,7 +112,7 @@ CONFIG_FILE = "config.yaml"
 METRICS_FILE = "metrics.jsonl"
 TENSORBOARD_DIR = "tensorboard"
 PLOT_FILE = "loss.png"
-#: the cost report of the step (`tfllm.train.costs.CostReport.as_dict()`), after step one
+#: the cost report of the step (`tfllm.compiler.costs.CostReport.as_dict()`), after step one
 COSTS_FILE = "costs.json"
 #: the run's tokenizer: a keras-hub preset folder, or a SentencePiece model in it
 TOKENIZER_DIR = "tokenizer"

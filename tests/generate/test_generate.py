@@ -118,7 +118,7 @@ def test_compiled_decoding_on_a_mesh_runs_every_token_inside_xla():
     # step per token: its executed graphs are XLA clusters with no matmul, norm or
     # softmax outside, and the tokens are the single device's, greedy and sampled.
     from tfllm.internals import collect_executed_graphs
-    from tfllm.train.xla import report_from_graphs
+    from tfllm.compiler.xla import report_from_graphs
     gen, single = generator("llama", "model=2"), generator("llama")
     with collect_executed_graphs() as graphs:
         tokens = gen.generate(PROMPTS, NEW)

@@ -10,7 +10,7 @@ from tfllm.data import feed
 from tfllm.models import build_model
 from tfllm.parallel import context, make_parallel
 from tfllm.internals import collect_executed_graphs
-from tfllm.train.costs import KINDS
+from tfllm.compiler.costs import KINDS
 from tests.harness import (assert_parity, forward_on_mesh, parity_reference, parity_run,
                            tiny_config)
 

@@ -122,7 +122,7 @@ def test_fp8_projections_keep_fp8_gemms_and_compute_no_weight_gradient():
     # trainable needs (down, up and output feed adapters upstream; the block's input
     # feeds only frozen weights): 3, where full training has 6 more and 6 weight GEMMs.
     from tfllm.data import SyntheticTokens, feed
-    from tfllm.precision.fp8_hlo import classify_dots
+    from tfllm.compiler.fp8_hlo import classify_dots
     from tfllm.train.state import build_train_state
     cfg = tiny_config("gpt", **{"precision.policy": "fp8", "model.num_layers": 1},
                       **dict(LORA))

@@ -28,7 +28,8 @@ import benchmarks.fsdp_memory as bench
 from tfllm.data import feed
 from tfllm.data import SyntheticTokens
 from tfllm.parallel import make_parallel
-from tfllm.train import costs
+from tfllm.compiler import costs
+from tfllm.compiler.reports import FirstCall
 from tfllm.train.state import build_train_state
 from tests.harness import tiny_config
 
@@ -36,7 +37,7 @@ MESHES = ["fsdp=8", "data=2,fsdp=4", "fsdp=4,model=2"]
 
 
 def _first_step(axes, policy="float32", family="llama", **extra):
-    """(train state, parallel, the executed graphs of the first step)."""
+    """(train state, parallel, the executed graphs of the first step, its cost report)."""
     cfg = tiny_config(family, axes, **{"precision.policy": policy},
                       **extra)
     parallel = make_parallel(cfg)
@@ -48,9 +49,10 @@ def _first_step(axes, policy="float32", family="llama", **extra):
     # The step reads its executed graphs once, for its cost report: keep them too.
     with mock.patch.object(costs, "report_from_graphs",
                            lambda graphs, *a, **k: seen.extend(graphs) or report(graphs, *a, **k)):
+        first = FirstCall(parallel, False)
         state.step(feed.to_device(parallel, data.batch(0, t.global_batch_size,
-                                                       t.grad_accum_steps)))
-    return state, parallel, seen
+                                                       t.grad_accum_steps)), reader=first)
+    return state, parallel, seen, first.report.costs
 
 
 def _gathered(state, parallel):
@@ -62,8 +64,7 @@ def _gathered(state, parallel):
 @pytest.mark.slow
 @pytest.mark.parametrize("axes", MESHES)
 def test_no_collective_is_larger_than_the_largest_block(axes):
-    state, parallel, graphs = _first_step(axes)
-    report = state.step.cost_report
+    state, parallel, graphs, report = _first_step(axes)
     # Weights move a block at a time (tfllm.parallel.blocks): no collective is larger
     # than the largest block's (or, outside blocks, the largest weight's) elements; a
     # whole-model buffer (DTensor's merging, before tfllm.parallel.fsdp) would be larger.
@@ -97,13 +98,13 @@ def test_no_collective_is_larger_than_the_largest_block(axes):
 
 @pytest.mark.slow
 def test_bf16_weights_travel_as_two_byte_gathers():
-    state, parallel, graphs = _first_step("fsdp=8", policy="bfloat16")
-    gathers = [c for c in state.step.cost_report.collectives if c.kind == "all-gather"
+    state, parallel, graphs, report = _first_step("fsdp=8", policy="bfloat16")
+    gathers = [c for c in report.collectives if c.kind == "all-gather"
                and "token_embedding" not in c.name]
     assert gathers and {c.op for c in gathers} == {"CollectiveGatherV2"}
     assert {c.dtype for c in gathers} == {"float16"}, [c.describe() for c in gathers]
     # Gradients are still reduced in float32.
-    reductions = [c for c in state.step.cost_report.collectives
+    reductions = [c for c in report.collectives
                   if c.kind != "all-gather" and (c.elements or 0) > 1]
     assert reductions and {c.dtype for c in reductions} == {"float32"}
 

@@ -2,12 +2,12 @@
 
 Parity tests cannot see it: a backward dot that gets one operand as bf16 computes the
 same numbers, as a bf16 GEMM. What is checked is the HLO each device compiles (XLA dumps
-of one fp8 train step of the tiny llama, read by `tfllm.precision.fp8_hlo`): the forward
+of one fp8 train step of the tiny llama, read by `tfllm.compiler.fp8_hlo`): the forward
 dot (E4M3 x E4M3) and the input- and weight-gradient dots (E4M3 x E5M2) of each FP8
 projection have both operands dequantized from FP8 in their own module, in the pattern
 XLA's GPU compiler turns into cuBLASLt FP8 GEMMs. Without a mesh the step is one XLA
 program; on a DTensor mesh TensorFlow's clustering cuts it into per-device clusters
-(tfllm.train.xla), where the backward dots used to get bf16 parameters (14 of 42 FP8
+(tfllm.compiler.xla), where the backward dots used to get bf16 parameters (14 of 42 FP8
 dots on data=2,model=2 before fp8_einsum re-dequantized in the backward).
 """
 
@@ -18,7 +18,7 @@ import sys
 
 import pytest
 
-from tfllm.precision.fp8_hlo import dump_fp8_dot_counts
+from tfllm.compiler.fp8_hlo import dump_fp8_dot_counts
 from tests.harness import ROOT
 
 E4M3, E5M2 = "f8e4m3fn", "f8e5m2"

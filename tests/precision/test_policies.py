@@ -11,7 +11,7 @@ from tfllm.data import SyntheticTokens
 from tfllm.models import build_model
 from tfllm.models.common import Projection
 from tfllm.parallel.placement import to_numpy
-from tfllm.precision.fp8_hlo import classify_dots
+from tfllm.compiler.fp8_hlo import classify_dots
 from tfllm.train.loop import Run
 from tfllm.train.state import build_train_state
 from tests.harness import tiny_config

@@ -45,15 +45,13 @@ class _StepWithoutCompute:
     tests check is the loop's order, and compiling a step would cost them many seconds
     on a busy 2-core CPU."""
 
-    xla_report = cost_report = None
-
     def __init__(self, step):
         self._step = step
 
     def __getattr__(self, name):  # placement, the skipped-step counter
         return getattr(self._step, name)
 
-    def __call__(self, batch, loss_limit=None, fetch=True):
+    def __call__(self, batch, loss_limit=None, fetch=True, reader=None):
         if self.on_call is not None:
             self.on_call()
         return {"loss": 1.0, "grad_norm": 1.0, "learning_rate": 0.0, "skipped_steps": 0,
@@ -232,7 +230,7 @@ def _steps_with_lazy_metrics(monkeypatch, nan_at=None):
     _without_compute(monkeypatch, on_call=on_call)
     real_call = _StepWithoutCompute.__call__
 
-    def lazy(self, batch, loss_limit=None, fetch=True):
+    def lazy(self, batch, loss_limit=None, fetch=True, reader=None):
         values = real_call(self, batch, loss_limit)
         step = ran[-1]
         if step == nan_at:

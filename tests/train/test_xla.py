@@ -1,7 +1,7 @@
 """The train step really runs through XLA, on every execution shape tfllm supports.
 
 What is checked is what TensorFlow executes, never the flag that was passed:
-* the report (`tfllm.train.xla`) read from the executed per-device graphs: clusters on
+* the report (`tfllm.compiler.xla`) read from the executed per-device graphs: clusters on
   every device, and no matmul, norm, softmax or optimizer op left outside them;
 * in a subprocess, the HLO modules XLA dumps (`--xla_dump_to`): the dots, rsqrt,
   exponentials and the optimizer's sqrt are in compiled modules (and FP8 converts);
@@ -21,7 +21,8 @@ from tensorflow.core.framework import graph_pb2
 from tfllm.data import feed
 from tfllm.data import SyntheticTokens
 from tfllm.parallel import make_parallel
-from tfllm.train import xla
+from tfllm.compiler import xla
+from tfllm.compiler.reports import FirstCall
 from tfllm.train.state import build_train_state
 from tests.harness import (ROOT, finish, run_tfllm, tfllm_command, tfllm_env, tiny_config,
                            train_with_xla_dump)
@@ -76,7 +77,9 @@ def _step(axes, jit, family="llama", **extra):
     step = build_train_state(cfg, parallel, jit).step
     data = SyntheticTokens(cfg.model.vocab_size, cfg.data.sequence_length + 1, seed=3)
     batch = feed.to_device(step.parallel, data.batch(0, cfg.train.global_batch_size, 1))
-    return step, step(batch)
+    first = FirstCall(parallel, jit)  # what XLA compiled of the first call
+    metrics = step(batch, reader=first)
+    return step, metrics, first.report.xla
 
 
 def assert_step_is_xla(report, devices):
@@ -91,26 +94,26 @@ def assert_step_is_xla(report, devices):
 
 @pytest.mark.slow
 def test_one_device_mesh_step_is_compiled_by_xla():
-    step, metrics = _step("data=1", True)
-    assert_step_is_xla(step.xla_report, devices=1)
-    graph_step, graph_metrics = _step("data=1", False)
-    assert graph_step.xla_report is None
+    step, metrics, report = _step("data=1", True)
+    assert_step_is_xla(report, devices=1)
+    graph_step, graph_metrics, graph_report = _step("data=1", False)
+    assert graph_report is None
     # fp32, same init and batch: XLA's fused kernels sum in another order (~1e-7).
     assert metrics["loss"] == pytest.approx(graph_metrics["loss"], rel=1e-5)
 
 
 @pytest.mark.slow
 def test_tensor_parallel_step_in_one_process_is_compiled_by_xla():
-    step, _ = _step("model=2", True, family="gpt")
-    assert_step_is_xla(step.xla_report, devices=2)
-    assert step.xla_report.communication > 0  # the all-reduces stay between clusters
+    step, _, report = _step("model=2", True, family="gpt")
+    assert_step_is_xla(report, devices=2)
+    assert report.communication > 0  # the all-reduces stay between clusters
 
 
 @pytest.mark.slow
 def test_what_xla_compiles_of_evaluation_and_generation_on_a_mesh():
     from tfllm.generate import Generator
     from tfllm.train.evaluate import Evaluator
-    step, _ = _step("data=2", True, family="gpt")
+    step, _, _ = _step("data=2", True, family="gpt")
     data = SyntheticTokens(128, 17, seed=5)
     evaluator = Evaluator(step.model, step.parallel, True)
     batch = feed.to_device(step.parallel, data.batch(0, 16, 1))

@@ -14,7 +14,7 @@ Strict compilation (`--tf_xla_enable_lazy_compilation=false`) makes the setting
 truthful: a cluster that fails to compile is an error, not a silent fallback to
 TensorFlow kernels, and every cluster compiles on its first run instead of after a few
 TensorFlow runs. What XLA really compiled is read from the executed programs
-(`tfllm.train.xla`).
+(`tfllm.compiler.xla`).
 """
 
 from __future__ import annotations
@@ -125,6 +125,6 @@ class Retraced:
                 self.retraces += 1
 
     def get_concrete_function(self, *args, **kwargs):
-        """The current trace's concrete function (what `tfllm.train.xla.run_and_report`
+        """The current trace's concrete function (what `tfllm.compiler.xla.run_and_report`
         reads)."""
         return self.compiled.get_concrete_function(*args, **kwargs)

@@ -1,7 +1,7 @@
 """The collectives of a sharded plan, measured on the executed CPU program of the same mesh.
 
 `tfllm.plan.sharded` assumes what a layout should communicate; this module reads what
-DTensor really executes (`tfllm.train.costs`) and scales it to the real model:
+DTensor really executes (`tfllm.compiler.costs`) and scales it to the real model:
 
 1. **Run.** The config's model is rebuilt at a tiny scale (same family, mesh axes, rules,
    precision policy, batch rows and gradient accumulation; 1 and then 2 layers; small
@@ -50,7 +50,7 @@ from tfllm.plan.sharded import compute_sizes, per_device_config, weight_units
 PADDING = 1024  # DTensor pads merged all-reduce buffers to multiples of this
 _RING = {"all-reduce": 2, "all-gather": 1, "reduce-scatter": 1, "all-to-all": 1}
 BASIS = ("measured: the executed CPU program of this mesh at a tiny scale "
-         "(tfllm.train.costs), scaled to this model")
+         "(tfllm.compiler.costs), scaled to this model")
 CLUSTERS_BASIS = ("measured: XLA clusters of the busiest device in DTensor's executed program "
                   "of this mesh (jit_compile, CPU devices, the model's family at tiny widths, "
                   "1 and 2 layers), a + b x layers")
@@ -313,6 +313,7 @@ def _child(job_path: str) -> None:
     if setup_cpu_devices(job["devices"]) != job["devices"]:
         raise SystemExit(f"could not make {job['devices']} logical CPU devices")
     import keras
+    from tfllm.compiler.reports import FirstCall
     from tfllm.config.loader import config_from_dict
     from tfllm.data import SyntheticTokens, feed
     from tfllm.parallel import make_parallel
@@ -322,10 +323,14 @@ def _child(job_path: str) -> None:
         cfg = config_from_dict(data)
         tokens = SyntheticTokens(cfg.model.vocab_size, cfg.data.sequence_length + 1, seed=0)
         parallel = make_parallel(cfg)
-        step = build_train_state(cfg, parallel, job.get("jit_compile", False)).step
-        step(feed.to_device(parallel, tokens.batch(0, cfg.train.global_batch_size, 1)))
-        out[layers] = {"collectives": [c.as_dict() for c in step.cost_report.collectives],
-                       "clusters": step.cost_report.clusters}
+        jit = job.get("jit_compile", False)
+        step = build_train_state(cfg, parallel, jit).step
+        first = FirstCall(parallel, jit)  # what the step communicates, read from its call
+        step(feed.to_device(parallel, tokens.batch(0, cfg.train.global_batch_size, 1)),
+             reader=first)
+        costs = first.report.costs
+        out[layers] = {"collectives": [c.as_dict() for c in costs.collectives],
+                       "clusters": costs.clusters}
         keras.backend.clear_session()
     # the job's folder is the parent's temporary folder: the root of this write
     files.write_atomically(os.path.dirname(os.path.abspath(job_path)), job_path + ".out",

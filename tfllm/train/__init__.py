@@ -1,6 +1,6 @@
 """Training (floor 7): `Run` (the run's state, set up from a config, plus its device feed),
 the guarded train step (`step`: computes only; batches come from `tfllm.data.feed`,
-compilation from `tfllm.compiler.jit`), the loop with checkpoints, preemption and
-evaluation (`loop`, `evaluate`), what the executed step costs (`xla`, `costs`,
-`hlo_dump`, `profile`), and what a run reports (`metrics`, `progress`, `tensorboard`,
-`plots`)."""
+compilation and the report of what was compiled from `tfllm.compiler`), the loop with
+checkpoints, preemption and evaluation (`loop`, `evaluate`) and its schedule (`schedule`:
+what happens at step n, pure), a profile of chosen steps (`profile`), and what a run
+reports (`metrics`, `progress`, `tensorboard`, `plots`)."""

@@ -5,8 +5,8 @@ from __future__ import annotations
 import statistics
 import time
 
-
-from tfllm.train import hlo_dump
+from tfllm.compiler import hlo_dump
+from tfllm.compiler.reports import FirstCall
 from tfllm.train.metrics import count_params, flops_per_token, mesh_peak
 
 
@@ -29,7 +29,8 @@ def benchmark(config, steps: int = 20, warmup: int = 3, repeats: int = 1) -> dic
     tokens_per_step = t.global_batch_size * config.data.sequence_length
     batches = [run.feed.train_batch(i) for i in range(4)]  # input preparation is not timed
     started = time.perf_counter()
-    run.step(batches[0])  # the first call traces and compiles
+    first = FirstCall(run.parallel, run.jit_compile)  # reads what XLA compiled, the costs
+    run.step(batches[0], reader=first)  # the first call traces and compiles
     first_step_s = time.perf_counter() - started
     hlo_dump.stop()  # the cost report has read it
     for i in range(1, warmup):
@@ -55,8 +56,8 @@ def benchmark(config, steps: int = 20, warmup: int = 3, repeats: int = 1) -> dic
         "mfu": round(mfu, 4) if mfu is not None else None,
         "jit_compile": run.jit_compile,
         "first_step_s": round(first_step_s, 2),
-        "xla": run.step.xla_report.as_dict() if run.step.xla_report else None,
-        "costs": run.step.cost_report.as_dict() if run.step.cost_report else None,
+        "xla": first.report.xla.as_dict() if first.report.xla else None,
+        "costs": first.report.costs.as_dict(),
         "precision": config.precision.policy,
         "mesh": config.mesh.axes,
         "steps": steps * repeats,

@@ -19,25 +19,29 @@ import math
 import sys
 import time
 from collections import deque
+from typing import Optional
 
 from tfllm import files
+from tfllm.compiler import hlo_dump
+from tfllm.compiler.reports import FirstCall
 from tfllm.checkpoint.lock import RunLock
 from tfllm.checkpoint.workdir import (Workdir, check_tokenizer, check_workdir, start_run,
                                       tokenizer_fingerprint)
 from tfllm.data.tokenizer import save_to_run
 from tfllm.models.lora import summary_line as lora_summary
-from tfllm.config.loader import to_dict
+from tfllm.config.loader import profile_steps, to_dict
 from tfllm.runtime.coordination import any_client
 from tfllm.contracts import client_id, num_clients
 from tfllm.parallel.placement import to_numpy
 from tfllm.runtime.watchdog import PeerLost, PeerWatchdog, lost_message, peer_from_error
 from tfllm.precision import describe
-from tfllm.train import hlo_dump
 from tfllm.train.metrics import Throughput, flops_per_token, mesh_peak
 from tfllm.train.preemption import NonFiniteError, Preempted, SignalWatcher
 from tfllm.train.preflight import no_validation_reason, preflight
+from tfllm.train.profile import StepProfiler, profile_dir
 from tfllm.train.progress import Progress
 from tfllm.train.run import Run, sample_text
+from tfllm.train.schedule import Schedule
 from tfllm.train.tensorboard import TensorBoard
 
 __all__ = ["Run", "train"]
@@ -107,15 +111,61 @@ def train(config, workdir: str, model_cls=None, out=None) -> dict:
                 w.stop()  # peers must not take this client's normal end for a loss
 
 
+class _Training:
+    """A run being trained: what the loop's parts share (`_prepare` makes it)."""
+
+    def __init__(self, config, workdir: str, run: Run, state, checkpointer, lock,
+                 evaluating: bool, out):
+        self.config, self.workdir, self.run, self.state = config, workdir, run, state
+        self.run_dir, self.primary = Workdir(workdir), client_id() == 0
+        self.checkpointer, self.lock, self.evaluating, self.out = (checkpointer, lock,
+                                                                  evaluating, out)
+        t = config.train
+        self.schedule = Schedule(
+            t.steps, t.log_every, t.eval_every if evaluating else 0, config.checkpoint.every,
+            profile_steps(t), spike_guard=t.loss_spike_factor > 0)
+        self.profiler = StepProfiler(profile_dir(workdir, client_id()), workdir)
+        self.tokens_per_step = t.global_batch_size * config.data.sequence_length
+        #: set by `_restore` and `_announce`
+        self.start_step, self.progress_note = 0, ""
+        self.progress: Optional[Progress] = None
+        self.outputs: Optional[_Outputs] = None
+
+
+class _Tally:
+    """What the step loop carries from one step to the next."""
+
+    def __init__(self, window: int):
+        self.recent = deque(maxlen=window)  # the spike guard's losses of applied steps
+        self.pending = []  # (step number, its metrics still on the devices)
+        self.shown, self.last = {}, {}  # the metrics on display; the last record written
+        self.throughput, self.first_step_s = Throughput(), None
+        self.started = time.perf_counter()
+
+
 def _train(config, workdir, model_cls, out, signals, watchdog: list) -> dict:
+    training = _prepare(config, workdir, model_cls, out, signals, watchdog)
+    _restore(training)
+    _announce(training)
+    try:
+        tally = _steps(training, signals, watchdog)
+        _finish(training, tally)
+    finally:
+        training.profiler.stop()
+        training.outputs.close()
+    return _after(training, tally.last, tally.first_step_s)
+
+
+def _prepare(config, workdir, model_cls, out, signals, watchdog: list) -> _Training:
+    """Checks the workdir and the input, builds the run, takes the run's lock and writes
+    the run's first files; starts the peer watchdog."""
     t = config.train
-    run_dir = Workdir(workdir)
     primary = client_id() == 0
     # Another run, or files tfllm did not write, are refused before anything is written;
     # bad input (data, tokenizer, what `preflight` checks) fails before the run writes
     # into its workdir, so a refused run leaves it as it was.
     state = check_workdir(workdir, config)
-    has_checkpoint, imported = state.has_checkpoint, state.imported
+    run_dir = Workdir(workdir)
     if not primary:  # other clients log to their own file
         # logs/ may be a link (tfllm launch's folder): it is the root of this write
         out = files.open_for_writing(run_dir.logs_dir, f"client_{client_id()}.log", "a",
@@ -125,7 +175,7 @@ def _train(config, workdir, model_cls, out, signals, watchdog: list) -> dict:
         tf.config.experimental.enable_op_determinism()
     # A new run does not read the workdir's tokenizer (a dead run's is not its own): it
     # trains one or takes it from the data_dir cache, and saves it below.
-    run = Run(config, model_cls, workdir if has_checkpoint else None, capture_hlo=True)
+    run = Run(config, model_cls, workdir if state.has_checkpoint else None, capture_hlo=True)
     signals.reinstall()  # after the mesh: TensorFlow's multi-client start takes SIGTERM
     check_tokenizer(state, run.tokenizer)
     evaluating = preflight(run)  # what would fail after the last step fails before the first
@@ -136,44 +186,56 @@ def _train(config, workdir, model_cls, out, signals, watchdog: list) -> dict:
     watchdog.append(_Releaser(lock))
     if primary:  # the marker first (a dead run's outputs cleared), then the run's files
         start_run(state, config)
-    if primary and not has_checkpoint:
+    if primary and not state.has_checkpoint:
         save_to_run(run.tokenizer, config, workdir)
     checkpointer = run_dir.checkpointer(run.parallel, config.checkpoint)
     if num_clients() > 1 and t.peer_timeout_s > 0:  # from here a lost peer is reported
         watchdog.append(PeerWatchdog(workdir, client_id(), num_clients(), t.peer_timeout_s,
                                      checkpointer.latest_step).start())
+    return _Training(config, workdir, run, state, checkpointer, lock, evaluating, out)
 
-    start_step, first_step_s = 0, None
+
+def _restore(training: _Training) -> None:
+    """Resumes from the latest committed checkpoint, or starts from imported weights;
+    writes the run's config.yaml."""
+    run, run_dir, checkpointer = training.run, training.run_dir, training.checkpointer
+    meta = None
     with _peer_lost_as_one_line(0, checkpointer):  # a restore's collectives too
-        if imported:  # pretrained weights: a new run starts from them at step 0
-            meta = run_dir.restore_weights(run.model, step=0, fp8_state=False,
-                                           checkpointer=checkpointer, new_adapters=True)
-            progress_note = ("; fine-tuning from "
-                             f"{meta['imported'].get('preset', 'imported weights')}")
-            meta = None
+        if training.state.imported:  # pretrained weights: a new run starts from them at 0
+            imported = run_dir.restore_weights(run.model, step=0, fp8_state=False,
+                                               checkpointer=checkpointer, new_adapters=True)
+            training.progress_note = ("; fine-tuning from "
+                                      f"{imported['imported'].get('preset', 'imported weights')}")
         else:
-            progress_note = ""
             meta = checkpointer.restore_latest(run.state_variables(),
                                                client_files=run.feed.restore_state)
     if meta is not None:
-        start_step = int(meta["step"])
-        if primary:
-            run_dir.truncate_metrics(start_step)
-    if primary:  # after the checkpoint was read: a refused one leaves config.yaml as it was
-        run_dir.save_config(config)
+        training.start_step = int(meta["step"])
+        if training.primary:
+            run_dir.truncate_metrics(training.start_step)
+    if training.primary:  # after the checkpoint was read: a refused one leaves it as it was
+        run_dir.save_config(training.config)
 
-    tokens_per_step = t.global_batch_size * config.data.sequence_length
-    fpt = flops_per_token(config.model, config.data.sequence_length, config.lora)
-    progress = Progress(t.steps, t.progress if primary else "lines", out,
+
+def _announce(training: _Training) -> None:
+    """Opens the run's outputs and says what is about to train, on which mesh."""
+    config, run = training.config, training.run
+    progress = Progress(config.train.steps,
+                        config.train.progress if training.primary else "lines", training.out,
                         mesh_peak(run.parallel, config.precision.policy,
-                                  config.precision.tf32), fpt)
-    outputs = _Outputs(run_dir, primary, progress)
+                                  config.precision.tf32),
+                        flops_per_token(config.model, config.data.sequence_length,
+                                        config.lora))
+    training.progress = progress
+    training.outputs = _Outputs(training.run_dir, training.primary, progress)
     mesh = ", ".join(f"{k}={v}" for k, v in run.parallel.shape.items())
     progress.message(f"tfllm: {config.model.family} on mesh [{mesh}] "
                      f"({run.parallel.device_type}), jit_compile={run.jit_compile}, "
                      f"{describe(config.precision)}"
-                     + (f"; resuming after step {start_step}" if start_step else "")
-                     + progress_note)
+                     + (f"; resuming after step {training.start_step}"
+                        if training.start_step else "")
+                     + training.progress_note)
+    lock = training.lock
     if lock.previous:  # a run that died without ending: its lock went with it
         p = lock.previous
         progress.message(f"tfllm: note: {lock.holder} was left by pid {p.get('pid')} on "
@@ -188,7 +250,7 @@ def _train(config, workdir, model_cls, out, signals, watchdog: list) -> dict:
                          f"the devices along {', '.join(repr(a) for a in idle)} repeat the "
                          "same activations: the custom mesh.rules map neither "
                          "'activation_batch' nor 'activation_length' to them.")
-    if not evaluating:
+    if not training.evaluating:
         progress.message("tfllm: no validation data "
                          f"({no_validation_reason(config.data)}): no evaluation")
     if feed.sequence_axis:
@@ -196,100 +258,131 @@ def _train(config, workdir, model_cls, out, signals, watchdog: list) -> dict:
                          f"'{feed.sequence_axis}' (attention gathers keys and values over "
                          f"'{feed.sequence_axis}')")
 
-    last, recent = {}, deque(maxlen=t.loss_spike_window)
-    throughput, first_step_s = Throughput(), None
-    # Step metrics stay on the devices until a step needs them on the host (a logged,
-    # evaluated or saved step, a stop, the spike guard): fetching them after every step
-    # made the host wait for each step before preparing the next batch.
-    pending, shown = [], {}
-    from tfllm.config.loader import profile_steps
-    from tfllm.train.profile import StepProfiler, profile_dir
-    profiler = StepProfiler(profile_steps(t), profile_dir(workdir, client_id()), workdir)
-    start = time.perf_counter()
-    try:
-        for step in range(start_step, t.steps):
-            number = step + 1
-            limit = float("inf")
-            if t.loss_spike_factor > 0 and len(recent) == recent.maxlen:
-                limit = t.loss_spike_factor * sum(recent) / len(recent)
-            logged = number % t.log_every == 0 or number == t.steps or number == 1
-            evaluate_now = (evaluating and t.eval_every and number % t.eval_every == 0
-                            and number != t.steps)
-            save_now = (config.checkpoint.every and number % config.checkpoint.every == 0
-                        and number != t.steps)
-            began = time.perf_counter()
-            for w in watchdog:
-                w.step = number  # the step this client waits in, for the message
-            profiler.before(number)
-            pending.append((number, _step_or_peer_lost(run, step, limit, checkpointer)))
-            # The vote is the first host read after a step: a collective the step lost
-            # to a peer fails here, so it is reported as that peer's loss too.
-            with _peer_lost_as_one_line(number, checkpointer):
-                stop = any_client(signals.requested, number, run.parallel.mesh)
-            values = None
-            traced = profiler.ends_at(number)
-            if (logged or evaluate_now or save_now or stop or first_step_s is None
-                    or t.loss_spike_factor > 0 or number == t.steps or traced):
-                values = _read_metrics(pending, run, t, recent, checkpointer)
-                shown = values
-            if traced:  # the metrics were read: the traced steps' device work is done
-                profiler.stop()
-                progress.message(f"tfllm: profile of steps {t.profile_steps} in "
-                                 f"{profiler.logdir} (tensorboard --logdir {profiler.logdir}, "
-                                 "Profile tab)")
-            now = time.perf_counter()
-            if first_step_s is None:  # the first step includes compilation: not timed
-                first_step_s = now - start
-                if run.step.xla_report is not None:
-                    progress.message("tfllm: " + run.step.xla_report.line())
-                _report_costs(run, run_dir, primary, progress)
-            else:
-                throughput.add_step(now - began, tokens_per_step)
-            # tokens/s of the steps since the last logged one (pauses excluded)
-            tps = throughput.close_interval() if logged else throughput.rate()
-            eta = (t.steps - number) * tokens_per_step / tps if tps else 0.0
-            record = None
-            if logged:
-                record = {"step": number, **{k: v for k, v in values.items()
-                                             if k != "step_ok"}, "tokens_per_s": tps}
-                if progress.has_peak:  # no MFU on CPU (tfllm.train.metrics.NO_CPU_PEAK)
-                    record["mfu"] = progress.mfu(tps) or 0.0
-            if evaluate_now:
-                record = record or {"step": number}
-                with _peer_lost_as_one_line(number, checkpointer):
-                    record.update(run.evaluate())
-            if record is not None:
-                outputs.record(record, run.model)
-                last = record
-            progress.update(number, {**shown, **(record or {})}, tps, eta, logged)
-            if stop:
-                _save_and_stop(checkpointer, run, config, number,
-                               signals.signame or "a signal on another client")
-            if save_now:  # its agreement collectives may meet a lost peer too
-                with _peer_lost_as_one_line(number, checkpointer):
-                    checkpointer.save(number, run.state_variables(),
-                                      _meta(config, number, run.tokenizer),
-                                      run.feed.state_files)
-        # The final checkpoint first, committed before anything after the last step
-        # (evaluation, plot, sample) can fail.
-        with _peer_lost_as_one_line(t.steps, checkpointer):
-            if start_step < t.steps or checkpointer.latest_step() != t.steps:
-                checkpointer.save(t.steps, run.state_variables(),
-                                  _meta(config, t.steps, run.tokenizer), run.feed.state_files)
-            checkpointer.wait()
-        if evaluating:
-            with _peer_lost_as_one_line(t.steps, checkpointer):
-                final = run.evaluate()
-            progress.message(f"validation loss {final['eval_loss']:.4f} (perplexity "
-                             f"{final['eval_perplexity']:.2f}) after step {t.steps}")
-            last = {**last, **final, "step": t.steps}
-            outputs.record({"step": t.steps, **final}, None)
-    finally:
-        profiler.stop()
-        outputs.close()
-    if primary:
+
+def _steps(training: _Training, signals, watchdog: list) -> _Tally:
+    """The steps from the resumed one to the last, each doing what the schedule says.
+
+    Step metrics stay on the devices until a step needs them on the host (a logged,
+    evaluated or saved step, a stop, the spike guard): fetching them after every step
+    made the host wait for each step before preparing the next batch.
+    """
+    config, run, checkpointer = training.config, training.run, training.checkpointer
+    tally = _Tally(config.train.loss_spike_window)
+    for step in range(training.start_step, config.train.steps):
+        events = training.schedule.at(step + 1)
+        number, began = events.number, time.perf_counter()
+        for w in watchdog:
+            w.step = number  # the step this client waits in, for the message
+        if events.trace_starts:
+            training.profiler.start()
+        # The first step is read once: what XLA compiled of it, what it communicates.
+        first = (FirstCall(run.parallel, run.jit_compile) if step == training.start_step
+                 else None)
+        limit = _loss_limit(config.train, tally.recent)
+        tally.pending.append((number, _step_or_peer_lost(run, step, limit, checkpointer,
+                                                         first)))
+        # The vote is the first host read after a step: a collective the step lost
+        # to a peer fails here, so it is reported as that peer's loss too.
+        with _peer_lost_as_one_line(number, checkpointer):
+            stop = any_client(signals.requested, number, run.parallel.mesh)
+        traced = events.trace_ends and training.profiler.active
+        if events.read or stop or tally.first_step_s is None or traced:
+            tally.shown = _read_metrics(tally.pending, run, config.train, tally.recent,
+                                        checkpointer)
+        if traced:  # the metrics were read: the traced steps' device work is done
+            _end_trace(training)
+        _time_step(training, tally, began, first)
+        _record(training, tally, events)
+        if stop:
+            _save_and_stop(checkpointer, run, config, number,
+                           signals.signame or "a signal on another client")
+        if events.save:  # its agreement collectives may meet a lost peer too
+            _save(training, number)
+    return tally
+
+
+def _loss_limit(t, recent) -> float:
+    """The spike guard's limit for the next step's loss (inf until its window is full)."""
+    if t.loss_spike_factor > 0 and len(recent) == recent.maxlen:
+        return t.loss_spike_factor * sum(recent) / len(recent)
+    return float("inf")
+
+
+def _end_trace(training: _Training) -> None:
+    training.profiler.stop()
+    logdir = training.profiler.logdir
+    training.progress.message(f"tfllm: profile of steps {training.config.train.profile_steps}"
+                              f" in {logdir} (tensorboard --logdir {logdir}, Profile tab)")
+
+
+def _time_step(training: _Training, tally: _Tally, began: float, first) -> None:
+    """The first step (compilation included) is timed whole and reported once; later
+    steps count towards tokens/s."""
+    now = time.perf_counter()
+    if tally.first_step_s is None:
+        tally.first_step_s = now - tally.started
+        _report_first_step(training, first)
+    else:
+        tally.throughput.add_step(now - began, training.tokens_per_step)
+
+
+def _record(training: _Training, tally: _Tally, events) -> None:
+    """The step's record (logged steps; evaluated ones with their validation loss) into
+    metrics.jsonl and TensorBoard, and the progress display."""
+    t, progress = training.config.train, training.progress
+    number = events.number
+    # tokens/s of the steps since the last logged one (pauses excluded)
+    tps = tally.throughput.close_interval() if events.log else tally.throughput.rate()
+    eta = (t.steps - number) * training.tokens_per_step / tps if tps else 0.0
+    record = None
+    if events.log:
+        record = {"step": number, **{k: v for k, v in tally.shown.items()
+                                     if k != "step_ok"}, "tokens_per_s": tps}
+        if progress.has_peak:  # no MFU on CPU (tfllm.train.metrics.NO_CPU_PEAK)
+            record["mfu"] = progress.mfu(tps) or 0.0
+    if events.evaluate:
+        record = record or {"step": number}
+        with _peer_lost_as_one_line(number, training.checkpointer):
+            record.update(training.run.evaluate())
+    if record is not None:
+        training.outputs.record(record, training.run.model)
+        tally.last = record
+    progress.update(number, {**tally.shown, **(record or {})}, tps, eta, events.log)
+
+
+def _save(training: _Training, number: int) -> None:
+    run, checkpointer = training.run, training.checkpointer
+    with _peer_lost_as_one_line(number, checkpointer):
+        checkpointer.save(number, run.state_variables(),
+                          _meta(training.config, number, run.tokenizer),
+                          run.feed.state_files)
+
+
+def _finish(training: _Training, tally: _Tally) -> None:
+    """The final checkpoint first, committed before anything after the last step
+    (evaluation, plot, sample) can fail; then the final evaluation."""
+    config, run, checkpointer = training.config, training.run, training.checkpointer
+    steps = config.train.steps
+    with _peer_lost_as_one_line(steps, checkpointer):
+        if training.start_step < steps or checkpointer.latest_step() != steps:
+            checkpointer.save(steps, run.state_variables(),
+                              _meta(config, steps, run.tokenizer), run.feed.state_files)
+        checkpointer.wait()
+    if training.evaluating:
+        with _peer_lost_as_one_line(steps, checkpointer):
+            final = run.evaluate()
+        training.progress.message(f"validation loss {final['eval_loss']:.4f} (perplexity "
+                                  f"{final['eval_perplexity']:.2f}) after step {steps}")
+        tally.last = {**tally.last, **final, "step": steps}
+        training.outputs.record({"step": steps, **final}, None)
+
+
+def _after(training: _Training, last: dict, first_step_s: Optional[float]) -> dict:
+    """After the loop: loss.png, a generated sample; the last metrics returned."""
+    config, run, t = training.config, training.run, training.config.train
+    if training.primary:
         from tfllm.train.plots import plot_loss
-        plot_loss(outputs.metrics_path, run_dir.plot_file)
+        plot_loss(training.outputs.metrics_path, training.run_dir.plot_file)
     if t.sample_tokens and run.tokenizer is not None:
         if config.data.format == "messages":  # a reply through the chat template
             from tfllm.generate.chat import chat_reply
@@ -299,30 +392,35 @@ def _train(config, workdir, model_cls, out, signals, watchdog: list) -> dict:
         else:
             text = sample_text(run, t.sample_prompt, t.sample_tokens, temperature=0.8,
                                top_k=40, seed=0)
-        progress.message("sample: " + text)
+        training.progress.message("sample: " + text)
         last["sample"] = text
     last["first_step_s"] = first_step_s or 0.0
     return last
 
 
-def _report_costs(run, run_dir: Workdir, primary: bool, progress) -> None:
-    """Prints the first step's cost report and writes it to WORKDIR/costs.json; ends the
-    HLO dump it was read from (later compilations are not reported)."""
+def _report_first_step(training: _Training, first) -> None:
+    """Prints what XLA compiled of the first step and what it costs, and writes the cost
+    report to WORKDIR/costs.json; ends the HLO dump it was read from (later compilations
+    are not reported)."""
     hlo_dump.stop()
-    report = run.step.cost_report
+    report = first.report if first is not None else None
     if report is None:
         return
-    for line in report.lines():
+    progress = training.progress
+    if report.xla is not None:
+        progress.message("tfllm: " + report.xla.line())
+    for line in report.costs.lines():
         progress.message("tfllm: " + line)
-    if primary:
-        run_dir.write_costs(report.as_dict())
+    if training.primary:
+        training.run_dir.write_costs(report.costs.as_dict())
 
 
-def _step_or_peer_lost(run, step: int, limit: float, checkpointer) -> dict:
+def _step_or_peer_lost(run, step: int, limit: float, checkpointer, reader=None) -> dict:
     """One train step, its metrics left on the devices; a collective aborted by a lost
-    peer becomes `PeerLost` (one line)."""
+    peer becomes `PeerLost` (one line). `reader`: the first step's (`FirstCall`)."""
     with _peer_lost_as_one_line(step + 1, checkpointer):
-        return run.step(run.feed.train_batch(step), loss_limit=limit, fetch=False)
+        return run.step(run.feed.train_batch(step), loss_limit=limit, fetch=False,
+                        reader=reader)
 
 
 @contextlib.contextmanager

@@ -34,21 +34,20 @@ def profile_dir(workdir: str, client: int = 0) -> str:
 
 
 class StepProfiler:
-    """Starts TensorFlow's profiler before step FIRST and stops it after step LAST.
+    """TensorFlow's profiler, started before the first traced step and stopped after the
+    last (which steps: `tfllm.train.schedule.Schedule`, from `train.profile_steps`).
 
     Args:
-      steps: (first, last) step numbers (`tfllm.config.loader.profile_steps`), or None.
       logdir: TensorBoard log directory of this client.
       root: the folder tfllm owns that holds `logdir` (the workdir); default: its parent.
     """
 
-    def __init__(self, steps: Optional[Tuple[int, int]], logdir: str,
-                 root: Optional[str] = None):
-        self.steps, self.logdir, self.active = steps, logdir, False
+    def __init__(self, logdir: str, root: Optional[str] = None):
+        self.logdir, self.active = logdir, False
         self.root = root or os.path.dirname(logdir)
 
-    def before(self, number: int) -> None:
-        if self.steps and number == self.steps[0] and not self.active:
+    def start(self) -> None:
+        if not self.active:
             import tensorflow as tf
             # TensorFlow writes the trace by path: into folders made here, no link
             files.make_dirs(self.root, self.logdir)
@@ -57,11 +56,6 @@ class StepProfiler:
                                                            device_tracer_level=1,
                                                            python_tracer_level=0))
             self.active = True
-
-    def ends_at(self, number: int) -> bool:
-        """True after the last traced step: the caller waits for the step's results
-        (so that its device work is inside the trace), then calls `stop`."""
-        return self.active and number == self.steps[1]
 
     def stop(self) -> None:
         if self.active:

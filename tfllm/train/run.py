@@ -19,7 +19,7 @@ from tfllm.generate import Generator
 from tfllm.parallel import make_parallel
 from tfllm.runtime.coordination import announce_ready, check_same_config, check_same_devices
 from tfllm.runtime.devices import check_gpus
-from tfllm.train import hlo_dump
+from tfllm.compiler import hlo_dump
 from tfllm.train.evaluate import Evaluator
 from tfllm.train.state import build_train_state
 
@@ -33,7 +33,7 @@ class Run:
       workdir: the run directory (the trained tokenizer is saved there), or None.
       with_data: build the tokenizer and data streams (False for export or layouts).
       train_iterator: open the training data stream (eval and generate do not need it).
-      capture_hlo: dump the HLO XLA compiles (`tfllm.train.hlo_dump`) so that the step's
+      capture_hlo: dump the HLO XLA compiles (`tfllm.compiler.hlo_dump`) so that the step's
         cost report counts its FP8 GEMMs; `stop()` it after the first step.
       inference: the model alone (`tfllm generate`, `eval`): `evaluate` and generation
         work; there is no optimizer, loss scale or train step (`step` is None).

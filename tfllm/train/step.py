@@ -7,20 +7,17 @@ the rules table. Gradients are averaged over micro-batches before one update.
 
 from __future__ import annotations
 
-import time
-from typing import Optional
+from typing import Callable, Optional
 
 import numpy as np
 import tensorflow as tf
 
-from tfllm import internals
 from tfllm.compiler.jit import compile_fn
 from tfllm.data import feed
 from tfllm.models.loss import token_nll
 from tfllm.models.common.noise import noise_seed
 from tfllm.optim.adamw import global_norm
 from tfllm.parallel.placement import Parallel, new_variable, to_numpy
-from tfllm.train import costs, hlo_dump, xla
 
 
 def lm_forward(model, micro, packing_mask: bool):
@@ -95,11 +92,6 @@ class TrainStep:
         #: `tfllm.plan.export_step` reads its HLO
         self.compiled = compile_fn(self._train_step, parallel, jit_compile)
         self._grads = compile_fn(self._loss_and_grads, parallel, jit_compile)
-        #: what XLA compiled of the step (`tfllm.train.xla.XlaReport`), after the first call
-        self.xla_report = None
-        #: the step's collectives and FP8 GEMMs (`tfllm.train.costs.CostReport`), likewise
-        self.cost_report = None
-        self._called = False
 
     def _micro(self, micro, trained_tokens=None, seed=None):
         with noise_seed(seed):  # a training forward pass: LoRA dropout acts (if any)
@@ -184,7 +176,8 @@ class TrainStep:
             out["loss_scale"] = new_scale
         return out
 
-    def __call__(self, tokens, loss_limit: float = float("inf"), fetch: bool = True) -> dict:
+    def __call__(self, tokens, loss_limit: float = float("inf"), fetch: bool = True,
+                 reader: Optional[Callable] = None) -> dict:
         """Runs one optimizer step on device tokens; returns its metrics.
 
         Args:
@@ -193,37 +186,15 @@ class TrainStep:
           loss_limit: skip the update when the loss exceeds this (the spike guard).
           fetch: return Python floats (waits for the step); False returns the device
             tensors at once, so the host can prepare the next step while this one runs.
+          reader: runs the compiled step as `reader(compiled, args)` instead: the
+            compiler's `tfllm.compiler.reports.FirstCall`, which reads what the first
+            call executed (what XLA compiled, what the step communicates).
         """
         args = (tokens, feed.place(self.parallel, np.float32(loss_limit), ()))
-        out = self.compiled(*args) if self._called else self._first_call(args)
+        out = self.compiled(*args) if reader is None else reader(self.compiled, args)
         if not fetch:
             return dict(out)
         return {k: float(to_numpy(v)) for k, v in out.items()}
-
-    def _first_call(self, args):
-        """Runs the first step and reads the graphs TensorFlow executed: what XLA compiled
-        (`xla_report`, checked) and what the step communicates (`cost_report`)."""
-        since = time.time()
-        with internals.collect_executed_graphs() as graphs:
-            out = self.compiled(*args)
-        self._called = True
-        graph_defs = graphs()
-        self.xla_report = xla.report_of(self.compiled, args, graph_defs, self.parallel,
-                                        self.jit_compile)
-        mesh = self.parallel is not None
-        if not self.jit_compile:
-            fp8, note = None, "no XLA: train.jit_compile=false"
-        else:
-            # FP8 GEMMs of the busiest device's clusters, or of the one program (no mesh).
-            names = (costs.clusters_of(graph_defs).get(costs.busiest_device(graph_defs), [])
-                     if mesh else [tf.compat.as_str(
-                         self.compiled.get_concrete_function(*args).name)])
-            fp8, note = hlo_dump.fp8_gemms(hlo_dump.current(), names, since)
-        self.cost_report = costs.report_from_graphs(
-            graph_defs, mesh, whole_program=self.jit_compile and not mesh, fp8_gemms=fp8,
-            fp8_note=note)
-        xla.check_compiled(self.xla_report)
-        return out
 
     def loss_and_grads(self, tokens):
         """(loss, gathered numpy gradients) without updating: for parity tests."""

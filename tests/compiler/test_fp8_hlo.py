@@ -2,7 +2,7 @@
 
 import pytest
 
-from tfllm.precision.fp8_hlo import classify_dots, dump_fp8_dot_counts, fp8_dot_counts
+from tfllm.compiler.fp8_hlo import classify_dots, dump_fp8_dot_counts, fp8_dot_counts
 
 # The shape of a `*before_optimizations.txt` cluster of tfllm's fp8 step: a forward dot on
 # two dequantized operands (one through a reshape and a transpose, the scale a broadcast

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from typing import Dict, List, Optional
 
 from tfllm import internals
-from tfllm.train import costs
+from tfllm.compiler import costs
 
 # Ops of the executed graph that are plumbing, not computation.
 _PLUMBING = {"_Arg", "_Retval", "_DeviceArg", "_DeviceRetval", "Const", "NoOp", "Identity",

@@ -24,7 +24,7 @@ import re
 from typing import Dict, Iterable, List, Optional, Tuple
 
 from tfllm import files
-from tfllm.precision.fp8_hlo import fp8_dot_counts
+from tfllm.compiler.fp8_hlo import fp8_dot_counts
 
 _DUMP_TO = re.compile(r"--xla_dump_to[= ](\S+)")
 _MODULE = re.compile(r"^module_\d+\.(.+)\.before_optimizations\.txt$")
@@ -126,7 +126,7 @@ def fp8_gemms(dump: Optional[HloDump], names: List[str],
     if not names:
         return None, "no XLA program"
     if dump is None:
-        return None, "no HLO dump: tfllm.train.hlo_dump.start() was not called"
+        return None, "no HLO dump: tfllm.compiler.hlo_dump.start() was not called"
     modules = dump.modules(names, since)
     missing = [name for name, texts in modules.items() if not texts]
     if len(missing) == len(names):

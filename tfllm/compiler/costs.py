@@ -2,7 +2,7 @@
 
 The parity tests prove the numbers; they cannot see that a sharded step gathers the whole
 model. This report reads the post-optimization graphs of the step's first call (the same
-graphs as `tfllm.train.xla.XlaReport`, with or without XLA: DTensor's collectives are
+graphs as `tfllm.compiler.xla.XlaReport`, with or without XLA: DTensor's collectives are
 TensorFlow ops between XLA clusters, never inside them) and lists, per device, every
 collective: its kind, dtype, element count and bytes.
 
@@ -13,7 +13,7 @@ Where the numbers come from:
   attribute when the producer has none (an `_XlaRun` feeding it); a dimension of -1
   (unknown until run time) leaves the count unknown rather than guessed. Checked against
   the model: `fsdp=8`'s merged gather holds every sharded parameter, `data=8`'s merged
-  gradient all-reduce every parameter, both padded as below (tests/train/test_costs.py).
+  gradient all-reduce every parameter, both padded as below (tests/compiler/test_costs.py).
 * "elements" is the collective's full buffer: the input of an all-reduce, reduce-scatter
   or all-to-all, the output of an all-gather; bytes are elements x the dtype's size.
   `sent_bytes` estimates what one device sends with ring algorithms: 2(n-1)/n of the
@@ -124,7 +124,7 @@ class CostReport:
       clusters: XLA clusters in that device's program (0 when nothing is compiled).
       whole_program: the step is one XLA program (`jit_compile=True` without a mesh).
       fp8_gemms: {"full", "half", "none"}: the dots of that device's XLA modules with
-        both, one or no operand dequantized from FP8 (`tfllm.precision.fp8_hlo`), or None.
+        both, one or no operand dequantized from FP8 (`tfllm.compiler.fp8_hlo`), or None.
       fp8_note: why `fp8_gemms` is None, or what limits it.
     """
 

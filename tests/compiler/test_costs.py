@@ -1,4 +1,4 @@
-"""The cost report of the executed step (`tfllm.train.costs`, `tfllm.train.hlo_dump`).
+"""The cost report of the executed step (`tfllm.compiler.costs`, `tfllm.compiler.hlo_dump`).
 
 * pure: collectives read from hand-made executed graphs (kinds, dtypes, element counts
   from `_output_shapes`, groups, loops, the busiest device); the HLO dump's module lookup;
@@ -24,7 +24,8 @@ from tfllm.data import feed
 from tfllm.data import SyntheticTokens
 from tfllm.parallel import make_parallel
 from tfllm import internals
-from tfllm.train import costs, hlo_dump
+from tfllm.compiler import costs, hlo_dump
+from tfllm.compiler.reports import FirstCall
 from tfllm.train.loop import train
 from tfllm.train.metrics import count_params
 from tfllm.train.state import build_train_state
@@ -229,14 +230,15 @@ def _first_step(axes, jit, **extra):
     parallel = None if axes is None else make_parallel(cfg)
     step = build_train_state(cfg, parallel, jit).step
     data = SyntheticTokens(cfg.model.vocab_size, cfg.data.sequence_length + 1, seed=3)
-    step(feed.to_device(step.parallel, data.batch(0, cfg.train.global_batch_size, 1)))
-    return step
+    first = FirstCall(parallel, jit)  # the first step's report
+    step(feed.to_device(step.parallel, data.batch(0, cfg.train.global_batch_size, 1)),
+         reader=first)
+    return step, first.report.costs
 
 
 @pytest.mark.slow
 def test_data_parallel_step_all_reduces_each_block_once():
-    step = _first_step("data=8", False)
-    report = step.cost_report
+    step, report = _first_step("data=8", False)
     # One all-reduce per block (tfllm.parallel.blocks: its gradients packed into one
     # float32 bucket), one for the embedding, one for the final norm and head together,
     # plus the loss's scalar mean: never one per weight, never the whole model at once.
@@ -277,10 +279,9 @@ def test_one_xla_program_without_a_mesh_has_no_collectives_and_counts_fp8_gemms(
         return
     hlo_dump.start()  # a fresh process: before XLA's first compilation
     try:
-        step = _first_step(None, True, **{"precision.policy": "fp8"})
+        step, report = _first_step(None, True, **{"precision.policy": "fp8"})
     finally:
         hlo_dump.stop()
-    report = step.cost_report
     assert report.collectives == [] and not report.mesh and report.whole_program
     # 2 layers x 7 projections x 3 dots (forward, two gradients) with two FP8 operands
     # (before XLA's optimizations the count also holds the forward einsum that fp8.py's
