@@ -12,6 +12,7 @@ ROOT = pathlib.Path(tfllm.__file__).parent
 #: lowest first; a package may import the packages of lower floors only
 FLOORS = (
     ("contracts", "internals", "quiet", "confined"),  # ground: contracts, private-API fence
+    ("runpaths",),  # every path of a workdir, joined from the contracts' names
     ("files",),  # the one way to write and delete (with the ground floor's names)
     ("runtime",),  # the host and the processes: devices, GPU checks, env, peers
     ("parallel",),  # mesh, rules table, layouts, placement, the mesh context
@@ -129,22 +130,57 @@ def test_no_modules_import_each_other_in_a_circle():
     assert not circles, circles
 
 
-def test_workdir_names_are_spelled_only_in_the_contracts():
-    """A path into a run's workdir is joined from `tfllm.contracts`' names, never from a
-    string of its own (the launcher, the watchdog, the tokenizer and `Workdir` once each
-    spelled "logs" or "tokenizer")."""
+#: the one module that joins a workdir's paths (`tfllm.runpaths.RunPaths`), and the table
+#: of the names it joins
+PATH_OWNERS = ("runpaths.py", "contracts.py")
+#: the start of a per-client name in a workdir (a log, heartbeat, XLA cache, trace, lock)
+CLIENT_NAMES = ("client_", "heartbeat.")
+
+
+def _path_names():
+    """{name constant of tfllm.contracts: its value} for what a run keeps in its workdir."""
     from tfllm import contracts
-    names = {getattr(contracts, n) for n in dir(contracts)
-             if n.endswith(("_DIR", "_FILE")) or n == "MARKER"}
-    spelled = []
+    return {n: getattr(contracts, n) for n in dir(contracts)
+            if n.endswith(("_DIR", "_FILE")) or n == "MARKER"}
+
+
+def _joins_a_run_path(arg, names) -> bool:
+    """Whether a call's argument is a workdir name: spelled ("logs"), a contracts
+    constant (LOGS_DIR, contracts.LOGS_DIR), a per-client name (f"client_{n}") or a
+    path made of them (f"{TOKENIZER_DIR}/{TOKENIZER_MODEL_FILE}")."""
+    if isinstance(arg, ast.Constant) and isinstance(arg.value, str):
+        return arg.value in names.values() or arg.value.startswith(CLIENT_NAMES)
+    if isinstance(arg, ast.Name):
+        return arg.id in names
+    if isinstance(arg, ast.Attribute):
+        return arg.attr in names and isinstance(arg.value, ast.Name) \
+            and arg.value.id == "contracts"
+    if isinstance(arg, ast.JoinedStr):
+        first = arg.values[0] if arg.values else None
+        return (isinstance(first, ast.Constant) and str(first.value).startswith(CLIENT_NAMES)
+                or any(isinstance(v, ast.FormattedValue) and _joins_a_run_path(v.value, names)
+                       for v in arg.values))
+    return False
+
+
+def test_no_path_of_a_workdir_is_joined_outside_runpaths():
+    """Every path of a run's workdir is joined by `tfllm.runpaths.RunPaths`, the per-client
+    ones included: no other module passes a workdir name (spelled, a `tfllm.contracts`
+    constant, or a per-client name) to `os.path.join` or to `tfllm.files`, which joins
+    relative names to its root (the launcher, the watchdog, the tokenizer, the runtime
+    environment, the CLI and `Workdir` once each joined their own)."""
+    names = _path_names()
+    joined = []
     for path in sorted(ROOT.rglob("*.py")):
-        if path == ROOT / "contracts.py":
+        if str(path.relative_to(ROOT)) in PATH_OWNERS:
             continue
         for node in ast.walk(ast.parse(path.read_text())):
-            if (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
-                    and node.func.attr == "join"):
-                for arg in node.args:
-                    if isinstance(arg, ast.Constant) and arg.value in names:
-                        spelled.append(f"{path.relative_to(ROOT.parent)}:{node.lineno}: "
-                                       f"{arg.value!r}")
-    assert len(names) >= 10 and not spelled, spelled
+            if not isinstance(node, ast.Call) or not isinstance(node.func, ast.Attribute):
+                continue
+            joins = node.func.attr == "join" or (isinstance(node.func.value, ast.Name)
+                                                and node.func.value.id == "files")
+            for arg in node.args if joins else ():
+                if _joins_a_run_path(arg, names):
+                    joined.append(f"{path.relative_to(ROOT.parent)}:{node.lineno}: "
+                                  f"{ast.unparse(arg)}")
+    assert len(names) >= 10 and not joined, joined

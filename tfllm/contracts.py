@@ -5,7 +5,7 @@ CLI, training, the checkpointer, the watchdog and the launcher name the same thi
 
 * **The run directory's names** (`MARKER`, `CHECKPOINTS_DIR`, ..., `LOGS_DIR`): what a
   run, `tfllm launch` (logs, heartbeats) and the tokenizer keep in a workdir.
-  `tfllm.checkpoint.workdir.Workdir` joins them into paths.
+  `tfllm.runpaths.RunPaths` joins them into paths (and nothing else does).
 
 * **Client identity**: which process of a multi-client job this is (`client_id`,
   `num_clients`), read from DTensor's own environment (`DTENSOR_CLIENT_ID`, and the
@@ -104,10 +104,9 @@ def client_id() -> int:
 
 #: the marker a run (or an import) writes first: the workdir is tfllm's
 MARKER = ".tfllm-run"
-#: the names of what a run keeps in its workdir (`tfllm.checkpoint.workdir.Workdir` joins
-#: them)
+#: the names of what a run keeps in its workdir (`tfllm.runpaths.RunPaths` joins them)
 CHECKPOINTS_DIR = "checkpoints"
-#: the resolved config, in a run directory and in an export (`tfllm.config.loader`)
+#: the resolved config, in a run directory and in an export (`tfllm.config.loader` writes it)
 CONFIG_FILE = "config.yaml"
 METRICS_FILE = "metrics.jsonl"
 TENSORBOARD_DIR = "tensorboard"

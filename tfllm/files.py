@@ -57,6 +57,7 @@ from typing import Optional, Union
 
 from tfllm.confined import open_regular
 from tfllm.contracts import InputError, RUN_OUTPUTS
+from tfllm.runpaths import CLIENT, HOLDER_SUFFIX
 
 
 class Refused(InputError):
@@ -78,7 +79,8 @@ OWNED_NAMES = (
     (r"COMMIT", "a checkpoint's commit record (deleted first, with its checkpoint)"),
     (f"({_OUTPUTS})({_SUFFIXES})?", "a run's output or its temporary name "
                                     "(cleared with a dead run: tfllm.checkpoint.workdir)"),
-    (r"client_\d+\.holder", "a run lock's holder record (tfllm.checkpoint.lock)"),
+    (re.escape(CLIENT).replace(r"\{\}", r"\d+") + re.escape(HOLDER_SUFFIX),
+     "a run lock's holder record (tfllm.checkpoint.lock)"),
     (r"ready\.\d+", "a worker's readiness file (tfllm launch)"),
     (r".+\.importing", "a crashed tfllm import (deleted only with its marker)"),
 )

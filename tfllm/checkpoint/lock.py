@@ -27,7 +27,7 @@ from typing import Optional
 
 from tfllm import files
 from tfllm.checkpoint.workdir import WorkdirError
-from tfllm.contracts import LOCKS_DIR
+from tfllm.runpaths import RunPaths
 
 
 class RunLock:
@@ -40,9 +40,9 @@ class RunLock:
 
     def __init__(self, workdir: str, client: int = 0):
         self.workdir = workdir
-        self.directory = os.path.join(workdir, LOCKS_DIR)
-        self.path = os.path.join(self.directory, f"client_{client}.lock")
-        self.holder = os.path.join(self.directory, f"client_{client}.holder")
+        paths = RunPaths(workdir)
+        self.directory = paths.locks_dir
+        self.path, self.holder = paths.lock(client), paths.lock_holder(client)
         self.previous: Optional[dict] = None
         self._file = None
 

@@ -1,8 +1,9 @@
-"""The run directory (workdir): the one owner of its paths, its saved run and its rules.
+"""The run directory (workdir): its saved run and its rules.
 
-`Workdir` names every file and folder a run keeps there (checkpoints/, config.yaml,
-metrics.jsonl, tensorboard/, loss.png, costs.json, tokenizer/, pretrained.json, logs/
-and the `.tfllm-run` marker): no other module joins those names. It reads what the run
+`Workdir` is the run's paths (`tfllm.runpaths.RunPaths`, the one owner of every path of a
+workdir, on the ground floor: checkpoints/, config.yaml, metrics.jsonl, tensorboard/,
+loss.png, costs.json, tokenizer/, pretrained.json, logs/, the `.tfllm-run` marker and the
+per-client ones) with what a run saved there. It reads what the run
 saved (the newest committed checkpoint's metadata and config), makes the run's
 `Checkpointer` on WORKDIR/checkpoints, and restores a model's weights alone (no optimizer
 state) from the latest committed checkpoint or a given step, for `tfllm generate`, `eval`
@@ -47,11 +48,10 @@ from tfllm.checkpoint.state import model_variables
 from tfllm.checkpoint.storage import committed, latest, step_name, write_json_atomic
 from tfllm import files
 from tfllm.confined import open_regular
-from tfllm.config.loader import (ConfigError, config_path, read_config_file,
-                                 save_config, to_dict)
-from tfllm.contracts import (CHECKPOINTS_DIR, COSTS_FILE, LOCKS_DIR, LOGS_DIR, MARKER,
-                             METRICS_FILE, PLOT_FILE, PRETRAINED_FILE, RUN_OUTPUTS,
-                             TENSORBOARD_DIR, TOKENIZER_DIR, XLA_CACHE_DIR)
+from tfllm.config.loader import ConfigError, read_config_file, save_config, to_dict
+from tfllm.contracts import (CHECKPOINTS_DIR, LOCKS_DIR, LOGS_DIR, MARKER, RUN_OUTPUTS,
+                             XLA_CACHE_DIR)
+from tfllm.runpaths import RunPaths
 
 #: (section, key or None for the whole section) that define a run and must not change.
 RUN_DEFINING = (("model", None), ("data", None), ("optimizer", None),
@@ -70,61 +70,15 @@ SHARED_DIRS = (LOGS_DIR, XLA_CACHE_DIR, LOCKS_DIR)
 _LEFTOVER_SUFFIXES = files.TEMPORARY_SUFFIXES
 
 
-class Workdir:
-    """A run directory: the paths of what a run keeps there, and its saved run.
+class Workdir(RunPaths):
+    """A run directory: its saved run, on the paths `tfllm.runpaths.RunPaths` joins.
 
     Args:
       path: the run directory (need not exist yet).
     """
 
-    def __init__(self, path: str):
-        self.path = path
-
     def __repr__(self) -> str:
         return f"Workdir({self.path!r})"
-
-    # ---- paths ---------------------------------------------------------------------------
-    @property
-    def checkpoints(self) -> str:
-        """WORKDIR/checkpoints: the committed checkpoints (`tfllm.checkpoint.storage`)."""
-        return os.path.join(self.path, CHECKPOINTS_DIR)
-
-    @property
-    def config_file(self) -> str:
-        """WORKDIR/config.yaml: the resolved config (written after the checkpoint is read)."""
-        return config_path(self.path)
-
-    @property
-    def metrics_file(self) -> str:
-        return os.path.join(self.path, METRICS_FILE)
-
-    @property
-    def tensorboard_dir(self) -> str:
-        return os.path.join(self.path, TENSORBOARD_DIR)
-
-    @property
-    def plot_file(self) -> str:
-        return os.path.join(self.path, PLOT_FILE)
-
-    @property
-    def costs_file(self) -> str:
-        return os.path.join(self.path, COSTS_FILE)
-
-    @property
-    def tokenizer_dir(self) -> str:
-        return os.path.join(self.path, TOKENIZER_DIR)
-
-    @property
-    def pretrained_file(self) -> str:
-        return os.path.join(self.path, PRETRAINED_FILE)
-
-    @property
-    def marker_file(self) -> str:
-        return os.path.join(self.path, MARKER)
-
-    @property
-    def logs_dir(self) -> str:
-        return os.path.join(self.path, LOGS_DIR)
 
     # ---- the saved run -------------------------------------------------------------------
     def committed(self) -> list:
@@ -394,7 +348,7 @@ def _is_leftover(name: str) -> bool:
 def _kind_of(workdir: str, name: str) -> str:
     """'shared', 'kept', 'output' (tfllm's, cleared with a dead run), 'marker' or
     'foreign' (not written by tfllm: never deleted)."""
-    path = os.path.join(workdir, name)
+    path = RunPaths(workdir).entry(name)
     if name in SHARED_DIRS + KEPT_DIRS:
         # Never deleted, so a link (a cache or checkpoints on another disk) is fine.
         return ("shared" if name in SHARED_DIRS else "kept") if os.path.isdir(path) \
@@ -409,7 +363,7 @@ def _kind_of(workdir: str, name: str) -> str:
 
 
 def _names(workdir: str, names: list, limit: int = 6) -> str:
-    shown = [n + ("/" if os.path.isdir(os.path.join(workdir, n)) else "")
+    shown = [n + ("/" if os.path.isdir(RunPaths(workdir).entry(n)) else "")
              for n in names[:limit]]
     more = f" and {len(names) - limit} more" if len(names) > limit else ""
     return ", ".join(shown) + more
@@ -455,7 +409,7 @@ def start_run(state: WorkdirState, config) -> None:
         for name in sorted(os.listdir(workdir)):
             if _kind_of(workdir, name) != "output" or name in keep:
                 continue
-            path = os.path.join(workdir, name)  # only tfllm's names (tfllm.files)
+            path = RunPaths(workdir).entry(name)  # only tfllm's names (tfllm.files)
             if os.path.isdir(path):
                 files.remove_tree(workdir, path)
             else:

@@ -130,15 +130,17 @@ def cmd_train(args) -> int:
 
 def _train(args) -> int:
     from tfllm.train.loop import train
+    from tfllm.train.saved_run import config_for
     from tfllm.runtime.watchdog import PeerLost
     from tfllm.train.preemption import NonFiniteError, Preempted
     from tfllm.checkpoint.workdir import check_workdir
-    config = _load_for_workdir(args)
+    config = config_for(args.workdir, args.config, args.overrides)
     _check_memory(config)
-    check_workdir(args.workdir, config)  # a refused workdir gets no XLA cache folder either
+    # Once, here: a refused workdir gets no XLA cache folder either.
+    checked = check_workdir(args.workdir, config)
     _persist_compiles(args, config, args.workdir)
     try:
-        last = train(config, args.workdir)
+        last = train(config, args.workdir, checked=checked)
     except Preempted as e:
         if e.__cause__ is None:
             print(f"tfllm train: {e}", file=sys.stderr)
@@ -209,66 +211,19 @@ def _latest_checkpoint(workdir: str) -> str:
             "intact")
 
 
-def _load_for_workdir(args):
-    """--config and --set; without --config, an existing run's own config (resume)."""
-    from tfllm.config import load_config
-    config = _run_config(args) if args.config is None else None
-    return config if config is not None else load_config(args.config, args.overrides)
-
-
-def _run_config(args):
-    """The config of the run in --workdir, with --set overrides: its config.yaml, else
-    (deleted) the config saved in its newest committed checkpoint; None without either."""
-    from tfllm.config import load_config
-    from tfllm.config.loader import config_path
-    saved = config_path(args.workdir)  # the light path: no TensorFlow for a run's config
-    if os.path.exists(saved):
-        return load_config(saved, args.overrides)
-    from tfllm.contracts import CHECKPOINTS_DIR
-    if not os.path.isdir(os.path.join(args.workdir, CHECKPOINTS_DIR)):
-        return None  # no checkpoint to hold a config; refused without importing TensorFlow
-    from tfllm.checkpoint.workdir import Workdir
-    from tfllm.config.loader import config_from_dict
-    run_dir = Workdir(args.workdir)
-    data = run_dir.saved_config()
-    if data is None:
-        return None
-    return config_from_dict(data, args.overrides, run_dir.checkpoints)
-
-
-def _saved_config(args):
-    """The config of the run in --workdir (`_run_config`), which must exist."""
-    config = _run_config(args)
-    if config is None:
-        from tfllm.config.loader import config_path
-        raise FileNotFoundError(f"{config_path(args.workdir)} does not exist "
-                                "and no checkpoint there holds a config; --workdir must name "
-                                "a directory written by tfllm train.")
-    return config
-
-
 def _restored_run(args, config=None):
     """The run in --workdir with its latest checkpoint's weights (any mesh via --set)."""
-    config = _saved_config(args) if config is None else config  # before TensorFlow
-    from tfllm.checkpoint.workdir import Workdir, WorkdirState, check_tokenizer
-    from tfllm.train.run import Run
-    run_dir = Workdir(args.workdir)
-    if not run_dir.committed():  # before anything is built or written
-        raise FileNotFoundError(f"{run_dir.checkpoints} holds no committed checkpoint; "
-                                "train first (tfllm train --workdir ...).")
+    from tfllm.train.saved_run import require_checkpoint, restored_run, saved_config
+    config = saved_config(args.workdir, args.overrides) if config is None else config
+    require_checkpoint(args.workdir)  # before anything is built or written
     _check_host_memory(config)
     _persist_compiles(args, config, args.workdir)
-    run = Run(config, workdir=args.workdir, train_iterator=False, inference=True)
-    # The weights were trained with the tokenizer whose fingerprint the checkpoint holds:
-    # another one in WORKDIR/tokenizer would turn them into nonsense without a word.
-    check_tokenizer(WorkdirState(args.workdir, *run_dir.newest_metadata()), run.tokenizer)
-    # The weights alone: the inference Run has no optimizer state to fill.
-    meta = run_dir.restore_weights(run.model, run.parallel, config.checkpoint)
-    return run, meta
+    return restored_run(args.workdir, config)
 
 
 def cmd_generate(args) -> int:
-    config = _saved_config(args)  # before TensorFlow
+    from tfllm.train.saved_run import saved_config
+    config = saved_config(args.workdir, args.overrides)  # before TensorFlow
     if config.data.source == "synthetic":  # before the weights are read
         raise InputError(f"--workdir {args.workdir}: this run trained on data.source="
                          "synthetic and has no tokenizer, so there is no text to generate; "
@@ -302,7 +257,9 @@ def cmd_eval(args) -> int:
 
 
 def cmd_export(args) -> int:
-    config = _saved_config(args)  # a folder that is no run is refused before TensorFlow
+    from tfllm.train.saved_run import saved_config
+    # a folder that is no run is refused before TensorFlow
+    config = saved_config(args.workdir, args.overrides)
     if args.merge_lora and args.format != "hf":
         raise InputError("--merge-lora goes with --format hf.")
     if args.format == "hf":

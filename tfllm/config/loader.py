@@ -17,7 +17,7 @@ import yaml
 from tfllm.config import schema
 from tfllm import files
 from tfllm.confined import read_regular
-from tfllm.contracts import CONFIG_FILE
+from tfllm.runpaths import RunPaths
 from tfllm.runtime.devices import MAX_CPU_DEVICES
 
 
@@ -388,15 +388,10 @@ def dump_yaml(cfg: schema.Config) -> str:
     return yaml.safe_dump(to_dict(cfg), sort_keys=False)
 
 
-def config_path(directory: str) -> str:
-    """DIRECTORY/config.yaml: where a run (`tfllm.checkpoint.workdir.Workdir`) or an
-    export keeps its resolved config."""
-    return os.path.join(directory, CONFIG_FILE)
-
-
 def save_config(cfg: schema.Config, workdir: str) -> str:
-    """Writes the resolved config to WORKDIR/config.yaml atomically (config.yaml.tmp, then
-    renamed; a link planted at either name is refused); returns the path."""
-    path = config_path(workdir)
+    """Writes the resolved config to WORKDIR/config.yaml (a run's or an export's folder)
+    atomically (config.yaml.tmp, then renamed; a link planted at either name is refused);
+    returns the path."""
+    path = RunPaths(workdir).config_file
     files.write_atomically(workdir, path, dump_yaml(cfg))
     return path

@@ -17,7 +17,7 @@ import tensorflow as tf
 
 from tfllm import files
 from tfllm.confined import open_regular, read_regular
-from tfllm.contracts import TOKENIZER_DIR, TOKENIZER_MODEL_FILE
+from tfllm.runpaths import RunPaths
 from tfllm.data.errors import DataError
 from tfllm.internals import preset_loader, safe_mode
 
@@ -326,7 +326,7 @@ def from_file(path: str) -> Tokenizer:
 
 def run_tokenizer_path(workdir: str) -> str:
     """Where a run keeps its trained SentencePiece model: WORKDIR/tokenizer/tokenizer.model."""
-    return os.path.join(workdir, TOKENIZER_DIR, TOKENIZER_MODEL_FILE)
+    return RunPaths(workdir).tokenizer_model_file
 
 
 def save_to_run(tokenizer: Tokenizer, config, workdir: str) -> Optional[str]:

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from typing import List, Optional
 
 from tfllm import files
-from tfllm.contracts import BAD_INPUT_EXIT_CODE, LOGS_DIR
+from tfllm.contracts import BAD_INPUT_EXIT_CODE
 from tfllm.launch import device as dev
 from tfllm.launch import scheduler
 from tfllm.launch import supervisor as sup
@@ -29,6 +29,7 @@ from tfllm.launch import topology as topo
 # a port the launcher holds (`Ports`)
 from tfllm.launch.ports import REUSE_PORT_ENV, port_free
 from tfllm.launch.topology import LaunchError
+from tfllm.runpaths import RunPaths
 
 USAGE = """\
 Usage: {prog} --mode MODE [options] -- COMMAND [ARGS...]
@@ -313,7 +314,7 @@ def make_plan(opts: Options, environ) -> Plan:
                           "--kill-on-bad-exit=1 in an sbatch --requeue job; Kubernetes: a "
                           "JobSet with failurePolicy.maxRestarts) and drop --max-restarts")
     workdir = topo.command_workdir(command)
-    log_dir = opts.get("--log-dir") or (os.path.join(workdir, LOGS_DIR) if workdir
+    log_dir = opts.get("--log-dir") or (RunPaths(workdir).logs_dir if workdir
                                         else "multiworker-logs")
     return Plan(topology, device, per_gpu, opts.get("--job-name", "worker"),
                 int(port) if port else None, log_dir, kill_timeout, startup_timeout,

@@ -20,7 +20,7 @@ import numpy as np
 from tfllm import files
 from tfllm.checkpoint import model_variables
 from tfllm.checkpoint.workdir import Workdir, read_marker, write_marker
-from tfllm.contracts import MARKER, TOKENIZER_DIR, TOKENIZER_MODEL_FILE
+from tfllm.contracts import MARKER
 from tfllm.parallel.placement import block_slices
 from tfllm.pretrained.families import Permuted, PretrainedError, keras_hub_path
 from tfllm.pretrained.sources import Source, open_source
@@ -172,9 +172,10 @@ def from_preset(preset: str, parallel=None, overrides: Iterable[str] = (), model
 
 
 # ---- tfllm import: a run directory at step 0 ------------------------------------------------
-def _write_tokenizer(source: Source, tokenizer: Optional[str], out: Workdir) -> str:
-    """Writes the run's tokenizer into the run directory `out`; returns its name
-    relative to `out`."""
+def _write_tokenizer(source: Source, tokenizer: Optional[str], out: Workdir) -> bool:
+    """Writes the run's tokenizer into the run directory `out`: a SentencePiece model
+    (WORKDIR/tokenizer/tokenizer.model: returns True) or a keras-hub tokenizer preset
+    (WORKDIR/tokenizer: returns False)."""
     import keras
 
     from tfllm.data import DataError
@@ -182,12 +183,11 @@ def _write_tokenizer(source: Source, tokenizer: Optional[str], out: Workdir) -> 
     if tokenizer:
         tokenizer = os.path.abspath(os.path.expanduser(tokenizer))
         if os.path.isdir(tokenizer):
-            files.copy_tree(out.path, tokenizer, TOKENIZER_DIR)
-            return TOKENIZER_DIR
+            files.copy_tree(out.path, tokenizer, out.tokenizer_dir)
+            return False
         if os.path.isfile(tokenizer):
-            name = f"{TOKENIZER_DIR}/{TOKENIZER_MODEL_FILE}"
-            files.copy_file(out.path, tokenizer, name)
-            return name
+            files.copy_file(out.path, tokenizer, out.tokenizer_model_file)
+            return True
         raise PretrainedError(f"--tokenizer {tokenizer}: no such file or directory.")
     try:
         hub = load_keras_hub_tokenizer(
@@ -195,13 +195,13 @@ def _write_tokenizer(source: Source, tokenizer: Optional[str], out: Workdir) -> 
             "pass --tokenizer (a keras-hub tokenizer preset or a SentencePiece .model file)")
     except DataError as e:
         raise PretrainedError(str(e)) from None
-    target = files.make_dirs(out.path, TOKENIZER_DIR)  # keras-hub writes into it by path
+    target = files.make_dirs(out.path, out.tokenizer_dir)  # keras-hub writes into it by path
     hub.save_to_preset(target)
     # Tokenizer.from_preset finds the tokenizer class through the backbone's config.json.
     files.write_atomically(out.path, os.path.join(target, "config.json"),
                            json.dumps(keras.saving.serialize_keras_object(source.abstract),
                                       indent=1))
-    return TOKENIZER_DIR
+    return False
 
 
 def load_adapter(model, arrays: dict) -> int:
@@ -292,12 +292,14 @@ def import_preset(preset: str, workdir: str, overrides: Iterable[str] = (),
         if primary:
             # The marker first: a crash leaves a folder provably this import's own.
             write_marker(tmp, "import")
-            name = _write_tokenizer(source, tokenizer, tmp_dir)
+            model_file = _write_tokenizer(source, tokenizer, tmp_dir)
             # The chat template (data.format=messages) with its special and added tokens.
             copy_template_files(source.path, tmp_dir.tokenizer_dir)
-            config.data.tokenizer_path = os.path.join(workdir, name)
+            where = lambda run: (run.tokenizer_model_file if model_file  # noqa: E731
+                                 else run.tokenizer_dir)
+            config.data.tokenizer_path = where(Workdir(workdir))
             # The tokenizer must load and fit the vocabulary before any weight is read.
-            _check_vocab(from_file(os.path.join(tmp, name)), config.model.vocab_size,
+            _check_vocab(from_file(where(tmp_dir)), config.model.vocab_size,
                          f"the tokenizer of {source.path}")
         model = build_model(config, parallel, zeros=True)  # every weight is loaded
         stats = load_weights(model, source)

@@ -14,7 +14,7 @@ import os
 from typing import Dict, MutableMapping, Optional
 
 from tfllm import files
-from tfllm.contracts import XLA_CACHE_DIR
+from tfllm.runpaths import RunPaths
 
 # TensorFlow's GPU device keeps this much memory out of its allocator's pool
 # (`MinSystemMemory`, tensorflow/core/common_runtime/gpu/gpu_device.cc reads it).
@@ -79,7 +79,7 @@ def xla_cache_dir(setting: str, workdir: Optional[str], client: int = 0) -> Opti
     if str(setting).lower() in ("off", "false", "no", "none", ""):
         return None
     if setting == "auto":
-        return os.path.join(workdir, XLA_CACHE_DIR, f"client_{client}") if workdir else None
+        return RunPaths(workdir).xla_cache(client) if workdir else None
     return setting
 
 

@@ -27,7 +27,8 @@ import time
 from typing import Callable, Dict, Optional, Tuple
 
 from tfllm import files
-from tfllm.contracts import LOGS_DIR, PEER_LOST_EXIT_CODE
+from tfllm.contracts import PEER_LOST_EXIT_CODE
+from tfllm.runpaths import RunPaths
 
 
 class PeerLost(RuntimeError):
@@ -62,7 +63,8 @@ def lost_message(peer: int, client: int, step: int, latest: Optional[int],
 
 
 def heartbeat_path(workdir: str, client: int) -> str:
-    return os.path.join(workdir, LOGS_DIR, f"heartbeat.{client}")
+    """WORKDIR/logs/heartbeat.N (`tfllm.runpaths`)."""
+    return RunPaths(workdir).heartbeat(client)
 
 
 class PeerWatchdog:
@@ -97,7 +99,7 @@ class PeerWatchdog:
         self._seen: Dict[int, Tuple[Optional[str], float]] = {}
 
     def start(self) -> "PeerWatchdog":
-        files.make_dirs(os.path.join(self.workdir, LOGS_DIR))  # may be a link: the root
+        files.make_dirs(RunPaths(self.workdir).logs_dir)  # may be a link: the root
         now = time.monotonic()
         self._seen = {p: (self._read(p), now) for p in self.watched()}
         self._write(done=False)

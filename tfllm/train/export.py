@@ -19,8 +19,8 @@ import tensorflow as tf
 from tfllm import files
 from tfllm.checkpoint.workdir import Workdir, WorkdirError
 from tfllm.config import save_config
-from tfllm.contracts import TOKENIZER_DIR
 from tfllm.models import build_model
+from tfllm.runpaths import RunPaths
 
 
 def export_model(config, workdir: str, out_dir: str) -> dict:
@@ -50,6 +50,6 @@ def export_model(config, workdir: str, out_dir: str) -> dict:
                      verbose=False)
         save_config(config, tmp)
         if os.path.isdir(run_dir.tokenizer_dir):  # the export holds it as a run does
-            files.copy_tree(tmp, run_dir.tokenizer_dir, TOKENIZER_DIR)
+            files.copy_tree(tmp, run_dir.tokenizer_dir, RunPaths(tmp).tokenizer_dir)
     params = sum(int(tf.size(v)) for v in model.trainable_variables)
     return {"out": out_dir, "step": int(meta["step"]), "params": params}

@@ -84,7 +84,7 @@ class _Releaser:
             self.lock.release()
 
 
-def train(config, workdir: str, model_cls=None, out=None) -> dict:
+def train(config, workdir: str, model_cls=None, out=None, checked=None) -> dict:
     """Trains per `config` in `workdir`, resuming from its latest checkpoint.
 
     Args:
@@ -93,6 +93,9 @@ def train(config, workdir: str, model_cls=None, out=None) -> dict:
       model_cls: optional `CausalLM` subclass.
       out: where the progress display goes (client 0 only); default: sys.stdout at
         the time of the call (not of the import, so redirections are honoured).
+      checked: what `tfllm.checkpoint.workdir.check_workdir(workdir, config)` found, when
+        the caller checked the workdir already (`tfllm train` does, before it makes the
+        XLA cache there); else it is checked here. Either way, once.
 
     Returns:
       The last logged metrics (plus eval results and `first_step_s`).
@@ -105,7 +108,7 @@ def train(config, workdir: str, model_cls=None, out=None) -> dict:
     with SignalWatcher() as signals:  # from the start: setup and first compile included
         watchdog = []
         try:
-            return _train(config, workdir, model_cls, out, signals, watchdog)
+            return _train(config, workdir, model_cls, out, signals, watchdog, checked)
         finally:
             for w in watchdog:
                 w.stop()  # peers must not take this client's normal end for a loss
@@ -143,8 +146,8 @@ class _Tally:
         self.started = time.perf_counter()
 
 
-def _train(config, workdir, model_cls, out, signals, watchdog: list) -> dict:
-    training = _prepare(config, workdir, model_cls, out, signals, watchdog)
+def _train(config, workdir, model_cls, out, signals, watchdog: list, checked) -> dict:
+    training = _prepare(config, workdir, model_cls, out, signals, watchdog, checked)
     _restore(training)
     _announce(training)
     try:
@@ -156,7 +159,8 @@ def _train(config, workdir, model_cls, out, signals, watchdog: list) -> dict:
     return _after(training, tally.last, tally.first_step_s)
 
 
-def _prepare(config, workdir, model_cls, out, signals, watchdog: list) -> _Training:
+def _prepare(config, workdir, model_cls, out, signals, watchdog: list,
+             checked=None) -> _Training:
     """Checks the workdir and the input, builds the run, takes the run's lock and writes
     the run's first files; starts the peer watchdog."""
     t = config.train
@@ -164,11 +168,11 @@ def _prepare(config, workdir, model_cls, out, signals, watchdog: list) -> _Train
     # Another run, or files tfllm did not write, are refused before anything is written;
     # bad input (data, tokenizer, what `preflight` checks) fails before the run writes
     # into its workdir, so a refused run leaves it as it was.
-    state = check_workdir(workdir, config)
+    state = checked if checked is not None else check_workdir(workdir, config)
     run_dir = Workdir(workdir)
     if not primary:  # other clients log to their own file
         # logs/ may be a link (tfllm launch's folder): it is the root of this write
-        out = files.open_for_writing(run_dir.logs_dir, f"client_{client_id()}.log", "a",
+        out = files.open_for_writing(run_dir.logs_dir, run_dir.client_log(client_id()), "a",
                                      append=True)
     if t.deterministic:
         import tensorflow as tf

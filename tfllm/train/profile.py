@@ -21,16 +21,15 @@ import glob
 import os
 import re
 from collections import defaultdict
-from typing import Dict, List, Optional, Tuple
+from typing import Dict, List, Optional
 
 from tfllm import files
-from tfllm.checkpoint.workdir import Workdir
+from tfllm.runpaths import RunPaths
 
 
 def profile_dir(workdir: str, client: int = 0) -> str:
     """Where a client's traces go (TensorBoard's log directory for them)."""
-    base = Workdir(workdir).tensorboard_dir
-    return base if client == 0 else os.path.join(base, f"client_{client}")
+    return RunPaths(workdir).traces(client)
 
 
 class StepProfiler:
