@@ -58,3 +58,31 @@ def test_no_module_outside_the_fence_imports_private_apis():
             if ("import" in code and any(p in code for p in private)):
                 leaks.append(f"{path.relative_to(root.parent)}:{number}: {line.strip()}")
     assert not leaks, leaks
+
+
+def test_no_module_outside_the_fence_reads_another_objects_private_attributes():
+    """A private attribute of another library's object (Keras' `Variable._value`,
+    `Layer._flatten_layers`) is read through the fence too: neither by name
+    (`var._value`) on a Keras object, nor by `getattr`/`hasattr`/`setattr` with a private
+    name on anything but the module's own objects (`self`)."""
+    import ast
+    import pathlib
+    root = pathlib.Path(internals.__file__).parent
+    fenced = ("_value", "_initializer", "_initialize", "_flatten_layers")
+    leaks = []
+    for path in sorted(root.rglob("*.py")):
+        if path.name == "internals.py" and path.parent == root:
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            where = f"{path.relative_to(root.parent)}:{getattr(node, 'lineno', 0)}"
+            if isinstance(node, ast.Attribute) and node.attr in fenced:
+                leaks.append(f"{where}: {ast.unparse(node)}")
+            if (isinstance(node, ast.Call) and isinstance(node.func, ast.Name)
+                    and node.func.id in ("getattr", "hasattr", "setattr")
+                    and len(node.args) >= 2 and isinstance(node.args[1], ast.Constant)
+                    and str(node.args[1].value).startswith("_")
+                    and not str(node.args[1].value).startswith("__")
+                    and not (isinstance(node.args[0], ast.Name)
+                             and node.args[0].id in ("self", "cls"))):
+                leaks.append(f"{where}: {ast.unparse(node)}")
+    assert not leaks, leaks

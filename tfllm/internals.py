@@ -19,7 +19,7 @@ What is fenced:
   service (`eager_context`), the names DTensor's SPMD expansion gives the ops it inserts
   (`is_dtensor_op_name`).
 * Keras (the Keras <-> DTensor bridge): `Variable._value` (`is_allocated`),
-  `Variable._initializer/_initialize` (`adopt`), the deferred-initialization list in
+  `Variable._initializer/_initialize` (`adopt`), `Layer._flatten_layers` (`all_layers`), the deferred-initialization list in
   `keras.src.backend.common.global_state` (`forget_deferred`, `abstract_backbone`),
   `SafeModeScope` (`safe_mode`), the saver's object-graph walk (`h5_locations`).
 * keras-hub (pretrained import/export): `preset_loader`, `recording_safetensor_loader`,
@@ -169,6 +169,14 @@ def check_keras(version: str = None) -> None:
 def is_allocated(var) -> bool:
     """Whether the Keras variable already holds a value."""
     return getattr(var, "_value", None) is not None
+
+
+def all_layers(model) -> list:
+    """Every layer of `model`, nested ones included, the model first (Keras 3 lists only
+    the top level publicly)."""
+    if not hasattr(model, "_flatten_layers"):
+        raise _missing("keras", "Layer._flatten_layers")
+    return list(model._flatten_layers())
 
 
 def adopt(var, backend_variable) -> None:

@@ -20,6 +20,7 @@ import numpy as np
 import tensorflow as tf
 from tensorflow.experimental import dtensor
 
+from tfllm import internals
 from tfllm.parallel.placement import local_blocks
 
 Block = Tuple[Tuple[int, ...], Tuple[int, ...]]  # (start, size)
@@ -38,7 +39,7 @@ def tf_variable(var, name: str = "variable"):
       name: the checkpoint name, for the error message.
     """
     if isinstance(var, keras.Variable):
-        if getattr(var, "_value", None) is None:
+        if not internals.is_allocated(var):
             raise CheckpointError(f"{name}: the Keras variable {var.path} is not initialized; "
                                   "build the model (tfllm.models.build_model) before saving "
                                   "or restoring it.")

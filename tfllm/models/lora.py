@@ -22,6 +22,7 @@ import math
 from dataclasses import dataclass
 from typing import Dict, List, Tuple
 
+from tfllm import internals
 from tfllm.config.loader import ConfigError
 
 #: Hugging Face module name inside layer i -> tfllm projection paths inside block_i.
@@ -112,7 +113,7 @@ def enable_lora(model, lora_config) -> List[str]:
 def freeze_base(model) -> None:
     """With adapters, only A and B train (peft's default, bias "none"): every other
     weight of the built (abstract) model is frozen before it is placed."""
-    if not any(getattr(l, "lora", None) for l in model._flatten_layers()):
+    if not any(getattr(l, "lora", None) for l in internals.all_layers(model)):
         return
     for v in model.variables:
         name = v.path.rsplit("/", 1)[-1]
@@ -134,7 +135,7 @@ def summary_line(model, lora_config) -> str:
     """The run's start-up line: what trains, and the memory the frozen weights save (no
     gradient and no AdamW moments for them: 12 bytes per weight in float32)."""
     counts = trainable_summary(model)
-    marked = sum(1 for l in model._flatten_layers() if getattr(l, "lora", None))
+    marked = sum(1 for l in internals.all_layers(model) if getattr(l, "lora", None))
     saved = 12 * counts["frozen"]
     return (f"tfllm: LoRA rank {lora_config.rank} (alpha {lora_config.alpha:g}, scale "
             f"{scale(lora_config):g}{', rsLoRA' if lora_config.rslora else ''}) on {marked} "

@@ -12,6 +12,7 @@ from typing import Callable, Optional
 import numpy as np
 import tensorflow as tf
 
+from tfllm import internals
 from tfllm.compiler.jit import compile_fn
 from tfllm.data import feed
 from tfllm.models.loss import token_nll
@@ -117,7 +118,7 @@ class TrainStep:
         total_loss, total_grads, fp8_new = 0.0, None, None
         # Dropout masks differ per optimizer step and micro-batch (and layer).
         noisy = any(getattr(l, "lora", None) and l.lora.dropout
-                    for l in self.model._flatten_layers())
+                    for l in internals.all_layers(self.model))
         step = tf.cast(self.optimizer.iterations, tf.int64) * accum if noisy else None
         for i, tokens in enumerate(micro_batches):  # unrolled: grad_accum_steps is small
             if total_grads:  # one micro-batch after another (see `after_backward`)
