@@ -94,7 +94,8 @@ class CausalLM(keras.Model):
       config: the model section of the tfllm config.
       dtype: a Keras dtype policy name ("float32", "mixed_bfloat16", "mixed_float16").
       fp8: `tfllm.precision.Fp8Settings` to run the attention and MLP projections in FP8
-        (pass `fp8=self.fp8, fp8_path=...` on to them in `make_attention`/`make_mlp`).
+        (pass `fp8=self.fp8, fp8_path=...` on to them: in the `AttentionSettings` of
+        `make_attention`, to the MLP of `make_mlp`).
     """
 
     #: defaults a family may set for config fields left null

@@ -94,8 +94,11 @@ def rotary(x, theta: float, positions=None, scaling: Optional[RopeScaling] = Non
     return tf.cast(x32 * tf.cos(angles) + rotated * tf.sin(angles), x.dtype)
 
 
-class Attention(keras.layers.Layer):
-    """Multi-head causal self-attention; grouped-query when num_key_value_heads < heads.
+@dataclass(frozen=True)
+class AttentionSettings:
+    """One attention layer's shape and options: a family's `make_attention` fills one per
+    block (local and global layers differ by their window and RoPE), so that a new
+    family's option is a field here, not one more argument of every constructor.
 
     Args:
       hidden_dim: width E of the residual stream.
@@ -103,10 +106,10 @@ class Attention(keras.layers.Layer):
       num_key_value_heads: K (divides H); each K head serves H // K query heads.
       head_dim: D.
       use_bias: biases on the projections (GPT) or not (Llama).
-      rope_theta: apply rotary embeddings with this base, or None for none.
-      rope_scaling: a `RopeScaling` of the rotary frequencies, or None.
       qkv_bias: biases on the query/key/value projections (default: use_bias); the
         output projection follows use_bias (Qwen2 has q/k/v biases only).
+      rope_theta: apply rotary embeddings with this base, or None for none.
+      rope_scaling: a `RopeScaling` of the rotary frequencies, or None.
       block_size: > 0: the training path attends tiles of this many queries and keys
         with an online softmax, recomputed in the backward pass (`attend_blocked`);
         0: one `attend`.
@@ -123,27 +126,50 @@ class Attention(keras.layers.Layer):
         query_pre_attn_scalar); None: by sqrt(head_dim).
     """
 
-    def __init__(self, hidden_dim: int, num_query_heads: int, num_key_value_heads: int,
-                 head_dim: int, use_bias: bool = False, rope_theta: Optional[float] = None,
-                 init_std: float = 0.02, output_init_std: float = 0.02, fp8=None,
-                 fp8_path: str = "attention", rope_scaling: Optional[RopeScaling] = None,
-                 qkv_bias: Optional[bool] = None, block_size: int = 0,
-                 qk_norm_epsilon: Optional[float] = None, qk_norm_zero_centered: bool = False,
-                 sliding_window: int = 0, score_divisor: Optional[float] = None, **kwargs):
+    hidden_dim: int
+    num_query_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    use_bias: bool = False
+    qkv_bias: Optional[bool] = None
+    rope_theta: Optional[float] = None
+    rope_scaling: Optional[RopeScaling] = None
+    block_size: int = 0
+    init_std: float = 0.02
+    output_init_std: float = 0.02
+    fp8: Optional[object] = None
+    fp8_path: str = "attention"
+    qk_norm_epsilon: Optional[float] = None
+    qk_norm_zero_centered: bool = False
+    sliding_window: int = 0
+    score_divisor: Optional[float] = None
+
+
+class Attention(keras.layers.Layer):
+    """Multi-head causal self-attention; grouped-query when num_key_value_heads < heads.
+
+    Args:
+      settings: the layer's `AttentionSettings`.
+      **kwargs: Keras layer arguments (name, dtype).
+    """
+
+    def __init__(self, settings: AttentionSettings, **kwargs):
         super().__init__(**kwargs)
-        self.sliding_window = int(sliding_window)
-        self.score_divisor = float(score_divisor or head_dim)
-        fp8_for = lambda name: fp8.for_layer(f"{fp8_path}/{name}") if fp8 else None
-        self.num_query_heads = num_query_heads
-        self.num_key_value_heads = num_key_value_heads
-        self.head_dim = head_dim
-        self.rope_theta = rope_theta
-        self.rope_scaling = rope_scaling
+        s = settings
+        self.settings = s
+        self.sliding_window = int(s.sliding_window)
+        self.score_divisor = float(s.score_divisor or s.head_dim)
+        fp8_for = lambda name: s.fp8.for_layer(f"{s.fp8_path}/{name}") if s.fp8 else None
+        self.num_query_heads = s.num_query_heads
+        self.num_key_value_heads = s.num_key_value_heads
+        self.head_dim = s.head_dim
+        self.rope_theta = s.rope_theta
+        self.rope_scaling = s.rope_scaling
         self.recompute_core = False  # set by the model's remat policy
-        self.block_size = block_size
-        E, H, K, D = hidden_dim, num_query_heads, num_key_value_heads, head_dim
-        kw = dict(use_bias=use_bias if qkv_bias is None else qkv_bias, init_std=init_std,
-                  dtype=self.dtype_policy)
+        self.block_size = s.block_size
+        E, H, K, D = s.hidden_dim, s.num_query_heads, s.num_key_value_heads, s.head_dim
+        kw = dict(use_bias=s.use_bias if s.qkv_bias is None else s.qkv_bias,
+                  init_std=s.init_std, dtype=self.dtype_policy)
         self.query = Projection("btd,dhk->bthk", (E, H, D), ("embed", "heads", "head_dim"),
                                 output_axes=_HEADS, name="query", fp8=fp8_for("query"), **kw)
         self.key = Projection("btd,dhk->bthk", (E, K, D), ("embed", "kv_heads", "head_dim"),
@@ -152,15 +178,15 @@ class Attention(keras.layers.Layer):
                                 output_axes=_KV_HEADS, name="value", fp8=fp8_for("value"),
                                 **kw)
         self.output_proj = Projection(
-            "bthk,hkd->btd", (H, D, E), ("heads", "head_dim", "embed"), use_bias=use_bias,
-            init_std=output_init_std,
+            "bthk,hkd->btd", (H, D, E), ("heads", "head_dim", "embed"), use_bias=s.use_bias,
+            init_std=s.output_init_std,
             output_axes=("activation_batch", "activation_length", "activation_embed"),
             name="output", fp8=fp8_for("output"), dtype=self.dtype_policy)
         self.query_norm = self.key_norm = None
-        if qk_norm_epsilon is not None:
-            self.query_norm = RMSNorm(D, qk_norm_epsilon, qk_norm_zero_centered,
+        if s.qk_norm_epsilon is not None:
+            self.query_norm = RMSNorm(D, s.qk_norm_epsilon, s.qk_norm_zero_centered,
                                       name="query_norm", dtype=self.dtype_policy)
-            self.key_norm = RMSNorm(D, qk_norm_epsilon, qk_norm_zero_centered,
+            self.key_norm = RMSNorm(D, s.qk_norm_epsilon, s.qk_norm_zero_centered,
                                     name="key_norm", dtype=self.dtype_policy)
 
     def build(self, input_shape=None):

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from tfllm.models.causal_lm import CausalLM
-from tfllm.models.common.attention import Attention
+from tfllm.models.common.attention import Attention, AttentionSettings
 from tfllm.models.common.layers import LayerNorm, PositionEmbedding
 from tfllm.models.common.mlp import MLP
 
@@ -26,12 +26,12 @@ class GPT(CausalLM):
 
     def make_attention(self, index):
         c = self.config
-        return Attention(c.hidden_dim, c.num_query_heads, self.num_key_value_heads,
-                         self.head_dim, use_bias=self.use_bias, rope_theta=None,
-                         init_std=c.init_std, output_init_std=self.output_init_std,
-                         fp8=self.fp8, fp8_path=f"block_{index}/attention", name="attention",
-                         qkv_bias=c.qkv_bias, block_size=c.attention_chunk,
-                         dtype=self.dtype_policy)
+        return Attention(AttentionSettings(
+            c.hidden_dim, c.num_query_heads, self.num_key_value_heads, self.head_dim,
+            use_bias=self.use_bias, qkv_bias=c.qkv_bias, rope_theta=None,
+            block_size=c.attention_chunk, init_std=c.init_std,
+            output_init_std=self.output_init_std, fp8=self.fp8,
+            fp8_path=f"block_{index}/attention"), name="attention", dtype=self.dtype_policy)
 
     def make_mlp(self, index):
         c = self.config

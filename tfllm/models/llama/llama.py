@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from tfllm.models.causal_lm import CausalLM
-from tfllm.models.common.attention import Attention, RopeScaling
+from tfllm.models.common.attention import Attention, AttentionSettings, RopeScaling
 from tfllm.models.common.layers import RMSNorm
 from tfllm.models.common.mlp import GatedMLP
 
@@ -45,27 +45,27 @@ class Llama(CausalLM):
         """Whether block `index` attends within model.sliding_window (see the config)."""
         return is_local_layer(self.config, index)
 
-    def attention_settings(self, index: int) -> dict:
-        """Block `index`'s Attention arguments that local and global layers set apart: a
-        local layer has the window, model.rope_local_theta and no RoPE scaling."""
+    def attention_settings(self, index: int) -> AttentionSettings:
+        """Block `index`'s attention: local and global layers differ (a local layer has the
+        window, model.rope_local_theta and no RoPE scaling)."""
         c = self.config
-        if self.is_local(index):
-            return {"sliding_window": c.sliding_window, "rope_scaling": None,
-                    "rope_theta": c.rope_local_theta or c.rope_theta}
-        return {"sliding_window": 0, "rope_theta": c.rope_theta,
-                "rope_scaling": self.rope_scaling()}
+        local = self.is_local(index)
+        return AttentionSettings(
+            c.hidden_dim, c.num_query_heads, self.num_key_value_heads, self.head_dim,
+            use_bias=self.use_bias, qkv_bias=c.qkv_bias,
+            rope_theta=(c.rope_local_theta or c.rope_theta) if local else c.rope_theta,
+            rope_scaling=None if local else self.rope_scaling(),
+            block_size=c.attention_chunk, init_std=c.init_std,
+            output_init_std=self.output_init_std, fp8=self.fp8,
+            fp8_path=f"block_{index}/attention",
+            qk_norm_epsilon=c.norm_epsilon if self.qk_norm else None,
+            qk_norm_zero_centered=self.zero_centered_norms,
+            sliding_window=c.sliding_window if local else 0,
+            score_divisor=c.query_pre_attn_scalar or None)
 
     def make_attention(self, index):
-        c = self.config
-        return Attention(c.hidden_dim, c.num_query_heads, self.num_key_value_heads,
-                         self.head_dim, use_bias=self.use_bias,
-                         init_std=c.init_std, output_init_std=self.output_init_std,
-                         fp8=self.fp8, fp8_path=f"block_{index}/attention", name="attention",
-                         qkv_bias=c.qkv_bias, block_size=c.attention_chunk,
-                         qk_norm_epsilon=c.norm_epsilon if self.qk_norm else None,
-                         qk_norm_zero_centered=self.zero_centered_norms,
-                         score_divisor=c.query_pre_attn_scalar or None,
-                         dtype=self.dtype_policy, **self.attention_settings(index))
+        return Attention(self.attention_settings(index), name="attention",
+                         dtype=self.dtype_policy)
 
     @property
     def qk_norm(self) -> bool:
