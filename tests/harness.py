@@ -15,7 +15,10 @@ first).
 * Processes: `run_tfllm` (`python -m tfllm.cli.main ...` to completion), `start_process`,
   `finish`, `kill_group` (a child in its own process group, a hard
   timeout, nothing left behind), `run_clients` (N real DTensor clients),
-  `run_in_child` (a test alone in a fresh pytest process), `train_with_xla_dump`.
+  `run_in_child` (a test alone in a fresh pytest process), `train_with_xla_dump`,
+  `shared_xla_dump` (the same, once per session).
+* Once per session, for every pytest-xdist worker: `once_per_session`, `session_dir`,
+  `session_key`.
 * Cluster software: `fake_cluster_tools` (stand-ins for Slurm's and ssh's commands that
   tests/conftest.py puts first on PATH for every test), `CLUSTER_TOOLS`.
 * Small shared pieces: `free_ports`, `snapshot_tree`, `metrics_records`,
@@ -26,6 +29,7 @@ import functools
 import glob
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -540,6 +544,78 @@ def train_with_xla_dump(tmp_path, axes, extra=(), dump=True):
     modules = {os.path.basename(p): open(p).read()
                for p in glob.glob(str(dump_dir / "*before_optimizations.txt"))}
     return out.stdout, modules
+
+
+def shared_xla_dump(tmp_path_factory, axes, extra=()):
+    """`train_with_xla_dump` of these arguments once per test session: the run and its
+    HLO are the same for every test that reads them (tests/train/test_xla.py and
+    tests/plan/test_plan.py read the same fsdp=2 step), so whichever asks first runs it.
+
+    Args:
+      tmp_path_factory: pytest's session fixture.
+      axes, extra: as `train_with_xla_dump`.
+
+    Returns:
+      (the run's stdout, {file name: text} of the dumped *before_optimizations.txt).
+    """
+    name = json.dumps(["train_with_xla_dump", axes, list(extra)])
+
+    def make(directory):
+        return train_with_xla_dump(directory, axes, extra)
+
+    stdout, modules = once_per_session(tmp_path_factory, name, make)
+    return stdout, modules
+
+
+# ---- once per session ---------------------------------------------------------------------
+def session_dir(tmp_path_factory, name):
+    """A folder every pytest-xdist worker of this session shares (each worker's base
+    temporary directory is popen-gwN inside the session's own).
+
+    Args:
+      tmp_path_factory: pytest's session fixture.
+      name: the folder's name.
+    """
+    base = tmp_path_factory.getbasetemp()
+    shared = base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base
+    directory = shared / name
+    directory.mkdir(exist_ok=True)
+    return directory
+
+
+def session_key(value):
+    """A short file name for a JSON-serializable value (sorted keys)."""
+    import hashlib
+    text = json.dumps(value, sort_keys=True, default=str)
+    return hashlib.sha256(text.encode()).hexdigest()[:24]
+
+
+def once_per_session(tmp_path_factory, name, make):
+    """`make(folder)`'s JSON-serializable result, computed once per test session.
+
+    The first worker to ask runs it, holding a file lock; a worker that asks meanwhile
+    waits for it (instead of running it too) and reads its result. For work that is a
+    function of its arguments alone: a compiled step, a measured tiny run.
+
+    Args:
+      tmp_path_factory: pytest's session fixture.
+      name: what is made, as a JSON-serializable value (its arguments included).
+      make: called with a new folder of its own; returns the result.
+    """
+    import fcntl
+    directory = session_dir(tmp_path_factory, "once")
+    key = session_key(name)
+    result = directory / f"{key}.json"
+    with open(directory / f"{key}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not result.exists():
+            work = directory / key
+            shutil.rmtree(work, ignore_errors=True)  # what a failed attempt left
+            work.mkdir()
+            value = make(work)
+            result.with_suffix(".tmp").write_text(json.dumps(value))
+            result.with_suffix(".tmp").rename(result)
+    return json.loads(result.read_text())
 
 
 # ---- files -------------------------------------------------------------------------------

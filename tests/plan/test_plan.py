@@ -10,7 +10,7 @@ import pytest
 
 from tfllm.config import load_config
 from tfllm.plan.planner import format_plan, plan
-from tests.harness import ROOT, run_tfllm, tiny_config, tiny_overrides, train_with_xla_dump
+from tests.harness import ROOT, run_tfllm, shared_xla_dump, tiny_config, tiny_overrides
 
 pytestmark = pytest.mark.skipif(
     importlib.util.find_spec("jax_plugins") is None,
@@ -94,16 +94,20 @@ def test_a_step_that_cannot_fit_says_by_how_much():
 
 @pytest.mark.slow
 def test_a_sharded_mesh_is_planned_per_device(bf16_plan):
-    p = plan(tiny(**{"precision.policy": "bfloat16", "mesh.axes": "fsdp=2,model=2"}))
+    # fsdp=4: the mesh whose tiny steps tests/plan/test_measured.py measures, run once
+    # for both (tests/plan/conftest.py); tests/plan/test_sharded.py plans the other meshes
+    # (model, data, the sequence split) without a compile.
+    p = plan(tiny(**{"precision.policy": "bfloat16", "mesh.axes": "fsdp=4"}))
     one = bf16_plan
     assert p["devices"] == 4 and "per device" in p["mesh"]
-    # state is split 4 ways (fsdp x model) except the small replicated norms, and the
-    # batch 2 ways (fsdp carries it)
+    # state is split 4 ways except the small replicated norms, and the batch 4 ways
     assert p["memory"]["arguments"] < 0.5 * one["memory"]["arguments"]
+    assert p["batch_shards"] == 4
     c, assumed = p["collectives"], p["collectives_assumed"]
-    assert "fsdp" in assumed["detail"] and "model" in assumed["detail"]
-    # measured on the executed CPU program of fsdp=2,model=2 (tests/plan/test_measured.py)
+    assert "fsdp: all-gather weights" in assumed["detail"]
+    # measured on the executed CPU program of fsdp=4 (tests/plan/test_measured.py)
     assert c["basis"].startswith("measured") and c["bytes_per_device"] > 0
+    assert p["clusters_basis"].startswith("measured")
     assert p["roofline_step_s"] == pytest.approx(p["roofline_s"] + c["seconds"])
     assert p["estimated_step_s"] > p["roofline_step_s"]  # tfllm.plan.timing's factors
     text = format_plan(p)
@@ -168,21 +172,28 @@ print(json.dumps({"backward_flops": backward, "compiled": compiled}))
 
 
 @pytest.mark.slow
-def test_dtensor_clusters_compile_for_h100_and_match_the_per_device_plan(tmp_path):
-    extra = ["--set", "model.family=llama", "--set", "model.num_key_value_heads=2",
-             "--set", "train.steps=1"]
-    _, modules = train_with_xla_dump(tmp_path, "fsdp=2", extra)
+def test_dtensor_clusters_compile_for_h100_and_match_the_per_device_plan(tmp_path,
+                                                                        tmp_path_factory):
+    # The fsdp=2 run tests/train/test_xla.py reads as well: one run per session.
+    _, modules = shared_xla_dump(tmp_path_factory, "fsdp=2", (
+        "--set", "model.family=llama", "--set", "model.num_key_value_heads=2"))
     assert modules
+    dump = tmp_path / "xla_dump"
+    dump.mkdir()
+    for name, text in modules.items():
+        (dump / name).write_text(text)
     env = dict(os.environ, JAX_SKIP_CUDA_CONSTRAINTS_CHECK="1",
                XLA_FLAGS="--xla_gpu_autotune_level=0 --xla_gpu_enable_triton_gemm=false")
-    r = subprocess.run([sys.executable, "-c", _CLUSTER_FLOPS, str(tmp_path / "xla_dump")],
+    r = subprocess.run([sys.executable, "-c", _CLUSTER_FLOPS, str(dump)],
                        capture_output=True, text=True, timeout=900, env=env, cwd=ROOT)
     assert r.returncode == 0, r.stderr[-3000:]
     clusters = json.loads(r.stdout.strip().splitlines()[-1])
     assert clusters["compiled"] > 0
     cfg = load_config(os.path.join(ROOT, "configs/tiny.yaml"),
                       ["model.family=llama", "model.num_key_value_heads=2", "mesh.axes=fsdp=2"])
-    p = plan(cfg)
+    # The GEMM FLOPs are the per-device program's, whatever the collectives: "assumed"
+    # skips the tiny DTensor steps that measure them (tests/plan/test_measured.py).
+    p = plan(cfg, collectives="assumed")
     # The backward half of the step (input and weight gradients: 2/3 of its GEMM FLOPs)
     # exists only in the train step's clusters (the run's evaluation is forward only).
     # Over the 2 devices it equals what the plan computes for one device, times 2.

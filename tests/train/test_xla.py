@@ -24,8 +24,8 @@ from tfllm.parallel import make_parallel
 from tfllm.compiler import xla
 from tfllm.compiler.reports import FirstCall
 from tfllm.train.state import build_train_state
-from tests.harness import (ROOT, finish, run_tfllm, tfllm_command, tfllm_env, tiny_config,
-                           train_with_xla_dump)
+from tests.harness import (ROOT, finish, run_tfllm, shared_xla_dump, tfllm_command, tfllm_env,
+                           tiny_config)
 from tests.launch.helpers import assert_no_leftovers, kill_workers, launcher_env, start
 
 TIMEOUT_S = 600
@@ -113,7 +113,10 @@ def test_tensor_parallel_step_in_one_process_is_compiled_by_xla():
 def test_what_xla_compiles_of_evaluation_and_generation_on_a_mesh():
     from tfllm.generate import Generator
     from tfllm.train.evaluate import Evaluator
-    step, _, _ = _step("data=2", True, family="gpt")
+    # The model as `tfllm train` builds it (the train step itself is compiled above), with
+    # one block: what XLA compiles of a block is the same for every block.
+    cfg = tiny_config("gpt", "data=2", **{"model.num_layers": 1})
+    step = build_train_state(cfg, make_parallel(cfg), True).step
     data = SyntheticTokens(128, 17, seed=5)
     evaluator = Evaluator(step.model, step.parallel, True)
     batch = feed.to_device(step.parallel, data.batch(0, 16, 1))
@@ -137,11 +140,18 @@ def test_what_xla_compiles_of_evaluation_and_generation_on_a_mesh():
 
 
 # ---- what XLA itself compiled (HLO dumps), through `tfllm train` ------------------------
+LLAMA = ("--set", "model.family=llama", "--set", "model.num_key_value_heads=2")
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("axes", ["data=1", "fsdp=2"])
-def test_train_compiles_matmuls_norms_softmax_and_update_in_xla(tmp_path, axes):
-    stdout, modules = train_with_xla_dump(tmp_path, axes, [
-        "--set", "model.family=llama", "--set", "model.num_key_value_heads=2"])
+# One device in FP8 (its converts to E4M3 and E5M2 as well as the float32 work), and
+# fsdp=2 in float32, whose dump tests/plan/test_plan.py reads too (shared_xla_dump: one
+# run per session). float32 on one device is compiled whole as well (the report, above).
+@pytest.mark.parametrize("axes, policy", [("data=1", "fp8"), ("fsdp=2", "float32")])
+def test_train_compiles_matmuls_norms_softmax_and_update_in_xla(tmp_path_factory, axes,
+                                                                policy):
+    extra = LLAMA + (("--set", "precision.policy=fp8") if policy == "fp8" else ())
+    stdout, modules = shared_xla_dump(tmp_path_factory, axes, extra)
     line = re.search(r"XLA: (\d+) clusters per device on (\d+) device", stdout)
     assert line, stdout[-2000:]
     assert int(line.group(2)) == (1 if axes == "data=1" else 2)
@@ -153,16 +163,8 @@ def test_train_compiles_matmuls_norms_softmax_and_update_in_xla(tmp_path, axes):
     assert " rsqrt(" in text and " exponential(" in text and " sqrt(" in text
     # The whole update is compiled: every weight's new value is written inside a module.
     assert text.count("f32[") > 0
-
-
-@pytest.mark.slow
-def test_fp8_step_executes_its_casts_in_xla(tmp_path):
-    stdout, modules = train_with_xla_dump(tmp_path, "data=1", [
-        "--set", "precision.policy=fp8", "--set", "model.num_layers=1"])
-    assert "XLA: " in stdout
-    text = "\n".join(m for n, m in modules.items() if "cluster_" in n)
-    # The executed program quantizes activations to E4M3 and gradients to E5M2.
-    assert "f8e4m3fn" in text and "f8e5m2" in text
+    # FP8: the executed program quantizes activations to E4M3 and gradients to E5M2.
+    assert ("f8e4m3fn" in text and "f8e5m2" in text) == (policy == "fp8")
 
 
 # ---- one device per process: the cluster shape -------------------------------------------
