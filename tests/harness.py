@@ -246,7 +246,8 @@ def parity_run(family, axes, jit, extra=()):
     weights = {v.path: to_numpy(v) for v in model.trainable_variables}
     return {"loss": loss, "grads": grads, "history": history, "weights": weights,
             "paths": [v.path for v in model.trainable_variables], "model": model,
-            "optimizer": optimizer, "parallel": parallel}
+            "optimizer": optimizer, "parallel": parallel,
+            "costs": first.report.costs if first.report is not None else None}
 
 
 @functools.lru_cache(maxsize=None)

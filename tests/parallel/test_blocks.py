@@ -160,3 +160,46 @@ def test_every_collective_moves_a_dtype_nccl_takes(axes, family, policy):
         assert len(kv) == (2 * 2 if "data" in axes else 0), [c.describe() for c in kv]
         assert all((c.kind, c.dtype) == ("all-gather", "float16") for c in kv), \
             [c.describe() for c in kv]
+
+
+# FP8 projections under FSDP: gathered as E4M3 bytes, two per float16 carrier
+# (tfllm.precision.fp8.WeightCodec). Delayed scaling on fsdp=8; current scaling, whose
+# scale needs the weight's amax first, on a mesh with tensor parallelism too.
+FP8_CASES = [("fsdp=8", "delayed"), ("data=2,fsdp=2,model=2", "current")]
+
+
+@pytest.mark.slow  # four 3-step runs on 8 devices
+@pytest.mark.parametrize("axes,recipe", FP8_CASES)
+def test_fp8_weights_travel_as_bytes_with_the_same_values(axes, recipe):
+    from tests.harness import parity_run
+    settings = (("precision.policy", "fp8"), ("precision.fp8_recipe", recipe),
+                ("model.num_layers", 2))
+    runs = {on: parity_run("llama", axes, False, settings + (("precision.fp8_gather", on),))
+            for on in (True, False)}
+    on, off = runs[True], runs[False]
+    # Same values: quantizing the shard before the gather, then dequantizing and
+    # quantizing again with the same scale, is exact; what differs is only which
+    # collective moves the weight. Losses, gradients, weights and the FP8 amax
+    # histories (the weight's amax comes with the gather, not from its clipped
+    # dequantized values) agree to float32 rounding of the unchanged reductions.
+    np.testing.assert_allclose(on["loss"], off["loss"], rtol=1e-6)
+    for path, g, g_off in zip(on["paths"], on["grads"], off["grads"]):
+        np.testing.assert_allclose(g, g_off, rtol=1e-5, atol=1e-7, err_msg=path)
+    for path, w in off["weights"].items():
+        np.testing.assert_allclose(on["weights"][path], w, rtol=0, atol=1e-6, err_msg=path)
+    hist = lambda r: {v.path: np.asarray(v.numpy())  # noqa: E731
+                      for v in r["model"].fp8_state_variables()}
+    h_on, h_off = hist(on), hist(off)
+    assert h_on and any(v.any() for k, v in h_on.items() if k.endswith("amax_history_w"))
+    for path, h in h_off.items():
+        np.testing.assert_allclose(h_on[path], h, rtol=1e-6, err_msg=path)
+    # Half the bytes: each block's FP8 kernels travel as one float16 carrier per two
+    # values (plus, in the first gather, each device's amax per weight as two carriers).
+    def gathers(report, kind):
+        return sum(c.elements for c in report.collectives
+                   if re.search(rf"block_\d+_{kind}\b", c.name) and c.dtensor_op == "all-gather")
+    for kind in ("gather", "regather"):
+        bf16, fp8 = gathers(off["costs"], kind), gathers(on["costs"], kind)
+        assert 0.5 * bf16 <= fp8 <= 0.5 * bf16 + 2 * 2 * 7 * 8, (kind, fp8, bf16)
+    for c in on["costs"].collectives:
+        assert c.dtype in NCCL_DTYPES, c.describe()

@@ -132,6 +132,34 @@ def test_block_buffers_peak_when_the_last_block_reduces_its_gradients():
     assert sharded.gather_buffers(tiny("model=4"), {"model": 4})["bytes"] == 0
 
 
+def test_fp8_kernels_travel_in_bytes_and_frozen_kernels_travel_too():
+    h, i = 64, 128
+    kernels = h * 16 * 4 * 2 + h * 8 * 4 * 2 + 3 * h * i  # as above
+    weights = kernels + 2 * h
+    local_of = lambda c: sharded.per_device_config(c)  # noqa: E731
+    empty = lambda: {"memory": {"arguments": 0, "outputs": 0, "alias": 0, "temp": 0}}  # noqa
+    sent = {}
+    for policy in ("bfloat16", "fp8"):
+        config = tiny("fsdp=4", **{"precision.policy": policy})
+        units = sharded.weight_units(config, sharded.mesh_shape(config))
+        block = units[1]
+        assert (block["gathered"], block["reduced"]) == (kernels, weights)
+        # FP8 projections' kernels travel as bytes (tfllm.parallel.blocks + fp8's codec)
+        assert block["gathered_8bit"] == (kernels if policy == "fp8" else 0)
+        assert units[0]["gathered_8bit"] == 0  # the embedding stays 16-bit
+        p = sharded.apply_mesh(config, *local_of(config)[:1], empty(), get_target("h100"),
+                               local_of(config)[1])
+        sent[policy] = p["collectives"]["bytes_per_device"]
+    # the layout's formula: each block's kernels gather forward and backward (2 x ring
+    # (n-1)/n) at one byte instead of two
+    assert sent["bfloat16"] - sent["fp8"] == pytest.approx(
+        2 * 3 / 4 * kernels * tiny("fsdp=4").model.num_layers)
+    # LoRA: the frozen kernels travel in the block's gather, only the adapters reduce
+    config = tiny("fsdp=4", **{"lora.rank": 4})
+    block = sharded.weight_units(config, sharded.mesh_shape(config))[1]
+    assert block["gathered"] >= kernels and block["reduced"] < kernels
+
+
 def test_a_tied_head_gathers_the_embedding_table_again():
     config = tiny_config("gpt", "fsdp=4")
     units = sharded.weight_units(config, sharded.mesh_shape(config))

@@ -166,6 +166,10 @@ class PrecisionConfig:
     fp8_exclude: List[str] = _f([], "Layer-path substrings whose projections stay in bf16 "
                                 "under fp8, e.g. ['block_0/', 'mlp/down']. The embedding, LM "
                                 "head and norms are always bf16.")
+    fp8_gather: bool = _f(True, "Under FSDP, FP8 projections gather their weights as E4M3 "
+                          "bytes (two per 16-bit carrier), half the bytes of a bfloat16 "
+                          "gather, with the same values. false: gather in bfloat16 and "
+                          "quantize after (for comparison).")
     tf32: bool = _f(True, "float32 matmuls on Ampere, Hopper and Blackwell GPUs run on the "
                     "TF32 tensor cores (10-bit mantissa; TensorFlow's default; the plan's "
                     "float32 peak). false: IEEE float32 GEMMs (XLA dots at HIGHEST "

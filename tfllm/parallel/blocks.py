@@ -41,6 +41,7 @@ Model code never sees any of it: `tfllm.parallel.context.weight_product` and
 from __future__ import annotations
 
 import contextlib
+import functools
 import string
 import threading
 from typing import Dict, List, Optional, Tuple
@@ -169,12 +170,19 @@ class Block:
             self.compute_specs.append(tuple(None if m in batch_axes else m for m in spec))
             autocast = getattr(v, "autocast", True) and tf.as_dtype(v.dtype).is_floating
             self.dtypes.append(tf.as_dtype(compute_dtype if autocast else v.dtype))
-        # Buffers: one per (gathered axes, tensor-parallel axes) signature.
+        # Weights that travel quantized (FP8 projections: `codec`, see `_coded`).
+        self.codecs = [getattr(v, "gather_codec", None) for v in self.variables]
+        # Buffers: one per (gathered axes, tensor-parallel axes, dtype) signature; coded
+        # weights get buffers of their own ("codes").
         self.groups: Dict[Tuple, List[int]] = {}
         for i, spec in enumerate(self.shard_specs):
             gathered = tuple(m for m in spec if m and m in batch_axes)
             kept = tuple(m for m in spec if m and m not in batch_axes)
-            self.groups.setdefault((gathered, kept, self.dtypes[i]), []).append(i)
+            if not (gathered and self.dtypes[i] in fsdp._AS_FLOAT16
+                    and fsdp.gathers_as_collective()):
+                self.codecs[i] = None
+            kind = "codes" if self.codecs[i] is not None else self.dtypes[i]
+            self.groups.setdefault((gathered, kept, kind), []).append(i)
         self.packings = {}
         for (gathered, kept, _), members in self.groups.items():
             for i in members:
@@ -182,6 +190,8 @@ class Block:
                                             gathered + kept, self.mesh_sizes)
         self._values = None
         self._batched = None
+        self._scales: Dict[int, tf.Tensor] = {}  # coded weights: their quantization scale
+        self._amax: Dict[int, tf.Tensor] = {}  # coded weights: their amax (whole weight)
         self._again: Optional[List] = None
         self._gate = tuple(t for t in gate if t is not None)
         self.graph = None  # the graph the block was entered in
@@ -200,12 +210,14 @@ class Block:
                   for v, d in zip(self.variables, self.dtypes)]
         zero = self._local_zero(self._gate) if self._gate else None
         self.graph = values[0].graph if values and hasattr(values[0], "graph") else None
+        with tf.name_scope(f"{self.name}_scales"):
+            self._coded_scales(values)
 
         @tf.custom_gradient
         def op(*shards):
             self._values = shards
             with tf.name_scope(f"{self.name}_gather"):
-                batched = self._gather(shards, zero)
+                batched = self._gather(shards, zero, first=True)
 
             def grad(*dys):
                 with tf.name_scope(f"{self.name}_reduce"):
@@ -220,6 +232,12 @@ class Block:
         """`var` as a (pieces, *weight) tensor, or None if not in this block."""
         i = self.index.get(id(var))
         return None if i is None else self._batched[i]
+
+    def amax(self, var):
+        """The whole weight's amax of a coded `var` (its gathered values are quantized,
+        their own amax is clipped), or None."""
+        i = self.index.get(id(var))
+        return None if i is None else self._amax.get(i)
 
     def again(self, var, after):
         """`var` gathered again for the backward pass, after tensor `after` exists; the
@@ -238,11 +256,13 @@ class Block:
                     before._again = before._gather(before._values, zero)
         return self._again[i]
 
-    def _gather(self, shards, zero):
+    def _gather(self, shards, zero, first=False):
         """The full weights as (pieces, *weight) tensors, one gather per buffer."""
         out = [None] * len(self.variables)
-        for (gathered, kept, _), members in self.groups.items():
-            if gathered:
+        for (gathered, kept, kind), members in self.groups.items():
+            if kind == "codes":
+                fulls = self._gather_coded(gathered, kept, members, shards, zero, first)
+            elif gathered:
                 fulls = self._gather_group(gathered, kept, members, shards, zero)
             else:
                 fulls = [shards[i] for i in members]
@@ -272,6 +292,68 @@ class Block:
             offset += p.length
             w = p.unpack(piece)
             out.append(w)
+        return out
+
+    # ---- weights that travel quantized ---------------------------------------------------
+    def _local_amax(self, i, shard):
+        """amax of each device's part of a weight: (*outer,) laid out like the buffer's
+        leading dimensions, without a collective."""
+        packed = self.packings[i].pack(tf.stop_gradient(shard))
+        return tf.reduce_max(tf.abs(tf.cast(packed, tf.float32)), axis=-1)
+
+    def _coded_scales(self, values):
+        """The quantization scale of every coded weight, and under current scaling its
+        amax: one all-reduce (max) per buffer, as FSDP2's float8 all-gather does."""
+        for (_, _, kind), members in self.groups.items():
+            if kind != "codes":
+                continue
+            codecs = [self.codecs[i] for i in members]
+            if any(c.needs_amax for c in codecs):
+                local = tf.stack([self._local_amax(i, values[i]) for i in members], -1)
+                amax = tf.reduce_max(local, axis=list(range(local.shape.rank - 1)))
+                for k, i in enumerate(members):
+                    self._amax[i] = amax[k]
+            for i, codec in zip(members, codecs):
+                self._scales[i] = tf.stop_gradient(codec.scale(self._amax.get(i)))
+
+    def _gather_coded(self, gathered, kept, members, shards, zero, first):
+        """Coded weights gathered as bytes, two per float16 carrier (see
+        a codec such as `tfllm.precision.fp8.WeightCodec`), and decoded on the device. The first gather
+        of a step also carries each device's amax (float32 as two carriers) where the
+        scale did not need it, so the history sees the whole weight's amax without a
+        collective of its own."""
+        codes, lengths = [], []
+        for i in members:
+            packed = self.packings[i].pack(shards[i])
+            codes.append(self.codecs[i].encode(packed, self._scales[i]))
+            lengths.append(self.packings[i].length)
+        codes = tf.concat(codes, axis=-1) if len(codes) > 1 else codes[0]
+        total = sum(lengths)
+        if total % 2:
+            codes = tf.pad(codes, [[0, 0]] * (codes.shape.rank - 1) + [[0, 1]])
+        parts = [fsdp.bytes_to_carriers(codes)]
+        carried = [i for i in members if first and i not in self._amax]
+        if carried:
+            amax = tf.stack([self._local_amax(i, shards[i]) for i in carried], -1)
+            parts.append(fsdp.float32_to_carriers(amax))
+        buf = tf.concat(parts, axis=-1) if len(parts) > 1 else parts[0]
+        axes = gathered + kept
+        if zero is not None:
+            buf = self._or_zero(buf, zero, axes)
+        full = dtensor.relayout(buf, self._layout((None,) * len(gathered) + kept + (None,)))
+        n_carriers = parts[0].shape[-1]
+        if carried:
+            per_device = fsdp.carriers_to_float32(full[..., n_carriers:])  # (*outer, n)
+            amax = tf.reduce_max(per_device, axis=list(range(per_device.shape.rank - 1)))
+            for k, i in enumerate(carried):
+                self._amax[i] = amax[k]
+        all_codes = fsdp.carriers_to_bytes(full[..., :n_carriers])
+        out, offset = [], 0
+        for i, length in zip(members, lengths):
+            piece = all_codes[..., offset:offset + length]
+            offset += length
+            w = self.codecs[i].decode(piece, self._scales[i], self.dtypes[i])
+            out.append(self.packings[i].unpack(w))
         return out
 
     def _broadcast(self, i, w):
@@ -428,6 +510,9 @@ def product(block: Block, var, equation: str, einsum, x, extra=()):
         return None
     pieces = block.pieces
     frozen = block.frozen[block.index[id(var)]]
+    amax = block.amax(var)
+    if amax is not None:  # the weight arrived quantized: its einsum takes the true amax
+        einsum = functools.partial(einsum, w_amax=amax)
 
     @tf.custom_gradient
     def op(x, wb, *extra):

@@ -168,6 +168,41 @@ def _gather(w, compute_layout, zero=None):
     return dtensor.relayout(w, compute_layout)
 
 
+def bytes_to_carriers(codes):
+    """(..., 2n) bytes (int32 0..255) -> (..., n) float16 carriers, two bytes each: the
+    collective gather (and NCCL) takes no 8-bit dtype, and copies a carrier bit for bit."""
+    shape = codes.shape.as_list()
+    pairs = tf.reshape(codes, shape[:-1] + [shape[-1] // 2, 2])
+    word = pairs[..., 0] + tf.bitwise.left_shift(pairs[..., 1], 8)
+    return tf.bitcast(tf.cast(word, tf.uint16), tf.float16)
+
+
+def carriers_to_bytes(carriers):
+    """Inverse of `bytes_to_carriers`."""
+    word = tf.cast(tf.bitcast(carriers, tf.uint16), tf.int32)
+    pairs = tf.stack([tf.bitwise.bitwise_and(word, 255), tf.bitwise.right_shift(word, 8)], -1)
+    shape = carriers.shape.as_list()
+    return tf.reshape(pairs, shape[:-1] + [2 * shape[-1]])
+
+
+def float32_to_carriers(x):
+    """(..., n) float32 -> (..., 2n) float16 carriers: low halves, then high halves.
+    (DTensor's layout rule for a Bitcast that changes the rank fails: every bitcast here
+    keeps the element width.)"""
+    bits = tf.bitcast(x, tf.int32)
+    halves = [tf.bitwise.bitwise_and(bits, 0xFFFF),
+              tf.bitwise.bitwise_and(tf.bitwise.right_shift(bits, 16), 0xFFFF)]
+    return tf.bitcast(tf.cast(tf.concat(halves, -1), tf.uint16), tf.float16)
+
+
+def carriers_to_float32(carriers):
+    """Inverse of `float32_to_carriers`."""
+    words = tf.cast(tf.bitcast(carriers, tf.uint16), tf.int32)
+    n = carriers.shape[-1] // 2
+    bits = tf.bitwise.bitwise_or(words[..., :n], tf.bitwise.left_shift(words[..., n:], 16))
+    return tf.bitcast(bits, tf.float32)
+
+
 def relayout_16bit(x, layout):
     """`dtensor.relayout(x, layout)` that moves a bfloat16 tensor as float16 bits.
 

@@ -16,7 +16,7 @@ sharded step exists to compile for a GPU, so a sharded mesh is planned as:
   algorithms (all-reduce 2(n-1)/n of the buffer, all-gather and reduce-scatter (n-1)/n of
   the gathered size), timed at the target's NVLink bandwidth with no overlap:
   data: all-reduce of the gradients; fsdp: all-gather of the weights in the compute dtype
-  forward and again backward, reduce-scatter of the float32 gradients; model: 4
+  (FP8 projections' kernels in one byte per value) forward and again backward, reduce-scatter of the float32 gradients; model: 4
   all-reduces of the (B, T, E) activations per layer (attention and MLP outputs forward,
   their input gradients backward). These are the layout's theoretical minimum; DTensor's
   real programs may move more (relayouts it inserts are not modelled).
@@ -141,11 +141,16 @@ def weight_units(config, shape) -> List[dict]:
     and the head are one block (a tied head gathers the embedding table again, per
     weight, inside it).
 
+    Frozen weights (LoRA's base kernels) travel in their block's gather but get no
+    gradient; FP8 projections' kernels travel as one byte per value where the policy
+    gathers them in FP8 (`precision.fp8_gather`, `tfllm.precision.fp8.WeightCodec`).
+
     Returns:
       [{"name", "gathered": elements of the unit's weights sharded over a batch axis, in
-        their compute layout (what its gather yields on one device), "reduced": elements
-        of all its trainable weights in their compute layout (its per-device partial
-        gradients, reduced as one float32 buffer)}].
+        their compute layout (what its gather yields on one device), "gathered_8bit": of
+        those, the elements that travel as FP8 bytes, "reduced": elements of all its
+        trainable weights in their compute layout (its per-device partial gradients,
+        reduced as one float32 buffer)}].
     """
     from tfllm.models import build_model
     model = build_model(config, allocate=False)
@@ -153,23 +158,33 @@ def weight_units(config, shape) -> List[dict]:
     batch_axes = rules_lib.activation_mesh_axes(rules)
     rows = {r.path: r for r in layout_rows(model, rules, shape)}
 
+    fp8_gather = config.precision.policy == "fp8"
+
     def unit(name, variables):
-        gathered = reduced = 0
+        gathered = gathered_8bit = reduced = 0
         for v in variables:
             r = rows[v.path]
             axes = _mesh_axes(r.spec)
             n = math.prod(r.shape) // math.prod(
                 shape.get(a, 1) for a in axes if a not in batch_axes)
-            reduced += n
+            if v.trainable:
+                reduced += n
             if any(a in batch_axes and shape.get(a, 1) > 1 for a in axes):
                 gathered += n
-        return {"name": name, "gathered": gathered, "reduced": reduced}
+                if fp8_gather and getattr(v, "gather_codec", None) is not None:
+                    gathered_8bit += n
+        return {"name": name, "gathered": gathered, "gathered_8bit": gathered_8bit,
+                "reduced": reduced}
+
+    def weights(layer):  # what `tfllm.parallel.context.block_weights` hands a block
+        return [v for v in layer.weights
+                if v.trainable or getattr(v, "kind", "fp8_state") != "fp8_state"]
 
     table = model.token_embedding.trainable_variables
     head = model.final_norm.trainable_variables + (
         table if model.lm_head is None else model.lm_head.trainable_variables)
     return ([unit("token_embedding", table)]
-            + [unit(b.name, b.trainable_variables) for b in model.blocks]
+            + [unit(b.name, weights(b)) for b in model.blocks]
             + [unit("final_norm + head", head)])
 
 
@@ -246,7 +261,9 @@ def apply_mesh(config, local, result: dict, target, mesh_note: str, devices=None
     result["batch_shards"] = ((config.train.global_batch_size * config.data.sequence_length)
                               // (local.train.global_batch_size * local.data.sequence_length))
     act = _ACT_BYTES.get(config.precision.policy, 4)
-    weights_per_device = sum(r.bytes_per_device for r in rows)  # float32 variables
+    # float32 trainable variables: what gradients reduce (not FP8 histories, nor LoRA's
+    # frozen kernels)
+    weights_per_device = sum(r.bytes_per_device for r in rows if r.optimizer_bytes_per_device)
     detail, sent = [], 0.0
     data, fsdp, tp = shape.get("data", 1), shape.get("fsdp", 1), shape.get("model", 1)
     if data > 1:
@@ -254,7 +271,11 @@ def apply_mesh(config, local, result: dict, target, mesh_note: str, devices=None
         sent += b
         detail.append(f"data: all-reduce grads {b / 1e9:.2f} GB")
     if fsdp > 1:
-        gathered = weights_per_device * fsdp * act / 4  # compute dtype, full over fsdp
+        # Each unit's gather yields its weights full over fsdp: in the compute dtype, FP8
+        # projections' kernels in one byte per value (`weight_units`).
+        units = buffers["units"] or weight_units(config, shape)
+        gathered = sum(act * (u["gathered"] - u["gathered_8bit"]) + u["gathered_8bit"]
+                       for u in units)
         b_ag = 2 * (fsdp - 1) / fsdp * gathered
         b_rs = (fsdp - 1) / fsdp * weights_per_device * fsdp
         sent += b_ag + b_rs

@@ -50,12 +50,14 @@ class Fp8Settings:
       history_length: amax history length (delayed scaling).
       margin: scale = fmax / (amax * 2**margin).
       exclude: layer-path substrings that stay in bf16 (e.g. "block_0/", "mlp/down").
+      gather: FSDP gathers the weights as E4M3 bytes (`WeightCodec`).
     """
 
     recipe: str = "delayed"
     history_length: int = 16
     margin: int = 0
     exclude: Sequence[str] = ()
+    gather: bool = True
 
     def for_layer(self, path: str) -> Optional["Fp8Settings"]:
         """These settings, or None when `path` is excluded from FP8."""
@@ -155,7 +157,8 @@ def roll_history(history, new_amax):
     return tf.concat([tf.reshape(new_amax, [1]), history[:-1]], axis=0)
 
 
-def fp8_einsum(equation: str, x, w, history_x, history_w, history_g, settings: Fp8Settings):
+def fp8_einsum(equation: str, x, w, history_x, history_w, history_g, settings: Fp8Settings,
+               w_amax=None):
     """einsum(equation, x, w) with E4M3 operands and E5M2 output gradients.
 
     Args:
@@ -163,6 +166,10 @@ def fp8_einsum(equation: str, x, w, history_x, history_w, history_g, settings: F
       x, w: the operands (any float dtype; the result has x's dtype).
       history_x, history_w, history_g: amax histories (float32, [history_length]).
       settings: the recipe.
+      w_amax: the weight's amax when `w` arrived already quantized (an FP8 gather,
+        `WeightCodec`): its values are FP8 values times 1/scale, so their own amax is
+        clipped at the format's maximum and would hide a weight that outgrew its
+        history; the gather carries the true one. None: amax(w).
 
     Returns:
       The product; its gradients w.r.t. the histories are their updated values.
@@ -172,7 +179,8 @@ def fp8_einsum(equation: str, x, w, history_x, history_w, history_g, settings: F
     @tf.custom_gradient
     def op(x, w, history_x, history_w, history_g):
         dtype = x.dtype
-        amax_x, amax_w = amax(x), amax(w)
+        amax_x = amax(x)
+        amax_w = amax(w) if w_amax is None else tf.cast(w_amax, tf.float32)
         if delayed:
             scale_x = scale_from_amax(tf.reduce_max(history_x), E4M3_MAX, settings.margin)
             scale_w = scale_from_amax(tf.reduce_max(history_w), E4M3_MAX, settings.margin)
@@ -220,3 +228,78 @@ def fp8_einsum(equation: str, x, w, history_x, history_w, history_g, settings: F
     # outside tf.function failed with "grad_fn must accept keyword argument
     # 'variables'"). In graphs the reads happen at the same point either way.
     return op(*(tf.convert_to_tensor(t) for t in (x, w, history_x, history_w, history_g)))
+
+
+# ---- FP8 weights on the wire ------------------------------------------------------------
+# TensorFlow's Bitcast takes no float8 dtype, so an E4M3 value's byte is computed: every
+# E4M3 value is exact in float32, its code is sign | exponent + 7 | 3 mantissa bits for
+# normals (|v| >= 2**-6) and m for the subnormals m * 2**-9; 0x7f is NaN (there is no
+# infinity in e4m3fn). FSDP moves two codes in one float16 carrier
+# (`tfllm.parallel.fsdp.bytes_to_carriers`), which collectives copy bit for bit.
+_E4M3_MIN_NORMAL = 2.0 ** -6
+
+
+def e4m3_codes(q):
+    """The byte (int32, 0..255) of each E4M3 value `q` (an E4M3 tensor)."""
+    v = tf.cast(q, tf.float32)
+    a = tf.abs(v)
+    bits = tf.bitcast(a, tf.int32)
+    exponent = tf.bitwise.right_shift(bits, 23) - 127
+    mantissa = tf.bitwise.bitwise_and(tf.bitwise.right_shift(bits, 20), 7)
+    normal = tf.bitwise.bitwise_or(tf.bitwise.left_shift(exponent + 7, 3), mantissa)
+    sub = tf.cast(a * 512.0, tf.int32)
+    code = tf.where(a >= _E4M3_MIN_NORMAL, normal, sub)
+    code = tf.where(tf.math.is_nan(v), tf.fill(tf.shape(code), 127), code)
+    sign = tf.bitwise.bitwise_and(tf.bitwise.right_shift(tf.bitcast(v, tf.int32), 31), 1)
+    return tf.bitwise.bitwise_or(code, tf.bitwise.left_shift(sign, 7))
+
+
+def e4m3_from_codes(codes):
+    """The E4M3 values (as float32, exact) of bytes made by `e4m3_codes`."""
+    c = tf.cast(codes, tf.int32)
+    exponent = tf.bitwise.bitwise_and(tf.bitwise.right_shift(c, 3), 15)
+    mantissa = tf.cast(tf.bitwise.bitwise_and(c, 7), tf.float32)
+    # (8 + m) * 2**(e - 10); 2**(e - 10) built from its float32 exponent bits, exactly.
+    power = tf.bitcast(tf.bitwise.left_shift(exponent + (127 - 10), 23), tf.float32)
+    v = tf.where(exponent == 0, mantissa * (2.0 ** -9), (8.0 + mantissa) * power)
+    v = tf.where(tf.bitwise.bitwise_and(c, 127) == 127, tf.fill(tf.shape(v), float("nan")), v)
+    return tf.where(tf.bitwise.bitwise_and(c, 128) > 0, -v, v)
+
+
+class WeightCodec:
+    """How an FP8 projection's weight travels through FSDP's gathers: as E4M3 bytes.
+
+    The weight is quantized on its shard, with the scale its `fp8_einsum` would use
+    (`scale`), so the gather moves one byte per value where a bfloat16 gather moves two.
+    `decode` gives the dequantized weight; the einsum quantizes it again with the same
+    scale, which is exact (the relative rounding of `dequantize`, at most 3 * 2**-9, is
+    far below half of E4M3's spacing, 2**-4), so its FP8 GEMMs are those of an ungathered
+    weight. Gradients pass straight through, as they do for the einsum's quantization.
+
+    Args:
+      settings: the projection's `Fp8Settings`.
+      history: its weight's amax history variable.
+    """
+
+    def __init__(self, settings: Fp8Settings, history):
+        self.settings, self.history = settings, history
+
+    @property
+    def needs_amax(self) -> bool:
+        """Whether the scale needs the weight's amax of this step (current scaling)."""
+        return self.settings.recipe != "delayed"
+
+    def scale(self, weight_amax=None):
+        """The weight's E4M3 scale: from its history (delayed) or `weight_amax`."""
+        if self.needs_amax:
+            return scale_from_amax(weight_amax, E4M3_MAX, self.settings.margin)
+        history = tf.convert_to_tensor(self.history)
+        return scale_from_amax(tf.reduce_max(history), E4M3_MAX, self.settings.margin)
+
+    def encode(self, w, scale):
+        """The bytes (int32 0..255) of `w` quantized to E4M3 with `scale`."""
+        return e4m3_codes(quantize(w, scale, E4M3, E4M3_MAX))
+
+    def decode(self, codes, scale, dtype):
+        """The dequantized weight in `dtype` (as `dequantize` gives it)."""
+        return dequantize(e4m3_from_codes(codes), scale, dtype)

@@ -31,7 +31,7 @@ def fp8_settings(precision_config) -> Optional[Fp8Settings]:
         return None
     c = precision_config
     return Fp8Settings(c.fp8_recipe, c.fp8_amax_history_length, c.fp8_margin,
-                       tuple(c.fp8_exclude))
+                       tuple(c.fp8_exclude), c.fp8_gather)
 
 
 def apply_matmul_precision(precision_config) -> None:

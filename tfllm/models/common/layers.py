@@ -130,11 +130,16 @@ class Projection(keras.layers.Layer):
             n = self.fp8.history_length
             self.fp8_history = [add_param(self, f"amax_history_{t}", (n,), (None,), ("zeros",),
                                           "fp8_state", trainable=False) for t in "xwg"]
+            if self.fp8.gather:  # FSDP gathers the kernel as E4M3 bytes (parallel.blocks)
+                from tfllm.precision.fp8 import WeightCodec
+                self.kernel.gather_codec = WeightCodec(self.fp8, self.fp8_history[1])
 
     def call(self, x):
         if self.fp8 is not None:
             from tfllm.precision.fp8 import fp8_einsum
-            einsum = lambda eq, x, w, *h: fp8_einsum(eq, x, w, *h, self.fp8)  # noqa: E731
+
+            def einsum(eq, x, w, *h, **kw):  # kw: w_amax of a weight gathered in FP8
+                return fp8_einsum(eq, x, w, *h, self.fp8, **kw)
             extra = tuple(self.fp8_history)
         else:
             einsum = lambda eq, x, w: tf.einsum(eq, x, w)  # noqa: E731
