@@ -5,6 +5,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
+from tfllm.precision import fp8
 from tfllm.precision.fp8 import (E4M3, E4M3_MAX, E5M2, E5M2_MAX, Fp8Settings, fp8_einsum,
                                  quantize, roll_history, scale_from_amax)
 
@@ -121,3 +122,39 @@ def test_variables_work_outside_tf_function():
 
 def test_roll_history():
     np.testing.assert_array_equal(roll_history(tf.constant([3.0, 2.0, 1.0]), 9.0), [9, 3, 2])
+
+
+def test_every_e4m3_value_travels_as_its_byte_and_back():
+    """FSDP's FP8 gathers move E4M3 bytes computed from values (TensorFlow's Bitcast takes
+    no FP8): every one of the 256 codes, both NaNs and -0 included, must come back."""
+    import ml_dtypes
+
+    from tfllm.parallel import fsdp
+    codes = np.arange(256, dtype=np.uint8)
+    values = codes.view(ml_dtypes.float8_e4m3fn).astype(np.float32)
+    q = tf.cast(tf.constant(values), fp8.E4M3)
+    got = fp8.e4m3_codes(q).numpy()
+    np.testing.assert_array_equal(got, codes.astype(np.int32))
+    back = fp8.e4m3_from_codes(got).numpy()
+    np.testing.assert_array_equal(back, values)  # NaN == NaN for assert_array_equal
+    np.testing.assert_array_equal(np.signbit(back), np.signbit(values))
+    carriers = fsdp.bytes_to_carriers(tf.constant(got.reshape(4, 64)))
+    assert carriers.dtype == tf.float16 and carriers.shape == (4, 32)
+    np.testing.assert_array_equal(fsdp.carriers_to_bytes(carriers).numpy().ravel(), got)
+    amax = tf.constant([[0.0, 1e-30, 3.5e38], [-2.0, float("inf"), 448.0]], tf.float32)
+    np.testing.assert_array_equal(
+        fsdp.carriers_to_float32(fsdp.float32_to_carriers(amax)).numpy(), amax.numpy())
+
+
+def test_a_weight_codec_round_trip_is_what_the_einsum_quantizes():
+    """Decoding a gathered weight and quantizing it again with the same scale gives the
+    same FP8 values (so FP8 gathers change bytes, not numbers)."""
+    settings = fp8.Fp8Settings(recipe="current")
+    codec = fp8.WeightCodec(settings, None)
+    w = tf.constant(np.random.default_rng(0).normal(0, 0.05, (64, 96)), tf.bfloat16)
+    scale = codec.scale(fp8.amax(w))
+    dequantized = codec.decode(codec.encode(w, scale), scale, tf.bfloat16)
+    direct = fp8.quantize(w, scale, fp8.E4M3, fp8.E4M3_MAX)
+    again = fp8.quantize(dequantized, scale, fp8.E4M3, fp8.E4M3_MAX)
+    np.testing.assert_array_equal(tf.cast(again, tf.float32).numpy(),
+                                  tf.cast(direct, tf.float32).numpy())
