@@ -139,10 +139,19 @@ def scales(config, tiny, shape) -> dict:
     # A block's weights travel and are reduced as one buffer (tfllm.parallel.blocks): its
     # sharded kernels together, its replicated norms apart (or with the kernels when
     # nothing is sharded); the final norm and head likewise.
+    # Under fp8 a block's projection kernels travel as bytes, two per 16-bit carrier
+    # (`precision.fp8_gather`): half the elements, and the forward gather carries each
+    # device's amax per kernel (2 carriers each).
+    fp8_gather = tiny.precision.policy == "fp8" and tiny.precision.fp8_gather
     for group in _block_groups(tiny_sizes):
         n = sum(tiny_sizes[p] for p in group)
         s = sum(real_sizes[p] for p in group) / n
         weights.setdefault(n, ("block", s))
+        if fp8_gather and all("norm" not in p for p in group):
+            half = (n + 1) // 2
+            weights.setdefault(half, ("block (FP8 bytes)", s))
+            weights.setdefault(half + 2 * len(group) * shape.get("fsdp", 1),
+                               ("block (FP8 bytes)", s))
     tokens = _micro_tokens(tiny, shape)
     token_scale = _micro_tokens(config, shape) / tokens
     hidden_scale = config.model.hidden_dim / tiny.model.hidden_dim
@@ -322,7 +331,7 @@ def _child(job_path: str) -> None:
     for layers, data in job["configs"].items():
         cfg = config_from_dict(data)
         tokens = SyntheticTokens(cfg.model.vocab_size, cfg.data.sequence_length + 1, seed=0)
-        parallel = make_parallel(cfg)
+        parallel = make_parallel(cfg.mesh, cfg.model, cfg.optimizer)
         jit = job.get("jit_compile", False)
         step = build_train_state(cfg, parallel, jit).step
         first = FirstCall(parallel, jit)  # what the step communicates, read from its call
