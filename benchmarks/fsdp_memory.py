@@ -64,7 +64,7 @@ def child(size: str, mesh: str, policy: str, out_path: str) -> None:
     values["precision.policy"] = policy
     values["mesh.axes"] = "data=1" if mesh == "none" else mesh
     cfg = load_config(None, [f"{k}={v}" for k, v in values.items()])
-    parallel = None if mesh == "none" else make_parallel(cfg)
+    parallel = None if mesh == "none" else make_parallel(cfg.mesh, cfg.model, cfg.optimizer)
     state = build_train_state(cfg, parallel, jit_compile=False)
     params = sum(int(v.shape.num_elements()) for v in state.model.trainable_variables)
     largest_weight = max(int(v.shape.num_elements()) for v in state.model.trainable_variables)

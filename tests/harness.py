@@ -152,7 +152,7 @@ def first_step_costs(axes, layers, policy="float32", family="llama", **extra):
     from tfllm.train.state import build_train_state
     cfg = tiny_config(family, axes, **{"precision.policy": policy,
                                        "model.num_layers": layers}, **extra)
-    parallel = make_parallel(cfg)
+    parallel = make_parallel(cfg.mesh, cfg.model, cfg.optimizer)
     state = build_train_state(cfg, parallel, jit_compile=False)
     data = SyntheticTokens(cfg.model.vocab_size, cfg.data.sequence_length + 1, seed=7)
     seen, report, first = [], costs.report_from_graphs, FirstCall(parallel, False)
@@ -228,7 +228,7 @@ def parity_run(family, axes, jit, extra=()):
     from tfllm.train.state import build_train_state
     single = axes is None
     cfg = parity_config(family, axes, extra)
-    parallel = None if single else make_parallel(cfg)
+    parallel = None if single else make_parallel(cfg.mesh, cfg.model, cfg.optimizer)
     state = build_train_state(cfg, parallel, jit)  # what `tfllm train` builds
     model, optimizer, step = state.model, state.optimizer, state.step
     data = SyntheticTokens(cfg.model.vocab_size, cfg.data.sequence_length + 1, seed=7)

@@ -20,7 +20,7 @@ def build_run(axes, train_steps=0, family="gpt", **extra):
     resume. The loss scale (replicated scalars) is included to cover int64/scalar state.
     """
     cfg = tiny_config(family, axes or "data=1", **extra)
-    parallel = None if axes is None else make_parallel(cfg)
+    parallel = None if axes is None else make_parallel(cfg.mesh, cfg.model, cfg.optimizer)
     state = build_train_state(cfg, parallel, jit_compile=False)
     model, optimizer, step = state.model, state.optimizer, state.step
     loss_scale = DynamicLossScale(2.0 ** 10, 100, parallel)

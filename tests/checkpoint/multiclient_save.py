@@ -62,7 +62,7 @@ def main(directory: str, overrides_json: str) -> None:
     from tfllm.config import load_config
     from tfllm.parallel import make_parallel
     overrides = json.loads(overrides_json)
-    parallel = make_parallel(load_config(None, overrides))
+    parallel = make_parallel(load_config(None, overrides).mesh)
     variables = build_state(overrides, parallel)
     fill_reference(variables)
     ckpt = Checkpointer(directory, parallel)

@@ -36,7 +36,7 @@ def test_two_client_save_restores_in_one_process(tmp_path_factory, target_axes):
     from tfllm.config import load_config
     from tfllm.parallel import make_parallel
     overrides = tiny_overrides("gpt", target_axes)
-    parallel = make_parallel(load_config(None, overrides))
+    parallel = make_parallel(load_config(None, overrides).mesh)
     variables = build_state(overrides, parallel)
     metadata = Checkpointer(str(directory), parallel).restore_latest(variables)
     assert metadata == {"note": "multiclient", "step": 7}

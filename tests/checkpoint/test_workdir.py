@@ -30,6 +30,11 @@ def _config(**extra):
     return tiny_config("gpt", **extra)
 
 
+def _settings(**extra):
+    """The settings `check_workdir` compares: the tiny config as a checkpoint saves it."""
+    return to_dict(_config(**extra))
+
+
 
 def _dead_run(workdir, marker=True):
     """The outputs of a run that died before its first checkpoint."""
@@ -51,9 +56,9 @@ def test_a_missing_or_empty_workdir_starts_and_gets_the_marker_first(tmp_path):
     for workdir in (tmp_path / "new", tmp_path / "empty"):
         if workdir.name == "empty":
             workdir.mkdir()
-        state = check_workdir(str(workdir), _config())
+        state = check_workdir(str(workdir), _settings())
         assert not state.has_checkpoint and not state.dead_run
-        start_run(state, _config())
+        start_run(state, _config().data)
         assert os.listdir(workdir) == [MARKER]
         assert read_marker(str(workdir))["kind"] == "train"
 
@@ -62,7 +67,7 @@ def test_a_marker_being_written_by_client_0_is_not_refused_by_the_others(tmp_pat
     # Every client checks the workdir; client 0 may be writing the marker (to .part, then
     # renamed) while another looks.
     (tmp_path / (MARKER + ".part")).write_text("{")
-    assert not check_workdir(str(tmp_path), _config()).dead_run
+    assert not check_workdir(str(tmp_path), _settings()).dead_run
 
 
 def test_logs_and_xla_cache_written_before_the_run_are_allowed(tmp_path):
@@ -71,8 +76,8 @@ def test_logs_and_xla_cache_written_before_the_run_are_allowed(tmp_path):
     (tmp_path / "logs").mkdir()
     (tmp_path / "logs" / "rank_0.log").write_text("started")
     (tmp_path / "xla_cache" / "client_0" / "autotune").mkdir(parents=True)
-    state = check_workdir(str(tmp_path), _config())
-    start_run(state, _config())
+    state = check_workdir(str(tmp_path), _settings())
+    start_run(state, _config().data)
     assert sorted(os.listdir(tmp_path)) == [MARKER, "logs", "xla_cache"]
     assert (tmp_path / "logs" / "rank_0.log").read_text() == "started"
 
@@ -89,7 +94,7 @@ def test_files_tfllm_did_not_write_are_refused_and_kept(tmp_path, names):
     before = snapshot_tree(tmp_path)
     foreign = [n + "/" if n == "data" else n for n in names if n != "config.yaml"]
     with pytest.raises(WorkdirError) as e:
-        check_workdir(str(tmp_path), _config())
+        check_workdir(str(tmp_path), _settings())
     message = str(e.value)
     assert "\n" not in message and "tfllm never deletes files it did not write" in message
     assert f"holds {', '.join(foreign)}, which tfllm did not write" in message
@@ -106,7 +111,7 @@ def test_tfllm_named_files_without_the_marker_are_refused_and_kept(tmp_path):
     before = snapshot_tree(tmp_path)
     with pytest.raises(WorkdirError, match=r"holds config.yaml, metrics.jsonl, tensorboard/ "
                                            rf"without the {MARKER} marker of a tfllm run"):
-        check_workdir(str(tmp_path), _config())
+        check_workdir(str(tmp_path), _settings())
     assert snapshot_tree(tmp_path) == before
 
 
@@ -116,16 +121,16 @@ def test_a_link_is_never_tfllms_to_clear(tmp_path):
     os.rename(tmp_path / "run" / "tensorboard", tmp_path / "tb")
     os.symlink(tmp_path / "mine", tmp_path / "run" / "tensorboard")
     with pytest.raises(WorkdirError, match="tensorboard/, which tfllm did not write"):
-        check_workdir(str(tmp_path / "run"), _config())
+        check_workdir(str(tmp_path / "run"), _settings())
 
 
 def test_a_dead_run_with_its_marker_is_cleared_of_its_own_outputs_only(tmp_path):
     _dead_run(tmp_path)
     (tmp_path / "logs").mkdir()
-    state = check_workdir(str(tmp_path), _config())
+    state = check_workdir(str(tmp_path), _settings())
     assert state.dead_run and not state.has_checkpoint
     old = read_marker(str(tmp_path))
-    start_run(state, _config())
+    start_run(state, _config().data)
     # checkpoints/ stays: the checkpointer removes interrupted saves itself.
     assert sorted(os.listdir(tmp_path)) == [MARKER, "checkpoints", "logs"]
     assert read_marker(str(tmp_path))["run_id"] != old.get("run_id")
@@ -135,7 +140,7 @@ def test_a_tokenizer_the_config_names_inside_the_workdir_is_kept(tmp_path):
     _dead_run(tmp_path)
     cfg = _config(**{"data.source": "text", "data.paths": '["x.txt"]', "data.tokenizer": "file",
                      "data.tokenizer_path": str(tmp_path / "tokenizer" / "tokenizer.model")})
-    start_run(check_workdir(str(tmp_path), cfg), cfg)
+    start_run(check_workdir(str(tmp_path), to_dict(cfg)), cfg.data)
     assert (tmp_path / "tokenizer" / "tokenizer.model").exists()
     assert not (tmp_path / "metrics.jsonl").exists()
 
@@ -143,13 +148,13 @@ def test_a_tokenizer_the_config_names_inside_the_workdir_is_kept(tmp_path):
 def test_a_marker_that_is_not_a_file_is_not_tfllms(tmp_path):
     (tmp_path / MARKER).mkdir()
     with pytest.raises(WorkdirError, match=rf"holds {MARKER}/, which tfllm did not write"):
-        check_workdir(str(tmp_path), _config())
+        check_workdir(str(tmp_path), _settings())
 
 
 def test_a_file_is_not_a_workdir(tmp_path):
     (tmp_path / "f").write_text("mine")
     with pytest.raises(WorkdirError, match="is a file, not a directory"):
-        check_workdir(str(tmp_path / "f"), _config())
+        check_workdir(str(tmp_path / "f"), _settings())
 
 
 # ---- a workdir with a checkpoint: the run's identity ----------------------------------------
@@ -167,10 +172,10 @@ def test_a_resume_is_compared_with_the_checkpoints_own_config(tmp_path, override
     saved = _config()
     _checkpoint(tmp_path, saved)
     # No config.yaml (deleted): the checkpoint's metadata still holds the run's settings.
-    check_workdir(str(tmp_path), saved)  # the same settings resume
-    check_workdir(str(tmp_path), _config(**{"train.steps": 99, "mesh.axes": "data=2"}))
+    check_workdir(str(tmp_path), to_dict(saved))  # the same settings resume
+    check_workdir(str(tmp_path), _settings(**{"train.steps": 99, "mesh.axes": "data=2"}))
     with pytest.raises(WorkdirError) as e:
-        check_workdir(str(tmp_path), tiny_config("gpt", **dict([override.split("=", 1)])))
+        check_workdir(str(tmp_path), _settings(**dict([override.split("=", 1)])))
     message = str(e.value)
     assert f"{tmp_path} holds a different run ({key}:" in message and "\n" not in message
     assert "step_00000002/metadata.json" in message and "config.yaml being missing" in message
@@ -180,12 +185,12 @@ def test_a_resumed_run_deletes_nothing_and_gets_a_marker_if_it_had_none(tmp_path
     _checkpoint(tmp_path, _config())
     (tmp_path / "notes.txt").write_text("mine")
     (tmp_path / "metrics.jsonl").write_text("{}\n")
-    state = check_workdir(str(tmp_path), _config())
-    start_run(state, _config())
+    state = check_workdir(str(tmp_path), _settings())
+    start_run(state, _config().data)
     assert sorted(os.listdir(tmp_path)) == [MARKER, "checkpoints", "metrics.jsonl",
                                             "notes.txt"]
     marker = read_marker(str(tmp_path))
-    start_run(check_workdir(str(tmp_path), _config()), _config())
+    start_run(check_workdir(str(tmp_path), _settings()), _config().data)
     assert read_marker(str(tmp_path)) == marker  # a run's identity is kept on resume
 
 
@@ -199,11 +204,11 @@ def test_the_checkpoint_gives_back_the_runs_config(tmp_path):
 def test_an_imported_checkpoint_fixes_only_the_model(tmp_path):
     saved = _config()
     _checkpoint(tmp_path, saved, step=0, imported={"preset": "p"})
-    state = check_workdir(str(tmp_path), _config(**{"optimizer.learning_rate": 0.5}))
+    state = check_workdir(str(tmp_path), _settings(**{"optimizer.learning_rate": 0.5}))
     assert state.imported
     with pytest.raises(WorkdirError, match="model.hidden_dim"):
-        check_workdir(str(tmp_path), _config(**{"model.hidden_dim": 32,
-                                                "model.num_query_heads": 4}))
+        check_workdir(str(tmp_path), _settings(**{"model.hidden_dim": 32,
+                                                  "model.num_query_heads": 4}))
 
 
 def _sentencepiece(module):
@@ -218,7 +223,7 @@ def test_a_replaced_tokenizer_of_the_same_size_is_noticed(tmp_path):
     ours, other = _sentencepiece(json_module), _sentencepiece(shutil)
     assert other.vocab_size == ours.vocab_size == 200
     _checkpoint(tmp_path, _config(), tokenizer=tokenizer_fingerprint(ours))
-    state = check_workdir(str(tmp_path), _config())
+    state = check_workdir(str(tmp_path), _settings())
     check_tokenizer(state, ours)
     for replaced in (other, ByteTokenizer(), None):
         with pytest.raises(WorkdirError, match="the tokenizer differs from the one the run "

@@ -203,7 +203,7 @@ def test_train_on_fsdp_reports_per_weight_gathers(tmp_path):
     train(cfg, str(tmp_path / "run"), out=out)
     saved = json.loads((tmp_path / "run" / "costs.json").read_text())
     from tfllm.models import build_model
-    model = build_model(cfg, make_parallel(cfg))
+    model = build_model(cfg, make_parallel(cfg.mesh, cfg.model, cfg.optimizer))
     sharded = _sharded_elements(model)
     assert sharded == count_params(model) - 5 * cfg.model.hidden_dim  # all but the norms
     block = sum(int(np.prod(v.shape)) for v in model.blocks[0].trainable_variables)
@@ -227,7 +227,7 @@ def test_train_on_fsdp_reports_per_weight_gathers(tmp_path):
 
 def _first_step(axes, jit, **extra):
     cfg = tiny_config("llama", axes or "data=1", **extra)
-    parallel = None if axes is None else make_parallel(cfg)
+    parallel = None if axes is None else make_parallel(cfg.mesh, cfg.model, cfg.optimizer)
     step = build_train_state(cfg, parallel, jit).step
     data = SyntheticTokens(cfg.model.vocab_size, cfg.data.sequence_length + 1, seed=3)
     first = FirstCall(parallel, jit)  # the first step's report

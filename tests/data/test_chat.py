@@ -33,6 +33,14 @@ def chat_config(loss_on="assistant", fmt="messages", paths=(EXAMPLE,), length=25
     return config
 
 
+def chat_batches(config, split, **kwargs):
+    """`Batches` of a `chat_config`, in a run's geometry: all its rows, byte tokens."""
+    t = config.train
+    return Batches(config.data, ByteTokenizer(), split, micro_batches=t.grad_accum_steps,
+                   micro_batch_rows=t.global_batch_size // t.grad_accum_steps,
+                   loss_on=t.loss_on, **kwargs)
+
+
 def trained_runs(tokens, mask):
     """The trained text of a byte-tokenized sample, one string per run of trained tokens."""
     runs, current = [], []
@@ -206,7 +214,7 @@ def test_best_fit_decreasing():
 
 def test_packed_rows_hold_whole_samples_with_no_label_across_them():
     config = chat_config()
-    batch = next(Batches(config, ByteTokenizer(), "train"))
+    batch = next(chat_batches(config, "train"))
     tokens, segments, mask = (batch[k][0] for k in ("tokens", "segment_ids", "loss_mask"))
     assert tokens.shape == segments.shape == mask.shape == (4, 257)
     template = ChatTemplate(open(CHATML).read())
@@ -225,17 +233,18 @@ def test_packed_rows_hold_whole_samples_with_no_label_across_them():
 
 def test_state_restores_exactly_and_epochs_reshuffle(tmp_path):
     config = chat_config(rows=2, accum=2)
-    first = Batches(config, ByteTokenizer(), "train")
+    first = chat_batches(config, "train")
     for _ in range(3):
         next(first)
     first.save_state(str(tmp_path / "it"))
     expected = [next(first) for _ in range(30)]  # crosses several epochs of each stream
-    again = Batches(config, ByteTokenizer(), "train")
+    again = chat_batches(config, "train")
     again.restore_state(str(tmp_path / "it"))
     for want in expected:
         got = next(again)
         assert all(np.array_equal(got[k], want[k]) for k in want)
-    stream = PackedStream(prepare_samples(config, ByteTokenizer(), "train")[::4], 257, seed=7)
+    samples = prepare_samples(config.data, ByteTokenizer(), "train", config.train.loss_on)
+    stream = PackedStream(samples[::4], 257, seed=7)
     epoch0 = [r[0].tolist() for r in (next(stream) for _ in range(len(stream.epoch_bins(0))))]
     stream.position = 0
     assert [next(stream)[0].tolist() for _ in epoch0] == epoch0
@@ -245,9 +254,9 @@ def test_state_restores_exactly_and_epochs_reshuffle(tmp_path):
 
 def test_validation_reads_once_then_stops():
     config = chat_config(rows=2)
-    batches = list(Batches(config, ByteTokenizer(), "validation"))
+    batches = list(chat_batches(config, "validation"))
     trained = sum(int(b["loss_mask"].sum()) for b in batches)
     assert batches and trained > 0
     assert (batches[-1]["segment_ids"] >= 0).all()
-    padded = list(Batches(config, ByteTokenizer(), "validation", max_batches=len(batches) + 2))
+    padded = list(chat_batches(config, "validation", max_batches=len(batches) + 2))
     assert not padded[-1]["loss_mask"].any()

@@ -78,8 +78,8 @@ def test_corpus_source_through_batches(tmp_path):
 
     cfg = schema.Config()
     cfg.data.data_dir, cfg.data.shuffle_buffer = str(tmp_path), 8
-    batch = next(Batches(cfg, ByteTokenizer(), micro_batches=1, micro_batch_rows=2))
+    batch = next(Batches(cfg.data, ByteTokenizer(), micro_batches=1, micro_batch_rows=2))
     assert batch["tokens"].shape == (1, 2, cfg.data.sequence_length + 1) and batch["segment_ids"].min() >= 1
-    val = next(Batches(cfg, ByteTokenizer(), "validation", micro_batches=1,
+    val = next(Batches(cfg.data, ByteTokenizer(), "validation", micro_batches=1,
                        micro_batch_rows=2))
     assert val["segment_ids"][0, :, 0].tolist() == [1, 1]

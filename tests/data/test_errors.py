@@ -11,7 +11,7 @@ from tfllm.data.tokenizer import ByteTokenizer
 
 
 def _first(cfg):
-    return next(iterate_documents(cfg, "train"))
+    return next(iterate_documents(cfg.data, "train"))
 
 
 def test_glob_matching_nothing(tmp_path):
@@ -60,4 +60,4 @@ def test_unknown_tfds_name_suggests_close_names():
 def test_fewer_documents_than_rows(tmp_path):
     cfg = text_config(tmp_path, num_docs=3)
     with pytest.raises(DataError, match="needs at least that many documents"):
-        next(Batches(cfg, ByteTokenizer(), micro_batches=1, micro_batch_rows=4))
+        next(Batches(cfg.data, ByteTokenizer(), micro_batches=1, micro_batch_rows=4))

@@ -34,7 +34,7 @@ def _reference_rows(docs, tokenizer, length):
 
 def test_packing_matches_concatenated_documents(text_cfg):
     """Validation (unshuffled, one stream) = all eval docs + EOD, cut into rows."""
-    batches = Batches(text_cfg, BYTES, split="validation", micro_batches=1,
+    batches = Batches(text_cfg.data, BYTES, split="validation", micro_batches=1,
                       micro_batch_rows=1)
     got = [(b["tokens"][0, 0].tolist(), b["segment_ids"][0, 0].tolist()) for b in batches]
     docs = make_docs(6, 1)
@@ -46,7 +46,7 @@ def test_packing_matches_concatenated_documents(text_cfg):
 def test_training_rows_are_whole_documents_in_order_of_a_shuffle(text_cfg):
     """Train rows: every token is a doc's token, each doc is followed by EOD, no padding."""
     text_cfg.data.sequence_length = 255
-    batch = next(Batches(text_cfg, BYTES, micro_batches=1, micro_batch_rows=1))
+    batch = next(Batches(text_cfg.data, BYTES, micro_batches=1, micro_batch_rows=1))
     tokens, seg = batch["tokens"][0, 0], batch["segment_ids"][0, 0]
     assert tokens.shape == (256,) and tokens.dtype == np.int32 and seg.min() >= 1
     eod = np.flatnonzero(tokens == BYTES.eod_id)
@@ -60,10 +60,10 @@ def test_training_rows_are_whole_documents_in_order_of_a_shuffle(text_cfg):
 def test_same_seed_same_batches_other_seed_other_batches(tmp_path):
     cfg = text_config(tmp_path)
     kw = dict(micro_batches=1, micro_batch_rows=2)
-    a = _take(Batches(cfg, BYTES, **kw), 12)
-    b = _take(Batches(cfg, BYTES, **kw), 12)
+    a = _take(Batches(cfg.data, BYTES, **kw), 12)
+    b = _take(Batches(cfg.data, BYTES, **kw), 12)
     cfg.data.seed += 1
-    c = _take(Batches(cfg, BYTES, **kw), 12)
+    c = _take(Batches(cfg.data, BYTES, **kw), 12)
     stack = lambda bs: np.stack([x["tokens"] for x in bs])  # noqa: E731
     np.testing.assert_array_equal(stack(a), stack(b))
     assert not np.array_equal(stack(a), stack(c))
@@ -74,9 +74,9 @@ def test_same_seed_same_batches_other_seed_other_batches(tmp_path):
 def test_clients_together_get_what_one_client_gets(text_cfg, split):
     """2 and 4 clients holding disjoint rows reproduce the single-client batches."""
     kw = dict(split=split, micro_batches=2, micro_batch_rows=4, max_batches=4)
-    whole = _take(Batches(text_cfg, BYTES, **kw), 4)
+    whole = _take(Batches(text_cfg.data, BYTES, **kw), 4)
     for parts in ([[0, 1], [2, 3]], [[0, 1, 2], [3]]):
-        clients = [_take(Batches(text_cfg, BYTES, rows=rows, **kw), 4) for rows in parts]
+        clients = [_take(Batches(text_cfg.data, BYTES, rows=rows, **kw), 4) for rows in parts]
         for step in range(4):
             for key in ("tokens", "segment_ids"):
                 joined = np.concatenate([c[step][key] for c in clients], axis=1)
@@ -87,11 +87,11 @@ def test_clients_together_get_what_one_client_gets(text_cfg, split):
 def test_save_restore_is_exact_across_epochs(text_cfg, tmp_path):
     """After restore, batches equal the uninterrupted run's, past an epoch boundary."""
     kw = dict(micro_batches=1, micro_batch_rows=2)
-    reference = _take(Batches(text_cfg, BYTES, **kw), 30)
-    first = Batches(text_cfg, BYTES, **kw)
+    reference = _take(Batches(text_cfg.data, BYTES, **kw), 30)
+    first = Batches(text_cfg.data, BYTES, **kw)
     _take(first, 11)
     first.save_state(str(tmp_path / "state" / "client0"))
-    resumed = Batches(text_cfg, BYTES, **kw)
+    resumed = Batches(text_cfg.data, BYTES, **kw)
     resumed.restore_state(str(tmp_path / "state" / "client0"))
     for want, got in zip(reference[11:], _take(resumed, 19)):
         np.testing.assert_array_equal(want["tokens"], got["tokens"])
@@ -99,10 +99,10 @@ def test_save_restore_is_exact_across_epochs(text_cfg, tmp_path):
 
 
 def test_validation_max_batches_pads_and_stops(text_cfg):
-    batches = list(Batches(text_cfg, BYTES, split="validation", micro_batches=1,
+    batches = list(Batches(text_cfg.data, BYTES, split="validation", micro_batches=1,
                            micro_batch_rows=2, max_batches=40))
     assert len(batches) == 40 and batches[-1]["segment_ids"].max() == 0
-    unbounded = list(Batches(text_cfg, BYTES, split="validation", micro_batches=1,
+    unbounded = list(Batches(text_cfg.data, BYTES, split="validation", micro_batches=1,
                              micro_batch_rows=2))
     assert 0 < len(unbounded) < 40 and unbounded[-1]["segment_ids"].max() > 0
 
@@ -111,8 +111,8 @@ def test_holdout_without_eval_paths_never_overlaps(text_cfg):
     text_cfg.data.eval_paths = []
     text_cfg.data.validation_fraction = 0.3
     from tfllm.data.sources import iterate_documents
-    train, val = list(iterate_documents(text_cfg, "train")), list(
-        iterate_documents(text_cfg, "validation"))
+    train, val = list(iterate_documents(text_cfg.data, "train")), list(
+        iterate_documents(text_cfg.data, "validation"))
     assert val and train and not set(train) & set(val)
     assert sorted(train + val) == sorted(make_docs(24))
 
@@ -122,7 +122,7 @@ def test_separator_splits_a_file_into_documents(tmp_path):
     (tmp_path / "one.txt").write_text("first doc\n<|endoftext|>\nsecond doc\n")
     cfg.data.paths = [str(tmp_path / "one.txt")]
     from tfllm.data.sources import iterate_documents
-    assert list(iterate_documents(cfg, "train")) == ["first doc\n", "\nsecond doc\n"]
+    assert list(iterate_documents(cfg.data, "train")) == ["first doc\n", "\nsecond doc\n"]
 
 
 def test_tfrecord_source(tmp_path):
@@ -135,7 +135,7 @@ def test_tfrecord_source(tmp_path):
                 feature={"body": feat})).SerializeToString())
     cfg.data.source, cfg.data.paths, cfg.data.text_key = "tfrecord", [path], "body"
     cfg.data.eval_paths = [path]
-    batches = list(Batches(cfg, BYTES, split="validation", micro_batches=1,
+    batches = list(Batches(cfg.data, BYTES, split="validation", micro_batches=1,
                            micro_batch_rows=1))
     assert [(b["tokens"][0, 0].tolist(), b["segment_ids"][0, 0].tolist())
             for b in batches] == _reference_rows(make_docs(8), BYTES, 16)
@@ -144,8 +144,9 @@ def test_tfrecord_source(tmp_path):
 def test_synthetic_source_through_batches():
     cfg = schema.Config()
     cfg.data.source, cfg.model.vocab_size, cfg.data.sequence_length = "synthetic", 50, 9
-    whole = next(Batches(cfg, micro_batches=2, micro_batch_rows=4))
-    half = next(Batches(cfg, rows=[2, 3], micro_batches=2, micro_batch_rows=4))
+    kw = dict(micro_batches=2, micro_batch_rows=4, vocab_size=cfg.model.vocab_size)
+    whole = next(Batches(cfg.data, **kw))
+    half = next(Batches(cfg.data, rows=[2, 3], **kw))
     assert whole["tokens"].shape == (2, 4, 10) and (whole["segment_ids"] == 1).all()
     np.testing.assert_array_equal(half["tokens"], whole["tokens"][:, 2:])
 
@@ -153,8 +154,8 @@ def test_synthetic_source_through_batches():
 def test_eval_paths_mean_no_holdout_from_paths(text_cfg):
     from tfllm.data.sources import iterate_documents
     text_cfg.data.validation_fraction = 0.5
-    assert sorted(iterate_documents(text_cfg, "train")) == sorted(make_docs(24))
-    assert sorted(iterate_documents(text_cfg, "validation")) == sorted(make_docs(6, 1))
+    assert sorted(iterate_documents(text_cfg.data, "train")) == sorted(make_docs(24))
+    assert sorted(iterate_documents(text_cfg.data, "validation")) == sorted(make_docs(6, 1))
 
 
 @pytest.mark.slow
@@ -171,11 +172,13 @@ def test_one_large_text_file_spreads_over_every_row(tmp_path):
                              "data.tokenizer=byte", "model.vocab_size=257",
                              "data.validation_fraction=0.1", "data.sequence_length=16",
                              "train.global_batch_size=16"])
-    pieces = list(iterate_documents(cfg, "train")) + list(iterate_documents(cfg, "validation"))
+    pieces = (list(iterate_documents(cfg.data, "train"))
+              + list(iterate_documents(cfg.data, "validation")))
     assert len(pieces) == 40 and sorted(pieces) == sorted(
         "".join(f"line {i} of the only document\n" for i in range(64 * k, 64 * k + 64))
         for k in range(40))
-    batch = next(Batches(cfg, ByteTokenizer(), "train"))
+    geometry = dict(micro_batches=1, micro_batch_rows=16)  # the config's global batch of 16
+    batch = next(Batches(cfg.data, ByteTokenizer(), "train", **geometry))
     assert batch["tokens"].shape == (1, 16, 17)
     eod = ByteTokenizer().eod_id
     # EOD only at the very end of the document (the piece holding line 2559).
@@ -184,4 +187,4 @@ def test_one_large_text_file_spreads_over_every_row(tmp_path):
         for row in tokens[0]:
             for i in np.flatnonzero(row == eod):
                 assert bytes(row[max(0, i - 9):i].tolist()).endswith(b"document\n")
-        batch = next(Batches(cfg, ByteTokenizer(), "train"))
+        batch = next(Batches(cfg.data, ByteTokenizer(), "train", **geometry))

@@ -43,26 +43,27 @@ def test_sentencepiece_is_deterministic_and_keeps_layout(tiny_proto):
 def test_load_tokenizer_trains_once_then_reuses(tmp_path, monkeypatch):
     cfg = text_config(tmp_path)
     cfg.data.tokenizer, cfg.model.vocab_size = "sentencepiece", 96
-    first = tok.load_tokenizer(cfg, str(tmp_path / "run1"))
+    vocab = cfg.model.vocab_size
+    first = tok.load_tokenizer(cfg.data, vocab, str(tmp_path / "run1"))
     assert (tmp_path / "run1" / "tokenizer" / "tokenizer.model").exists()
 
     def no_training(*args, **kwargs):
         raise AssertionError("retrained although cached")
     monkeypatch.setattr(tok, "train_sentencepiece", no_training)
-    again = tok.load_tokenizer(cfg, str(tmp_path / "run2"))  # from the data_dir cache
-    resumed = tok.load_tokenizer(cfg, str(tmp_path / "run1"))  # from the workdir
+    again = tok.load_tokenizer(cfg.data, vocab, str(tmp_path / "run2"))  # from the data_dir cache
+    resumed = tok.load_tokenizer(cfg.data, vocab, str(tmp_path / "run1"))  # from the workdir
     assert again.encode(CODE) == first.encode(CODE) == resumed.encode(CODE)
     # The pipeline runs on it, and a trained model beats the unigram baseline's ceiling.
-    batches = Batches(cfg, first, micro_batches=1, micro_batch_rows=2)
+    batches = Batches(cfg.data, first, micro_batches=1, micro_batch_rows=2)
     assert next(batches)["tokens"].max() < 96
     # Iterator state with a tokenizer op inside tf.data restores exactly too.
     batches.save_state(str(tmp_path / "state"))
     want = [next(batches)["tokens"] for _ in range(3)]
-    resumed = Batches(cfg, again, micro_batches=1, micro_batch_rows=2)
+    resumed = Batches(cfg.data, again, micro_batches=1, micro_batch_rows=2)
     resumed.restore_state(str(tmp_path / "state"))
     np.testing.assert_array_equal(np.stack(want), np.stack([next(resumed)["tokens"]
                                                             for _ in range(3)]))
-    loss = unigram_loss(cfg, first)
+    loss = unigram_loss(cfg.data, first)
     assert 0 < loss < np.log(96)
 
 
@@ -71,17 +72,17 @@ def test_tokenizer_file_and_its_errors(tmp_path, tiny_proto):
     path = tmp_path / "user.model"
     path.write_bytes(tiny_proto[1])
     cfg.data.tokenizer, cfg.data.tokenizer_path = "file", str(path)
-    assert tok.load_tokenizer(cfg).vocab_size <= 96
+    assert tok.load_tokenizer(cfg.data, cfg.model.vocab_size).vocab_size <= 96
     cfg.model.vocab_size = 50
     with pytest.raises(DataError, match=r"data.tokenizer_path=.*model.vocab_size is 50.*set "
                                         r"model.vocab_size >= "):
-        tok.load_tokenizer(cfg)
+        tok.load_tokenizer(cfg.data, cfg.model.vocab_size)
     cfg.data.tokenizer_path = str(tmp_path / "missing.model")
     with pytest.raises(DataError, match="missing.model: no such file"):
-        tok.load_tokenizer(cfg)
+        tok.load_tokenizer(cfg.data, cfg.model.vocab_size)
     cfg.data.tokenizer, cfg.model.vocab_size = "byte", 128
     with pytest.raises(DataError, match="data.tokenizer=byte has 257 tokens"):
-        tok.load_tokenizer(cfg)
+        tok.load_tokenizer(cfg.data, cfg.model.vocab_size)
 
 
 def test_a_broken_tokenizer_file_or_folder_is_one_line(tmp_path):
@@ -91,14 +92,14 @@ def test_a_broken_tokenizer_file_or_folder_is_one_line(tmp_path):
     run_model.write_bytes(b"not a sentencepiece model")
     cfg.data.tokenizer = "sentencepiece"
     with pytest.raises(DataError) as e:  # the run's own (WORKDIR) tokenizer
-        tok.load_tokenizer(cfg, str(tmp_path / "run"))
+        tok.load_tokenizer(cfg.data, cfg.model.vocab_size, str(tmp_path / "run"))
     assert str(e.value).startswith(f"{run_model}: not a readable SentencePiece model")
     assert "\n" not in str(e.value)
     (tmp_path / "folder").mkdir()
     (tmp_path / "folder" / "readme.txt").write_text("not a preset")
     cfg.data.tokenizer, cfg.data.tokenizer_path = "file", str(tmp_path / "folder")
     with pytest.raises(DataError) as e:
-        tok.load_tokenizer(cfg)
+        tok.load_tokenizer(cfg.data, cfg.model.vocab_size)
     assert str(e.value).startswith(f"data.tokenizer_path={tmp_path / 'folder'}: keras-hub "
                                    "cannot load a tokenizer")
     assert "\n" not in str(e.value)

@@ -27,7 +27,7 @@ def generator(family, axes=None, jit_compile=True):
     # window or cache shows.
     extra = {"model.tie_embeddings": False} if family == "gemma3" else {}
     cfg = tiny_config(family, axes or "data=1", **INIT, **extra)
-    parallel = make_parallel(cfg) if axes else None
+    parallel = make_parallel(cfg.mesh, cfg.model, cfg.optimizer) if axes else None
     return Generator(build_model(cfg, parallel), parallel, jit_compile=jit_compile)
 
 

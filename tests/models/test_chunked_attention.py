@@ -84,7 +84,7 @@ def test_chunked_training_on_a_split_sequence_matches_single_device():
 
 def _hybrid_model(chunk):
     cfg = tiny_config("llama", HYBRID, **{"model.attention_chunk": chunk})
-    parallel = make_parallel(cfg)
+    parallel = make_parallel(cfg.mesh, cfg.model, cfg.optimizer)
     return build_model(cfg, parallel), parallel
 
 

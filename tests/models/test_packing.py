@@ -68,7 +68,7 @@ def test_cached_forward_equals_full_forward(family):
 def test_packing_on_a_mesh_under_jit(family, axes):
     ref_model = build_model(tiny_config(family))
     cfg = tiny_config(family, axes)
-    parallel = make_parallel(cfg)
+    parallel = make_parallel(cfg.mesh, cfg.model, cfg.optimizer)
     model = build_model(cfg, parallel)
     rng = np.random.default_rng(3)
     tokens = rng.integers(0, 128, (4, 12)).astype(np.int32)

@@ -40,7 +40,7 @@ def _first_step(axes, policy="float32", family="llama", **extra):
     """(train state, parallel, the executed graphs of the first step, its cost report)."""
     cfg = tiny_config(family, axes, **{"precision.policy": policy},
                       **extra)
-    parallel = make_parallel(cfg)
+    parallel = make_parallel(cfg.mesh, cfg.model, cfg.optimizer)
     state = build_train_state(cfg, parallel, jit_compile=False)
     data = SyntheticTokens(cfg.model.vocab_size, cfg.data.sequence_length + 1, seed=7)
     t = cfg.train
@@ -117,7 +117,7 @@ def test_bf16_fsdp_loss_matches_data_parallel_through_float16_bit_gathers():
     losses = []
     for axes in ("fsdp=8", "data=8"):
         cfg = tiny_config("llama", axes, **{"precision.policy": "bfloat16"})
-        parallel = make_parallel(cfg)
+        parallel = make_parallel(cfg.mesh, cfg.model, cfg.optimizer)
         state = build_train_state(cfg, parallel, jit_compile=False)
         data = SyntheticTokens(cfg.model.vocab_size, cfg.data.sequence_length + 1, seed=7)
         t = cfg.train

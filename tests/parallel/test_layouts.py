@@ -29,7 +29,7 @@ def _specs(tensor):
 def _build(family, axes, zero1=True):
     cfg = tiny_config(family, axes, **{
         "optimizer.shard_optimizer_state": str(zero1).lower()})
-    parallel = make_parallel(cfg)
+    parallel = make_parallel(cfg.mesh, cfg.model, cfg.optimizer)
     model = build_model(cfg, parallel)
     optimizer = AdamW(cfg.optimizer, 3, parallel)
     optimizer.build(model.trainable_variables)
@@ -103,7 +103,7 @@ def test_indivisible_heads_fail_before_allocating():
     with pytest.raises(ShardingError, match=r"llama/block_0/attention/key/kernel: dimension 1 "
                                             r"\('kv_heads', size 4\) is not divisible by mesh "
                                             r"axis 'model' \(size 8\)"):
-        build_model(cfg, make_parallel(cfg))
+        build_model(cfg, make_parallel(cfg.mesh, cfg.model, cfg.optimizer))
 
 
 def test_a_replicated_value_is_copied_to_the_host_from_one_device(monkeypatch):

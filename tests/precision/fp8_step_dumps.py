@@ -29,7 +29,7 @@ def run_case(axes, recipe, remat) -> dict:
     cfg = tiny_config("llama", axes or "data=1", **{
         "precision.policy": "fp8", "precision.fp8_recipe": recipe, "model.remat": remat,
         "model.num_layers": 1, "train.jit_compile": "true"})
-    parallel = make_parallel(cfg) if axes else None
+    parallel = make_parallel(cfg.mesh, cfg.model, cfg.optimizer) if axes else None
     step = build_train_state(cfg, parallel, jit_compile=True).step
     data = SyntheticTokens(cfg.model.vocab_size, cfg.data.sequence_length + 1, seed=3)
     # returns numpy

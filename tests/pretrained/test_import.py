@@ -69,7 +69,7 @@ def test_sharded_load_on_data2_model4_equals_keras_hub(name, tmp_path):
     lm = helpers.save_preset(name, tmp_path / "preset")
     ids = helpers.token_ids(batch=2)
     axes = "mesh.axes=data=2,model=4"
-    parallel = make_parallel(load_config(None, [axes]))
+    parallel = make_parallel(load_config(None, [axes]).mesh)
     model = from_preset(str(tmp_path / "preset"), parallel, [axes])
     kernel = next(v for v in model.variables if v.path.endswith("block_0/mlp/up/kernel"))
     assert "model" in dtensor.fetch_layout(kernel.value).sharding_specs  # really sharded

@@ -67,7 +67,7 @@ def test_import_on_a_mesh_gives_transformers_logits(name, tmp_path):
     from tfllm.parallel import make_parallel
     from tests.pretrained.test_import import sharded_logits
     reference = ref.save(name, tmp_path / "hf")
-    parallel = make_parallel(load_config(None, ["mesh.axes=data=2,model=4"]))
+    parallel = make_parallel(load_config(None, ["mesh.axes=data=2,model=4"]).mesh)
     model = from_preset(str(tmp_path / "hf"), parallel)
     ids = helpers.token_ids()
     _assert_same_model(sharded_logits(model, parallel, ids), ref.logits(reference, ids))

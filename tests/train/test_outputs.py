@@ -85,7 +85,8 @@ def test_export_serves_the_sharded_models_logits(run_dir, tmp_path):
     loaded = tf.saved_model.load(str(out / "saved_model"))  # keep it: it owns the weights
     served = loaded.serve(tf.constant(ids)).numpy()
 
-    parallel = make_parallel(cfg)  # data=2,model=4: the mesh it was trained on
+    # data=2,model=4: the mesh it was trained on
+    parallel = make_parallel(cfg.mesh, cfg.model, cfg.optimizer)
     model = build_model(cfg, parallel)
     Checkpointer(str(workdir / "checkpoints"), parallel, cfg.checkpoint).restore_latest(
         run_state_variables(model), strict=False)

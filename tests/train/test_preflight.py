@@ -201,7 +201,7 @@ def test_asking_for_validation_data_there_is_none_of_is_one_line(source, message
     cfg = load_config(None, ["data.validation_fraction=0", f"data.source={source}",
                              "data.paths=[x]"])
     with pytest.raises(DataError) as e:
-        documents(cfg, "validation")
+        documents(cfg.data, "validation")
     assert str(e.value) == message
 
 
@@ -209,7 +209,7 @@ def test_the_hash_split_of_the_test_corpus_holds_out_none_at_0_001(tmp_path):
     # The first test's premise, checked directly (fast): not one document held out.
     from tfllm.data.sources import documents
     cfg = _text_config(tmp_path, **{"data.validation_fraction": 0.001})
-    assert list(documents(cfg, "validation").as_numpy_iterator()) == []
+    assert list(documents(cfg.data, "validation").as_numpy_iterator()) == []
 
 
 class _DeviceValue:

@@ -108,7 +108,7 @@ def test_masked_step_on_a_mesh_equals_one_device(mesh, extra):
         cfg = tiny_config("gpt", "data=1" if axes is None else axes,
                           **{"train.global_batch_size": 4, "train.grad_accum_steps": 2},
                           **extra)
-        parallel = None if axes is None else make_parallel(cfg)
+        parallel = None if axes is None else make_parallel(cfg.mesh, cfg.model, cfg.optimizer)
         step = build_train_state(cfg, parallel, False, packing_mask=True).step
         shape = (2, 2, 17)
         out.append(step.loss_and_grads(feed.to_device(

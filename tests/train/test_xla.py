@@ -73,7 +73,7 @@ def test_a_step_without_clusters_is_an_error():
 # ---- one device, and several in one process ---------------------------------------------
 def _step(axes, jit, family="llama", **extra):
     cfg = tiny_config(family, axes, **extra)
-    parallel = make_parallel(cfg)
+    parallel = make_parallel(cfg.mesh, cfg.model, cfg.optimizer)
     step = build_train_state(cfg, parallel, jit).step
     data = SyntheticTokens(cfg.model.vocab_size, cfg.data.sequence_length + 1, seed=3)
     batch = feed.to_device(step.parallel, data.batch(0, cfg.train.global_batch_size, 1))
@@ -116,7 +116,7 @@ def test_what_xla_compiles_of_evaluation_and_generation_on_a_mesh():
     # The model as `tfllm train` builds it (the train step itself is compiled above), with
     # one block: what XLA compiles of a block is the same for every block.
     cfg = tiny_config("gpt", "data=2", **{"model.num_layers": 1})
-    step = build_train_state(cfg, make_parallel(cfg), True).step
+    step = build_train_state(cfg, make_parallel(cfg.mesh, cfg.model, cfg.optimizer), True).step
     data = SyntheticTokens(128, 17, seed=5)
     evaluator = Evaluator(step.model, step.parallel, True)
     batch = feed.to_device(step.parallel, data.batch(0, 16, 1))

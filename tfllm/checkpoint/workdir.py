@@ -48,7 +48,7 @@ from tfllm.checkpoint.state import model_variables
 from tfllm.checkpoint.storage import committed, latest, step_name, write_json_atomic
 from tfllm import files
 from tfllm.confined import open_regular
-from tfllm.config.loader import ConfigError, read_config_file, save_config, to_dict
+from tfllm.config.loader import ConfigError, read_config_file, save_config
 from tfllm.contracts import (CHECKPOINTS_DIR, LOCKS_DIR, LOGS_DIR, MARKER, RUN_OUTPUTS,
                              XLA_CACHE_DIR)
 from tfllm.runpaths import RunPaths
@@ -261,7 +261,7 @@ def write_marker(directory: str, kind: str) -> dict:
 
 
 # ---- checking a workdir before a run -------------------------------------------------------
-def check_workdir(workdir: str, config) -> WorkdirState:
+def check_workdir(workdir: str, settings: dict) -> WorkdirState:
     """What `workdir` holds, or `WorkdirError` when this run may not start there.
 
     Reads only; every client may call it. Refused: a file; a workdir whose checkpoint
@@ -270,7 +270,9 @@ def check_workdir(workdir: str, config) -> WorkdirState:
 
     Args:
       workdir: the run directory.
-      config: this run's validated config.
+      settings: this run's validated config as the nested dict a checkpoint saves
+        (`tfllm.config.loader.to_dict(config)`): its run-defining settings
+        (`RUN_DEFINING`) are compared with those saved with the run in the workdir.
     """
     if os.path.exists(workdir) and not os.path.isdir(workdir):
         raise WorkdirError(f"--workdir {workdir} is a file, not a directory; choose another "
@@ -282,7 +284,7 @@ def check_workdir(workdir: str, config) -> WorkdirState:
         # not a fresh start (restoring reports the corruption, or falls back).
         state.imported = (state.checkpoint == state.workdir.latest_checkpoint()
                           and _is_import(state.metadata))
-        _check_same_run(state, config)
+        _check_same_run(state, settings)
         return state
     state.dead_run = _check_reusable(workdir)
     return state
@@ -292,7 +294,7 @@ def _is_import(meta: dict) -> bool:
     return meta.get("step") == 0 and "imported" in meta
 
 
-def _check_same_run(state: WorkdirState, config) -> None:
+def _check_same_run(state: WorkdirState, settings: dict) -> None:
     workdir, meta = state.path, state.metadata
     yaml_path = state.workdir.config_file
     meta_path = os.path.join(state.checkpoint, "metadata.json")
@@ -304,7 +306,7 @@ def _check_same_run(state: WorkdirState, config) -> None:
             raise WorkdirError(f"{meta_path} holds no config, so the run cannot be checked; "
                                "it is not a tfllm run's checkpoint: use a new --workdir.")
         saved, source = _read_yaml(yaml_path), yaml_path
-    diffs = _differences(saved, to_dict(config),
+    diffs = _differences(saved, settings,
                          (("model", None),) if state.imported else RUN_DEFINING)
     if diffs:
         reads = yaml_path if os.path.exists(yaml_path) else (
@@ -394,18 +396,19 @@ def _check_reusable(workdir: str) -> bool:
 
 
 # ---- starting a run ------------------------------------------------------------------------
-def start_run(state: WorkdirState, config) -> None:
+def start_run(state: WorkdirState, data) -> None:
     """Client 0, once the run's input is checked and before it writes anything there:
     clears a dead run's outputs (only the names tfllm writes) and writes the marker, the
     workdir's first file (a resumed run's workdir gets one too when it has none).
 
     Args:
       state: `check_workdir`'s result.
-      config: this run's config (a tokenizer it names inside the workdir is kept).
+      data: this run's `DataConfig` (a tokenizer file it names inside the workdir is
+        kept).
     """
     workdir = state.path
     if state.dead_run:
-        keep = _configured_inside(config, workdir)
+        keep = _configured_inside(data, workdir)
         for name in sorted(os.listdir(workdir)):
             if _kind_of(workdir, name) != "output" or name in keep:
                 continue
@@ -418,12 +421,13 @@ def start_run(state: WorkdirState, config) -> None:
         write_marker(workdir, "train")
 
 
-def _configured_inside(config, workdir: str) -> set:
-    """Top-level names of the workdir that the config uses as input (a tokenizer file)."""
-    if config.data.tokenizer != "file" or not config.data.tokenizer_path:
+def _configured_inside(data, workdir: str) -> set:
+    """Top-level names of the workdir that the data settings use as input (a tokenizer
+    file)."""
+    if data.tokenizer != "file" or not data.tokenizer_path:
         return set()
     root = os.path.realpath(workdir)
-    path = os.path.realpath(os.path.expanduser(config.data.tokenizer_path))
+    path = os.path.realpath(os.path.expanduser(data.tokenizer_path))
     if os.path.commonpath([root, path]) != root or path == root:
         return set()
     return {os.path.relpath(path, root).split(os.sep)[0]}

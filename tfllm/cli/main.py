@@ -134,10 +134,11 @@ def _train(args) -> int:
     from tfllm.runtime.watchdog import PeerLost
     from tfllm.train.preemption import NonFiniteError, Preempted
     from tfllm.checkpoint.workdir import check_workdir
+    from tfllm.config.loader import to_dict
     config = config_for(args.workdir, args.config, args.overrides)
     _check_memory(config)
     # Once, here: a refused workdir gets no XLA cache folder either.
-    checked = check_workdir(args.workdir, config)
+    checked = check_workdir(args.workdir, to_dict(config))
     _persist_compiles(args, config, args.workdir)
     try:
         last = train(config, args.workdir, checked=checked)

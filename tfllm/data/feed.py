@@ -149,7 +149,9 @@ class DeviceFeed:
     training iterator's position as bytes.
 
     Args:
-      config: a validated `tfllm.config.Config` (train batch sizes, data).
+      data: the validated config's `DataConfig` (source, sequence_length, seed, ...).
+      train: its `TrainConfig` (global_batch_size, grad_accum_steps, eval_steps, loss_on).
+      vocab_size: `model.vocab_size` (data.source=synthetic draws token ids below it).
       parallel: the run's `tfllm.parallel.Parallel`.
       tokenizer: the run's tokenizer (None for data.source=synthetic, or without data).
       with_data: open data streams at all (False: placement only, e.g. export).
@@ -157,10 +159,11 @@ class DeviceFeed:
         empty or too little data fails before the run writes anything into its workdir.
     """
 
-    def __init__(self, config, parallel, tokenizer=None, with_data: bool = True,
-                 train_iterator: bool = True):
-        self.config, self.parallel, self.tokenizer = config, parallel, tokenizer
-        t, d = config.train, config.data
+    def __init__(self, data, train, vocab_size: int, parallel, tokenizer=None,
+                 with_data: bool = True, train_iterator: bool = True):
+        self.data, self.train, self.vocab_size = data, train, vocab_size
+        self.parallel, self.tokenizer = parallel, tokenizer
+        t, d = train, data
         # The batch's own error first (naming train.global_batch_size or
         # data.sequence_length), before the generic sharding error could fire.
         layout = rules_lib.batch_layout(t.global_batch_size, t.grad_accum_steps,
@@ -176,8 +179,7 @@ class DeviceFeed:
         self._peeked = None
         if with_data:
             if d.source == "synthetic":
-                self._synthetic = SyntheticTokens(config.model.vocab_size, self.row_length,
-                                                  d.seed)
+                self._synthetic = SyntheticTokens(vocab_size, self.row_length, d.seed)
             elif train_iterator:
                 self._train = self._batches("train", t.grad_accum_steps)
                 self._peeked = next(self._train)
@@ -191,9 +193,10 @@ class DeviceFeed:
 
     def _batches(self, split: str, micro_batches: int, max_batches=None):
         from tfllm.data.pipeline import Batches  # tf.data only for text sources
-        return Batches(self.config, self.tokenizer, split=split, rows=self.rows,
+        return Batches(self.data, self.tokenizer, split=split, rows=self.rows,
                        micro_batches=micro_batches, micro_batch_rows=self.micro_batch_rows,
-                       max_batches=max_batches)
+                       max_batches=max_batches, loss_on=self.train.loss_on,
+                       vocab_size=self.vocab_size)
 
     def _to_device(self, batch: dict):
         return from_local(self.parallel, batch["tokens"], self.rows, self.micro_batch_rows,
@@ -205,7 +208,7 @@ class DeviceFeed:
         Synthetic batches are indexed by step; text sources are read in order.
         """
         if self._synthetic is not None:
-            t = self.config.train
+            t = self.train
             return to_device(self.parallel, self._synthetic.batch(
                 step, t.global_batch_size, t.grad_accum_steps))
         if self._peeked is not None:
@@ -220,7 +223,7 @@ class DeviceFeed:
             for i in range(10**9, 10**9 + 10**6):
                 yield to_device(self.parallel, self._synthetic.batch(i, self.micro_batch_rows, 1))
             return
-        steps = self.config.train.eval_steps
+        steps = self.train.eval_steps
         for batch in self._batches("validation", 1, max_batches=steps):
             yield self._to_device(batch)
 

@@ -79,40 +79,46 @@ class Batches:
     """Iterator over token batches of this client's rows, with exact save/restore.
 
     Args:
-      config: the full tfllm Config (data, train.grad_accum_steps, train.global_batch_size).
+      data: the config's `DataConfig` (source, format, files, sequence_length, seed, ...).
       tokenizer: a tfllm.data.tokenizer.Tokenizer (unused for data.source=synthetic).
       split: "train" (shuffled, repeated) or "validation" (in order, read once).
       rows: this client's row indices within a micro-batch, the same for every
         micro-batch; None means all rows.
-      micro_batches: A; default train.grad_accum_steps.
-      micro_batch_rows: M; default train.global_batch_size // A.
+      micro_batches: A, micro-batches per batch (a run's train.grad_accum_steps).
+      micro_batch_rows: M, rows per micro-batch (a run's train.global_batch_size // A).
       max_batches: stop after this many batches (validation: pad up to it).
+      loss_on: which targets chat data trains on (train.loss_on; data.format messages
+        and prompt_completion only).
+      vocab_size: model.vocab_size, which data.source=synthetic draws tokens below.
     """
 
-    def __init__(self, config, tokenizer=None, split: str = "train",
-                 rows: Optional[Iterable[int]] = None, micro_batches: Optional[int] = None,
-                 micro_batch_rows: Optional[int] = None, max_batches: Optional[int] = None):
-        self.config, self.tokenizer, self.split = config, tokenizer, split
-        self.micro_batches = micro_batches or config.train.grad_accum_steps
-        self.micro_batch_rows = (micro_batch_rows
-                                 or config.train.global_batch_size // self.micro_batches)
+    def __init__(self, data, tokenizer=None, split: str = "train",
+                 rows: Optional[Iterable[int]] = None, *, micro_batches: int,
+                 micro_batch_rows: int, max_batches: Optional[int] = None,
+                 loss_on: str = "all", vocab_size: Optional[int] = None):
+        self.data, self.tokenizer, self.split = data, tokenizer, split
+        self.loss_on = loss_on
+        self.micro_batches, self.micro_batch_rows = micro_batches, micro_batch_rows
         self.rows = list(range(self.micro_batch_rows)) if rows is None else list(rows)
         if not self.rows or any(not 0 <= r < self.micro_batch_rows for r in self.rows):
             raise DataError(f"rows {self.rows} must be a non-empty subset of "
                             f"range({self.micro_batch_rows}) (the rows of a micro-batch).")
-        self.length = config.data.sequence_length + 1
+        self.length = data.sequence_length + 1
         self.max_batches = max_batches
         self._count = 0
-        if config.data.source == "synthetic":
-            seed = config.data.seed + (0 if split == "train" else 1)
-            self._synthetic = SyntheticTokens(config.model.vocab_size, self.length, seed)
+        if data.source == "synthetic":
+            if vocab_size is None:
+                raise DataError("data.source=synthetic draws token ids below the model's "
+                                "vocabulary: give Batches vocab_size=model.vocab_size.")
+            seed = data.seed + (0 if split == "train" else 1)
+            self._synthetic = SyntheticTokens(vocab_size, self.length, seed)
             return
         if tokenizer is None:
-            raise DataError(f"data.source={config.data.source} needs a tokenizer; see "
+            raise DataError(f"data.source={data.source} needs a tokenizer; see "
                             "tfllm.data.tokenizer.load_tokenizer.")
         self._synthetic = None
         self._packed = None
-        if config.data.format != "text":
+        if data.format != "text":
             self._packed = self._packed_streams()
             return
         self.dataset = self._build()
@@ -124,8 +130,8 @@ class Batches:
         return self.micro_batches * self.micro_batch_rows
 
     def _stream(self, row: int) -> tf.data.Dataset:
-        data, train = self.config.data, self.split == "train"
-        docs = documents(self.config, self.split, self.num_streams, row)
+        data, train = self.data, self.split == "train"
+        docs = documents(data, self.split, self.num_streams, row)
         if train:
             # shuffle_buffer counts documents over the whole global batch, so memory
             # (and the iterator checkpoint) does not grow with the number of rows.
@@ -149,7 +155,7 @@ class Batches:
 
     def _packed_streams(self):
         """Chat or prompt/completion samples (data.format), packed whole per row stream."""
-        samples = prepare_samples(self.config, self.tokenizer, self.split)
+        samples = prepare_samples(self.data, self.tokenizer, self.split, self.loss_on)
         train = self.split == "train"
         streams = []
         for a in range(self.micro_batches):
@@ -162,7 +168,7 @@ class Batches:
                         f"{self.num_streams} rows of a global batch (each row reads its own "
                         "share of the samples); add samples or lower "
                         "train.global_batch_size.")
-                seed = stream_seed(self.config.data.seed, row) if train else None
+                seed = stream_seed(self.data.seed, row) if train else None
                 streams.append(PackedStream(mine, self.length, seed))
         return streams
 
@@ -215,7 +221,7 @@ class Batches:
             except StopIteration:
                 if self.split == "train":
                     raise DataError(
-                        f"data.source={self.config.data.source}: a row stream has no "
+                        f"data.source={self.data.source}: a row stream has no "
                         f"documents; every one of the {self.num_streams} rows of a global "
                         "batch reads its own shard, so the training data needs at least "
                         "that many documents. Add data or lower train.global_batch_size."

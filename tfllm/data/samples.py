@@ -23,7 +23,7 @@ def _files_key(files: Sequence[str]) -> tuple:
     return tuple((path, os.path.getsize(path), os.stat(path).st_mtime_ns) for path in files)
 
 
-def prepare_samples(config, tokenizer, split: str) -> List[Sample]:
+def prepare_samples(data, tokenizer, split: str, loss_on: str) -> List[Sample]:
     """Every sample of a split, tokenized with its loss mask, in file and line order.
 
     Validation data: data.eval_paths, else the lines of data.paths whose hash falls below
@@ -32,11 +32,11 @@ def prepare_samples(config, tokenizer, split: str) -> List[Sample]:
     torchtune's max_seq_len do); the count is logged.
 
     Args:
-      config: the full tfllm Config (data, train.loss_on).
+      data: the config's `DataConfig`.
       tokenizer: the run's `tfllm.data.tokenizer.Tokenizer`.
       split: "train" or "validation".
+      loss_on: which target tokens are trained (`train.loss_on`).
     """
-    data, loss_on = config.data, config.train.loss_on
     check_settings(data, loss_on)
     files = split_files(data, split)
     template = load_chat_template(data) if data.format == "messages" else None

@@ -17,7 +17,7 @@ data.validation_fraction: the split never overlaps and does not depend on order.
 data.validation_fraction=0 as well there is no validation data (`has_validation`): the
 run trains on everything and does not evaluate, as Keras' `validation_split=0`.
 
-`documents(config, split, num_shards, index)` returns shard `index` of `num_shards`:
+`documents(data, split, num_shards, index)` returns shard `index` of `num_shards`:
 the pipeline gives every row of the global batch its own shard.
 """
 
@@ -138,8 +138,7 @@ def _shard(ds: tf.data.Dataset, num_shards: int, index: int) -> tf.data.Dataset:
     return ds.shard(num_shards, index) if num_shards > 1 else ds
 
 
-def _file_documents(config, split: str, num_shards: int, index: int) -> tf.data.Dataset:
-    data = config.data
+def _file_documents(data, split: str, num_shards: int, index: int) -> tf.data.Dataset:
     if data.eval_paths:  # separate validation files: nothing is held out of data.paths
         holdout = None
         patterns, key = ((data.eval_paths, "data.eval_paths") if split == "validation"
@@ -247,8 +246,7 @@ def validation_hint(data) -> str:
             f"none): raise data.validation_fraction, {separate}{off}.")
 
 
-def _tfds_split(config, split: str) -> str:
-    data = config.data
+def _tfds_split(data, split: str) -> str:
     if split == "train" and data.tfds_eval_split:
         return data.tfds_split
     if split == "validation" and data.tfds_eval_split:
@@ -261,13 +259,12 @@ def _tfds_split(config, split: str) -> str:
             else f"{data.tfds_split}[:{percent}%]")
 
 
-def _tfds_documents(config, split: str, num_shards: int, index: int) -> tf.data.Dataset:
+def _tfds_documents(data, split: str, num_shards: int, index: int) -> tf.data.Dataset:
     import tensorflow_datasets as tfds
 
-    data = config.data
     check_tfds_name(data.tfds_name)
     # even_splits reads only this shard's examples, unlike Dataset.shard.
-    sub = tfds.even_splits(_tfds_split(config, split), n=num_shards)[index]
+    sub = tfds.even_splits(_tfds_split(data, split), n=num_shards)[index]
     ds = tfds.load(data.tfds_name, split=sub, data_dir=data.tfds_data_dir or None,
                    shuffle_files=False)
     if data.text_key not in ds.element_spec:
@@ -276,38 +273,38 @@ def _tfds_documents(config, split: str, num_shards: int, index: int) -> tf.data.
     return ds.map(lambda ex: ex[data.text_key])
 
 
-def documents(config, split: str, num_shards: int = 1, index: int = 0) -> tf.data.Dataset:
+def documents(data, split: str, num_shards: int = 1, index: int = 0) -> tf.data.Dataset:
     """Shard `index` of `num_shards` of a split's documents, in a fixed order.
 
     Args:
-      config: the full tfllm Config (uses config.data).
+      data: the config's `DataConfig`.
       split: "train" or "validation".
       num_shards: number of disjoint shards (one per row of the global batch).
       index: which shard, in [0, num_shards).
     """
     if split not in ("train", "validation"):
         raise DataError(f"split must be 'train' or 'validation', got {split!r}.")
-    if split == "validation" and not has_validation(config.data):
+    if split == "validation" and not has_validation(data):
         separate = {"text": "data.eval_paths", "tfrecord": "data.eval_paths",
-                    "tfds": "data.tfds_eval_split"}.get(config.data.source)
-        raise DataError(f"no validation data ({no_validation_reason(config.data)}); set "
+                    "tfds": "data.tfds_eval_split"}.get(data.source)
+        raise DataError(f"no validation data ({no_validation_reason(data)}); set "
                         + (f"{separate} or " if separate else "")
                         + "data.validation_fraction > 0.")
-    source = config.data.source
-    if config.data.format != "text":  # JSONL samples: one document per line of the split
-        lines = [r.text for r in split_records(config.data, split)]
+    source = data.source
+    if data.format != "text":  # JSONL samples: one document per line of the split
+        lines = [r.text for r in split_records(data, split)]
         docs = tf.data.Dataset.from_tensor_slices(tf.constant(lines, tf.string, [len(lines)]))
         return _shard(docs, num_shards, index)
     if source == "tfds":
-        return _tfds_documents(config, split, num_shards, index)
+        return _tfds_documents(data, split, num_shards, index)
     if source == "corpus":
         from tfllm.data.corpus import build_corpus
 
-        manifest = build_corpus(config.data.data_dir, config.data.validation_fraction)
+        manifest = build_corpus(data.data_dir, data.validation_fraction)
         records = tf.data.TFRecordDataset(manifest[split])
         return _shard(records, num_shards, index).map(_parse_fn("text"))
     if source in ("text", "tfrecord"):
-        return _file_documents(config, split, num_shards, index)
+        return _file_documents(data, split, num_shards, index)
     raise DataError(f"data.source={source} has no documents; use corpus, text, "
                     "tfrecord or tfds.")
 
@@ -331,7 +328,12 @@ def split_records(data, split: str) -> list:
     return records
 
 
-def iterate_documents(config, split: str) -> Iterator[str]:
-    """A split's documents as Python strings (for tokenizer training and statistics)."""
-    for doc in documents(config, split).as_numpy_iterator():
+def iterate_documents(data, split: str) -> Iterator[str]:
+    """A split's documents as Python strings (for tokenizer training and statistics).
+
+    Args:
+      data: the config's `DataConfig`.
+      split: "train" or "validation".
+    """
+    for doc in documents(data, split).as_numpy_iterator():
         yield doc.decode("utf-8", errors="replace").removesuffix(CONTINUED)

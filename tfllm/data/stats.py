@@ -38,18 +38,18 @@ def unigram_cross_entropy(train_ids: Iterable[Iterable[int]], eval_ids: Iterable
     return total / max(n, 1)
 
 
-def unigram_loss(config, tokenizer, max_train_docs: Optional[int] = None) -> float:
+def unigram_loss(data, tokenizer, max_train_docs: Optional[int] = None) -> float:
     """The unigram baseline (nats/token) of the configured data and tokenizer.
 
     Args:
-      config: the full tfllm Config.
+      data: the config's `DataConfig`.
       tokenizer: a tfllm.data.tokenizer.Tokenizer.
       max_train_docs: count frequencies on at most this many training documents.
     """
     from tfllm.data.sources import iterate_documents
 
     def ids(split, limit=None):
-        for doc in itertools.islice(iterate_documents(config, split), limit):
+        for doc in itertools.islice(iterate_documents(data, split), limit):
             yield tokenizer.encode(doc) + [tokenizer.eod_id]
     return unigram_cross_entropy(ids("train", max_train_docs), ids("validation"),
                                  tokenizer.vocab_size)

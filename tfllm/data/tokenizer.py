@@ -329,39 +329,46 @@ def run_tokenizer_path(workdir: str) -> str:
     return RunPaths(workdir).tokenizer_model_file
 
 
-def save_to_run(tokenizer: Tokenizer, config, workdir: str) -> Optional[str]:
+def save_to_run(tokenizer: Tokenizer, data, workdir: str) -> Optional[str]:
     """Writes a trained SentencePiece tokenizer (data.tokenizer=sentencepiece) into the
     workdir, where `load_tokenizer` finds it when the run resumes; returns the path, or
-    None for the other kinds (byte needs no file; file stays at data.tokenizer_path)."""
-    if config.data.tokenizer != "sentencepiece" or not isinstance(tokenizer,
-                                                                   SentencePieceTokenizer):
+    None for the other kinds (byte needs no file; file stays at data.tokenizer_path).
+
+    Args:
+      tokenizer: the run's tokenizer.
+      data: the config's `DataConfig` (its `tokenizer` kind).
+      workdir: the run directory.
+    """
+    if data.tokenizer != "sentencepiece" or not isinstance(tokenizer, SentencePieceTokenizer):
         return None
     path = run_tokenizer_path(workdir)
     _write_atomic(workdir, path, tokenizer.proto)
     return path
 
 
-def load_tokenizer(config, workdir: Optional[str] = None,
+def load_tokenizer(data, vocab_size: int, workdir: Optional[str] = None,
                    training_texts: Optional[Callable[[], Iterable[str]]] = None,
                    log: Callable[[str], None] = lambda msg: None) -> Tokenizer:
-    """The tokenizer the config asks for, checked against model.vocab_size.
+    """The tokenizer the data settings ask for, checked against the model's vocabulary.
 
     sentencepiece: reloaded from WORKDIR/tokenizer/tokenizer.model when present, else
     from the data_dir cache keyed by (training-text hash, vocab size), else trained
     on the training documents and written to both.
 
     Args:
-      config: the full tfllm Config.
+      data: the config's `DataConfig` (tokenizer, tokenizer_path, data_dir, and the
+        source the SentencePiece model trains on).
+      vocab_size: `model.vocab_size`: the pieces a SentencePiece model is trained with,
+        and the most any tokenizer may have.
       workdir: the run directory (None: do not save into a run).
       training_texts: returns the training documents; default: the configured source's
         training split (tfllm.data.sources.iterate_documents).
       log: receives one-line progress messages (e.g. training time).
     """
-    data, vocab = config.data, config.model.vocab_size
     if data.tokenizer == "byte":
-        return _check_vocab(ByteTokenizer(), vocab, "data.tokenizer=byte")
+        return _check_vocab(ByteTokenizer(), vocab_size, "data.tokenizer=byte")
     if data.tokenizer == "file":
-        return _check_vocab(from_file(data.tokenizer_path), vocab,
+        return _check_vocab(from_file(data.tokenizer_path), vocab_size,
                             f"data.tokenizer_path={data.tokenizer_path}")
     run_path = run_tokenizer_path(workdir) if workdir else None
     if run_path and os.path.exists(run_path):
@@ -372,26 +379,26 @@ def load_tokenizer(config, workdir: Optional[str] = None,
             raise DataError(f"{run_path}: not a readable SentencePiece model ({detail}); put "
                             "the run's own tokenizer back (a resumed run refuses another "
                             "one).") from None
-        return _check_vocab(tokenizer, vocab, run_path)
+        return _check_vocab(tokenizer, vocab_size, run_path)
     if training_texts is None:
         from tfllm.data.sources import iterate_documents
-        training_texts = lambda: iterate_documents(config, "train")  # noqa: E731
+        training_texts = lambda: iterate_documents(data, "train")  # noqa: E731
     texts = list(training_texts())
     digest = hashlib.sha256()
     for text in texts:
         digest.update(hashlib.sha256(text.encode("utf-8")).digest())
-    key = f"unigram-v{vocab}-{digest.hexdigest()[:16]}"
+    key = f"unigram-v{vocab_size}-{digest.hexdigest()[:16]}"
     cache = os.path.expanduser(data.data_dir)
     cache_path = os.path.join(cache, "tokenizers", key + ".model")
     if os.path.exists(cache_path):
         proto = _read_model(cache_path, cache_path)
     else:
         start = time.perf_counter()
-        proto = train_sentencepiece(texts, vocab)
-        log(f"trained a {vocab}-piece SentencePiece tokenizer in "
+        proto = train_sentencepiece(texts, vocab_size)
+        log(f"trained a {vocab_size}-piece SentencePiece tokenizer in "
             f"{time.perf_counter() - start:.1f}s")
         _write_atomic(cache, cache_path, proto)
     if run_path:
         _write_atomic(workdir, run_path, proto)
-    return _check_vocab(SentencePieceTokenizer(proto, run_path or cache_path), vocab,
+    return _check_vocab(SentencePieceTokenizer(proto, run_path or cache_path), vocab_size,
                         "the trained SentencePiece model")

@@ -288,7 +288,7 @@ def import_preset(preset: str, workdir: str, overrides: Iterable[str] = (),
         # The mesh next: splitting the CPU into logical devices must happen before
         # anything (the tokenizer, the abstract backbone) initializes TensorFlow; with
         # several clients it is also where they meet.
-        parallel = make_parallel(config)
+        parallel = make_parallel(config.mesh, config.model, config.optimizer)
         if primary:
             # The marker first: a crash leaves a folder provably this import's own.
             write_marker(tmp, "import")

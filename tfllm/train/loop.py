@@ -93,9 +93,9 @@ def train(config, workdir: str, model_cls=None, out=None, checked=None) -> dict:
       model_cls: optional `CausalLM` subclass.
       out: where the progress display goes (client 0 only); default: sys.stdout at
         the time of the call (not of the import, so redirections are honoured).
-      checked: what `tfllm.checkpoint.workdir.check_workdir(workdir, config)` found, when
-        the caller checked the workdir already (`tfllm train` does, before it makes the
-        XLA cache there); else it is checked here. Either way, once.
+      checked: what `tfllm.checkpoint.workdir.check_workdir(workdir, to_dict(config))`
+        found, when the caller checked the workdir already (`tfllm train` does, before it
+        makes the XLA cache there); else it is checked here. Either way, once.
 
     Returns:
       The last logged metrics (plus eval results and `first_step_s`).
@@ -168,7 +168,7 @@ def _prepare(config, workdir, model_cls, out, signals, watchdog: list,
     # Another run, or files tfllm did not write, are refused before anything is written;
     # bad input (data, tokenizer, what `preflight` checks) fails before the run writes
     # into its workdir, so a refused run leaves it as it was.
-    state = checked if checked is not None else check_workdir(workdir, config)
+    state = checked if checked is not None else check_workdir(workdir, to_dict(config))
     run_dir = Workdir(workdir)
     if not primary:  # other clients log to their own file
         # logs/ may be a link (tfllm launch's folder): it is the root of this write
@@ -189,9 +189,9 @@ def _prepare(config, workdir, model_cls, out, signals, watchdog: list,
     lock = RunLock(workdir, client_id()).acquire()
     watchdog.append(_Releaser(lock))
     if primary:  # the marker first (a dead run's outputs cleared), then the run's files
-        start_run(state, config)
+        start_run(state, config.data)
     if primary and not state.has_checkpoint:
-        save_to_run(run.tokenizer, config, workdir)
+        save_to_run(run.tokenizer, config.data, workdir)
     checkpointer = run_dir.checkpointer(run.parallel, config.checkpoint)
     if num_clients() > 1 and t.peer_timeout_s > 0:  # from here a lost peer is reported
         watchdog.append(PeerWatchdog(workdir, client_id(), num_clients(), t.peer_timeout_s,

@@ -46,7 +46,7 @@ def _check_validation_text(run) -> None:
     # Whether the split has a document at all: one pipeline over the whole split, no
     # tokenizer, the same answer on every client (each reads the same documents). A
     # document of text gives at least one target token, so evaluation then counts some.
-    docs = documents(run.config, "validation").take(1)
+    docs = documents(run.config.data, "validation").take(1)
     if next(iter(docs), None) is None:
         raise DataError("the validation data holds no text, so evaluation would fail "
                         "(train.eval_every and at the end): "

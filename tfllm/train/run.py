@@ -51,7 +51,7 @@ class Run:
         check_gpus(config.mesh.device_type, config.precision.policy)
         # The mesh first: splitting the CPU into logical devices must happen before
         # anything (tf.data, tokenizer ops) initializes TensorFlow.
-        self.parallel = make_parallel(config)
+        self.parallel = make_parallel(config.mesh, config.model, config.optimizer)
         self._announce_ready()
         check_same_config(to_dict(config))  # before any collective can hang on a mismatch
         check_same_devices(self.parallel.device_type,
@@ -59,11 +59,11 @@ class Run:
         self.tokenizer = None
         if with_data and d.source != "synthetic":
             from tfllm.data.tokenizer import load_tokenizer
-            self.tokenizer = load_tokenizer(config, workdir)
+            self.tokenizer = load_tokenizer(d, config.model.vocab_size, workdir)
         #: this client's device batches (training, validation) and the iterator's position;
         #: before the model, so that a batch that cannot be split is named as such
-        self.feed = DeviceFeed(config, self.parallel, self.tokenizer, with_data,
-                               train_iterator)
+        self.feed = DeviceFeed(d, t, config.model.vocab_size, self.parallel, self.tokenizer,
+                               with_data, train_iterator)
         self.jit_compile = resolve_jit(t.jit_compile, self.parallel.device_type)
         packing = d.packing_mask and d.source != "synthetic"
         if capture_hlo and self.jit_compile:
