@@ -697,6 +697,7 @@ def test_bad_input(argv, setup, expected_code, fragment, tmp_path, trained_run, 
            before, committed)
 
 
+@pytest.mark.slow  # trains through the command line (a resume: compiles and runs a step)
 def test_a_resume_without_config_yaml_reads_the_checkpoints_config(tmp_path, trained_run,
                                                                    capsys):
     run = _prepare(tmp_path, trained_run, _delete("config.yaml"), None)

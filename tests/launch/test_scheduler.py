@@ -1,6 +1,14 @@
-"""The exit code a Slurm rank's launcher reports (tfllm.launch.scheduler), as pure logic."""
+"""The exit code a Slurm rank's launcher reports (tfllm.launch.scheduler): its logic, and a
+rank's code surviving the signal srun sends while it exits."""
+
+import os
+import subprocess
+import sys
+
+import pytest
 
 from tfllm.launch import scheduler
+from tests.harness import ROOT
 
 ENV = {"SLURM_JOB_ID": "7", "SLURM_STEP_ID": "0", "SLURM_RESTART_COUNT": "0"}
 
@@ -29,3 +37,23 @@ def test_an_earlier_jobs_record_is_not_a_cause(tmp_path, monkeypatch):
 def test_outside_slurm_nothing_is_recorded(tmp_path):
     assert _code(tmp_path, 0, 143, True, {}) == 143
     assert not list(tmp_path.iterdir())
+
+
+@pytest.mark.slow  # starts a Python process (signals must not reach this one)
+def test_a_decided_rank_keeps_its_code_through_a_late_sigterm():
+    # srun --kill-on-bad-exit SIGTERMs a rank that is already exiting 75 after a save: its
+    # code must stay 75, not become 143 (Python restores default handlers at shutdown).
+    script = ("import os, signal, sys\n"
+              "from tfllm.launch import scheduler\n"
+              "signal.signal(signal.SIGTERM, lambda *a: None)\n"
+              "scheduler.hold_late_signals()\n"
+              "os.kill(os.getpid(), signal.SIGTERM)\n"
+              "sys.exit(75)\n")
+    done = subprocess.run([sys.executable, "-c", script], cwd=ROOT, timeout=60,
+                          env=dict(os.environ, PYTHONPATH=ROOT))
+    assert done.returncode == 75
+    # without it, the same late signal after the handlers are gone kills the process
+    bare = script.replace("scheduler.hold_late_signals()\n",
+                          "signal.signal(signal.SIGTERM, signal.SIG_DFL)\n")
+    assert subprocess.run([sys.executable, "-c", bare], cwd=ROOT, timeout=60,
+                          env=dict(os.environ, PYTHONPATH=ROOT)).returncode == -15

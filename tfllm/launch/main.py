@@ -533,6 +533,7 @@ def _launch(plan: Plan, opts: Options, ports: Ports, say, fail) -> int:
         if t.mode == "slurm":  # srun -K returns the highest code: let the cause's win
             code = scheduler.exit_code(log_dir, t.own_ranks[0], t.world_size, code,
                                        bool(supervisor.signal_received), os.environ, say)
+            scheduler.hold_late_signals()  # srun's kill of the others must not change it
         return code
     except (LaunchError, files.Refused) as e:  # a port taken; a link planted in the logs
         supervisor.stop_all()

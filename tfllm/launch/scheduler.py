@@ -13,6 +13,7 @@ rank keeps its own code, 75 after a save.
 from __future__ import annotations
 
 import os
+import signal
 import time
 from typing import Callable, Mapping, Optional, Tuple
 
@@ -83,3 +84,16 @@ def exit_code(log_dir: str, rank: int, world_size: int, code: int, signalled: bo
     say(f"rank {cause[0]} failed first with code {cause[1]}; this rank ({code}) was stopped "
         f"because of it and exits 0, so that srun reports code {cause[1]}")
     return 0
+
+
+def hold_late_signals() -> None:
+    """Blocks SIGINT, SIGTERM and SIGHUP for the rest of this launcher's life.
+
+    Once a rank's code is decided its worker is gone and nothing is left to stop or save.
+    But `srun --kill-on-bad-exit` SIGTERMs the tasks still running as soon as one exits
+    non-zero (75 after a scancel's save), and Python restores the default handlers while
+    it shuts down: a SIGTERM in that window killed a rank that had saved and returned 75,
+    srun then reported 143 (seen on a loaded machine in tests/launch/test_real_slurm.py).
+    A blocked signal stays pending and the process exits with its own code.
+    """
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGTERM, signal.SIGHUP})
