@@ -172,8 +172,10 @@ FP8_CASES = [("fsdp=8", "delayed"), ("data=2,fsdp=2,model=2", "current")]
 @pytest.mark.parametrize("axes,recipe", FP8_CASES)
 def test_fp8_weights_travel_as_bytes_with_the_same_values(axes, recipe):
     from tests.harness import parity_run
+    # One block: what is checked is per block (its buffer's gathers), and a block of a
+    # two-block model cost twice the time for nothing more.
     settings = (("precision.policy", "fp8"), ("precision.fp8_recipe", recipe),
-                ("model.num_layers", 2))
+                ("model.num_layers", 1))
     runs = {on: parity_run("llama", axes, False, settings + (("precision.fp8_gather", on),))
             for on in (True, False)}
     on, off = runs[True], runs[False]
@@ -200,6 +202,6 @@ def test_fp8_weights_travel_as_bytes_with_the_same_values(axes, recipe):
                    if re.search(rf"block_\d+_{kind}\b", c.name) and c.dtensor_op == "all-gather")
     for kind in ("gather", "regather"):
         bf16, fp8 = gathers(off["costs"], kind), gathers(on["costs"], kind)
-        assert 0.5 * bf16 <= fp8 <= 0.5 * bf16 + 2 * 2 * 7 * 8, (kind, fp8, bf16)
+        assert 0 < 0.5 * bf16 <= fp8 <= 0.5 * bf16 + 1 + 2 * 7 * 8, (kind, fp8, bf16)
     for c in on["costs"].collectives:
         assert c.dtype in NCCL_DTYPES, c.describe()
