@@ -294,7 +294,7 @@ def cmd_layouts(args) -> int:
     from tfllm.parallel.layouts import format_table, layout_rows, mesh_shape_from_config
     from tfllm.parallel.rules import rules_from_config
     config = _load(args)
-    shape = mesh_shape_from_config(config, args.num_devices)
+    shape = mesh_shape_from_config(config.mesh, args.num_devices)
     model = build_model(config, allocate=False)  # shapes only: no memory is allocated
     rules = rules_from_config(config.mesh.rules)
     rows = layout_rows(model, rules, shape, config.optimizer.shard_optimizer_state)

@@ -31,9 +31,9 @@ class Row:
     optimizer_bytes_per_device: int
 
 
-def mesh_shape_from_config(config, num_devices: Optional[int] = None) -> Dict[str, int]:
-    """{axis: size} of the config's mesh; a -1 axis needs `num_devices`."""
-    return dict(resolve_axes(parse_axes(config.mesh.axes), num_devices))
+def mesh_shape_from_config(mesh, num_devices: Optional[int] = None) -> Dict[str, int]:
+    """{axis: size} of a mesh section (`config.mesh`); a -1 axis needs `num_devices`."""
+    return dict(resolve_axes(parse_axes(mesh.axes), num_devices))
 
 
 def layout_rows(model, rules, mesh_shape: Dict[str, int], zero1: bool = False) -> List[Row]:

@@ -46,7 +46,7 @@ _ACT_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "fp8": 2}
 def mesh_shape(config, devices=None) -> Dict[str, int]:
     """The config's mesh; `devices` (default 1) sizes a -1 axis, fixed sizes stand."""
     has_free_axis = any(size == -1 for _, size in parse_axes(config.mesh.axes))
-    return mesh_shape_from_config(config, (devices or 1) if has_free_axis else None)
+    return mesh_shape_from_config(config.mesh, (devices or 1) if has_free_axis else None)
 
 
 def compute_sizes(config, shape) -> Dict[str, int]:
