@@ -170,7 +170,8 @@ class Block:
             self.compute_specs.append(tuple(None if m in batch_axes else m for m in spec))
             autocast = getattr(v, "autocast", True) and tf.as_dtype(v.dtype).is_floating
             self.dtypes.append(tf.as_dtype(compute_dtype if autocast else v.dtype))
-        # Weights that travel quantized (FP8 projections: `codec`, see `_coded`).
+        # Weights that travel quantized (FP8 projections' kernels, `_gather_coded`): only
+        # those gathered by a real gather, which copies the carriers' bits.
         self.codecs = [getattr(v, "gather_codec", None) for v in self.variables]
         # Buffers: one per (gathered axes, tensor-parallel axes, dtype) signature; coded
         # weights get buffers of their own ("codes").
@@ -178,8 +179,7 @@ class Block:
         for i, spec in enumerate(self.shard_specs):
             gathered = tuple(m for m in spec if m and m in batch_axes)
             kept = tuple(m for m in spec if m and m not in batch_axes)
-            if not (gathered and self.dtypes[i] in fsdp._AS_FLOAT16
-                    and fsdp.gathers_as_collective()):
+            if not (gathered and fsdp.gathers_as_collective()):
                 self.codecs[i] = None
             kind = "codes" if self.codecs[i] is not None else self.dtypes[i]
             self.groups.setdefault((gathered, kept, kind), []).append(i)
@@ -272,7 +272,7 @@ class Block:
 
     def _gather_group(self, gathered, kept, members, shards, zero):
         dtype = shards[members[0]].dtype
-        as_bits = dtype in fsdp._AS_FLOAT16 and fsdp.gathers_as_collective()
+        as_bits = fsdp.moves_as_float16(dtype)
         parts = []
         for i in members:
             parts.append(self.packings[i].pack(shards[i]))
@@ -317,11 +317,11 @@ class Block:
                 self._scales[i] = tf.stop_gradient(codec.scale(self._amax.get(i)))
 
     def _gather_coded(self, gathered, kept, members, shards, zero, first):
-        """Coded weights gathered as bytes, two per float16 carrier (see
-        a codec such as `tfllm.precision.fp8.WeightCodec`), and decoded on the device. The first gather
-        of a step also carries each device's amax (float32 as two carriers) where the
-        scale did not need it, so the history sees the whole weight's amax without a
-        collective of its own."""
+        """Coded weights gathered as bytes, two per float16 carrier, and decoded on the
+        device (the codec: `tfllm.precision.fp8.WeightCodec`). The first gather of a step
+        also carries each device's amax (float32 as two carriers) where the scale did
+        not need it, so the history sees the whole weight's amax without a collective of
+        its own."""
         codes, lengths = [], []
         for i in members:
             packed = self.packings[i].pack(shards[i])

@@ -157,12 +157,17 @@ def _after(w, zero):
 _AS_FLOAT16 = (tf.bfloat16,)
 
 
+def moves_as_float16(dtype) -> bool:
+    """Whether a relayout moves `dtype` as float16 bits: bfloat16, where gathers lower to
+    real gathers (the all-reduce lowering adds zeros in float32, which would not carry
+    float16 bit patterns of bfloat16 values exactly)."""
+    return dtype in _AS_FLOAT16 and gathers_as_collective()
+
+
 def _gather(w, compute_layout, zero=None):
     """`w` relayouted to `compute_layout`; not before `zero` exists (see `zero_after`)."""
     w = _after(w, zero)
-    # Only a real gather copies bits; the all-reduce lowering adds zeros in float32,
-    # which would not carry float16 bit patterns of bfloat16 values exactly.
-    if w.dtype in _AS_FLOAT16 and gathers_as_collective():
+    if moves_as_float16(w.dtype):
         bits = dtensor.relayout(tf.bitcast(w, tf.float16), compute_layout)
         return tf.bitcast(bits, w.dtype)
     return dtensor.relayout(w, compute_layout)
@@ -213,7 +218,7 @@ def relayout_16bit(x, layout):
     relayout, `relayout_like` back to the input's layout, on float16 bits as well.
     Other dtypes, and meshes without the collective gather lowering, relayout as usual.
     """
-    if x.dtype not in _AS_FLOAT16 or not gathers_as_collective():
+    if not moves_as_float16(x.dtype):
         return dtensor.relayout(x, layout)
 
     @tf.custom_gradient

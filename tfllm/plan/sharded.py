@@ -16,7 +16,8 @@ sharded step exists to compile for a GPU, so a sharded mesh is planned as:
   algorithms (all-reduce 2(n-1)/n of the buffer, all-gather and reduce-scatter (n-1)/n of
   the gathered size), timed at the target's NVLink bandwidth with no overlap:
   data: all-reduce of the gradients; fsdp: all-gather of the weights in the compute dtype
-  (FP8 projections' kernels in one byte per value) forward and again backward, reduce-scatter of the float32 gradients; model: 4
+  (FP8 projections' kernels in one byte per value) forward and again backward,
+  reduce-scatter of the float32 gradients; model: 4
   all-reduces of the (B, T, E) activations per layer (attention and MLP outputs forward,
   their input gradients backward). These are the layout's theoretical minimum; DTensor's
   real programs may move more (relayouts it inserts are not modelled).
@@ -158,8 +159,6 @@ def weight_units(config, shape) -> List[dict]:
     batch_axes = rules_lib.activation_mesh_axes(rules)
     rows = {r.path: r for r in layout_rows(model, rules, shape)}
 
-    fp8_gather = config.precision.policy == "fp8"
-
     def unit(name, variables):
         gathered = gathered_8bit = reduced = 0
         for v in variables:
@@ -171,7 +170,7 @@ def weight_units(config, shape) -> List[dict]:
                 reduced += n
             if any(a in batch_axes and shape.get(a, 1) > 1 for a in axes):
                 gathered += n
-                if fp8_gather and getattr(v, "gather_codec", None) is not None:
+                if getattr(v, "gather_codec", None) is not None:  # fp8 with fp8_gather
                     gathered_8bit += n
         return {"name": name, "gathered": gathered, "gathered_8bit": gathered_8bit,
                 "reduced": reduced}

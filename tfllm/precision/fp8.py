@@ -72,6 +72,13 @@ def scale_from_amax(amax, fmax: float, margin: int = 0):
     return tf.where(ok, fmax / (safe * (2.0 ** margin)), tf.ones_like(amax))
 
 
+def history_scale(history, fmax: float, margin: int = 0):
+    """Delayed scaling: the scale of the largest amax in `history`. One definition for
+    the einsum and for FSDP's FP8 gathers (`WeightCodec`), whose bytes are exact only
+    if both quantize with the same scale."""
+    return scale_from_amax(tf.reduce_max(history), fmax, margin)
+
+
 def quantize(x, scale, dtype, fmax: float):
     """Saturating cast of x * scale to an FP8 dtype."""
     scaled = tf.cast(x, tf.float32) * scale
@@ -182,8 +189,8 @@ def fp8_einsum(equation: str, x, w, history_x, history_w, history_g, settings: F
         amax_x = amax(x)
         amax_w = amax(w) if w_amax is None else tf.cast(w_amax, tf.float32)
         if delayed:
-            scale_x = scale_from_amax(tf.reduce_max(history_x), E4M3_MAX, settings.margin)
-            scale_w = scale_from_amax(tf.reduce_max(history_w), E4M3_MAX, settings.margin)
+            scale_x = history_scale(history_x, E4M3_MAX, settings.margin)
+            scale_w = history_scale(history_w, E4M3_MAX, settings.margin)
         else:
             scale_x = scale_from_amax(amax_x, E4M3_MAX, settings.margin)
             scale_w = scale_from_amax(amax_w, E4M3_MAX, settings.margin)
@@ -202,7 +209,7 @@ def fp8_einsum(equation: str, x, w, history_x, history_w, history_g, settings: F
         def grad(dy):
             amax_g = amax(dy)
             if delayed:
-                scale_g = scale_from_amax(tf.reduce_max(history_g), E5M2_MAX, settings.margin)
+                scale_g = history_scale(history_g, E5M2_MAX, settings.margin)
             else:
                 scale_g = scale_from_amax(amax_g, E5M2_MAX, settings.margin)
             dy_q = quantize(dy, scale_g, E5M2, E5M2_MAX)
@@ -293,8 +300,8 @@ class WeightCodec:
         """The weight's E4M3 scale: from its history (delayed) or `weight_amax`."""
         if self.needs_amax:
             return scale_from_amax(weight_amax, E4M3_MAX, self.settings.margin)
-        history = tf.convert_to_tensor(self.history)
-        return scale_from_amax(tf.reduce_max(history), E4M3_MAX, self.settings.margin)
+        return history_scale(tf.convert_to_tensor(self.history), E4M3_MAX,
+                             self.settings.margin)
 
     def encode(self, w, scale):
         """The bytes (int32 0..255) of `w` quantized to E4M3 with `scale`."""
