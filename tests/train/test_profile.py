@@ -23,9 +23,12 @@ def test_profile_steps_writes_a_trace_of_those_steps_that_summary_reads(tmp_path
     host = next(p for name, p in planes.items() if "host" in name.lower())
     names = [name for name, _, _ in host["top"]]
     # The step ran inside the trace: its TF function (two calls) is among the host's
-    # heaviest events.
+    # heaviest events. Which of its events ranks first varies: the executor's
+    # `EagerLocalExecute: __inference__train_step...` counts once per device of the mesh
+    # (8 = 2 steps x 4 devices on CI), the function's own `_train_step` once per call.
     step = [(name, n) for name, _, n in host["top"] if "train_step" in name]
-    assert step and step[0][1] == 2, names
+    assert any(name == "_train_step" and n == 2 for name, n in step), (names, step)
+    assert all(n % 2 == 0 for _, n in step), step  # steps 2 and 3 alike, no third step
     # fsdp=2: the blocks' gathers and reductions ran, 2 steps' worth
     collectives = host["collectives"]
     assert collectives["count"] > 0 and collectives["count"] % 2 == 0
