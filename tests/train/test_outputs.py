@@ -1,6 +1,8 @@
 """What `tfllm train` leaves in its workdir, and what eval/generate/export do with it.
 
-One tiny byte-tokenized text run on data=2,model=4 (module-scoped: trained once).
+One tiny byte-tokenized text run on data=2,model=4 (module-scoped: trained once), of 8
+rows: the fewest the fsdp=8 evaluation below splits, and each row is a tf.data stream of
+its own, built again for every evaluation (16 rows cost ~15 CPU s more on 2 cores).
 """
 
 import glob
@@ -20,7 +22,7 @@ from tfllm.train.loop import train
 def run_dir(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("outputs")
     cfg = tiny_text_config(tmp, **{
-        "train.steps": 8, "train.log_every": 2, "train.eval_every": 4,
+        "train.global_batch_size": 8, "train.steps": 8, "train.log_every": 2, "train.eval_every": 4,
         "checkpoint.every": 4, "train.sample_tokens": 8, "train.sample_prompt": "the"})
     last = train(cfg, str(tmp / "run"))
     return tmp / "run", cfg, last
