@@ -18,12 +18,14 @@ PREEMPTED, NONFINITE = 75, 3
 
 
 def _args(workdir, *extra):
+    # A mesh that splits both the batch and the weights, on 4 devices: a process on
+    # data=2,model=4 (8 devices) took 38 CPU seconds for 30 steps, on data=2,model=2 23.
     base = ["--config", "configs/tiny.yaml", "--workdir", str(workdir),
-            "--set", "mesh.axes=data=2,model=4", "--set", "model.max_sequence_length=32",
+            "--set", "mesh.axes=data=2,model=2", "--set", "model.max_sequence_length=32",
             "--set", "data.sequence_length=16", "--set", "train.log_every=1",
             "--set", "train.deterministic=true", "--set", "checkpoint.every=100",
             "--set", "train.eval_steps=2", "--set", "train.sample_tokens=0",
-            "--set", "mesh.num_cpu_devices=8"]
+            "--set", "mesh.num_cpu_devices=4"]
     for e in extra:
         base += ["--set", e]
     return tfllm_command("train", *base)
