@@ -174,9 +174,11 @@ print(json.dumps({"backward_flops": backward, "compiled": compiled}))
 @pytest.mark.slow
 def test_dtensor_clusters_compile_for_h100_and_match_the_per_device_plan(tmp_path,
                                                                         tmp_path_factory):
-    # The fsdp=2 run tests/train/test_xla.py reads as well: one run per session.
+    # The fsdp=2 run tests/train/test_xla.py reads as well (its LLAMA arguments: one
+    # block): one run per session.
     _, modules = shared_xla_dump(tmp_path_factory, "fsdp=2", (
-        "--set", "model.family=llama", "--set", "model.num_key_value_heads=2"))
+        "--set", "model.family=llama", "--set", "model.num_key_value_heads=2",
+        "--set", "model.num_layers=1"))
     assert modules
     dump = tmp_path / "xla_dump"
     dump.mkdir()
@@ -190,7 +192,8 @@ def test_dtensor_clusters_compile_for_h100_and_match_the_per_device_plan(tmp_pat
     clusters = json.loads(r.stdout.strip().splitlines()[-1])
     assert clusters["compiled"] > 0
     cfg = load_config(os.path.join(ROOT, "configs/tiny.yaml"),
-                      ["model.family=llama", "model.num_key_value_heads=2", "mesh.axes=fsdp=2"])
+                      ["model.family=llama", "model.num_key_value_heads=2", "mesh.axes=fsdp=2",
+                       "model.num_layers=1"])
     # The GEMM FLOPs are the per-device program's, whatever the collectives: "assumed"
     # skips the tiny DTensor steps that measure them (tests/plan/test_measured.py).
     p = plan(cfg, collectives="assumed")

@@ -140,13 +140,17 @@ def test_what_xla_compiles_of_evaluation_and_generation_on_a_mesh():
 
 
 # ---- what XLA itself compiled (HLO dumps), through `tfllm train` ------------------------
-LLAMA = ("--set", "model.family=llama", "--set", "model.num_key_value_heads=2")
+# One block: what XLA compiles of a block is the same for every block (the two-block
+# runs took 40 and 54 CPU s, one block 22 and ~30 on 2 cores).
+LLAMA = ("--set", "model.family=llama", "--set", "model.num_key_value_heads=2",
+         "--set", "model.num_layers=1")
 
 
 @pytest.mark.slow
 # One device in FP8 (its converts to E4M3 and E5M2 as well as the float32 work), and
 # fsdp=2 in float32, whose dump tests/plan/test_plan.py reads too (shared_xla_dump: one
-# run per session). float32 on one device is compiled whole as well (the report, above).
+# run per session, for the same arguments). float32 on one device is compiled whole as
+# well (the report, above).
 @pytest.mark.parametrize("axes, policy", [("data=1", "fp8"), ("fsdp=2", "float32")])
 def test_train_compiles_matmuls_norms_softmax_and_update_in_xla(tmp_path_factory, axes,
                                                                 policy):
@@ -158,8 +162,9 @@ def test_train_compiles_matmuls_norms_softmax_and_update_in_xla(tmp_path_factory
     clusters = {name for name in modules if "cluster_" in name}
     assert clusters, sorted(modules)
     text = "\n".join(modules[name] for name in clusters)
-    # Forward and backward matmuls (3 dots per projection), RMSNorm, softmax, AdamW.
-    assert len(re.findall(r" dot\(", text)) >= 3 * 7 * 2
+    # Forward and backward matmuls (3 dots per projection, 7 projections in the block),
+    # RMSNorm, softmax, AdamW.
+    assert len(re.findall(r" dot\(", text)) >= 3 * 7
     assert " rsqrt(" in text and " exponential(" in text and " sqrt(" in text
     # The whole update is compiled: every weight's new value is written inside a module.
     assert text.count("f32[") > 0
