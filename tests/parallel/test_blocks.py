@@ -163,12 +163,14 @@ def test_every_collective_moves_a_dtype_nccl_takes(axes, family, policy):
 
 
 # FP8 projections under FSDP: gathered as E4M3 bytes, two per float16 carrier
-# (tfllm.precision.fp8.WeightCodec). Delayed scaling on fsdp=8; current scaling, whose
-# scale needs the weight's amax first, on a mesh with tensor parallelism too.
-FP8_CASES = [("fsdp=8", "delayed"), ("data=2,fsdp=2,model=2", "current")]
+# (tfllm.precision.fp8.WeightCodec). Delayed scaling on fsdp=4 (what is checked does not
+# depend on the group's size, which the byte bound below names; on fsdp=8 the pair of
+# runs took 40 CPU s, on fsdp=4 25); current scaling, whose scale needs the weight's
+# amax first, on a mesh with tensor parallelism too.
+FP8_CASES = [("fsdp=4", "delayed"), ("data=2,fsdp=2,model=2", "current")]
 
 
-@pytest.mark.slow  # four 3-step runs on 8 devices
+@pytest.mark.slow  # two 3-step runs per mesh
 @pytest.mark.parametrize("axes,recipe", FP8_CASES)
 def test_fp8_weights_travel_as_bytes_with_the_same_values(axes, recipe):
     from tests.harness import parity_run
@@ -196,12 +198,14 @@ def test_fp8_weights_travel_as_bytes_with_the_same_values(axes, recipe):
     for path, h in h_off.items():
         np.testing.assert_allclose(h_on[path], h, rtol=1e-6, err_msg=path)
     # Half the bytes: each block's FP8 kernels travel as one float16 carrier per two
-    # values (plus, in the first gather, each device's amax per weight as two carriers).
+    # values (plus, in the first gather, each fsdp device's amax per weight as two
+    # carriers).
     def gathers(report, kind):
         return sum(c.elements for c in report.collectives
                    if re.search(rf"block_\d+_{kind}\b", c.name) and c.dtensor_op == "all-gather")
+    fsdp = on["parallel"].shape["fsdp"]
     for kind in ("gather", "regather"):
         bf16, fp8 = gathers(off["costs"], kind), gathers(on["costs"], kind)
-        assert 0 < 0.5 * bf16 <= fp8 <= 0.5 * bf16 + 1 + 2 * 7 * 8, (kind, fp8, bf16)
+        assert 0 < 0.5 * bf16 <= fp8 <= 0.5 * bf16 + 1 + 2 * 7 * fsdp, (kind, fp8, bf16)
     for c in on["costs"].collectives:
         assert c.dtype in NCCL_DTYPES, c.describe()
