@@ -260,3 +260,10 @@ def test_validation_reads_once_then_stops():
     assert (batches[-1]["segment_ids"] >= 0).all()
     padded = list(chat_batches(config, "validation", max_batches=len(batches) + 2))
     assert not padded[-1]["loss_mask"].any()
+    # Rewound (each evaluation after the first), it reads the same batches again.
+    some = chat_batches(config, "validation", max_batches=len(batches) + 2)
+    assert len(list(some)) == len(batches) + 2
+    some.rewind()
+    again = list(some)
+    assert len(again) == len(padded)
+    assert all(np.array_equal(a[k], b[k]) for a, b in zip(again, padded) for k in a)

@@ -1,5 +1,7 @@
 """Packing, shuffling, per-client sharding and iterator save/restore of Batches."""
 
+import dataclasses
+
 import numpy as np
 import pytest
 import tensorflow as tf
@@ -105,6 +107,29 @@ def test_validation_max_batches_pads_and_stops(text_cfg):
     unbounded = list(Batches(text_cfg.data, BYTES, split="validation", micro_batches=1,
                              micro_batch_rows=2))
     assert 0 < len(unbounded) < 40 and unbounded[-1]["segment_ids"].max() > 0
+
+
+def test_a_rewound_validation_split_reads_the_same_batches_again(text_cfg):
+    # What each evaluation after the first reads (DeviceFeed keeps one validation Batches).
+    batches = Batches(text_cfg.data, BYTES, split="validation", micro_batches=1,
+                      micro_batch_rows=2, max_batches=5)
+    first = _take(batches, 3)  # an evaluation may stop before the end
+    batches.rewind()
+    again = list(batches)
+    assert len(again) == 5
+    for want, got in zip(first, again):
+        np.testing.assert_array_equal(want["tokens"], got["tokens"])
+        np.testing.assert_array_equal(want["segment_ids"], got["segment_ids"])
+    assert not all(np.array_equal(a["tokens"], again[0]["tokens"]) for a in again[1:])
+    synthetic = dataclasses.replace(text_cfg.data, source="synthetic")
+    fake = Batches(synthetic, split="validation", micro_batches=1, micro_batch_rows=2,
+                   max_batches=2, vocab_size=64)
+    want = list(fake)
+    fake.rewind()
+    assert all(np.array_equal(a["tokens"], b["tokens"]) for a, b in zip(want, list(fake)))
+    train = Batches(text_cfg.data, BYTES, micro_batches=1, micro_batch_rows=1)
+    with pytest.raises(Exception, match="restored from a checkpoint"):
+        train.rewind()
 
 
 def test_holdout_without_eval_paths_never_overlaps(text_cfg):

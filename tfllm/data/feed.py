@@ -177,6 +177,7 @@ class DeviceFeed:
         self._synthetic = None
         self._train = None
         self._peeked = None
+        self._validation = None  # the validation Batches, once an evaluation built it
         if with_data:
             if d.source == "synthetic":
                 self._synthetic = SyntheticTokens(vocab_size, self.row_length, d.seed)
@@ -223,8 +224,13 @@ class DeviceFeed:
             for i in range(10**9, 10**9 + 10**6):
                 yield to_device(self.parallel, self._synthetic.batch(i, self.micro_batch_rows, 1))
             return
-        steps = self.train.eval_steps
-        for batch in self._batches("validation", 1, max_batches=steps):
+        # Built once, rewound at each evaluation: a text pipeline's tokenizer maps and a
+        # chat split's rendered samples are the same every time.
+        if self._validation is None:
+            self._validation = self._batches("validation", 1, max_batches=self.train.eval_steps)
+        else:
+            self._validation.rewind()
+        for batch in self._validation:
             yield self._to_device(batch)
 
     # ---- the iterator's position, for checkpoints ----------------------------------------

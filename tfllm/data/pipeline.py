@@ -203,6 +203,22 @@ class Batches:
             tf.data.experimental.ExternalStatePolicy.IGNORE)
         return ds.prefetch(2).with_options(options)
 
+    def rewind(self) -> None:
+        """Back to the first batch of a validation split without building its pipeline
+        again: validation rows are read in order, unshuffled, so every evaluation reads
+        the same batches (`tfllm.data.feed.DeviceFeed.eval_batches` keeps one `Batches`)."""
+        if self.split == "train":
+            raise DataError("a training Batches shuffles and repeats: its position is "
+                            "restored from a checkpoint (restore_state), not rewound.")
+        self._count = 0
+        if self._synthetic is not None:
+            return
+        if self._packed is not None:
+            for stream in self._packed:
+                stream.position = 0
+            return
+        self._iterator = iter(self.dataset)
+
     def __iter__(self):
         return self
 
