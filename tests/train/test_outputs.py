@@ -2,7 +2,8 @@
 
 One tiny byte-tokenized text run on data=2,model=4 (module-scoped: trained once), of 8
 rows: the fewest the fsdp=8 evaluation below splits, and each row is a tf.data stream of
-its own, built again for every evaluation (16 rows cost ~15 CPU s more on 2 cores).
+its own (16 rows cost ~15 CPU s more on 2 cores, when every evaluation still built its
+streams again).
 """
 
 import glob

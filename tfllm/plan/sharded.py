@@ -17,10 +17,10 @@ sharded step exists to compile for a GPU, so a sharded mesh is planned as:
   the gathered size), timed at the target's NVLink bandwidth with no overlap:
   data: all-reduce of the gradients; fsdp: all-gather of the weights in the compute dtype
   (FP8 projections' kernels in one byte per value) forward and again backward,
-  reduce-scatter of the float32 gradients; model: 4
-  all-reduces of the (B, T, E) activations per layer (attention and MLP outputs forward,
-  their input gradients backward). These are the layout's theoretical minimum; DTensor's
-  real programs may move more (relayouts it inserts are not modelled).
+  reduce-scatter of the float32 gradients; model: 4 all-reduces of the (B, T, E)
+  activations per layer (attention and MLP outputs forward, their input gradients
+  backward). These are the layout's theoretical minimum; DTensor's real programs may move
+  more (relayouts it inserts are not modelled).
 """
 
 from __future__ import annotations
