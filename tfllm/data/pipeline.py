@@ -129,15 +129,30 @@ class Batches:
         """Rows of the global batch: every one is an independent stream."""
         return self.micro_batches * self.micro_batch_rows
 
-    def _stream(self, row: int) -> tf.data.Dataset:
+    @property
+    def num_rows(self) -> int:
+        """Rows of the global batch this client reads (A x len(rows)): its streams."""
+        return self.micro_batches * len(self.rows)
+
+    def _stream(self, row, seed) -> tf.data.Dataset:
+        """Row stream `row` (a Python int, or an int64 scalar tensor), shuffled with `seed`
+        (its `stream_seed`) when training; built inside a tf.data function (`_rows`)."""
+        assert tf.inside_function(), "row streams are built in a traced function"
         data, train = self.data, self.split == "train"
         docs = documents(data, self.split, self.num_streams, row)
         if train:
             # shuffle_buffer counts documents over the whole global batch, so memory
             # (and the iterator checkpoint) does not grow with the number of rows.
             buffer = max(1, data.shuffle_buffer // self.num_streams)
-            docs = docs.shuffle(buffer, seed=stream_seed(data.seed, row),
-                                reshuffle_each_iteration=True).repeat()
+            # The order depends on (data.seed, row) only, not on TensorFlow's global seed
+            # (which another library may have set): this trace's graph seed is cleared.
+            graph = tf.compat.v1.get_default_graph()
+            outer, graph.seed = graph.seed, None
+            try:
+                docs = docs.shuffle(buffer, seed=seed, reshuffle_each_iteration=True)
+            finally:
+                graph.seed = outer
+            docs = docs.repeat()
         eod = tf.constant([self.tokenizer.eod_id], tf.int32)
         encode = self.tokenizer.traced_encode()
         def tokenize(doc):
@@ -181,16 +196,51 @@ class Batches:
         return {name: np.stack([r[i] for r in rows]).reshape(shape)  # (A, R, T+1)
                 for i, name in enumerate(("tokens", "segment_ids", "loss_mask"))}
 
-    def _build(self) -> tf.data.Dataset:
-        streams = tuple(self._stream(a * self.micro_batch_rows + m)
-                        for a in range(self.micro_batches) for m in self.rows)
+    def _rows(self, rows, per_row: bool = False) -> tf.data.Dataset:
+        """Every stream of `rows` side by side: (positions, tokens, segment_ids) of shapes
+        (n,), (n, length), (n, length), where positions are 0..n-1 while every stream
+        yields.
+
+        The streams are one template traced once, applied to a row index (a tensor) by an
+        interleave that takes one element from each stream in turn. Tracing a pipeline per
+        row cost seconds per row (a client with 128 rows took a minute before its first
+        batch). TFDS names each row's shard by a Python index (`tfds.even_splits`), so
+        its streams are built one by one and zipped (`per_row`: also for tests).
+        """
+        n = len(rows)
+        seeds = [stream_seed(self.data.seed, r) for r in rows]
+        if per_row or self.data.source == "tfds":
+            streams = tuple(
+                tf.data.Dataset.range(1).interleave(tf.autograph.experimental.do_not_convert(
+                    lambda _, r=r, s=s: self._stream(r, s)))
+                for r, s in zip(rows, seeds))
+
+            def stack(*pairs):
+                return (tf.range(n, dtype=tf.int64), tf.stack([p[0] for p in pairs]),
+                        tf.stack([p[1] for p in pairs]))
+            return tf.data.Dataset.zip(streams).map(stack)
+        row_of = tf.constant(rows, tf.int64)
+        seed_of = tf.constant(seeds, tf.int64)
+
+        @tf.autograph.experimental.do_not_convert
+        def stream(position):
+            return self._stream(tf.gather(row_of, position), tf.gather(seed_of, position)
+                                ).map(lambda tokens, segments: (position, tokens, segments))
+        # An empty stream would drop out of the turn and shift the rows after it: the
+        # positions name each element's stream, checked in __next__.
+        return tf.data.Dataset.range(n).interleave(
+            stream, cycle_length=n, block_length=1
+        ).batch(n, drop_remainder=True)
+
+    def _build(self, per_row: bool = False) -> tf.data.Dataset:
+        rows = [a * self.micro_batch_rows + m
+                for a in range(self.micro_batches) for m in self.rows]
         shape = [self.micro_batches, len(self.rows), self.length]
 
-        def stack(*pairs):
-            tokens = tf.reshape(tf.stack([p[0] for p in pairs]), shape)  # (A, R, T+1)
-            segments = tf.reshape(tf.stack([p[1] for p in pairs]), shape)
-            return {"tokens": tokens, "segment_ids": segments}
-        ds = tf.data.Dataset.zip(streams).map(stack)
+        def stack(positions, tokens, segments):
+            return {"positions": positions, "tokens": tf.reshape(tokens, shape),  # (A, R, T+1)
+                    "segment_ids": tf.reshape(segments, shape)}
+        ds = self._rows(rows, per_row).map(stack)
         if self.split != "train":
             if self.max_batches is None:  # stop when every stream is padding
                 ds = ds.take_while(lambda b: tf.reduce_any(b["segment_ids"] > 0))
@@ -234,6 +284,10 @@ class Batches:
         else:
             try:
                 batch = {k: v.numpy() for k, v in next(self._iterator).items()}
+                if not np.array_equal(batch.pop("positions"), np.arange(self.num_rows)):
+                    # a stream ran out (validation streams end in endless padding: only
+                    # an empty training stream can)
+                    raise StopIteration
             except StopIteration:
                 if self.split == "train":
                     raise DataError(

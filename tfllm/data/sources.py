@@ -113,9 +113,12 @@ def _parse_fn(text_key: str):
 
 
 def check_tfrecord_files(files: List[str], text_key: str, key: str) -> None:
-    """The first record of each file has the bytes feature `text_key`."""
+    """The first record of each file has the bytes feature `text_key`. Reads eagerly,
+    also while a pipeline's row template is traced."""
     for path in _unchecked(files, "tfrecord:" + text_key):
-        for record in tf.data.TFRecordDataset(path).take(1):
+        with tf.init_scope():
+            first = list(tf.data.TFRecordDataset(path).take(1))
+        for record in first:
             example = tf.train.Example.FromString(record.numpy())
             features = example.features.feature
             if text_key not in features or not features[text_key].bytes_list.value:
