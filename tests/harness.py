@@ -206,7 +206,7 @@ def parity_config(family, axes=None, extra=()):
                        **dict(PARITY_SETTINGS + tuple(extra)))
 
 
-def parity_run(family, axes, jit, extra=()):
+def parity_run(family, axes, jit, extra=(), grads=True):
     """One batch's loss and gradients, then PARITY_STEPS AdamW steps, as `tfllm train`
     builds them.
 
@@ -216,9 +216,13 @@ def parity_run(family, axes, jit, extra=()):
       jit: compile the step with XLA; on a mesh, also checks that XLA really compiled
         it on every device.
       extra: more settings, as ((dotted key, value), ...).
+      grads: also compute the first batch's loss and gradients with `loss_and_grads`, a
+        program of their own (under XLA, a compile of its own: the step's program is
+        checked through its losses, gradient norms and weights).
 
     Returns:
-      A dict: loss, grads (per trainable variable), history (each step's metrics),
+      A dict: loss, grads (per trainable variable; both None without `grads`), history
+      (each step's metrics),
       weights ({path: numpy}), paths, model, optimizer, parallel (None on one device).
     """
     from tfllm.compiler.reports import FirstCall
@@ -235,7 +239,7 @@ def parity_run(family, axes, jit, extra=()):
     t = cfg.train
     batch = lambda i: feed.to_device(parallel, data.batch(i, t.global_batch_size,  # noqa: E731
                                                           t.grad_accum_steps))
-    loss, grads = step.loss_and_grads(batch(0))
+    loss, first_grads = step.loss_and_grads(batch(0)) if grads else (None, None)
     first = FirstCall(parallel, jit)  # the first step's report: what XLA compiled
     history = [step(batch(i), reader=first if i == 0 else None) for i in range(PARITY_STEPS)]
     if jit and not single:
@@ -244,38 +248,42 @@ def parity_run(family, axes, jit, extra=()):
         assert report.clusters >= 1 and len(report.devices) == parallel.mesh.num_local_devices()
         assert report.core_outside() == {}, report.examples
     weights = {v.path: to_numpy(v) for v in model.trainable_variables}
-    return {"loss": loss, "grads": grads, "history": history, "weights": weights,
+    return {"loss": loss, "grads": first_grads, "history": history, "weights": weights,
             "paths": [v.path for v in model.trainable_variables], "model": model,
             "optimizer": optimizer, "parallel": parallel,
             "costs": first.report.costs if first.report is not None else None}
 
 
 @functools.lru_cache(maxsize=None)
-def parity_reference(family, jit, extra=()):
+def parity_reference(family, jit, extra=(), grads=True):
     """The single-device float32 `parity_run`, computed once per process.
 
     Args:
       family: the model family.
       jit: compile the step with XLA.
       extra: more settings, as a hashable ((dotted key, value), ...).
+      grads: also the first batch's loss and gradients (see `parity_run`).
     """
-    return parity_run(family, None, jit, extra)
+    return parity_run(family, None, jit, extra, grads)
 
 
 def assert_parity(run, ref):
     """`run` equals `ref` (both from parity_run) within the float32 tolerances above:
-    loss and gradients of the first batch, each step's loss, gradient norm and learning
-    rate, and every weight after the steps.
+    loss and gradients of the first batch (when both computed them), each step's loss,
+    gradient norm and learning rate, and every weight after the steps.
 
     Args:
       run: the run under test (usually sharded).
       ref: the reference (usually `parity_reference(...)`).
     """
-    np.testing.assert_allclose(run["loss"], ref["loss"], rtol=LOSS_RTOL)
-    scale = max(float(np.abs(g).max()) for g in ref["grads"])
-    for path, g, g_ref in zip(ref["paths"], run["grads"], ref["grads"]):
-        atol = max(GRAD_ATOL_FRACTION * float(np.abs(g_ref).max()), GRAD_ATOL_FLOOR * scale)
-        np.testing.assert_allclose(g, g_ref, rtol=GRAD_RTOL, atol=atol, err_msg=path)
+    assert (run["grads"] is None) == (ref["grads"] is None), "both with grads, or neither"
+    if run["grads"] is not None:
+        np.testing.assert_allclose(run["loss"], ref["loss"], rtol=LOSS_RTOL)
+        scale = max(float(np.abs(g).max()) for g in ref["grads"])
+        for path, g, g_ref in zip(ref["paths"], run["grads"], ref["grads"]):
+            atol = max(GRAD_ATOL_FRACTION * float(np.abs(g_ref).max()),
+                       GRAD_ATOL_FLOOR * scale)
+            np.testing.assert_allclose(g, g_ref, rtol=GRAD_RTOL, atol=atol, err_msg=path)
     for got, want in zip(run["history"], ref["history"]):
         np.testing.assert_allclose(got["loss"], want["loss"], rtol=LOSS_RTOL)
         np.testing.assert_allclose(got["grad_norm"], want["grad_norm"], rtol=LOSS_RTOL)

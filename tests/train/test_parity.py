@@ -52,10 +52,14 @@ def test_sharded_training_matches_single_device(axes, family, jit, request):
             "XLA_FLAGS": (os.environ.get("XLA_FLAGS", "")
                           + " --xla_backend_optimization_level=0").strip()}):
         return
-    run = parity_run(family, axes, jit)
-    assert_parity(run, parity_reference(family, jit))
+    # Under XLA, the first batch's gradients are not compiled as a program of their own
+    # (90 of the case's 232 CPU seconds): the graph cases compare every gradient on each
+    # mesh, and the XLA step's gradients are held to the reference's through each step's
+    # gradient norm and every weight after the steps (the program that trains).
+    run = parity_run(family, axes, jit, grads=not jit)
+    ref = parity_reference(family, jit, grads=not jit)
+    assert_parity(run, ref)
     # The training really moved the weights: parity is not two untouched models.
-    ref = parity_reference(family, jit)
     assert ref["history"][-1]["loss"] < ref["history"][0]["loss"]
 
 
