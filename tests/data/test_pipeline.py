@@ -154,6 +154,22 @@ def test_building_a_pipeline_traces_the_same_functions_for_any_number_of_rows(te
     assert functions(2) == functions(8) > 0
 
 
+def test_a_position_saved_by_a_pipeline_of_another_shape_is_one_error(text_cfg, tmp_path):
+    """A run saved by a pipeline per row (tfllm before the row template, or changed data
+    settings) cannot restore its iterator into the template: one DataError naming the fix,
+    not TensorFlow's deserialization error."""
+    from tfllm.data.errors import DataError
+    kw = dict(micro_batches=1, micro_batch_rows=2)
+    old = Batches(text_cfg.data, BYTES, **kw)
+    old.dataset = old._build(per_row=True)
+    old._iterator = iter(old.dataset)
+    _take(old, 3)
+    old.save_state(str(tmp_path / "state" / "client0"))
+    with pytest.raises(DataError, match="saved by a tf.data pipeline of another shape.*"
+                                        "start a new --workdir"):
+        Batches(text_cfg.data, BYTES, **kw).restore_state(str(tmp_path / "state" / "client0"))
+
+
 def test_validation_max_batches_pads_and_stops(text_cfg):
     batches = list(Batches(text_cfg.data, BYTES, split="validation", micro_batches=1,
                            micro_batch_rows=2, max_batches=40))

@@ -326,4 +326,12 @@ class Batches:
             for stream in self._packed:  # a packed stream's n-th row is a pure function of n
                 stream.position = self._count
         elif self._synthetic is None:
-            tf.train.Checkpoint(iterator=self._iterator).read(path_prefix).assert_consumed()
+            try:
+                tf.train.Checkpoint(iterator=self._iterator).read(path_prefix
+                                                                   ).assert_consumed()
+            except tf.errors.OpError:
+                raise DataError(
+                    "the checkpoint's data-iterator position was saved by a tf.data "
+                    "pipeline of another shape (tfllm before 2026-11-27 built one pipeline "
+                    "per row; or the data settings changed); resume with the tfllm and "
+                    "settings that saved it, or start a new --workdir.") from None
