@@ -125,5 +125,13 @@ def test_a_dropped_connection_ends_the_run_as_a_lost_peer(real_sshd, tmp_path):
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
-    assert proc.returncode == 76, (out[-3000:], err[-3000:])
+    # The dropped session races two documented endings: rank 0 sees its peer gone (76,
+    # a lost peer), or rank 1's worker takes the session's SIGHUP as a stop signal first
+    # and the clients stop together at the next step with a checkpoint (75). Idle, the
+    # second wins; under load, the first (measured: 7 of 7 runs alone gave 75, the suite
+    # under -n 2 usually 76). Either way the run ends, and nothing is left running.
+    assert proc.returncode in (75, 76), (out[-3000:], err[-3000:])
+    if proc.returncode == 75:
+        assert "is saved" in out + err, (out[-3000:], err[-3000:])
+        assert any((workdir / "checkpoints").glob("step_*")), "75 without a checkpoint"
     _wait_gone(tmp_path, before)
