@@ -18,6 +18,14 @@ def _take(batches, n):
     return [next(batches) for _ in range(n)]
 
 
+def _per_row(batches):
+    """`batches` reading a pipeline traced per row and zipped (how TFDS sources are
+    built, and how every source was before the row template)."""
+    batches.dataset = batches._build(per_row=True)
+    batches._iterator = iter(batches.dataset)
+    return batches
+
+
 def _reference_rows(docs, tokenizer, length):
     """Rows of `length` packed the slow, obvious way; the last one padded with segment 0."""
     tokens = [t for doc in docs for t in tokenizer.encode(doc) + [tokenizer.eod_id]]
@@ -109,9 +117,7 @@ def test_the_row_template_reads_what_a_pipeline_per_row_reads(text_cfg, split):
     text_cfg.data.eval_paths = []
     kw = dict(split=split, rows=[1, 3], micro_batches=2, micro_batch_rows=4)
     template = Batches(text_cfg.data, BYTES, **kw)
-    per_row = Batches(text_cfg.data, BYTES, **kw)
-    per_row.dataset = per_row._build(per_row=True)
-    per_row._iterator = iter(per_row.dataset)
+    per_row = _per_row(Batches(text_cfg.data, BYTES, **kw))
     n = 12 if split == "train" else None  # validation: all of it, padding to the end
     want = _take(per_row, n) if n else list(per_row)
     got = _take(template, n) if n else list(template)
@@ -132,9 +138,8 @@ def test_batches_do_not_depend_on_tensorflows_global_seed(text_cfg):
         for seed, per_row in ((None, False), (0, False), (1234, False), (0, True)):
             tf.random.set_seed(seed)
             batches = Batches(text_cfg.data, BYTES, **kw)
-            if per_row:  # how TFDS sources are built
-                batches.dataset = batches._build(per_row=True)
-                batches._iterator = iter(batches.dataset)
+            if per_row:
+                batches = _per_row(batches)
             runs.append(np.stack([b["tokens"] for b in _take(batches, 4)]))
     finally:
         tf.random.set_seed(None)
@@ -161,9 +166,7 @@ def test_a_position_saved_by_a_pipeline_of_another_shape_is_one_error(text_cfg, 
     not TensorFlow's deserialization error."""
     from tfllm.data.errors import DataError
     kw = dict(micro_batches=1, micro_batch_rows=2)
-    old = Batches(text_cfg.data, BYTES, **kw)
-    old.dataset = old._build(per_row=True)
-    old._iterator = iter(old.dataset)
+    old = _per_row(Batches(text_cfg.data, BYTES, **kw))
     _take(old, 3)
     old.save_state(str(tmp_path / "state" / "client0"))
     with pytest.raises(DataError, match="saved by a tf.data pipeline of another shape.*"

@@ -202,10 +202,11 @@ class Batches:
         yields.
 
         The streams are one template traced once, applied to a row index (a tensor) by an
-        interleave that takes one element from each stream in turn. Tracing a pipeline per
-        row cost a trace per row (a client with 128 rows took 73 s to its first batch,
-        benchmarks/data_pipeline.py). TFDS names each row's shard by a Python index (`tfds.even_splits`), so
-        its streams are built one by one and zipped (`per_row`: also for tests).
+        interleave that takes one element from each stream in turn. A pipeline per row
+        cost a trace per row (a client with 128 rows took 73 s to its first batch,
+        benchmarks/data_pipeline.py). TFDS names each row's shard by a Python index
+        (`tfds.even_splits`), so its streams are built one by one and zipped (`per_row`:
+        also for tests).
         """
         n = len(rows)
         seeds = [stream_seed(self.data.seed, r) for r in rows]
