@@ -5,9 +5,6 @@ tests/harness.py.
 """
 
 import os
-import subprocess
-import sys
-import threading
 
 os.environ.setdefault("KERAS_BACKEND", "tensorflow")
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
@@ -30,87 +27,10 @@ def pytest_addoption(parser):
                      help="Rewrite tests/golden/*.json from the current layouts.")
 
 
-# ---- test tiers: `slow` tells the truth ---------------------------------------------------
-# The quick loop is `pytest -m "not slow"`. A test outside it is marked `slow` because of
-# what it does (starts a Python process, executes a notebook, compiles a parity mesh
-# through XLA) or how long it takes. Both are checked here, on every run: an unmarked test
-# that starts a Python process, or takes longer than UNMARKED_LIMIT_S (setup and call
-# together), fails with a line saying to mark it. Every test gets a timeout that fits its
-# tier unless it names its own (pytest-timeout).
-# The limit is for a test with the machine to itself: under pytest-xdist's N workers
-# (README: -n 2 on 2 cores) each has a share of the CPU, so it is N times longer.
-UNMARKED_LIMIT_S = (float(os.environ.get("TFLLM_UNMARKED_LIMIT_S", "20"))
-                    * int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")))
-TIER_TIMEOUT_S = {"quick": 120, "slow": 900}
-_tier = threading.local()  # the item being set up or run, in the main thread
-_starts = {}  # nodeid -> argv of the Python processes an unmarked test started
-
-
-def _is_slow(item):
-    return item.get_closest_marker("slow") is not None
-
-
-def _starts_python(args):
-    argv = [args] if isinstance(args, (str, bytes, os.PathLike)) else list(args)
-    if not argv:
-        return False
-    words = os.fsdecode(argv[0]).split()
-    first = words[0] if words else ""
-    return os.path.basename(first).startswith("python") or first == sys.executable
-
-
-_popen_init = subprocess.Popen.__init__
-
-
-def _guarded_popen_init(self, args, *rest, **kwargs):
-    item = getattr(_tier, "item", None)
-    if item is not None and not _is_slow(item) and _starts_python(args):
-        _starts.setdefault(item.nodeid, []).append(args)
-    _popen_init(self, args, *rest, **kwargs)
-
-
-subprocess.Popen.__init__ = _guarded_popen_init
-
-
-def pytest_collection_modifyitems(config, items):
-    for item in items:
-        if item.get_closest_marker("timeout") is None:
-            item.add_marker(pytest.mark.timeout(
-                TIER_TIMEOUT_S["slow" if _is_slow(item) else "quick"]))
-
-
-@pytest.hookimpl(hookwrapper=True)
-def pytest_runtest_protocol(item, nextitem):
-    _tier.item = item
-    try:
-        yield
-    finally:
-        _tier.item = None
-
-
-@pytest.hookimpl(hookwrapper=True)
-def pytest_runtest_makereport(item, call):
-    outcome = yield
-    report = outcome.get_result()
-    if report.when == "setup":
-        item._tier_setup_s = report.duration
-    if report.when != "call" or _is_slow(item) or not report.passed:
-        return
-    problems = []
-    started = _starts.pop(item.nodeid, None)
-    if started:
-        problems.append(f"it starts {len(started)} Python process(es), e.g. "
-                        f"{' '.join(map(str, started[0]))[:160]}")
-    took = getattr(item, "_tier_setup_s", 0.0) + report.duration
-    if took > UNMARKED_LIMIT_S:
-        problems.append(f"it took {took:.0f} s (setup and call), over the quick tier's "
-                        f"{UNMARKED_LIMIT_S:.0f} s (TFLLM_UNMARKED_LIMIT_S times the "
-                        "pytest-xdist workers)")
-    if problems:
-        report.outcome = "failed"
-        report.longrepr = ("unmarked test in the quick tier: " + "; ".join(problems)
-                           + ". Mark it @pytest.mark.slow (and say why in the testing docs) "
-                           "or make it cheaper.")
+# ---- test tiers: `slow` tells the truth (tests/tiers.py: the hooks and why) ------------
+from tests.tiers import (  # noqa: E402,F401  (pytest finds hooks by name here)
+    pytest_collection_modifyitems, pytest_runtest_makereport, pytest_runtest_protocol,
+    pytest_terminal_summary)
 
 
 @pytest.fixture
