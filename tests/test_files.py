@@ -42,6 +42,44 @@ def test_writes_land_inside_the_root_and_make_the_folders_between(tmp_path):
     assert files.make_dirs(str(root), "d/e") == str(root / "d" / "e")
 
 
+@pytest.mark.parametrize("root_given", ["relative", "absolute"])
+def test_a_path_joined_from_a_relative_root_lands_in_it_not_one_level_down(
+        tmp_path, monkeypatch, root_given):
+    # `tfllm train` with its default --workdir runs/default (relative, as most are typed)
+    # wrote config.yaml, metrics.jsonl, costs.json, loss.png, tensorboard/ and tokenizer/
+    # into runs/default/runs/default/: each path was the workdir joined with a name, and
+    # was joined to the root once more.
+    monkeypatch.chdir(tmp_path)
+    root = "runs/default" if root_given == "relative" else str(tmp_path / "runs/default")
+    files.write_atomically(root, os.path.join("runs/default", "costs.json"), "{}")
+    files.write_atomically(root, "config.yaml", "a: 1")  # a name below the root
+    with files.open_for_writing(root, "runs/default/logs/client.0.log") as f:
+        f.write("x")
+    assert files.make_dirs(root, "runs/default/tensorboard") == str(
+        tmp_path / "runs/default/tensorboard")
+    files.replace(root, "runs/default/config.yaml", "runs/default/old.yaml")
+    assert sorted(os.listdir(tmp_path / "runs/default")) == [
+        "costs.json", "logs", "old.yaml", "tensorboard"]
+    files.remove(root, "runs/default/costs.json")  # a name tfllm gives its own file
+    assert not (tmp_path / "runs/default/costs.json").exists()
+    # the rule reads only paths that begin with the root: a name is still below it
+    files.write_atomically(root, "runs/x.json", "{}")
+    assert (tmp_path / "runs/default/runs/x.json").exists()
+    with pytest.raises(Refused, match="outside"):
+        files.write_atomically(root, "runs/default/../../../elsewhere.json", "x")
+
+
+def test_a_relative_workdir_holds_the_run_s_outputs(tmp_path, monkeypatch):
+    # ...and its marker went there too, so running the same command again (to resume)
+    # found a workdir without one.
+    from tfllm.checkpoint.workdir import Workdir, read_marker, write_marker
+    monkeypatch.chdir(tmp_path)
+    write_marker("runs/default", "train")
+    Workdir("runs/default").write_costs({"steps": 1})
+    assert sorted(os.listdir(tmp_path / "runs/default")) == [".tfllm-run", "costs.json"]
+    assert read_marker("runs/default")["kind"] == "train"
+
+
 @pytest.mark.parametrize("write", [
     lambda root: files.open_for_writing(root, "out.txt").close(),
     lambda root: files.open_for_writing(root, "out.txt", "a", append=True).close(),

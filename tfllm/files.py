@@ -101,12 +101,23 @@ def owned_name(name: str) -> bool:
 
 # ---- walking a path below its root ----------------------------------------------------------
 def _split(root: str, path) -> tuple:
-    """(the root as an absolute path, the components of `path` below it); `path` is
-    absolute or relative to the root, None for the root itself."""
+    """(the root as an absolute path, the components of `path` below it).
+
+    `path` is None for the root itself, absolute, or relative. A relative path that
+    begins with the root as seen from the current directory (`runs/default/costs.json`
+    for the root `runs/default`, given as such or absolute) was made by joining the root
+    and a name, and is read from the current directory; any other relative path is a name
+    below the root (`config.json`). Without the first rule, a relative --workdir wrote its
+    files one level down, into WORKDIR/runs/default/."""
     root = os.path.abspath(os.path.expanduser(root))
     if path is None:
         return root, []
-    full = os.path.abspath(os.path.join(root, os.fspath(path)))
+    path = os.path.normpath(os.fspath(path))
+    seen = os.path.relpath(root, os.getcwd())
+    from_cwd = (not os.path.isabs(path) and seen != os.curdir
+                and not (seen == os.pardir or seen.startswith(os.pardir + os.sep))
+                and path.startswith(seen + os.sep))
+    full = os.path.abspath(path if from_cwd else os.path.join(root, path))
     rel = os.path.relpath(full, root)
     if rel == os.curdir:
         return root, []

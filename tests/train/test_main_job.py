@@ -13,15 +13,15 @@ from tests.harness import metrics_records, run_tfllm
 
 @pytest.mark.slow
 def test_default_run_on_the_embedded_corpus(tmp_path):
-    # Every default (corpus, SentencePiece at 2048, the 1.1M-parameter GPT, data=-1)
-    # except the length: 40 steps instead of 1200 and a private cache directory.
-    workdir = tmp_path / "run"
+    # Every default (corpus, SentencePiece at 2048, the 1.1M-parameter GPT, data=-1, the
+    # workdir runs/default below the current directory) except the length: 40 steps
+    # instead of 1200 and a private cache directory.
+    workdir = tmp_path / "runs" / "default"
     r = run_tfllm(
-        "train", "--workdir", str(workdir),
-        "--set", "train.steps=40", "--set", "train.log_every=10",
+        "train", "--set", "train.steps=40", "--set", "train.log_every=10",
         "--set", "train.eval_every=20", "--set", "train.eval_steps=4",
         "--set", f"data.data_dir={tmp_path / 'cache'}", "--set", "train.sample_tokens=16",
-        timeout=900)
+        timeout=900, cwd=tmp_path)
     assert r.returncode == 0, r.stderr[-3000:]
     out = r.stdout
     assert "step 40/40" in out and "tok/s" in out and "MFU" in out and "ETA" in out
@@ -36,6 +36,13 @@ def test_default_run_on_the_embedded_corpus(tmp_path):
     assert (workdir / "tokenizer" / "tokenizer.model").exists()
     assert (workdir / "loss.png").exists()
     assert os.listdir(workdir / "checkpoints") == ["step_00000040"]
+    # what the README's table lists, in the workdir itself (a relative --workdir once
+    # wrote all but checkpoints/ into runs/default/runs/default/)
+    assert {"config.yaml", "metrics.jsonl", "tensorboard", "loss.png", "checkpoints",
+            "tokenizer", "costs.json", ".tfllm-run"} <= set(os.listdir(workdir))
+    assert sorted(os.listdir(tmp_path)) == ["cache", "runs"]
+    assert os.listdir(tmp_path / "runs") == ["default"]
+    assert "runs" not in os.listdir(workdir)
 
 
 class _Tty(io.StringIO):
