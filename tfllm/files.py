@@ -113,10 +113,14 @@ def _split(root: str, path) -> tuple:
     if path is None:
         return root, []
     path = os.path.normpath(os.fspath(path))
-    seen = os.path.relpath(root, os.getcwd())
-    from_cwd = (not os.path.isabs(path) and seen != os.curdir
-                and not (seen == os.pardir or seen.startswith(os.pardir + os.sep))
-                and path.startswith(seen + os.sep))
+    from_cwd = False
+    if not os.path.isabs(path):
+        try:
+            seen = os.path.relpath(root, os.getcwd())
+        except FileNotFoundError:  # the current directory is gone: nothing is read from it
+            seen = os.curdir
+        from_cwd = (seen != os.curdir and path.startswith(seen + os.sep)
+                    and not (seen == os.pardir or seen.startswith(os.pardir + os.sep)))
     full = os.path.abspath(path if from_cwd else os.path.join(root, path))
     rel = os.path.relpath(full, root)
     if rel == os.curdir:
