@@ -69,6 +69,17 @@ def test_a_path_joined_from_a_relative_root_lands_in_it_not_one_level_down(
         files.write_atomically(root, "runs/default/../../../elsewhere.json", "x")
 
 
+def test_a_root_beside_the_current_directory_is_read_the_same_way(tmp_path, monkeypatch):
+    # --workdir ../other/run from a sibling folder: its joined paths begin with `..`
+    (tmp_path / "here").mkdir()
+    monkeypatch.chdir(tmp_path / "here")
+    files.write_atomically("../other/run", "../other/run/costs.json", "{}")
+    files.write_atomically("../other/run", "config.yaml", "a: 1")
+    assert sorted(os.listdir(tmp_path / "other/run")) == ["config.yaml", "costs.json"]
+    with pytest.raises(Refused, match="outside"):
+        files.write_atomically("../other/run", "../other/elsewhere.json", "x")
+
+
 def test_a_relative_workdir_holds_the_run_s_outputs(tmp_path, monkeypatch):
     # ...and its marker went there too, so running the same command again (to resume)
     # found a workdir without one.

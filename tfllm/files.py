@@ -115,12 +115,11 @@ def _split(root: str, path) -> tuple:
     path = os.path.normpath(os.fspath(path))
     from_cwd = False
     if not os.path.isabs(path):
-        try:
+        try:  # `../runs/x` for a root beside the current directory; never `./`: normalized
             seen = os.path.relpath(root, os.getcwd())
         except FileNotFoundError:  # the current directory is gone: nothing is read from it
             seen = os.curdir
-        from_cwd = (seen != os.curdir and path.startswith(seen + os.sep)
-                    and not (seen == os.pardir or seen.startswith(os.pardir + os.sep)))
+        from_cwd = path.startswith(seen + os.sep)
     full = os.path.abspath(path if from_cwd else os.path.join(root, path))
     rel = os.path.relpath(full, root)
     if rel == os.curdir:
