@@ -2,18 +2,25 @@
 
 The quick loop is `pytest -m "not slow"`. A test outside it is marked `slow` because of
 what it does (starts a Python process, executes a notebook, compiles a parity mesh
-through XLA) or how long it takes. Both are checked on every run: an unmarked test that
-starts a Python process, or whose setup and call take longer than the limit, fails with
-a line saying to mark it. Every test gets a timeout that fits its tier unless it names
-its own (pytest-timeout).
+through XLA) or how long it takes. What a test does is a fact about the test, and is
+checked on every run: an unmarked test that starts a Python process fails with a line
+saying to mark it. How long it takes is a fact about the test *and the machine*: time is
+reported, never asserted. At the end of a run, every unmarked test whose setup and call
+went past the quick tier's limits is listed with its wall, CPU and garbage-collection
+seconds; the run does not fail for it unless a maintainer asks, on an idle machine, with
+TFLLM_TIER_STRICT=1 (docs/testing.md, "Reading the tier report").
 
-"Takes longer" means both: the wall time is over TFLLM_UNMARKED_LIMIT_S (default 20 s,
-for a test with the machine to itself) times pytest-xdist's workers, which share the
-cores; and the worker process spent more than TFLLM_UNMARKED_LIMIT_S of CPU time (all
-its threads) on it. A test that took long on the clock while its process did not work
-(a starved or paused worker on a shared machine: one clean-clone run saw a 0.07 s test
-take 59 s) is not failed for it; it is listed at the end of the run, with its CPU and
-garbage-collection seconds, so that a cause can be found.
+The limits: wall time over TFLLM_UNMARKED_LIMIT_S (default 20 s, for a test with the
+machine to itself) times pytest-xdist's workers, which share the cores; CPU time (all the
+worker's threads) over TFLLM_UNMARKED_LIMIT_S. A test over both worked past the limit:
+mark it slow or make it cheaper. A test over the wall limit only took long while its
+process did not work (a starved or paused worker on a shared machine: one clean-clone run
+saw a 0.07 s test take 59 s, 58 s of it in garbage collection).
+
+Every test also gets a timeout for its tier (pytest-timeout) unless it names its own.
+These bound hangs, not speed: each is at least 5 times the slowest test of its tier
+measured on a 2-core machine with two CPU-bound processes beside the suite
+(docs/testing.md, "A busy machine").
 """
 
 import gc
@@ -25,17 +32,13 @@ import time
 
 import pytest
 
-TIER_TIMEOUT_S = {"quick": 120, "slow": 900}
+# Hang bounds (s). Slowest measured with two CPU-bound processes beside `pytest -n 2` on
+# 2 cores (docs/testing.md, "A busy machine"): see the page for the figures.
+TIER_TIMEOUT_S = {"quick": 600, "slow": 1800}
+STRICT_VARIABLE = "TFLLM_TIER_STRICT"
 _tier = threading.local()  # the item being set up or run, in the main thread
 _starts = {}  # nodeid -> argv of the Python processes an unmarked test started
 _gc_s = [0.0, None]  # seconds spent in garbage collection so far, start of the current one
-
-
-def unmarked_limits():
-    """(wall seconds, CPU seconds) an unmarked test may take, read from the environment
-    before each test's setup (a test of these hooks sets its own for the tests it runs)."""
-    cpu = float(os.environ.get("TFLLM_UNMARKED_LIMIT_S", "20"))
-    return cpu * int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")), cpu
 
 
 def _gc_clock(phase, info):
@@ -48,6 +51,32 @@ def _gc_clock(phase, info):
 
 if _gc_clock not in gc.callbacks:
     gc.callbacks.append(_gc_clock)
+
+
+def process_clocks():
+    """(wall, CPU, garbage-collection) seconds so far, for this process."""
+    return time.perf_counter(), time.process_time(), _gc_s[0]
+
+
+# The clocks a run reads: this process's, unless a run's config puts others in its stash
+# (tests/test_tiers.py runs these hooks with clocks it advances itself).
+CLOCKS_KEY = pytest.StashKey()
+
+
+def _clocks(config):
+    return config.stash.get(CLOCKS_KEY, process_clocks)
+
+
+def unmarked_limits():
+    """(wall seconds, CPU seconds) an unmarked test may take, read from the environment
+    before each test's setup (a test of these hooks sets its own for the tests it runs)."""
+    cpu = float(os.environ.get("TFLLM_UNMARKED_LIMIT_S", "20"))
+    return cpu * int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")), cpu
+
+
+def strict() -> bool:
+    """Whether tests over the limits fail the run (a maintainer's idle machine only)."""
+    return os.environ.get(STRICT_VARIABLE, "") not in ("", "0")
 
 
 def _is_slow(item):
@@ -90,52 +119,89 @@ def pytest_runtest_protocol(item, nextitem):
     outer = getattr(_tier, "item", None)  # a pytest run inside a test (this module's tests)
     _tier.item = item
     item._tier_limits = unmarked_limits()
-    item._tier_clocks = (time.process_time(), _gc_s[0])
+    item._tier_start = _clocks(item.config)()
     try:
         yield
     finally:
         _tier.item = outer
 
 
+def over_limits(took, cpu, limits):
+    """'worked' (over the wall and the CPU limit), 'waited' (over the wall limit only,
+    with its process idle), 'busy' (over the CPU limit only: threads worked in parallel)
+    or None, for a test's wall and CPU seconds against (wall limit, CPU limit)."""
+    wall_limit, cpu_limit = limits
+    if took > wall_limit and cpu > cpu_limit:
+        return "worked"
+    if took > wall_limit:
+        return "waited"
+    if cpu > cpu_limit:
+        return "busy"
+    return None
+
+
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_makereport(item, call):
     outcome = yield
     report = outcome.get_result()
-    if report.when == "setup":
-        item._tier_setup_s = report.duration
     if report.when != "call" or _is_slow(item) or not report.passed:
         return
-    problems = []
     started = _starts.pop(item.nodeid, None)
-    if started:
-        problems.append(f"it starts {len(started)} Python process(es), e.g. "
-                        f"{' '.join(map(str, started[0]))[:160]}")
-    took = getattr(item, "_tier_setup_s", 0.0) + report.duration
-    cpu0, gc0 = getattr(item, "_tier_clocks", (time.process_time(), _gc_s[0]))
-    cpu, in_gc = time.process_time() - cpu0, _gc_s[0] - gc0
-    wall_limit, cpu_limit = getattr(item, "_tier_limits", None) or unmarked_limits()
-    if took > wall_limit and cpu > cpu_limit:
-        problems.append(f"it took {took:.0f} s and {cpu:.0f} CPU s ({in_gc:.1f} s of them "
-                        f"in garbage collection) for its setup and call, over the quick "
-                        f"tier's {wall_limit:g} s and {cpu_limit:g} CPU s "
-                        "(TFLLM_UNMARKED_LIMIT_S, the wall time times the pytest-xdist "
-                        "workers)")
-    elif took > wall_limit:
-        report.user_properties.append(
-            ("tier_waited", f"{took:.0f} s with {cpu:.1f} CPU s, {in_gc:.1f} s in "
-                            "garbage collection"))
-    if problems:
+    if started:  # what the test does, whatever the machine: always a failure
         report.outcome = "failed"
-        report.longrepr = ("unmarked test in the quick tier: " + "; ".join(problems)
-                           + ". Mark it @pytest.mark.slow (and say why in the testing docs) "
-                           "or make it cheaper.")
+        report.longrepr = (f"unmarked test in the quick tier: it starts {len(started)} "
+                           f"Python process(es), e.g. {' '.join(map(str, started[0]))[:160]}. "
+                           "Mark it @pytest.mark.slow (and say why in the testing docs).")
+        return
+    now = _clocks(item.config)()
+    start = getattr(item, "_tier_start", now)
+    took, cpu, in_gc = (b - a for a, b in zip(start, now))
+    limits = getattr(item, "_tier_limits", None) or unmarked_limits()
+    kind = over_limits(took, cpu, limits)
+    if kind is None:
+        return
+    report.user_properties.append(("tier_report", (kind, took, cpu, in_gc, *limits)))
+    if kind == "worked" and strict():
+        report.outcome = "failed"
+        report.longrepr = (f"unmarked test in the quick tier: it took {took:.0f} s and "
+                           f"{cpu:.0f} CPU s ({in_gc:.1f} s of them in garbage collection) "
+                           f"for its setup and call, over the quick tier's {limits[0]:g} s "
+                           f"and {limits[1]:g} CPU s ({STRICT_VARIABLE} is set). Mark it "
+                           "@pytest.mark.slow (and say why in the testing docs) or make it "
+                           "cheaper.")
+
+
+_MEANING = {
+    "worked": "its process worked past both limits: mark it slow or make it cheaper",
+    "waited": "its process waited (a busy or paused machine, or a stall in the test)",
+    "busy": "its threads used more CPU than the limit in less wall time",
+}
+
+
+def report_lines(reports) -> tuple:
+    """(lines, limits): the end-of-run lines for the tests (pytest reports) over the
+    limits, slowest first, and the (wall, CPU) limits they were held to (workers set
+    them: the wall limit counts pytest-xdist's workers)."""
+    rows, limits = [], None
+    for r in reports:
+        props = dict(getattr(r, "user_properties", ()))
+        if "tier_report" in props:
+            kind, took, cpu, in_gc, *limits = props["tier_report"]
+            rows.append((took, f"{r.nodeid}: {took:.1f} s, {cpu:.1f} CPU s, {in_gc:.1f} s "
+                               f"in garbage collection; {_MEANING[kind]}"))
+    return [line for _, line in sorted(rows, key=lambda row: -row[0])], limits
 
 
 def pytest_terminal_summary(terminalreporter):
-    waited = [(r.nodeid, dict(r.user_properties)["tier_waited"])
-              for r in terminalreporter.stats.get("passed", [])
-              if "tier_waited" in dict(getattr(r, "user_properties", ()))]
-    if waited:
-        terminalreporter.section("unmarked tests that took long while their process waited")
-        for nodeid, what in waited:
-            terminalreporter.write_line(f"{nodeid}: {what}")
+    stats = terminalreporter.stats
+    lines, limits = report_lines(r for key in ("passed", "failed") for r in stats.get(key, ()))
+    if not lines:
+        return
+    wall_limit, cpu_limit = limits
+    terminalreporter.section("unmarked tests over the quick tier's limits")
+    for line in lines:
+        terminalreporter.write_line(line)
+    terminalreporter.write_line(
+        f"(limits: {wall_limit:g} s of wall time and {cpu_limit:g} CPU s. Reported, not "
+        f"failed: time depends on the machine; {STRICT_VARIABLE}=1 on an idle machine fails "
+        "the tests that worked past both. docs/testing.md, 'Reading the tier report')")

@@ -222,6 +222,9 @@ def test_a_notebook_that_needs_an_extra_says_so_in_its_first_cell():
 
 
 @pytest.mark.slow
+# The budget bounds the notebook's cells; the test's own bound leaves room for the kernel's
+# start and the comparison, so a hang is reported by the budget's message (the cell).
+@pytest.mark.timeout(execute.NOTEBOOK_BUDGET_S + 300)
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=_name)
 def test_fresh_execution_matches_the_stored_outputs(path):
     stored = nbformat.read(path, as_version=4)
@@ -234,6 +237,37 @@ def test_fresh_execution_matches_the_stored_outputs(path):
     assert execute.compare(stored, fresh, figures.rules(path)) == [], (
         f"{_name(path)}'s stored outputs are stale (fresh execution: {seconds:.0f} s); "
         f"if the change is intended: {execute.COMMAND} notebooks/{_name(path)}")
+
+
+def test_a_timed_out_notebook_names_the_cell_and_how_long_it_had_run():
+    line = execute.timeout_message("07_x.ipynb", 3, "\n# train\nrun.fit()\n", 1501.4, 1190.2,
+                                   1500)
+    assert line == ("07_x.ipynb: code cell 3 ('# train') was still running after 1190 s; the "
+                    "notebook had run 1501 s of its 1500 s budget, a bound for hangs "
+                    "(tests/notebooks/execute.py: NOTEBOOK_BUDGET_S). Look for a cell that "
+                    "waits on something that never comes.")
+
+
+def test_the_notebook_budget_bounds_hangs_not_speed():
+    # docs/testing.md, "A busy machine": at least 5x the slowest notebook measured on 2
+    # cores with two CPU-bound processes beside it.
+    slowest_loaded_s = 300
+    assert execute.NOTEBOOK_BUDGET_S >= 5 * slowest_loaded_s
+
+
+@pytest.mark.slow  # starts a Jupyter kernel (a Python process)
+def test_a_notebook_past_its_budget_fails_naming_the_running_cell(tmp_path):
+    nb = nbformat.v4.new_notebook(cells=[
+        nbformat.v4.new_markdown_cell("# a hang"),
+        nbformat.v4.new_code_cell("x = 1"),
+        nbformat.v4.new_code_cell("import time\ntime.sleep(3600)  # never ends in time")])
+    path = tmp_path / "hang.ipynb"
+    nbformat.write(nb, str(path))
+    with pytest.raises(execute.NotebookTimeout) as raised:
+        execute.execute(str(path), budget_s=20)  # cell 1 takes milliseconds; cell 2 an hour
+    assert re.fullmatch(r"hang\.ipynb: code cell 2 \('import time'\) was still running "
+                        r"after \d+ s; the notebook had run \d+ s of its 20 s budget, .*",
+                        str(raised.value)), str(raised.value)
 
 
 def test_the_kernel_does_not_inherit_settings_that_change_numerics(monkeypatch):
