@@ -34,7 +34,7 @@ import pytest
 
 # Hang bounds (s). Slowest measured with two CPU-bound processes beside `pytest -n 2` on
 # 2 cores (docs/testing.md, "A busy machine"): see the page for the figures.
-TIER_TIMEOUT_S = {"quick": 600, "slow": 1800}
+TIER_TIMEOUT_S = {"quick": 900, "slow": 1800}
 STRICT_VARIABLE = "TFLLM_TIER_STRICT"
 _tier = threading.local()  # the item being set up or run, in the main thread
 _starts = {}  # nodeid -> argv of the Python processes an unmarked test started

@@ -12,7 +12,8 @@ import pytest
 from tfllm.checkpoint.lock import RunLock
 from tfllm.checkpoint.workdir import WorkdirError
 from tfllm.cli.main import main
-from tests.harness import finish, snapshot_tree, start_process, tfllm_command, tiny_overrides
+from tests.harness import (TF_HANG_S, finish, snapshot_tree, start_process, tfllm_command,
+                           tiny_overrides)
 
 
 def test_a_held_lock_refuses_a_second_holder_naming_the_first(tmp_path):
@@ -58,9 +59,9 @@ def test_a_second_train_on_a_live_run_is_refused_and_the_first_finishes(tmp_path
     proc = start_process(tfllm_command("train", "--workdir", run, *sets))
     try:
         lock_file = os.path.join(run, ".tfllm-locks", "client_0.lock")
-        deadline = time.time() + 240
-        while time.time() < deadline and not os.path.exists(os.path.join(run,
-                                                                         "metrics.jsonl")):
+        deadline = time.monotonic() + TF_HANG_S  # bounds a hang only
+        while time.monotonic() < deadline and not os.path.exists(os.path.join(run,
+                                                                              "metrics.jsonl")):
             time.sleep(0.5)  # training: past set-up, its files written
         assert os.path.exists(lock_file), "the first run never took its lock"
         before = snapshot_tree(run)
@@ -72,7 +73,7 @@ def test_a_second_train_on_a_live_run_is_refused_and_the_first_finishes(tmp_path
         after = snapshot_tree(run)
         assert set(before) <= set(after) | {n for n in before if "tmp" in n}
         proc.send_signal(signal.SIGTERM)
-        code, out, _ = finish(proc, timeout=120)
+        code, out, _ = finish(proc, timeout=TF_HANG_S)
         assert code == 75, out[-2000:]
     finally:
         if proc.poll() is None:

@@ -8,9 +8,9 @@ import pytest
 from tfllm.checkpoint import Checkpointer, Reader
 from tests.checkpoint.helpers import gathered
 from tests.checkpoint.multiclient_save import build_state, reference_value
-from tests.harness import PY, ROOT, run_clients, tiny_overrides
+from tests.harness import PY, ROOT, TF_HANG_S, run_clients, tiny_overrides
 
-TIMEOUT_S = 240
+TIMEOUT_S = TF_HANG_S  # bounds a hang only
 SCRIPT = os.path.join(ROOT, "tests", "checkpoint", "multiclient_save.py")
 
 

@@ -33,7 +33,7 @@ def test_noise_by_level():
 def _layouts_stderr(**env):
     base = {k: v for k, v in os.environ.items() if k != "TF_CPP_MIN_LOG_LEVEL"}
     r = run_tfllm("layouts", "--config", "configs/tiny.yaml", "--set", "mesh.axes=data=2",
-                  "--set", "model.bogus=1", env=dict(base, **env), timeout=120)
+                  "--set", "model.bogus=1", env=dict(base, **env))
     assert r.returncode == 2
     return r.stderr
 

@@ -11,6 +11,11 @@ import time
 from tests.harness import PY, ROOT, finish, kill_group, start_process  # noqa: F401
 
 LAUNCHER = os.path.join(ROOT, "launch", "multiworker.sh")
+#: bounds a hang of a launcher run whose workers do not import TensorFlow (a bare
+#: `python -c`, a fake ssh): ~0.1 s of Python start-up each, plus the launcher's own waits
+#: (--kill-timeout, --startup-timeout: at most 60 s in these tests). It never decides a
+#: passing run's outcome (issue 47).
+LAUNCHER_HANG_S = 120
 
 
 def launcher_env(**extra):
@@ -28,9 +33,42 @@ def start(args, env=None, cwd=ROOT):
     return start_process(["bash", LAUNCHER, *args], env or launcher_env(), cwd)
 
 
-def run(args, timeout=60, env=None, cwd=ROOT):
+def run(args, timeout=LAUNCHER_HANG_S, env=None, cwd=ROOT):
     """Runs the launcher to completion: (exit code, stdout, stderr)."""
     return finish(start(args, env, cwd), timeout)
+
+
+def go_when_ready(go):
+    """Python lines (for a `-c` worker) that wait until the file `go` exists: a worker
+    that instead exited after a sleep raced the launcher's poll for readiness (a starved
+    launcher saw it gone before it saw it ready)."""
+    return (f"\nwhile not __import__('os').path.exists({str(go)!r}): "
+            "__import__('time').sleep(0.05)\n")
+
+
+def run_until_ready(args, go, timeout=LAUNCHER_HANG_S, env=None, cwd=ROOT):
+    """Runs the launcher; once it says "workers ready after", creates the file `go` (its
+    workers wait for it: `go_when_ready`); (exit code, stdout, stderr). A launcher that
+    ends or is not ready within `timeout` gets `go` too, so its workers end."""
+    folder = os.path.dirname(str(go))
+    out_path, err_path = (os.path.join(folder, f"launcher.{n}") for n in ("out", "err"))
+    with open(out_path, "w") as out, open(err_path, "w") as err:
+        proc = subprocess.Popen(["bash", LAUNCHER, *args], cwd=cwd, env=env or launcher_env(),
+                                stdout=out, stderr=err, start_new_session=True)
+
+    def read(path):
+        with open(path) as f:
+            return f.read()
+    try:
+        deadline = time.monotonic() + timeout
+        while (proc.poll() is None and time.monotonic() < deadline
+               and "workers ready after" not in read(err_path)):
+            time.sleep(0.1)
+        open(str(go), "w").close()
+        proc.wait(timeout=timeout)
+    finally:
+        kill_group(proc)
+    return proc.returncode, read(out_path), read(err_path)
 
 
 def leftovers(marker):
@@ -39,8 +77,9 @@ def leftovers(marker):
     return [line for line in out.splitlines() if "pgrep" not in line]
 
 
-def assert_no_leftovers(marker, wait_s=5.0):
-    """Workers are reaped asynchronously by init once orphaned: allow a moment."""
+def assert_no_leftovers(marker, wait_s=60.0):
+    """Workers are reaped asynchronously by init once orphaned: allow a moment (`wait_s`
+    bounds a hang only: it returns as soon as none is left)."""
     deadline = time.monotonic() + wait_s
     while leftovers(marker) and time.monotonic() < deadline:
         time.sleep(0.2)

@@ -189,12 +189,12 @@ class SlurmCluster:
                                os.path.join(d, "log", f"slurmd-{name}.out"), env=self.env)
 
         def idle():
-            out = _run(["sinfo", "-h", "-N", "-o", "%t"], env=self.env, timeout=10).stdout
+            out = _run(["sinfo", "-h", "-N", "-o", "%t"], env=self.env).stdout
             return out.split() == ["idle", "idle"]
 
         self._wait(idle, "two idle nodes in sinfo")
 
-    def _wait(self, ready, what, timeout=60.0) -> None:
+    def _wait(self, ready, what, timeout=300.0) -> None:  # bounds a hang: slurmd start-up
         deadline = time.monotonic() + timeout
         while not ready():
             dead = [p.args[0] for p in self.daemons.procs if p.poll() is not None]
@@ -205,10 +205,11 @@ class SlurmCluster:
             time.sleep(0.2)
 
     def squeue(self) -> List[str]:
-        return _run(["squeue", "-h", "-o", "%i"], env=self.env, timeout=10).stdout.split()
+        return _run(["squeue", "-h", "-o", "%i"], env=self.env).stdout.split()
 
-    def wait_idle(self, timeout=60.0) -> bool:
-        """True once no job is left in squeue (a finished job lingers MinJobAge s)."""
+    def wait_idle(self, timeout=300.0) -> bool:
+        """True once no job is left in squeue (a finished job lingers MinJobAge s);
+        `timeout` bounds a hang only: it returns as soon as squeue is empty."""
         deadline = time.monotonic() + timeout
         while self.squeue() and time.monotonic() < deadline:
             time.sleep(0.3)
@@ -279,8 +280,8 @@ class Sshd:
         self.ssh = (f"/usr/bin/ssh -p {self.port} -i {d}/clientkey -o BatchMode=yes "
                     "-o StrictHostKeyChecking=no -o UserKnownHostsFile=/dev/null "
                     "-o LogLevel=ERROR")
-        deadline = time.monotonic() + 30
-        while _run([*self.ssh.split(), "127.0.0.1", "true"], timeout=30).returncode:
+        deadline = time.monotonic() + 120  # bounds a hang: sshd's start-up
+        while _run([*self.ssh.split(), "127.0.0.1", "true"]).returncode:
             if time.monotonic() > deadline or self.daemons.procs[0].poll() is not None:
                 raise RuntimeError("sshd did not answer: " + open(f"{d}/sshd.log").read())
             time.sleep(0.2)

@@ -68,7 +68,7 @@ def _hostfile(tmp_path, text):
 ])
 def test_bad_arguments_exit_2_naming_the_option(tmp_path, args, env, expected):
     log_dir = tmp_path / "logs"
-    code, out, err = run(["--log-dir", str(log_dir), *args], timeout=30,
+    code, out, err = run(["--log-dir", str(log_dir), *args],
                          env=launcher_env(**env))
     assert code == 2, (out, err)
     assert expected in err, err
@@ -78,7 +78,7 @@ def test_bad_arguments_exit_2_naming_the_option(tmp_path, args, env, expected):
 
 def test_empty_hostfile(tmp_path):
     hosts = _hostfile(tmp_path, "# only a comment\n\n")
-    code, _, err = run(["--mode", "hostfile", "--hostfile", hosts, *CMD], timeout=30)
+    code, _, err = run(["--mode", "hostfile", "--hostfile", hosts, *CMD])
     assert code == 2 and "lists no hosts" in err, err
 
 
@@ -86,7 +86,7 @@ def test_a_host_that_would_be_an_ssh_option_is_refused(tmp_path):
     marker = tmp_path / "injected"
     hosts = _hostfile(tmp_path, f"nodeA\n-oProxyCommand=touch {marker}\n")
     code, _, err = run(["--mode", "hostfile", "--hostfile", hosts, "--log-dir",
-                        str(tmp_path / "logs"), *CMD], timeout=30)
+                        str(tmp_path / "logs"), *CMD])
     assert code == 2, err
     assert "'-oProxyCommand=touch" in err and "starts with '-'" in err, err
     assert not marker.exists() and not (tmp_path / "logs").exists()
@@ -94,8 +94,7 @@ def test_a_host_that_would_be_an_ssh_option_is_refused(tmp_path):
 
 def test_ssh_gets_the_host_after_double_dash(tmp_path):
     hosts = _hostfile(tmp_path, "nodeA\n")
-    code, out, err = run(["--mode", "hostfile", "--hostfile", hosts, "--dry-run", *CMD],
-                         timeout=30)
+    code, out, err = run(["--mode", "hostfile", "--hostfile", hosts, "--dry-run", *CMD])
     assert code == 0, err
     assert "exec: ssh -o BatchMode=yes -- nodeA 'sh -c " in out, out
 
@@ -124,7 +123,7 @@ def test_free_ports_stay_reserved_for_the_workers():
 @pytest.mark.parametrize("port_args, reuse", [([], True), (["--port", "23456"], False)])
 def test_workers_share_reserved_ports_only(port_args, reuse):
     code, out, err = run(["--mode", "local", "--num-workers", "2", *port_args, "--dry-run",
-                          *CMD], timeout=30)
+                          *CMD])
     assert code == 0, err
     assert out.count("TF_GRPC_REUSE_PORT=1") == (2 if reuse else 0), out
 
@@ -135,7 +134,7 @@ def test_port_in_use(tmp_path):
         busy.listen()
         port = busy.getsockname()[1]
         code, _, err = run(["--mode", "local", "--num-workers", "1", "--port", str(port),
-                            "--log-dir", str(tmp_path / "logs"), *CMD], timeout=30)
+                            "--log-dir", str(tmp_path / "logs"), *CMD])
     assert code == 2, err
     assert f"port {port} is in use" in err and "--port" in err, err
     assert not (tmp_path / "logs").exists()
@@ -143,7 +142,7 @@ def test_port_in_use(tmp_path):
 
 @pytest.mark.slow
 def test_help_documents_every_option():
-    code, out, _ = run(["--help"], timeout=30)
+    code, out, _ = run(["--help"])
     assert code == 0
     parsed = set(VALUED_OPTIONS) | set(FLAG_OPTIONS)  # what the parser accepts
     assert len(parsed) > 15

@@ -52,7 +52,7 @@ def test_a_real_slurm_behind_the_fakes_is_never_reached(tmp_path, monkeypatch, c
     assert _slurm_plan_nodes() == ["n1", "n2"]
     assert open(calls).read().splitlines()[-1] == "scontrol show hostnames n[1-2]"
     # A launcher started as the launch tests start it.
-    code, out, err = run(["--mode", "slurm", "--dry-run", "--", "tfllm", "train"], timeout=30,
+    code, out, err = run(["--mode", "slurm", "--dry-run", "--", "tfllm", "train"],
                          env=launcher_env(PATH=os.environ["PATH"], **SLURM_RANK))
     assert code == 0, err
     assert "DTENSOR_JOBS=n1:" in out

@@ -10,7 +10,8 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 
 from tfllm.launch import allreduce, doctor
-from tests.harness import PY, finish, free_ports, start_process, tfllm_command, tfllm_env
+from tests.harness import (PY, TF_HANG_S, finish, free_ports, start_process, tfllm_command,
+                           tfllm_env)
 from tests.launch.helpers import assert_no_leftovers, run as run_launcher
 
 
@@ -53,6 +54,12 @@ def test_what_differs_between_nodes_is_named_with_its_nodes():
     assert "error: ranks 3 of 4 wrote no report within 30 s" in text
 
 
+#: rank 0's --wait-s for the other ranks' reports: each rank imports TensorFlow first (~30 s
+#: loaded), so a late rank must not be taken for a missing one; a rank that reported ends
+#: the wait at once. 60 s was 2x a loaded start.
+WAIT_S = "600"
+
+
 def _doctor(report_dir, *args, env=None):
     """One rank of `tfllm doctor --report-dir`, as a real process of its own group."""
     return start_process(tfllm_command("doctor", "--report-dir", str(report_dir), *args),
@@ -77,11 +84,11 @@ def test_client_0_names_a_port_nobody_listens_on_and_a_port_in_use(tmp_path):
                                        "driver": None})
     with socket.socket() as held:  # bound by another program, not listening
         held.bind(("0.0.0.0", held_port))
-        procs = [_doctor(reports, "--wait-s", "60",
+        procs = [_doctor(reports, "--wait-s", WAIT_S,
                          *(["--ports", f"{port0},{held_port}"] if rank == 0 else []),
                          env={"DTENSOR_JOBS": jobs, "DTENSOR_CLIENT_ID": str(rank)})
                  for rank in (1, 0)]
-        (code1, out1, err1), (code0, out0, err0) = [finish(p, 120) for p in procs]
+        (code1, out1, err1), (code0, out0, err0) = [finish(p, TF_HANG_S) for p in procs]
     assert code1 == 0, err1[-2000:]
     assert "ok: rank 1 wrote" in out1
     assert code0 == 2, (out0, err0[-2000:])
@@ -103,7 +110,7 @@ def test_the_launcher_starts_the_doctor_on_the_jobs_own_ports(tmp_path):
     code, out, err = run_launcher(["--mode", "local", "--num-workers", "2", "--log-dir",
                                    str(tmp_path / "logs"), "--", PY, "-m", "tfllm.cli.main",
                                    "doctor", "--report-dir", str(tmp_path / "reports"),
-                                   "--wait-s", "60"], timeout=180)
+                                   "--wait-s", WAIT_S], timeout=TF_HANG_S)
     assert code == 0, (out[-3000:], err[-3000:])
     assert "[rank 0] ok: client 0 reached 2 of 2 job ports of 2 ranks" in out
     assert "[rank 0] ok: no GPU: bandwidth test skipped" in out
@@ -122,7 +129,7 @@ def test_the_bandwidth_code_runs_over_tensorflows_ring_collectives_on_cpus(tmp_p
     env = tfllm_env()
     with ThreadPoolExecutor(2) as pool:
         results = list(pool.map(lambda rank: allreduce.run_client(
-            jobs, rank, env, timeout_s=180, device="CPU", sizes_mb=(0.25, 1),
+            jobs, rank, env, timeout_s=TF_HANG_S, device="CPU", sizes_mb=(0.25, 1),
             iterations=2), range(2)))
     for rank, result in enumerate(results):
         assert "error" not in result, result
@@ -140,8 +147,8 @@ def test_srun_doctor_reports_every_node(real_slurm, tmp_path):
                                if k in ("SLURM_CONF", "PATH")})
     result = subprocess.run(["srun", "-N2", "-n2", "--ntasks-per-node=1",
                              *tfllm_command("doctor", "--report-dir", str(tmp_path),
-                                            "--ports", "0", "--wait-s", "60")],
-                            env=env, capture_output=True, text=True, timeout=240)
+                                            "--ports", "0", "--wait-s", WAIT_S)],
+                            env=env, capture_output=True, text=True, timeout=TF_HANG_S)
     assert result.returncode == 0, result.stderr[-2000:]
     assert "2 of 2 nodes reported: TensorFlow" in result.stdout, result.stdout
     assert "rank 1 wrote" in result.stdout

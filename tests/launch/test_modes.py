@@ -7,12 +7,12 @@ import pytest
 
 import os
 
-from tests.launch.helpers import (PY, assert_no_leftovers, fake_gpu_host, kill_workers,
-                                  launcher_env, run)
+from tests.launch.helpers import (PY, assert_no_leftovers, fake_gpu_host, go_when_ready,
+                                  kill_workers, launcher_env, run, run_until_ready)
 
 
 def _dry_run(args, **env):
-    code, out, err = run([*args, "--dry-run", "--", "tfllm", "train"], timeout=30,
+    code, out, err = run([*args, "--dry-run", "--", "tfllm", "train"],
                          env=launcher_env(**env))
     assert code == 0, err
     ranks = {}
@@ -30,7 +30,7 @@ def _gpu_path(tmp_path, gpus):
 
 
 def test_expand_nodelist_without_scontrol():
-    code, out, err = run(["--expand-nodelist", "node[01-02,07],login"], timeout=30)
+    code, out, err = run(["--expand-nodelist", "node[01-02,07],login"])
     assert code == 0, err
     assert out.split() == ["node01", "node02", "node07", "login"]
 
@@ -162,7 +162,7 @@ def test_hostfile_over_fake_ssh(tmp_path):
         code, out, err = run(["--mode", "hostfile", "--hostfile", str(hosts), "--ssh",
                               f"bash {ssh}", "--log-dir", str(log_dir), "--port",
                               "20000", "--export", "FORWARDED", "--", PY, "-c", PRINT_ENV],
-                             timeout=60, env=launcher_env(FORWARDED="yes"), cwd=str(tmp_path))
+                             env=launcher_env(FORWARDED="yes"), cwd=str(tmp_path))
         assert code == 0, err
         assert sorted((tmp_path / "ssh_hosts").read_text().split()) == ["hostA", "hostB"]
         for rank in (0, 1):
@@ -191,11 +191,11 @@ def test_hostfile_sends_the_checkpoint_key_on_stdin_only(tmp_path):
     worker = ("import os; print('key', os.environ['DTENSOR_CLIENT_ID'], "
               "repr(os.environ.get('TFLLM_CHECKPOINT_KEY')))")
     env = launcher_env(TFLLM_CHECKPOINT_KEY=key)
-    code, out, err = run([*args, "--dry-run", "--", PY, "-c", worker], timeout=30, env=env,
+    code, out, err = run([*args, "--dry-run", "--", PY, "-c", worker], env=env,
                          cwd=str(tmp_path))
     assert code == 0 and key not in out and "stdin: TFLLM_CHECKPOINT_KEY (not shown)" in out
     try:
-        code, out, err = run([*args, "--", PY, "-c", worker], timeout=60, env=env,
+        code, out, err = run([*args, "--", PY, "-c", worker], env=env,
                              cwd=str(tmp_path))
         assert code == 0, err
         for rank in (0, 1):
@@ -212,7 +212,7 @@ def test_local_mode_prefixes_and_logs(tmp_path):
     workdir = tmp_path / "run"
     try:
         code, out, err = run(["--mode", "local", "--num-workers", "3", "--", PY, "-c",
-                              PRINT_ENV, "--workdir", str(workdir)], timeout=60)
+                              PRINT_ENV, "--workdir", str(workdir)])
         assert code == 0, err
         jobs = re.search(r"\[rank 0\] on mesh \[x\] 0 (\S+)", out).group(1).split(",")
         assert len(jobs) == 3 and len(set(jobs)) == 3 and all(j.startswith("localhost:") for j in jobs)
@@ -235,14 +235,16 @@ def test_hostfile_readiness_by_key(tmp_path):
     hosts = tmp_path / "hosts"
     hosts.write_text("hostA\n")
     log_dir = tmp_path / "logs"
+    # The worker waits until the launcher said it is ready (`go`): an exit after a fixed
+    # sleep raced the launcher's poll. --startup-timeout must not fire.
     worker = ("import os, time; assert 'TFLLM_READY_FILE' not in os.environ; "
               "time.sleep(1); print('tfllm: ready ' + os.environ['TFLLM_READY_KEY'], "
-              "flush=True); time.sleep(2)")
+              "flush=True)" + go_when_ready(tmp_path / "go"))
     try:
-        code, out, err = run(["--mode", "hostfile", "--hostfile", str(hosts), "--ssh",
-                              f"bash {ssh}", "--log-dir", str(log_dir), "--port", "20000",
-                              "--startup-timeout", "30", "--", PY, "-c", worker],
-                             timeout=60, cwd=str(tmp_path))
+        code, out, err = run_until_ready(["--mode", "hostfile", "--hostfile", str(hosts),
+                                          "--ssh", f"bash {ssh}", "--log-dir", str(log_dir),
+                                          "--port", "20000", "--startup-timeout", "60", "--",
+                                          PY, "-c", worker], tmp_path / "go", cwd=str(tmp_path))
         assert code == 0, err
         assert "workers ready after" in err
     finally:
@@ -272,7 +274,7 @@ def test_hostfile_auto_probes_each_remote_host(tmp_path):
     path, calls = _gpu_path(tmp_path, 2)  # the launcher's host: 2 GPUs, never asked
     args = _fake_cluster(tmp_path, {"gpuhost": "", "cpuhost": "FAKE_GPUS=0\n"})
     try:
-        code, out, err = run([*args, "--", PY, "-c", GPU_ENV], timeout=60,
+        code, out, err = run([*args, "--", PY, "-c", GPU_ENV],
                              env=launcher_env(PATH=path), cwd=str(tmp_path))
         assert code == 0, err
         assert "[rank 0] on mesh [x] 0 1 None" in out, out
@@ -295,7 +297,7 @@ def test_hostfile_per_gpu_picks_within_each_hosts_list(tmp_path, host_envs, gpus
     try:
         # The launcher's own list (6,7) belongs to this host and is used nowhere.
         code, out, err = run([*args, "--per-gpu", "--gpus-per-host", "2", "--", PY, "-c",
-                              GPU_ENV], timeout=60, cwd=str(tmp_path),
+                              GPU_ENV], cwd=str(tmp_path),
                              env=launcher_env(PATH=path, CUDA_VISIBLE_DEVICES="6,7"))
         if gpus is None:
             assert code == 2, err  # the host's one-line error, passed on

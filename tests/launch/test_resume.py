@@ -9,10 +9,11 @@ import time
 
 import pytest
 
+from tests.harness import TF_HANG_S
 from tests.launch.helpers import (PY, ROOT, assert_no_leftovers, kill_group, kill_workers,
                                   launcher_env, start)
 
-TIMEOUT_S = 400
+TIMEOUT_S = TF_HANG_S  # bounds a hang only (and --startup-timeout, which must not fire)
 
 
 def _train_cmd(workdir, *extra):

@@ -6,10 +6,11 @@ import subprocess
 import numpy as np
 import pytest
 
+from tests.harness import TF_HANG_S
 from tests.launch.helpers import (PY, ROOT, assert_no_leftovers, kill_workers, launcher_env,
                                   run)
 
-TIMEOUT_S = 300
+TIMEOUT_S = TF_HANG_S  # bounds a hang only (and --startup-timeout, which must not fire)
 
 
 def _train_cmd(workdir, axes, *extra):

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from tests.harness import PY, ROOT, run_tfllm, tfllm_env
+from tests.harness import PY, ROOT, TF_HANG_S, run_tfllm, tfllm_env
 from tfllm.models.common.flash import blocks, flash_attention
 
 B, T, H, D = 2, 16, 4, 8
@@ -158,7 +158,7 @@ def _temp_bytes(length, block):
         code = ("import json, sys; from tfllm.plan.gpu_compile import compile_for_cpu; "
                 "print(json.dumps(compile_for_cpu(open(sys.argv[1], 'rb').read())))")
         c = subprocess.run([PY, "-c", code, os.path.join(tmp, "step.hlo.pb")], cwd=ROOT,
-                           capture_output=True, text=True, timeout=600,
+                           capture_output=True, text=True, timeout=TF_HANG_S,
                            env=tfllm_env(JAX_PLATFORMS="cpu"))
         assert c.returncode == 0, c.stderr[-2000:]
         return json.loads(c.stdout.strip().splitlines()[-1])["memory"]["temp"]

@@ -6,6 +6,7 @@ import sys
 import pytest
 
 from tfllm.notebook import NotebookNeeds, start
+from tests.harness import TF_HANG_S
 
 ROOT = __file__.rsplit("/tests/", 1)[0]
 
@@ -31,7 +32,7 @@ def test_fresh_kernel_gets_cpu_devices_and_no_gpu_then_a_late_call_says_restart(
         "except NotebookNeeds as e:\n"
         "    print('NEEDS', e)\n")
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True,
-                         text=True, timeout=300)
+                         text=True, timeout=TF_HANG_S)
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.startswith("4 logical CPU devices (GPUs hidden")
     assert "NEEDS TensorFlow was initialized before this cell (4 CPU devices, 8 needed): " \

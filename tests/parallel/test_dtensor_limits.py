@@ -13,7 +13,7 @@ import subprocess
 
 import pytest
 
-from tests.harness import PY, ROOT, tfllm_env
+from tests.harness import PY, ROOT, TF_HANG_S, tfllm_env
 
 pytestmark = [
     pytest.mark.slow,  # two fresh processes importing TensorFlow and jax: ~40 s on 2 cores
@@ -24,7 +24,7 @@ pytestmark = [
 
 def test_no_route_lets_a_step_use_an_op_run_per_device():
     result = subprocess.run([PY, "benchmarks/dtensor_per_device_probe.py"], cwd=ROOT,
-                            env=tfllm_env(), capture_output=True, text=True, timeout=600)
+                            env=tfllm_env(), capture_output=True, text=True, timeout=TF_HANG_S)
     assert result.returncode == 0, result.stderr[-3000:]
     outcomes = json.loads(result.stdout[result.stdout.index("{"):])
     message = {route: o.get("message", "") for route, o in outcomes.items()}

@@ -31,7 +31,7 @@ from tfllm.parallel import make_parallel
 from tfllm.compiler import costs
 from tfllm.compiler.reports import FirstCall
 from tfllm.train.state import build_train_state
-from tests.harness import tiny_config
+from tests.harness import TF_HANG_S, tiny_config
 
 MESHES = ["fsdp=8", "data=2,fsdp=4", "fsdp=4,model=2"]
 
@@ -160,7 +160,7 @@ def test_a_reduced_gradient_shard_does_not_keep_the_full_gradient_alive():
     # control: `x | 0` keeps the whole buffer). `fsdp._copy` must hold only the shard.
     # Exact bytes need the BFC allocator, chosen when TensorFlow starts: a fresh process.
     r = subprocess.run([sys.executable, "-c", _ALIAS_PROBE], capture_output=True, text=True,
-                       timeout=300, env=dict(os.environ, TF_CPU_ALLOCATOR_USE_BFC="true",
+                       timeout=TF_HANG_S, env=dict(os.environ, TF_CPU_ALLOCATOR_USE_BFC="true",
                                              TF_CPP_MIN_LOG_LEVEL="3"))
     assert r.returncode == 0, r.stderr[-2000:]
     held = dict(line.split() for line in r.stdout.splitlines())

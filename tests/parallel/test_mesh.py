@@ -160,10 +160,10 @@ def test_tfllm_train_builds_the_mesh_before_tensorflow_starts(tmp_path):
     # devices._initialize_gpus_single_client): nothing on `tfllm train`'s path may start it first.
     import subprocess
     import sys
-    from tests.harness import ROOT
+    from tests.harness import ROOT, TF_HANG_S
     run = subprocess.run([sys.executable, "-c", _SPY, "train", "--config", "configs/tiny.yaml",
                           "--workdir", str(tmp_path / "run")], cwd=ROOT, capture_output=True,
-                         text=True, timeout=300, env=dict(os.environ, PYTHONPATH=ROOT))
+                         text=True, timeout=TF_HANG_S, env=dict(os.environ, PYTHONPATH=ROOT))
     assert "initialized before the mesh: False" in run.stdout, run.stdout + run.stderr[-2000:]
 
 

@@ -17,7 +17,7 @@ import pytest
 
 from tfllm.config import to_dict
 from tfllm.plan import measured
-from tests.harness import session_dir, session_key
+from tests.harness import LONG_TF_HANG_S, session_dir, session_key
 
 
 @pytest.fixture(scope="session")
@@ -29,7 +29,7 @@ def tiny_step_dir(tmp_path_factory):
 def _tiny_steps_run_once(monkeypatch, tiny_step_dir):
     run_tiny = measured.run_tiny
 
-    def once(config, shape, layers=(1, 2), timeout=3600, jit_compile=True, tiny=True,
+    def once(config, shape, layers=(1, 2), timeout=LONG_TF_HANG_S, jit_compile=True, tiny=True,
              dump_to=None):
         if dump_to:  # the HLO dump is what the caller reads: run it
             return run_tiny(config, shape, layers, timeout=timeout, jit_compile=jit_compile,

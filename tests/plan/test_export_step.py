@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from tfllm.plan.export_step import export_step
-from tests.harness import tiny_config
+from tests.harness import TF_HANG_S, tiny_config
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 HAVE_JAX = importlib.util.find_spec("jax") is not None
@@ -60,7 +60,7 @@ def test_jaxlib_runs_the_exported_step_like_tensorflow(tmp_path, policy):
     # One process, one compile: the check, then 3 timed steps of the same program.
     r = subprocess.run([sys.executable, runner, str(tmp_path), "--check", "--steps", "3",
                         "--warmup", "1", "--backend", "cpu"],
-                       capture_output=True, text=True, timeout=300)
+                       capture_output=True, text=True, timeout=TF_HANG_S)
     assert r.returncode == 0, r.stderr[-2000:]
     out = json.loads(r.stdout.strip().splitlines()[-1])
     # jaxlib's XLA is another version than TensorFlow's and fuses differently.

@@ -19,7 +19,7 @@ import sys
 import pytest
 
 from tfllm.compiler.fp8_hlo import dump_fp8_dot_counts
-from tests.harness import ROOT
+from tests.harness import LONG_TF_HANG_S, ROOT
 
 E4M3, E5M2 = "f8e4m3fn", "f8e5m2"
 # name: (mesh axes, None without a mesh; recipe; remat)
@@ -35,7 +35,7 @@ CASES = {
     # as fsdp=8 did, for 52 CPU seconds of compilation instead of 148.
     "fsdp2_current_remat_full": ("fsdp=2", "current", "full"),
 }
-TIMEOUT_S = 600
+TIMEOUT_S = LONG_TF_HANG_S  # bounds a hang only: one process, three cases (83 s under -n 2)
 # CPU code generation at LLVM -O0: the HLO read here is XLA's input, which this does not
 # change. data=2,model=2 alone took 94 s instead of 156 s. The three cases: 13.5, 64 and
 # 52 CPU seconds (AMD EPYC, 2026-11-27).

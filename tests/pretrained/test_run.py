@@ -207,7 +207,7 @@ def test_two_clients_import_each_reading_its_own_blocks(tmp_path):
     helpers.save_preset("llama3", tmp_path / "preset")
     reports = run_clients(tfllm_command("import", "--preset", str(tmp_path / "preset"),
                                         "--workdir", str(tmp_path / "run"),
-                                        "--set", "mesh.axes=fsdp=8"), clients=2, timeout=240)
+                                        "--set", "mesh.axes=fsdp=8"), clients=2)
     reference = from_preset(str(tmp_path / "preset"))
     total = sum(int(np.prod(v.shape)) * 4 for v in reference.variables)
     replicated = sum(int(np.prod(v.shape)) * 4 for v in reference.variables

@@ -33,9 +33,9 @@ def test_the_report_is_one_line_with_peer_step_checkpoint_and_code(tmp_path):
     exits, out = [], io.StringIO()
     w = PeerWatchdog(str(tmp_path), 0, 2, timeout_s=0.5, latest_checkpoint=lambda: 20,
                      exit=exits.append, out=out)
+    w.step = 23  # before the thread starts: a report 0.5 s after start must see it
     w.start()
-    w.step = 23
-    deadline = time.monotonic() + 10
+    deadline = time.monotonic() + 60  # bounds a hang only: it fires after ~0.7 s
     while not exits and time.monotonic() < deadline:  # peer 1 never writes a heartbeat
         time.sleep(0.05)
     assert exits == [PEER_LOST_EXIT_CODE]

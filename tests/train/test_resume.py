@@ -10,10 +10,10 @@ import time
 
 import pytest
 
-from tests.harness import (finish, kill_group, metrics_records, start_process, tfllm_command,
-                           tfllm_env, write_text_corpus)
+from tests.harness import (TF_HANG_S, finish, kill_group, metrics_records, start_process,
+                           tfllm_command, tfllm_env, write_text_corpus)
 
-TIMEOUT_S = 300
+TIMEOUT_S = TF_HANG_S  # bounds a hang only
 PREEMPTED, NONFINITE = 75, 3
 
 

@@ -24,11 +24,11 @@ from tfllm.parallel import make_parallel
 from tfllm.compiler import xla
 from tfllm.compiler.reports import FirstCall
 from tfllm.train.state import build_train_state
-from tests.harness import (ROOT, finish, run_tfllm, shared_xla_dump, tfllm_command, tfllm_env,
-                           tiny_config)
+from tests.harness import (ROOT, TF_HANG_S, finish, run_tfllm, shared_xla_dump, tfllm_command,
+                           tfllm_env, tiny_config)
 from tests.launch.helpers import assert_no_leftovers, kill_workers, launcher_env, start
 
-TIMEOUT_S = 600
+TIMEOUT_S = TF_HANG_S  # bounds a hang only (and --startup-timeout, which must not fire)
 
 
 # ---- the report, as a pure function of executed graphs ---------------------------------
