@@ -146,9 +146,11 @@ def test_a_test_is_over_a_limit_only_past_it(took, cpu, kind):
 
 
 def test_the_tier_timeouts_bound_hangs_with_room_for_a_busy_machine():
-    # docs/testing.md, "A busy machine": the slowest quick test measured with two
-    # CPU-bound processes beside the suite took under 1/5 of these.
-    assert TIER_TIMEOUT_S["quick"] >= 600 and TIER_TIMEOUT_S["slow"] >= 3 * TIER_TIMEOUT_S["quick"]
+    # docs/testing.md, "A busy machine": the slowest test of each tier measured with two
+    # CPU-bound processes beside `pytest -n 2` on 2 cores, 2026-11-28 (AMD EPYC).
+    slowest_loaded_s = {"quick": 128.6, "slow": 300}
+    for tier, seconds in slowest_loaded_s.items():
+        assert TIER_TIMEOUT_S[tier] >= 5 * seconds, tier
 
 
 @pytest.mark.parametrize("argv, python", [
