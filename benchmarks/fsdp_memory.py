@@ -15,6 +15,8 @@ of a device's executed program is read from the run metadata of the first step.
 
     python benchmarks/fsdp_memory.py --out benchmarks/results/fsdp_memory
     python benchmarks/fsdp_memory.py --size small --meshes none fsdp=8   # a quick check
+    python benchmarks/fsdp_memory.py --size small --meshes fsdp=8 --remat none full \
+        --set data.sequence_length=256 train.global_batch_size=16   # what remat saves
 
 Cases run interleaved (one, then the next, repeated) because the machine is shared.
 """
@@ -49,9 +51,10 @@ COMMON = {"model.family": "llama", "model.max_sequence_length": 64,
           "data.source": "synthetic", "precision.policy": "float32"}
 
 
-def child(size: str, mesh: str, policy: str, out_path: str) -> None:
+def child(size: str, mesh: str, policy: str, out_path: str, *sets: str) -> None:
     """Two steps; writes their peaks (RSS, live tensors), the tensors held after them and
-    the first step's largest collective to `out_path` (JSON)."""
+    the first step's largest collective to `out_path` (JSON). `sets`: more settings
+    (`key=value`), applied last."""
     from tfllm.runtime.devices import setup_cpu_devices
     setup_cpu_devices(8)
     from tfllm.compiler.reports import FirstCall
@@ -63,7 +66,7 @@ def child(size: str, mesh: str, policy: str, out_path: str) -> None:
     values = dict(COMMON, **SIZES[size])
     values["precision.policy"] = policy
     values["mesh.axes"] = "data=1" if mesh == "none" else mesh
-    cfg = load_config(None, [f"{k}={v}" for k, v in values.items()])
+    cfg = load_config(None, [f"{k}={v}" for k, v in values.items()] + list(sets))
     parallel = None if mesh == "none" else make_parallel(cfg.mesh, cfg.model, cfg.optimizer)
     state = build_train_state(cfg, parallel, jit_compile=False)
     params = sum(int(v.shape.num_elements()) for v in state.model.trainable_variables)
@@ -114,11 +117,12 @@ def _peak_rss_gib() -> float:
     raise OSError("no VmHWM in /proc/self/status")
 
 
-def run_case(size: str, mesh: str, policy: str) -> dict:
+def run_case(size: str, mesh: str, policy: str, sets=()) -> dict:
+    """One case in a fresh process (see `child`); `sets`: more `key=value` settings."""
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "out.json")
         r = subprocess.run([sys.executable, __file__, "--child",
-                            size, mesh, policy, out], capture_output=True, text=True,
+                            size, mesh, policy, out, *sets], capture_output=True, text=True,
                            cwd=ROOT, env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3",
                                               MALLOC_MMAP_THRESHOLD_=MMAP_THRESHOLD,
                                               TF_CPU_ALLOCATOR_USE_BFC="true"))
@@ -135,17 +139,24 @@ def main() -> None:
                         default=["none", "fsdp=8", "data=2,fsdp=4", "fsdp=4,model=2"])
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--out", help="write OUT.json and OUT.md")
-    parser.add_argument("--child", nargs=4, help=argparse.SUPPRESS)
+    parser.add_argument("--remat", nargs="+", default=["none"],
+                        help="model.remat policies: each mesh runs under each")
+    parser.add_argument("--set", nargs="*", default=[], help="more key=value settings")
+    parser.add_argument("--child", nargs="+", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
         return child(*args.child)
-    runs = {m: [] for m in args.meshes}
+    cases = [(m, r) for m in args.meshes for r in args.remat]
+    name = lambda m, r: m if args.remat == ["none"] else f"{m} remat={r}"  # noqa: E731
+    runs = {name(m, r): [] for m, r in cases}
     for _ in range(args.repeats):
-        for mesh in args.meshes:
-            runs[mesh].append(run_case(args.size, mesh, args.policy))
-            print(mesh, runs[mesh][-1], flush=True)
+        for mesh, remat in cases:
+            result = run_case(args.size, mesh, args.policy,
+                              [f"model.remat={remat}", *args.set])
+            runs[name(mesh, remat)].append(result)
+            print(name(mesh, remat), result, flush=True)
     keys = ("peak_rss_gib", "peak_tensor_gib", "first_rss_gib", "first_tensor_gib")
-    base = {k: statistics.median(r[k] for r in runs[args.meshes[0]]) for k in keys}
+    base = {k: statistics.median(r[k] for r in runs[name(*cases[0])]) for k in keys}
     rows = []
     for mesh, results in runs.items():
         row = {"mesh": mesh}
@@ -163,6 +174,7 @@ def main() -> None:
     if args.out:
         import tensorflow as tf
         meta = {"size": args.size, "policy": args.policy, "repeats": args.repeats,
+                "settings_set": args.set,
                 "tensorflow": tf.__version__, "host": "8 logical CPU devices, shared RAM",
                 "settings": {k: v for k, v in os.environ.items()
                              if k.startswith(("DTENSOR_", "LOWER_DTENSOR"))}}
@@ -170,7 +182,7 @@ def main() -> None:
             json.dump({"meta": meta, "rows": rows}, f, indent=1)
         with open(args.out + ".md", "w") as f:
             f.write(f"# FSDP step memory ({args.size} llama, {args.policy}; medians of "
-                    f"{args.repeats} runs; x = ratio to `{args.meshes[0]}`)\n\n"
+                    f"{args.repeats} runs; x = ratio to `{name(*cases[0])}`)\n\n"
                     "| mesh | step: peak RSS GiB | runs | x | step: peak live tensors "
                     "GiB | x | first step (traces, lowers): peak RSS GiB | x | live "
                     "tensors GiB | x | largest collective (elements) | largest weight | "

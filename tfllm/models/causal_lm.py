@@ -33,7 +33,7 @@ import tensorflow as tf
 from tfllm.config.schema import ModelConfig
 from tfllm.models.common.layers import Projection, TokenEmbedding
 from tfllm.models.common.masks import cache_mask_and_positions, segment_mask_and_positions
-from tfllm.models.common.remat import check_policy, recompute
+from tfllm.models.common.remat import check_policy, recompute, recomputing
 from tfllm.models.loss import token_nll
 from tfllm.parallel.context import block_weights, constrain
 
@@ -202,10 +202,12 @@ class CausalLM(keras.Model):
         `ahead`, the previous block's input, so they travel while that block computes and
         no earlier; their gradients are reduced together.
         """
-        gate = (x if ahead is None else ahead,)
         full = self.remat == "full"
 
         def run(x, mask, positions):
+            # A recomputed block gathers its weights after its gradient arrives (x, in a
+            # recomputation, waits for it): they are not kept from the forward pass.
+            gate = (x,) if recomputing() or ahead is None else (ahead,)
             with block_weights(block, x, gate, regather=not full):
                 return block(x, attention_mask=mask, positions=positions)
 

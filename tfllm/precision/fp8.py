@@ -128,10 +128,9 @@ def _this_call_only(scale):
     several weight-gradient dots, which need not share its cluster (3 of the 14 backward
     dots of a llama block got a bf16 parameter on fsdp=8 under remat=full). The forward
     quantizes such an input once per projection instead, an elementwise pass each.
-    Needed for the weight: under tf.recompute_grad (model.remat=full)
-    a projection's forward runs again in the backward pass, on an input made new by a
-    data dependency on the output gradient (`recompute_grad`, tensorflow/python/ops/
-    custom_gradient.py) but on the same weight, so DTensor's CSE (_dequantize_again)
+    Needed for the weight: under model.remat=full a projection's forward runs again in
+    the backward pass, on an input made new by a data dependency on the output gradient
+    (`tfllm.models.common.remat.after_gradient`) but on the same weight, so DTensor's CSE (_dequantize_again)
     merged the recomputed weight quantization into the first forward's, and the
     recomputed forward dot got its weight as a bf16 parameter of its cluster (6 of the 7
     dots of each llama block on mesh data=1). A dependency on the input (its amax) would
