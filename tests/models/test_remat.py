@@ -99,11 +99,24 @@ def test_a_recomputation_waits_for_its_gradient_bit_for_bit():
 
 
 def _per_block(policy):
-    """(cost report of a 3-block step, collectives one more block adds) on fsdp=8."""
+    """(cost report of a 3-block step, collectives one more block adds, its executed
+    graphs) on fsdp=8."""
     from tests.harness import first_step_costs
     two, _ = first_step_costs("fsdp=8", 2, **{"model.remat": policy})
-    three, _ = first_step_costs("fsdp=8", 3, **{"model.remat": policy})
-    return three, len(three.collectives) - len(two.collectives)
+    three, graphs = first_step_costs("fsdp=8", 3, **{"model.remat": policy})
+    return three, len(three.collectives) - len(two.collectives), graphs
+
+
+def _ancestors(graph, name):
+    nodes = {n.name: n for n in graph.node}
+    seen, todo = set(), [name]
+    while todo:
+        for i in nodes[todo.pop()].input:
+            i = i.lstrip("^").split(":")[0]
+            if i in nodes and i not in seen:
+                seen.add(i)
+                todo.append(i)
+    return seen
 
 
 @pytest.mark.slow  # six tiny steps on 8 devices, graphs read back
@@ -116,7 +129,7 @@ def test_recomputed_blocks_add_no_collective_and_gather_no_activation():
     from collections import Counter
     runs = {p: _per_block(p) for p in ("none", "full", "selective")}
     moved = {p: Counter((c.kind, c.dtype, c.elements) for c in report.collectives)
-             for p, (report, _) in runs.items()}
+             for p, (report, _, _) in runs.items()}
     # full: the recomputation gathers the block's weights once more, after the block's
     # gradient arrives, in place of the backward's re-gather.
     assert runs["full"][1] == runs["none"][1] == 4, runs
@@ -129,6 +142,20 @@ def test_recomputed_blocks_add_no_collective_and_gather_no_activation():
     expected = moved["none"] - Counter({("all-reduce", "float32", 128): blocks})
     expected += Counter({("all-reduce", "float32", 64): 2 * blocks})
     assert moved["selective"] == expected, (moved["selective"], expected)
+    # full: block i's weights are gathered for its recomputation only once block i+1's
+    # backward has run (its gradient products are ancestors), so they are not kept from
+    # the forward pass. (The forward's gathers are scoped by the model, `llama_1/`.)
+    graph = max(runs["full"][2], key=lambda g: sum(n.op == "CollectiveGatherV2"
+                                                   for n in g.node))
+    device = sorted(n.device for n in graph.node if n.op == "CollectiveGatherV2")[0]
+    ops = {n.name: n.op for n in graph.node}
+    for i in (0, 1):
+        (again,) = [n.name for n in graph.node if n.op == "CollectiveGatherV2"
+                    and n.device == device and f"/block_{i}_gather/" in n.name
+                    and "/llama" not in n.name]
+        after = _ancestors(graph, again)
+        assert any(f"gradient_tape/block_{i + 1}_" in a and ops[a] == "Einsum"
+                   for a in after), (i, again)
 
 
 @pytest.mark.slow  # two fresh processes (the BFC allocator's exact statistics)
