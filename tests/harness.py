@@ -380,6 +380,42 @@ def start_process(cmd, env=None, cwd=ROOT, merge_stderr=False):
                             text=True, start_new_session=True)
 
 
+# A shell loop, not this process: a pytest worker can stall for a minute (the suite has
+# seen 126 s inside garbage collection), long enough for a short training to finish
+# before a signal meant for its third step; the watcher does nothing else.
+_SIGNAL_AT_STEP = r"""
+metrics=$1; step=$2; sig=$3; target=$4
+while :; do
+  last=$(grep '"loss"' "$metrics" 2>/dev/null | grep -o '"step": *[0-9]*' \
+         | grep -o '[0-9]*$' | sort -n | tail -1)
+  [ -n "$last" ] && [ "$last" -ge "$step" ] && break
+  sleep 0.02
+done
+case $target in
+  *:*) pid=$(awk -v r="${target##*:}" '$1 == r {print $2}' "${target%:*}") ;;
+  *) pid=$target ;;
+esac
+kill -s "$sig" "$pid"
+"""
+
+
+def signal_at_step(metrics, step, sig, target):
+    """Starts a watcher that sends `sig` once `metrics` (a run's metrics.jsonl) logs the
+    loss of step `step` or later; kill_group it when done.
+
+    Args:
+      metrics: the metrics.jsonl path.
+      step: the step to wait for.
+      sig: a signal.Signals.
+      target: a pid, or "PIDS_FILE:RANK" (the launcher's logs/pids, read when the step is
+        reached).
+    """
+    return subprocess.Popen(["bash", "-c", _SIGNAL_AT_STEP, "signal_at_step", str(metrics),
+                             str(step), sig.name[3:], str(target)],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                            start_new_session=True)
+
+
 def kill_group(proc):
     """SIGKILLs `proc`'s process group (a no-op when it is gone) and reaps `proc`."""
     try:

@@ -2,14 +2,12 @@
 
 import json
 import re
-import os
 import signal
 import subprocess
-import time
 
 import pytest
 
-from tests.harness import TF_HANG_S
+from tests.harness import TF_HANG_S, signal_at_step
 from tests.launch.helpers import (PY, ROOT, assert_no_leftovers, kill_group, kill_workers,
                                   launcher_env, start)
 
@@ -38,15 +36,14 @@ def test_a_killed_worker_is_restarted_and_the_run_resumes(tmp_path):
     proc = start(["--mode", "local", "--num-workers", "2", "--kill-timeout", "5",
                   "--max-restarts", "1", "--startup-timeout", str(TIMEOUT_S), "--",
                   *_train_cmd(workdir)])
+    # rank 1 dies at step 12 (a watcher process sends it: a stall of this process
+    # cannot let the run reach step 40 first)
+    watcher = signal_at_step(workdir / "metrics.jsonl", 12, signal.SIGKILL,
+                             f"{workdir / 'logs' / 'pids'}:1")
     try:
-        deadline = time.monotonic() + TIMEOUT_S
-        while time.monotonic() < deadline and max(_steps(workdir), default=0) < 12:
-            assert proc.poll() is None, proc.communicate()
-            time.sleep(0.1)
-        pids = dict(line.split() for line in (workdir / "logs" / "pids").read_text().splitlines())
-        os.kill(int(pids["1"]), signal.SIGKILL)  # rank 1 dies
         out, err = proc.communicate(timeout=TIMEOUT_S)
     finally:
+        kill_group(watcher)
         kill_group(proc)
         kill_workers(workdir / "logs")
     assert_no_leftovers(tmp_path)
@@ -92,15 +89,12 @@ def test_a_signal_to_one_client_stops_every_client_at_the_same_step(tmp_path):
     workdir = tmp_path / "run"
     proc = start(["--mode", "local", "--num-workers", "2", "--kill-timeout", "5",
                   "--startup-timeout", str(TIMEOUT_S), "--", *_train_cmd(workdir)])
+    watcher = signal_at_step(workdir / "metrics.jsonl", 3, signal.SIGTERM,
+                             f"{workdir / 'logs' / 'pids'}:1")
     try:
-        deadline = time.monotonic() + TIMEOUT_S
-        while time.monotonic() < deadline and max(_steps(workdir), default=0) < 3:
-            assert proc.poll() is None, proc.communicate()
-            time.sleep(0.1)
-        pids = dict(line.split() for line in (workdir / "logs" / "pids").read_text().splitlines())
-        os.kill(int(pids["1"]), signal.SIGTERM)
         out, err = proc.communicate(timeout=TIMEOUT_S)
     finally:
+        kill_group(watcher)
         kill_group(proc)
         kill_workers(workdir / "logs")
     assert_no_leftovers(tmp_path)

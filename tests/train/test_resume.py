@@ -6,12 +6,11 @@ process groups killed in `finally` so that nothing is left behind.
 
 import os
 import signal
-import time
 
 import pytest
 
-from tests.harness import (TF_HANG_S, finish, kill_group, metrics_records, start_process,
-                           tfllm_command, tfllm_env, write_text_corpus)
+from tests.harness import (TF_HANG_S, finish, kill_group, metrics_records, signal_at_step,
+                           start_process, tfllm_command, tfllm_env, write_text_corpus)
 
 TIMEOUT_S = TF_HANG_S  # bounds a hang only
 PREEMPTED, NONFINITE = 75, 3
@@ -52,18 +51,15 @@ def _losses(workdir):
 
 
 def _interrupt(cmd, workdir, after_step, sig):
-    """Starts cmd, sends `sig` once metrics.jsonl reaches `after_step`; returns rc, out."""
+    """Starts cmd; a watcher process sends `sig` once metrics.jsonl reaches `after_step`
+    (harness.signal_at_step: a stall of this process cannot let the run finish first);
+    returns rc, out."""
     proc = _start(cmd)
+    watcher = signal_at_step(workdir / "metrics.jsonl", after_step, sig, proc.pid)
     try:
-        deadline = time.monotonic() + TIMEOUT_S
-        metrics = workdir / "metrics.jsonl"
-        while time.monotonic() < deadline and proc.poll() is None:
-            if metrics.exists() and max(_losses(workdir), default=0) >= after_step:
-                proc.send_signal(sig)
-                break
-            time.sleep(0.05)
         out = proc.communicate(timeout=TIMEOUT_S)[0]
     finally:
+        kill_group(watcher)
         kill_group(proc)
     return proc.returncode, out
 
