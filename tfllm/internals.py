@@ -334,7 +334,17 @@ def jax_compiler():
         from jax._src.interpreters import mlir as jax_mlir
         from jax._src.lib import _jax, xla_client
         from jax._src.lib.mlir import ir
+        from jax._src.lib.mlir.dialects import hlo
     except ImportError:
         raise _missing("jax", "jax._src.lib / jax._src.interpreters.mlir") from None
+
+    def portable_stablehlo(module) -> bytes:
+        """`module` as a StableHLO portable artifact of a version at least 4 weeks old
+        (what jax.export itself writes: readable by jax releases of the next months)."""
+        version = hlo.get_version_from_compatibility_requirement(
+            hlo.StablehloCompatibilityRequirement.WEEK_4)
+        return _jax.mlir.serialize_portable_artifact(module, version, False)
+
     return types.SimpleNamespace(ir=ir, native=_jax, make_ir_context=jax_mlir.make_ir_context,
-                                 CompileOptions=xla_client.CompileOptions)
+                                 CompileOptions=xla_client.CompileOptions,
+                                 portable_stablehlo=portable_stablehlo)

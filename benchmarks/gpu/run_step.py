@@ -1,17 +1,22 @@
-"""Run tfllm's exported train step (HLO) with jaxlib's PJRT client: GPU timing or a check.
+"""Run tfllm's exported train step with jax alone: GPU timing, memory, a profile, or a check.
 
-Needs only python3 with jax/jaxlib and numpy (no TensorFlow):
+Needs only python3 with jax and numpy (no TensorFlow):
 
     python run_step.py DIR                 # time it on the GPU (or CPU), print JSON
     python run_step.py DIR --check         # one step on check.npz, compare with TF
+    python run_step.py DIR --profile OUT   # also a profiler trace of 3 steps under OUT
 
-DIR is what `tfllm export-step --config C --out DIR [--check]` wrote. Timing fills the
-inputs with random values of the right dtypes (token ids in [1, vocab), weights and
-optimizer states small and non-zero), warms up, then times `--steps` steps, each
-synchronized with the device, feeding every step's updated variables into the next.
+DIR is what `tfllm export-step --config C --out DIR [--check]` wrote. Where DIR holds
+`step.jax` (a serialized `jax.export.Exported`, tfllm.plan.jax_export) the step is
+deserialized and compiled through public jax APIs only, so any recent jax runs it; else
+`step.hlo.pb` is compiled through the jaxlib internals of the plan extra's jax release.
+Timing fills the inputs with random values of the right dtypes (token ids in [1, vocab),
+weights and optimizer states small and non-zero), warms up, then times `--steps` steps,
+each synchronized with the device, feeding every step's updated variables into the next.
 It reports tokens/s, the median step time, TFLOP/s and MFU against the datasheet dense
-bf16 peak and against a bf16 matmul measured in the same run, saves the optimized HLO
-and lists which dots became cuBLAS / cuBLASLt calls (FP8 ones as `__cublas$lt$matmul$f8`).
+bf16 peak and against a bf16 matmul measured in the same run, the device's peak memory
+(where the device reports it), saves the optimized HLO and lists which dots became
+cuBLAS / cuBLASLt calls (FP8 ones as `__cublas$lt$matmul$f8`).
 """
 
 import argparse
@@ -29,27 +34,64 @@ import jax
 jax.config.update("jax_enable_x64", True)  # the step has int64 parameters
 import jax.numpy as jnp  # noqa: E402
 
-# tfllm.plan.gpu_compile needs only jax: import it from this checkout (no TensorFlow here)
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(
-    __file__)))))
-from tfllm import internals  # noqa: E402
-from tfllm.plan.gpu_compile import hlo_to_mlir  # noqa: E402
-
 # Dense bf16 tensor-core peaks from NVIDIA's datasheets (SXM parts), TFLOP/s.
 DATASHEET_BF16_TFLOPS = {"H100": 989.4, "H200": 989.4, "A100": 312.0}
 
 
+class PortableStep:
+    """step.jax through public APIs: jax.export.deserialize, jax.jit, lower, compile."""
+
+    def __init__(self, path, device):
+        with open(path, "rb") as f:
+            exported = jax.export.deserialize(bytearray(f.read()))
+        self.device = device
+        shapes = [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in exported.in_avals]
+        with jax.default_device(device):
+            self.compiled = jax.jit(exported.call).lower(*shapes).compile()
+
+    def run(self, args):
+        return list(self.compiled(*args))
+
+    def optimized_hlo(self):
+        return self.compiled.as_text()
+
+
+class HloStep:
+    """step.hlo.pb through the plan extra's pinned jaxlib internals (the older path)."""
+
+    def __init__(self, path, device):
+        # tfllm.plan.gpu_compile needs only jax: import it from this checkout (no
+        # TensorFlow here)
+        sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(
+            os.path.abspath(__file__)))))
+        from tfllm import internals
+        from tfllm.plan.gpu_compile import hlo_to_mlir
+        with open(path, "rb") as f:
+            hlo = f.read()
+        jx = internals.jax_compiler()
+        self.device = device
+        # hlo_to_mlir drops the HLO copies of TensorFlow's returned variables, which have
+        # no StableHLO form: PJRT plugins (CUDA) refuse them (see tfllm/plan/gpu_compile.py)
+        with jx.make_ir_context():
+            self.exe = device.client.compile_and_load(
+                hlo_to_mlir(hlo), jx.native.DeviceList((device,)), jx.CompileOptions())
+
+    def run(self, args):
+        outs = self.exe.execute_sharded(args).disassemble_into_single_device_arrays()
+        return [o[0] for o in outs]
+
+    def optimized_hlo(self):
+        return "\n".join(m.to_string() for m in self.exe.hlo_modules())
+
+
 def compile_step(directory, backend):
-    with open(os.path.join(directory, "step.hlo.pb"), "rb") as f:
-        hlo = f.read()
+    """The step of DIR compiled for the first device of `backend`: step.jax where it is
+    there (any recent jax), else step.hlo.pb (the plan extra's jax)."""
     device = jax.devices(backend)[0]
-    jx = internals.jax_compiler()
-    # hlo_to_mlir drops the HLO copies of TensorFlow's returned variables, which have no
-    # StableHLO form: PJRT plugins (CUDA) refuse them (see tfllm/plan/gpu_compile.py)
-    with jx.make_ir_context():
-        exe = device.client.compile_and_load(hlo_to_mlir(hlo), jx.native.DeviceList((device,)),
-                                             jx.CompileOptions())
-    return exe, device
+    portable = os.path.join(directory, "step.jax")
+    if os.path.exists(portable):
+        return PortableStep(portable, device)
+    return HloStep(os.path.join(directory, "step.hlo.pb"), device)
 
 
 def random_inputs(desc, seed=0):
@@ -75,20 +117,17 @@ def random_inputs(desc, seed=0):
     return out
 
 
-def run_once(exe, device, arrays):
-    args = [jax.device_put(a, device) for a in arrays]
-    outs = exe.execute_sharded(args).disassemble_into_single_device_arrays()
-    return [o[0] for o in outs]
+def run_once(step, arrays):
+    return step.run([jax.device_put(a, step.device) for a in arrays])
 
 
 def check(directory, compiled):
     """One step on the exported inputs; compares every output with TensorFlow's.
-    `compiled`: (executable, device) from `compile_step`."""
+    `compiled`: the step from `compile_step`."""
     with open(os.path.join(directory, "step.json")) as f:
         desc = json.load(f)
-    exe, device = compiled
     ref = np.load(os.path.join(directory, "check.npz"))
-    outs = run_once(exe, device, [ref[f"input/{i}"] for i in range(len(desc["params"]))])
+    outs = run_once(compiled, [ref[f"input/{i}"] for i in range(len(desc["params"]))])
     worst, noise_only = 0.0, []
     for out, spec in zip(outs, desc["outputs"]):
         key = (f"metric/{spec['name']}" if spec["role"] == "metric"
@@ -129,25 +168,41 @@ def gemm_report(hlo_text):
             or "cudnn" in name}
 
 
-def time_steps(directory, backend, steps, warmup, compiled):
+def peak_memory_gib(device):
+    """The device's peak bytes in use so far, GiB (None where it reports none: CPUs)."""
+    stats = device.memory_stats() if hasattr(device, "memory_stats") else None
+    peak = (stats or {}).get("peak_bytes_in_use")
+    return peak / 2**30 if peak is not None else None
+
+
+def time_steps(directory, backend, steps, warmup, compiled, out_dir=None, profile=None):
     with open(os.path.join(directory, "step.json")) as f:
         desc = json.load(f)
-    exe, device = compiled
-    optimized = "\n".join(m.to_string() for m in exe.hlo_modules())
-    with open(os.path.join(directory, f"step.optimized.{backend}.hlo.txt"), "w") as f:
+    device = compiled.device
+    optimized = compiled.optimized_hlo()
+    with open(os.path.join(out_dir or directory, f"step.optimized.{backend}.hlo.txt"),
+              "w") as f:
         f.write(optimized)
     args = [jax.device_put(a, device) for a in random_inputs(desc)]
     updates = [(i, o["param"]) for i, o in enumerate(desc["outputs"]) if o["role"] == "update"]
+
+    def one_step():
+        outs = compiled.run(args)
+        for o in outs:
+            o.block_until_ready()
+        for out_index, param in updates:
+            args[param] = outs[out_index]
+
     times = []
     for i in range(warmup + steps):
         start = time.perf_counter()
-        outs = exe.execute_sharded(args).disassemble_into_single_device_arrays()
-        for o in outs:
-            o[0].block_until_ready()
+        one_step()
         if i >= warmup:
             times.append(time.perf_counter() - start)
-        for out_index, param in updates:
-            args[param] = outs[out_index][0]
+    if profile:  # a trace TensorBoard's profile plugin or Perfetto opens
+        with jax.profiler.trace(profile):
+            for _ in range(3):
+                one_step()
     step_s = statistics.median(times)
     flops = desc["flops_per_token"] * desc["tokens_per_step"] / step_s
     peak = matmul_peak(device)
@@ -160,7 +215,9 @@ def time_steps(directory, backend, steps, warmup, compiled):
             "matmul_peak_tflops": peak / 1e12, "mfu_measured_peak": flops / peak,
             "gemm_calls": gemm_report(optimized),
             "fp8_gemms": optimized.count("__cublas$lt$matmul$f8"),
-            "steps": steps, "jax": jax.__version__}
+            "peak_memory_gib": peak_memory_gib(device), "step_ms_all": [t * 1e3 for t in times],
+            "program": "step.jax" if isinstance(compiled, PortableStep) else "step.hlo.pb",
+            "steps": steps, "jax": jax.__version__, "profile": profile}
 
 
 def main():
@@ -174,6 +231,8 @@ def main():
     parser.add_argument("--check", action="store_true",
                         help="compare one step with TensorFlow's outputs (check.npz); "
                              "with --steps, then time that many steps on the same program")
+    parser.add_argument("--out", help="folder for the optimized HLO (default: DIR)")
+    parser.add_argument("--profile", help="write a profiler trace of 3 steps here")
     args = parser.parse_args()
     compiled = compile_step(args.directory, args.backend)
     result = {}
@@ -181,7 +240,7 @@ def main():
         result.update(check(args.directory, compiled))
     if not args.check or args.steps:
         result.update(time_steps(args.directory, args.backend, args.steps or 50, args.warmup,
-                                 compiled))
+                                 compiled, args.out, args.profile))
     print(json.dumps(result))
 
 

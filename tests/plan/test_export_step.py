@@ -44,6 +44,14 @@ def test_export_describes_every_parameter_and_output(tmp_path, policy):
     hlo = (tmp_path / "step.hlo.txt").read_text()
     assert ("f8e4m3fn" in hlo) == (policy == "fp8")
     assert (tmp_path / "step.hlo.pb").stat().st_size > 0
+    if HAVE_JAX:  # the portable artefact: read back through jax's public API alone
+        import jax
+        assert desc["jax_export"] == "step.jax"
+        exported = jax.export.deserialize(bytearray((tmp_path / "step.jax").read_bytes()))
+        assert [(list(a.shape), str(a.dtype)) for a in exported.in_avals] == [
+            (p["shape"], p["dtype"]) for p in desc["params"]]
+        assert len(exported.out_avals) == len(desc["outputs"])
+        assert exported.platforms == ("cuda",)  # the platform check is off: CPUs run it
 
 
 @pytest.mark.slow
@@ -74,3 +82,28 @@ def test_jaxlib_runs_the_exported_step_like_tensorflow(tmp_path, policy):
     assert out["checked_outputs"] > 40
     assert out["tokens_per_s"] > 0 and out["step_ms"] > 0 and out["steps"] == 3
     assert (tmp_path / "step.optimized.cpu.hlo.txt").exists()
+    # the portable artefact ran (public jax APIs only), as on a lent GPU's newer jax
+    assert out["program"] == "step.jax"
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not HAVE_JAX, reason="jax/jaxlib not installed (pip install jax)")
+def test_the_gpu_script_times_every_prepared_step_in_one_command(tmp_path):
+    # benchmarks/gpu/run_all.sh as a lent GPU machine runs it, on this CPU, over one tiny
+    # export: one JSON line per step, its optimized HLO and a profiler trace.
+    exports = tmp_path / "exports"
+    export_step(tiny_config("llama", **{"model.num_layers": 1}), str(exports / "tiny"))
+    out = tmp_path / "out"
+    r = subprocess.run(["bash", os.path.join(ROOT, "benchmarks", "gpu", "run_all.sh"),
+                        "--steps", "2", "--warmup", "1", "--backend", "cpu"],
+                       capture_output=True, text=True, timeout=TF_HANG_S, cwd=ROOT,
+                       env=dict(os.environ, OUT=str(out), EXPORTS=str(exports),
+                                PYTHON=sys.executable))
+    assert r.returncode == 0, r.stderr[-2000:]
+    (line,) = (out / "steps.jsonl").read_text().splitlines()
+    result = json.loads(line)
+    assert result["name"] == "tiny" and "failed" not in result, result
+    assert result["program"] == "step.jax" and result["steps"] == 2
+    assert (out / "tiny" / "step.optimized.cpu.hlo.txt").exists()
+    assert any((out / "tiny" / "profile").rglob("*.xplane.pb"))
+    assert "jax" in (out / "machine.txt").read_text()

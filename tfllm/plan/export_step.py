@@ -9,6 +9,9 @@
   fp8_state, step; named as in a checkpoint, `tfllm.checkpoint.state_name`:
   "model/<path>", "optimizer/m/<path>", "optimizer/v/<path>", ...), each output (metric
   name, or the parameter it updates), FLOPs per token, tokens per step and versions;
+* `step.jax` (where the plan extra's jax is installed): the same program as a serialized
+  `jax.export.Exported`, which any recent jax runs through public APIs only
+  (`tfllm.plan.jax_export`; what `benchmarks/gpu/run_step.py` runs on a lent GPU);
 * `check.npz` (with `--check`): the inputs of one step and TensorFlow's outputs, so a
   runner can prove that it executes the same program (`benchmarks/gpu/run_step.py`).
 """
@@ -110,6 +113,14 @@ def export_step(config, out_dir: str, check: bool = False) -> dict:
     }
     files.write_atomically(out_dir, "step.hlo.pb", hlo_bytes)
     files.write_atomically(out_dir, "step.hlo.txt", hlo_text)
+    try:
+        from tfllm.plan.jax_export import exported_step
+        portable = exported_step(hlo_bytes)
+    except ImportError:  # no plan extra: the HLO alone (run_step.py then needs jax 0.10.2)
+        portable = None
+    description["jax_export"] = "step.jax" if portable is not None else None
+    if portable is not None:
+        files.write_atomically(out_dir, "step.jax", portable)
     files.write_atomically(out_dir, "step.json", json.dumps(description, indent=1))
     if check:  # one step's inputs and TensorFlow's results, for the runner to match
         inputs = ([b.numpy() for b in batch] + [limit.numpy()]

@@ -1,0 +1,29 @@
+#!/usr/bin/env bash
+# Times every prepared step (benchmarks/gpu/exports/*/, made by prepare.py) on this
+# machine's GPU with jax alone: one JSON line per step in $OUT/steps.jsonl, the optimized
+# HLO and a profiler trace per step under $OUT/NAME/, the machine in $OUT/machine.txt.
+#   OUT=/some/folder bash benchmarks/gpu/run_all.sh [--steps N]
+# (EXPORTS=folder: time the steps there instead; PYTHON=interpreter: another than python3;
+# tests/plan/test_export_step.py runs it so, on CPU)
+# Each step is bounded (STEP_TIMEOUT_S, default 240 s) so that one slow compile cannot
+# take the whole lease; a failed step is recorded and the next one runs.
+set -uo pipefail
+cd "$(dirname "$0")/../.."
+OUT=${OUT:?set OUT to a folder for the results}
+mkdir -p "$OUT"
+{ date -u; nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv 2>&1
+  "${PYTHON:-python3}" -c 'import jax, sys; print("python", sys.version.split()[0], "jax", jax.__version__, jax.devices())' 2>&1
+} > "$OUT/machine.txt"
+for dir in "${EXPORTS:-benchmarks/gpu/exports}"/*/; do
+  name=$(basename "$dir")
+  mkdir -p "$OUT/$name"
+  if timeout "${STEP_TIMEOUT_S:-240}" "${PYTHON:-python3}" benchmarks/gpu/run_step.py "$dir" \
+      --out "$OUT/$name" --profile "$OUT/$name/profile" "$@" \
+      > "$OUT/$name/result.json" 2> "$OUT/$name/stderr.txt"; then
+    python3 -c 'import json,sys; r=json.load(open(sys.argv[1])); r["name"]=sys.argv[2]; print(json.dumps(r))' \
+      "$OUT/$name/result.json" "$name" >> "$OUT/steps.jsonl"
+  else
+    echo "{\"name\": \"$name\", \"failed\": $?, \"stderr\": $(tail -c 1500 "$OUT/$name/stderr.txt" | python3 -c 'import json,sys; print(json.dumps(sys.stdin.read()))')}" >> "$OUT/steps.jsonl"
+  fi
+  tail -n 1 "$OUT/steps.jsonl" | cut -c1-300
+done
