@@ -1,7 +1,7 @@
 """Prepares the train steps a lent GPU times: `python benchmarks/gpu/prepare.py [NAME ...]`.
 
 For each case below, `tfllm export-step` (here, with TensorFlow and the plan extra's jax)
-writes the one-device step; this keeps its `step.jax` (a serialized jax.export artefact
+writes the one-device step; this keeps its `step.jax` (gzipped: `step.jax.gz`; a serialized jax.export artefact
 that any recent jax runs through public APIs: tfllm.plan.jax_export) and `step.json` in
 `benchmarks/gpu/exports/NAME/`, which are small (no weights: they are the step's inputs,
 filled at random on the GPU). `benchmarks/gpu/run_all.sh` then times every one of them on
@@ -11,6 +11,7 @@ the GPU machine in one command. Cases run one at a time (a 7B export holds a few
 from __future__ import annotations
 
 import argparse
+import gzip
 import os
 import shutil
 import subprocess
@@ -53,8 +54,12 @@ def prepare(name: str) -> str:
             raise SystemExit(f"{name}: export-step failed (the plan extra's jax is needed "
                              f"for step.jax):\n{r.stderr[-3000:]}")
         os.makedirs(out, exist_ok=True)
-        for f in ("step.jax", "step.json"):
-            shutil.copyfile(os.path.join(tmp, f), os.path.join(out, f))
+        shutil.copyfile(os.path.join(tmp, "step.json"), os.path.join(out, "step.json"))
+        # compressed: the constants TensorFlow folds into the program (causal masks,
+        # RoPE tables) are most of a 7B layer's bytes, and the masks compress ~100x
+        with open(os.path.join(tmp, "step.jax"), "rb") as f, \
+                gzip.open(os.path.join(out, "step.jax.gz"), "wb") as g:
+            shutil.copyfileobj(f, g)
     return out
 
 

@@ -20,6 +20,7 @@ cuBLAS / cuBLASLt calls (FP8 ones as `__cublas$lt$matmul$f8`).
 """
 
 import argparse
+import gzip
 import json
 import os
 import re
@@ -42,7 +43,9 @@ class PortableStep:
     """step.jax through public APIs: jax.export.deserialize, jax.jit, lower, compile."""
 
     def __init__(self, path, device):
-        with open(path, "rb") as f:
+        # step.jax.gz: the same, compressed (prepare.py: folded constants, such as causal
+        # masks, compress well)
+        with (gzip.open if path.endswith(".gz") else open)(path, "rb") as f:
             exported = jax.export.deserialize(bytearray(f.read()))
         self.device = device
         shapes = [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in exported.in_avals]
@@ -88,9 +91,10 @@ def compile_step(directory, backend):
     """The step of DIR compiled for the first device of `backend`: step.jax where it is
     there (any recent jax), else step.hlo.pb (the plan extra's jax)."""
     device = jax.devices(backend)[0]
-    portable = os.path.join(directory, "step.jax")
-    if os.path.exists(portable):
-        return PortableStep(portable, device)
+    for name in ("step.jax", "step.jax.gz"):
+        portable = os.path.join(directory, name)
+        if os.path.exists(portable):
+            return PortableStep(portable, device)
     return HloStep(os.path.join(directory, "step.hlo.pb"), device)
 
 

@@ -1,5 +1,6 @@
 """`tfllm export-step` and the jaxlib runner (benchmarks/gpu/run_step.py)."""
 
+import gzip
 import importlib.util
 import json
 import os
@@ -93,6 +94,11 @@ def test_the_gpu_script_times_every_prepared_step_in_one_command(tmp_path):
     # export: one JSON line per step, its optimized HLO and a profiler trace.
     exports = tmp_path / "exports"
     export_step(tiny_config("llama", **{"model.num_layers": 1}), str(exports / "tiny"))
+    # as benchmarks/gpu/prepare.py stores it: gzipped
+    step = exports / "tiny" / "step.jax"
+    with gzip.open(str(step) + ".gz", "wb") as f:
+        f.write(step.read_bytes())
+    step.unlink()
     out = tmp_path / "out"
     r = subprocess.run(["bash", os.path.join(ROOT, "benchmarks", "gpu", "run_all.sh"),
                         "--steps", "2", "--warmup", "1", "--backend", "cpu"],
