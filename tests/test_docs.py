@@ -269,6 +269,12 @@ COMMANDS = {
     'python -m pytest -q -n 2 -m "not slow"':
         ("ci", ".ci/run", "the quick tier of the same suite: -m \"not slow\""),
     "python -m pytest -q -n 2": ("ci", ".ci/run", "the full suite"),
+    # docs/testing.md, "A busy machine": the loaded run a maintainer repeats
+    'python3 -c "while True: pass" & python3 -c "while True: pass" &': ("not run", "shell"),
+    "python -m pytest -q -n 2 tests/notebooks -k fresh_execution":
+        ("test", "tests/notebooks/test_notebooks.py::test_fresh_execution_matches_the_stored_outputs",
+         "the notebooks' fresh executions (the full suite runs them)"),
+    "kill %1 %2": ("not run", "shell"),
 }
 
 
