@@ -147,8 +147,10 @@ def test_a_test_is_over_a_limit_only_past_it(took, cpu, kind):
 
 def test_the_tier_timeouts_bound_hangs_with_room_for_a_busy_machine():
     # docs/testing.md, "A busy machine": the slowest test of each tier measured with two
-    # CPU-bound processes beside `pytest -n 2` on 2 cores, 2026-11-28 (AMD EPYC).
-    slowest_loaded_s = {"quick": 128.6, "slow": 300}
+    # CPU-bound processes beside `pytest -n 2` on 2 cores, 2026-11-28 (AMD EPYC): quick,
+    # a stall of 145.5 s (138 s inside garbage collection) in the loaded full suite; slow,
+    # test_a_sharded_mesh_is_planned_per_device, 245.9 s.
+    slowest_loaded_s = {"quick": 145.5, "slow": 245.9}
     for tier, seconds in slowest_loaded_s.items():
         assert TIER_TIMEOUT_S[tier] >= 5 * seconds, tier
 
