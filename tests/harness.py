@@ -164,6 +164,19 @@ def first_step_costs(axes, layers, policy="float32", family="llama", **extra):
     return first.report.costs, seen
 
 
+def graph_ancestors(graph, name):
+    """The names of every node `name` depends on (data and control inputs) in a GraphDef."""
+    nodes = {n.name: n for n in graph.node}
+    seen, todo = set(), [name]
+    while todo:
+        for i in nodes[todo.pop()].input:
+            i = i.lstrip("^").split(":")[0]
+            if i in nodes and i not in seen:
+                seen.add(i)
+                todo.append(i)
+    return seen
+
+
 # ---- the parity harness -----------------------------------------------------------------
 PARITY_STEPS = 3
 

@@ -4,8 +4,8 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from tests.harness import (assert_parity, parity_config, parity_reference, parity_run,
-                           run_in_child)
+from tests.harness import (assert_parity, graph_ancestors, parity_config, parity_reference,
+                           parity_run, run_in_child)
 
 # Each policy on its own mesh, the families alternating (every mesh axis is covered),
 # against the single-device float32 run without remat: recomputation reorders nothing
@@ -107,16 +107,6 @@ def _per_block(policy):
     return three, len(three.collectives) - len(two.collectives), graphs
 
 
-def _ancestors(graph, name):
-    nodes = {n.name: n for n in graph.node}
-    seen, todo = set(), [name]
-    while todo:
-        for i in nodes[todo.pop()].input:
-            i = i.lstrip("^").split(":")[0]
-            if i in nodes and i not in seen:
-                seen.add(i)
-                todo.append(i)
-    return seen
 
 
 @pytest.mark.slow  # six tiny steps on 8 devices, graphs read back
@@ -153,7 +143,7 @@ def test_recomputed_blocks_add_no_collective_and_gather_no_activation():
         (again,) = [n.name for n in graph.node if n.op == "CollectiveGatherV2"
                     and n.device == device and f"/block_{i}_gather/" in n.name
                     and "/llama" not in n.name]
-        after = _ancestors(graph, again)
+        after = graph_ancestors(graph, again)
         assert any(f"gradient_tape/block_{i + 1}_" in a and ops[a] == "Einsum"
                    for a in after), (i, again)
 

@@ -19,7 +19,7 @@ import re
 import numpy as np
 import pytest
 
-from tests.harness import first_step_costs, tiny_config
+from tests.harness import first_step_costs, graph_ancestors, tiny_config
 
 NCCL_DTYPES = {"float16", "float32", "float64", "int32", "int64"}
 
@@ -60,18 +60,6 @@ def test_fsdp_moves_a_block_in_one_gather_one_regather_and_one_reduction(fsdp_ru
         [c.describe() for c in three.collectives if _scalar(c)]
 
 
-def _ancestors(graph, name):
-    nodes = {n.name: n for n in graph.node}
-    seen, todo = set(), [name]
-    while todo:
-        for i in nodes[todo.pop()].input:
-            i = i.lstrip("^").split(":")[0]
-            if i in nodes and i not in seen:
-                seen.add(i)
-                todo.append(i)
-    return seen
-
-
 @pytest.mark.slow
 def test_block_gathers_wait_for_the_block_ahead_and_regathers_come_one_block_early(fsdp_runs):
     _, graphs = fsdp_runs[3]
@@ -88,7 +76,7 @@ def test_block_gathers_wait_for_the_block_ahead_and_regathers_come_one_block_ear
         return re.compile(rf"/block_{i}(_\d+)?/")
 
     for i in (1, 2):
-        ahead = _ancestors(graph, gather_of(i, "gather"))
+        ahead = graph_ancestors(graph, gather_of(i, "gather"))
         # Block i's forward gather waits for block i-1's input, which block i-2 (or the
         # embedding) computes; it never waits for block i-1's or its own compute.
         wanted = compute(i - 2) if i > 1 else re.compile("token_embedding")
@@ -100,7 +88,7 @@ def test_block_gathers_wait_for_the_block_ahead_and_regathers_come_one_block_ear
     # (Its ancestors may include a reshape of that incoming gradient that graph
     # optimization shared with block 1's gradient code, so the check is on products.)
     ops = {n.name: n.op for n in graph.node}
-    ahead = _ancestors(graph, gather_of(0, "regather"))
+    ahead = graph_ancestors(graph, gather_of(0, "regather"))
     assert any("gradient_tape" in a and compute(2).search(a) and ops[a] == "Einsum"
                for a in ahead)
     assert not any("gradient_tape" in a and ops[a] == "Einsum"

@@ -285,8 +285,8 @@ def _place(model, parallel, seed: int, zeros: bool) -> None:
         spec = parallel.variable_spec(var) if parallel is not None else None
         # FP8 amax histories receive their new values as gradients (overwrite-with-
         # gradient), so TensorFlow must see them as differentiable: a recomputation
-        # (remat) returns gradients only for the trainable variables its tape watched. Keras still lists them
-        # as non-trainable, so the optimizer never touches them.
+        # (remat) returns gradients only for the trainable variables its tape watched.
+        # Keras still lists them as non-trainable, so the optimizer never touches them.
         differentiable = var.trainable or getattr(var, "kind", None) == "fp8_state"
         # A weight no pretrained preset holds (a LoRA adapter) gets its init even then.
         blank = zeros and not getattr(var, "init_when_loading", False)

@@ -130,10 +130,10 @@ def _this_call_only(scale):
     quantizes such an input once per projection instead, an elementwise pass each.
     Needed for the weight: under model.remat=full a projection's forward runs again in
     the backward pass, on an input made new by a data dependency on the output gradient
-    (`tfllm.models.common.remat.after_gradient`) but on the same weight, so DTensor's CSE (_dequantize_again)
-    merged the recomputed weight quantization into the first forward's, and the
-    recomputed forward dot got its weight as a bf16 parameter of its cluster (6 of the 7
-    dots of each llama block on mesh data=1). A dependency on the input (its amax) would
+    (`tfllm.models.common.remat.after_gradient`) but on the same weight, so DTensor's CSE
+    (_dequantize_again) merged the recomputed weight quantization into the first
+    forward's, and the recomputed forward dot got its weight as a bf16 parameter of its
+    cluster (6 of the 7 dots of each llama block on mesh data=1). A dependency on the input (its amax) would
     do too, but costs the delayed recipe an all-reduce before every forward dot.
 
     n counts the calls traced into the current graph: a program traced again, or by each
