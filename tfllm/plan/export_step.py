@@ -41,9 +41,10 @@ def _entry_signature(hlo_text: str):
     return types(params_text), types(out_text)
 
 
-def export_step(config, out_dir: str, check: bool = False) -> dict:
+def export_step(config, out_dir: str, check: bool = False, portable: bool = True) -> dict:
     """Writes the step's HLO and description to `out_dir` (the root of these writes: made
-    when missing); returns the description."""
+    when missing); returns the description. `portable`: also write step.jax (where the
+    plan extra's jax is installed); the planner, which compiles step.hlo.pb, skips it."""
     files.make_dirs(out_dir)
     # One device, no DTensor: plain XLA parameters.
     state = build_train_state(config, None, jit_compile=True)
@@ -113,14 +114,16 @@ def export_step(config, out_dir: str, check: bool = False) -> dict:
     }
     files.write_atomically(out_dir, "step.hlo.pb", hlo_bytes)
     files.write_atomically(out_dir, "step.hlo.txt", hlo_text)
-    try:
-        from tfllm.plan.jax_export import exported_step
-        portable = exported_step(hlo_bytes)
-    except ImportError:  # no plan extra: the HLO alone (run_step.py then needs jax 0.10.2)
-        portable = None
-    description["jax_export"] = "step.jax" if portable is not None else None
-    if portable is not None:
-        files.write_atomically(out_dir, "step.jax", portable)
+    artefact = None
+    if portable:
+        try:
+            from tfllm.plan.jax_export import exported_step
+            artefact = exported_step(hlo_bytes)
+        except ImportError:  # no plan extra: the HLO alone (run_step.py then needs 0.10.2)
+            pass
+    description["jax_export"] = "step.jax" if artefact is not None else None
+    if artefact is not None:
+        files.write_atomically(out_dir, "step.jax", artefact)
     files.write_atomically(out_dir, "step.json", json.dumps(description, indent=1))
     if check:  # one step's inputs and TensorFlow's results, for the runner to match
         inputs = ([b.numpy() for b in batch] + [limit.numpy()]

@@ -104,7 +104,9 @@ def plan_program(config, target: Target, keep_dir: Optional[str] = None) -> dict
     from tfllm.plan.export_step import export_step
     with files.temporary_folder("tfllm-plan-") as tmp:
         work = keep_dir or tmp
-        desc = export_step(config, work)
+        # No step.jax: the plan compiles step.hlo.pb itself (converting it twice for
+        # nothing cost each plan a second MLIR pass over the whole step)
+        desc = export_step(config, work, portable=False)
         # Keras keeps every model built in the process (its global state): without this
         # each plan's variables stay (measured: +0.75 GB per gpt2-small 2-layer export;
         # ten gpt2-small plans and llama-1b's were OOM-killed at 20 GB).
