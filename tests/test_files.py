@@ -252,7 +252,7 @@ def test_every_name_tfllm_deletes_is_in_the_table():
     for name in ("step_00000012", "step_00000012.tmp-0f0f0f0f", "step_00000012.replaced-1a",
                  "COMMIT", "metrics.jsonl", "metrics.jsonl.tmp", "config.yaml.tmp",
                  "loss.png.tmp.png", "costs.json.part", "tensorboard", "tokenizer",
-                 "client_3.holder", "ready.0", "run.importing"):
+                 "client_3.holder", ".tfllm-writer", "ready.0", "run.importing"):
         assert files.owned_name(name), name
     for name in ("step_12", "checkpoints", ".tfllm-run", "logs", "notes.tmp", "x.part",
                  "client_3.lock", "COMMIT.bak"):

@@ -125,6 +125,9 @@ XLA_CACHE_DIR = "xla_cache"
 #: one lock file per client, held by the `tfllm train` writing the run
 #: (`tfllm.checkpoint.lock`): one writer per run
 LOCKS_DIR = ".tfllm-locks"
+#: who writes a checkpoint folder (pid, host, start, workdir), kept in the real folder
+#: while client 0 of a `tfllm train` holds it (`tfllm.checkpoint.lock`)
+WRITER_RECORD = ".tfllm-writer"
 #: the files and folders a run writes: cleared when a dead run without checkpoints is
 #: reused (`tfllm.checkpoint.workdir`), the only top-level names tfllm deletes in a run
 RUN_OUTPUTS = (METRICS_FILE, TENSORBOARD_DIR, PLOT_FILE, CONFIG_FILE, COSTS_FILE,

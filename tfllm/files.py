@@ -56,7 +56,7 @@ import threading
 from typing import Optional, Union
 
 from tfllm.confined import open_regular
-from tfllm.contracts import InputError, RUN_OUTPUTS
+from tfllm.contracts import InputError, RUN_OUTPUTS, WRITER_RECORD
 from tfllm.runpaths import CLIENT, HOLDER_SUFFIX
 
 
@@ -81,6 +81,7 @@ OWNED_NAMES = (
                                     "(cleared with a dead run: tfllm.checkpoint.workdir)"),
     (re.escape(CLIENT).replace(r"\{\}", r"\d+") + re.escape(HOLDER_SUFFIX),
      "a run lock's holder record (tfllm.checkpoint.lock)"),
+    (re.escape(WRITER_RECORD), "a checkpoint folder's writer record (tfllm.checkpoint.lock)"),
     (r"ready\.\d+", "a worker's readiness file (tfllm launch)"),
     (r".+\.importing", "a crashed tfllm import (deleted only with its marker)"),
 )

@@ -82,3 +82,55 @@ def test_a_second_train_on_a_live_run_is_refused_and_the_first_finishes(tmp_path
     assert os.listdir(os.path.join(run, ".tfllm-locks")) == ["client_0.lock"]
     with RunLock(run, 0) as lock:
         assert lock.previous is None
+
+
+def test_a_checkpoint_folder_reached_by_a_link_is_held_by_its_writer(tmp_path):
+    # A second workdir whose checkpoints/ links to a live run's deleted that run's
+    # in-flight save, resumed from it and pruned the same folder: the lock covers the
+    # real checkpoint folder, however it is reached.
+    first, second, disk = tmp_path / "first", tmp_path / "second", tmp_path / "disk"
+    (disk / "ckpt").mkdir(parents=True)
+    first.mkdir()
+    second.mkdir()
+    os.symlink(disk / "ckpt", first / "checkpoints")
+    (disk / "ckpt" / "step_00000001.tmp-0a0b").mkdir()  # a live save under way
+    with RunLock(str(first), 0):
+        record = json.loads((disk / "ckpt" / ".tfllm-writer").read_text())
+        assert record["pid"] == os.getpid() and record["workdir"] == str(first)
+        for link in (disk / "ckpt", first / "checkpoints", disk / ".." / "disk" / "ckpt"):
+            (second / "checkpoints").unlink(missing_ok=True)
+            os.symlink(link, second / "checkpoints")
+            with pytest.raises(WorkdirError, match=(
+                    rf"--workdir {second}: the checkpoint folder {disk / 'ckpt'} \(its "
+                    rf"checkpoints/ leads to .*\) is written by a tfllm train \(pid "
+                    rf"{os.getpid()} on .*--workdir {first}\); two runs never share one")):
+                RunLock(str(second), 0).acquire()
+            # refused as a whole: its own workdir lock is let go too
+            assert not (second / ".tfllm-locks" / "client_0.holder").exists()
+        with RunLock(str(second), 1):  # other clients take no checkpoint-folder lock
+            pass
+    assert sorted(os.listdir(disk / "ckpt")) == ["step_00000001.tmp-0a0b"]  # record gone
+    with RunLock(str(second), 0):  # free once the first let go
+        pass
+
+
+def test_a_new_run_holds_its_checkpoint_folder_when_it_makes_it(tmp_path):
+    lock = RunLock(str(tmp_path / "run"), 0).acquire()
+    try:
+        assert not (tmp_path / "run" / "checkpoints").exists()  # not made before the marker
+        lock.hold_checkpoints()
+        assert (tmp_path / "run" / "checkpoints" / ".tfllm-writer").is_file()
+        with pytest.raises(WorkdirError, match="is written by a tfllm train"):
+            other = tmp_path / "other"
+            other.mkdir()
+            os.symlink(tmp_path / "run" / "checkpoints", other / "checkpoints")
+            RunLock(str(other), 0).acquire()
+    finally:
+        lock.release()
+    assert os.listdir(tmp_path / "run" / "checkpoints") == []
+
+
+def test_a_checkpoints_link_to_nothing_is_one_line(tmp_path):
+    os.symlink(tmp_path / "missing", tmp_path / "checkpoints")
+    with pytest.raises(WorkdirError, match="is not a folder .*a link to nothing"):
+        RunLock(str(tmp_path), 0).acquire()

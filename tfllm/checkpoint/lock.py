@@ -10,6 +10,13 @@ holding the lock says whose it was. A run that is refused after taking the lock 
 checkpoint that fails its checks) leaves the folder as it found it. Readers (`tfllm generate`, `eval`, `export`) take no lock:
 they read committed checkpoints only, which a writer never changes.
 
+One writer per checkpoint folder, too: `checkpoints/` may be a link (to another disk),
+so two workdirs could reach one folder. Client 0 (which removes interrupted saves,
+commits and prunes) also holds a `flock` on the real (resolved) checkpoint folder itself,
+and while it holds it `.tfllm-writer` there names it (pid, host, start, workdir): a second
+run reaching that folder by any path is refused naming the run that writes it, before it
+removes, restores or prunes anything there. The record goes when the lock is let go.
+
 flock is per host: on a network filesystem shared by several hosts (NFS), two hosts may
 each hold "the" lock; the checkpoint's own commit protocol still keeps every checkpoint
 whole.
@@ -27,6 +34,7 @@ from typing import Optional
 
 from tfllm import files
 from tfllm.checkpoint.workdir import WorkdirError
+from tfllm.contracts import WRITER_RECORD
 from tfllm.runpaths import RunPaths
 
 
@@ -43,8 +51,10 @@ class RunLock:
         paths = RunPaths(workdir)
         self.directory = paths.locks_dir
         self.path, self.holder = paths.lock(client), paths.lock_holder(client)
+        self.checkpoints, self.client = paths.checkpoints, client
         self.previous: Optional[dict] = None
         self._file = None
+        self._folder = None  # (descriptor, real path) of the checkpoint folder held
 
     def acquire(self) -> "RunLock":
         """Takes the lock; `WorkdirError` (exit 2) naming the live holder when another
@@ -76,10 +86,63 @@ class RunLock:
                   "started": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
         files.write_atomically(self.workdir, self.holder, json.dumps(record),
                                suffix=f".{os.getpid()}.part")
+        if os.path.lexists(self.checkpoints):  # a resumed run's: held before it is touched
+            try:
+                self.hold_checkpoints()
+            except BaseException:
+                self.release()
+                raise
         return self
+
+    def hold_checkpoints(self) -> None:
+        """Client 0: locks the real checkpoint folder (made when missing), whatever path
+        leads to it; `WorkdirError` (exit 2) naming the run that writes it when another
+        process holds it. Other clients, and a second call, do nothing."""
+        if self.client != 0 or self._folder is not None:
+            return
+        if os.path.lexists(self.checkpoints) and not os.path.isdir(self.checkpoints):
+            raise WorkdirError(f"--workdir {self.workdir}: {self.checkpoints} is not a folder "
+                               "(a file, or a link to nothing); remove it or make it the "
+                               "folder the run's checkpoints go to.")
+        files.make_dirs(self.checkpoints)  # the folder itself may be a link: the user's
+        real = os.path.realpath(self.checkpoints)
+        fd = os.open(real, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        record_path = os.path.join(real, WRITER_RECORD)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as e:
+            os.close(fd)
+            if e.errno not in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
+                return  # a filesystem without flock on folders: the workdir lock remains
+            holder = _read(record_path)
+            who = (f"pid {holder.get('pid')} on {holder.get('host')}, started "
+                   f"{holder.get('started')}, --workdir {holder.get('workdir')}"
+                   if holder else "another process")
+            link = (f" (its checkpoints/ leads to {real})"
+                    if real != os.path.abspath(self.checkpoints) else "")
+            raise WorkdirError(
+                f"--workdir {self.workdir}: the checkpoint folder {real}{link} is written "
+                f"by a tfllm train ({who}); two runs never share one: give this run its "
+                "own checkpoints/ (remove the link), or wait for that run to end.") from None
+        self._folder = (fd, real)
+        record = {"pid": os.getpid(), "host": socket.gethostname(),
+                  "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+                  "workdir": os.path.abspath(self.workdir)}
+        files.write_atomically(real, record_path, json.dumps(record),
+                               suffix=f".{os.getpid()}.part")
 
     def release(self) -> None:
         """Lets the lock go (the file stays: removing it could race a waiting run)."""
+        if self._folder is not None:
+            fd, real = self._folder
+            self._folder = None
+            try:
+                record = os.path.join(real, WRITER_RECORD)
+                if _read(record).get("pid") == os.getpid():  # this holder's own record
+                    files.remove(real, record)
+            finally:
+                fcntl.flock(fd, fcntl.LOCK_UN)
+                os.close(fd)
         if self._file is not None:
             try:
                 if os.path.isfile(self.holder) and not os.path.islink(self.holder):

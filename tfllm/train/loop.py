@@ -192,6 +192,9 @@ def _prepare(config, workdir, model_cls, out, signals, watchdog: list,
         start_run(state, config.data)
     if primary and not state.has_checkpoint:
         save_to_run(run.tokenizer, config.data, workdir)
+    # one writer per checkpoint folder, however it is reached (a checkpoints/ link): held
+    # before the checkpointer removes interrupted saves there
+    lock.hold_checkpoints()
     checkpointer = run_dir.checkpointer(run.parallel, config.checkpoint)
     if num_clients() > 1 and t.peer_timeout_s > 0:  # from here a lost peer is reported
         watchdog.append(PeerWatchdog(workdir, client_id(), num_clients(), t.peer_timeout_s,
