@@ -294,9 +294,11 @@ def write_atomically(root: str, path, data: Union[bytes, str], suffix: str = ".t
                     os.fsync(f.fileno())
             _refuse_link(dir_fd, name, full)
             os.replace(tmp, name, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
-        except BaseException:
+        except BaseException as e:
             with contextlib.suppress(OSError):  # its own temporary file, just made
                 os.unlink(tmp, dir_fd=dir_fd)
+            if isinstance(e, OSError) and e.filename is None:  # a write names no path
+                raise OSError(e.errno, e.strerror, full) from None
             raise
         if durable:
             os.fsync(dir_fd)
@@ -324,7 +326,13 @@ def copy_file(root: str, src: str, dst) -> str:
     (`open_for_writing`); returns `dst`'s absolute path."""
     with open_regular(src, None, "a file to copy", Refused) as f_in, \
             open_for_writing(root, dst, "wb") as f_out:
-        shutil.copyfileobj(f_in, f_out)
+        try:
+            shutil.copyfileobj(f_in, f_out)
+            f_out.flush()
+        except OSError as e:
+            if e.filename is not None:
+                raise
+            raise OSError(e.errno, e.strerror, _absolute(root, dst)) from None
     return _absolute(root, dst)
 
 
@@ -477,7 +485,8 @@ def remove_empty_folder(path: str) -> bool:
 # ---- new output folders (every `tfllm export` format) ---------------------------------------
 def require_new_folder(out: str, error=ValueError, keep=()) -> str:
     """`out` as an absolute path for a new output folder: it must not exist or be an empty
-    folder (an export never overwrites or deletes files), and it may not be the
+    folder (an export never overwrites or deletes files; a link to an empty folder is that
+    folder: the path returned is the folder it names), and it may not be the
     filesystem root, nor any folder in `keep` (the run's workdir) or one holding it.
 
     Args:
@@ -487,6 +496,8 @@ def require_new_folder(out: str, error=ValueError, keep=()) -> str:
     """
     out = os.path.abspath(os.path.expanduser(out))
     real = os.path.realpath(out)
+    if os.path.islink(out) and os.path.isdir(real) and not os.listdir(real):
+        out = real  # a link to an empty folder: the export goes into the folder it names
     if real == os.path.dirname(real):
         raise error(f"--out {out} is the filesystem root; export into a new directory.")
     for folder in keep:

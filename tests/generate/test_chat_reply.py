@@ -62,3 +62,28 @@ def test_conversation_takes_a_json_list_of_messages():
     import json
     assert conversation(json.dumps(messages)) == messages
     assert conversation("[not json") == [{"role": "user", "content": "[not json"}]
+
+
+def test_a_template_that_renders_nothing_is_one_line(monkeypatch, tmp_path):
+    import pytest
+    from tfllm.data.errors import DataError
+    monkeypatch.setattr("tfllm.generate.chat.Generator", lambda *a, **k: None)
+    empty = tmp_path / "empty.jinja"
+    empty.write_text("{% for m in messages %}{% endfor %}")
+    chat = session(str(empty))
+    chat.generator = Scripted([1, 2])
+    with pytest.raises(DataError, match=r"renders the conversation as no tokens at all"):
+        chat.reply(conversation(""), 8)
+    assert chat.generator.calls == []  # refused before generating
+
+
+def test_chat_on_a_text_run_without_a_template_says_how_to_name_one(monkeypatch):
+    import pytest
+    from tfllm.data.errors import DataError
+    monkeypatch.setattr("tfllm.generate.chat.Generator", lambda *a, **k: None)
+    config = Config()
+    config.data.tokenizer = "byte"  # data.format=text, no template anywhere
+    with pytest.raises(DataError) as e:
+        ChatSession(None, None, ByteTokenizer(), config.data, max_sequence_length=64)
+    assert "data.format=messages" not in str(e.value)
+    assert "this run (data.format=text" in str(e.value) and "without --chat" in str(e.value)

@@ -566,9 +566,11 @@ def _failure(error: BaseException, args):
         after = (_latest_checkpoint(args.workdir) + "; free space or fix the permissions, "
                  "then run the same command to resume" if args.command == "train" else
                  "Free space or fix the permissions, then run the command again")
-        workdir = getattr(args, "workdir", None)
-        where = (f" (writing under {workdir})" if workdir and not failed.filename
-                 and str(workdir) not in str(error) else "")  # a write names no path
+        # a write that names no path: the folder the command writes (an export's --out)
+        written = getattr(args, "out", None) or getattr(args, "workdir", None)
+        flag = "--out " if getattr(args, "out", None) else ""
+        where = (f" (writing under {flag}{written})" if written and not failed.filename
+                 and str(written) not in str(error) else "")
         return IO_ERROR_EXIT_CODE, f"{prefix}{_one_line(error)}{where}. {after}."
     if (isinstance(error, OSError) and error.errno == errno.ELOOP and error.filename
             and os.path.islink(str(error.filename))):  # a link planted at tfllm's own name

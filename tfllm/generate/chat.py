@@ -49,7 +49,17 @@ class ChatSession:
 
     def __init__(self, model, parallel, tokenizer, data, max_sequence_length: int,
                  jit_compile: bool = True):
-        self.template = load_chat_template(data)
+        try:
+            self.template = load_chat_template(data)
+        except DataError:
+            if data.format == "messages":
+                raise
+            # a run trained on plain text: its data settings never needed a template
+            raise DataError(f"--chat needs a chat template, and this run (data.format="
+                            f"{data.format}, data.tokenizer={data.tokenizer}) has none; "
+                            "generate without --chat, or name one: --set "
+                            "data.chat_template=FILE.jinja (e.g. "
+                            "tfllm/data/templates/chatml.jinja).") from None
         folder = folder_of(data.tokenizer_path) if data.tokenizer == "file" else None
         self.encode = text_encoder(tokenizer, added_token_ids(folder))
         self.tokenizer, self.limit = tokenizer, max_sequence_length
@@ -78,6 +88,10 @@ class ChatSession:
           **sampling: temperature, top_k, top_p, seed (`Generator.generate`).
         """
         ids = self.prompt_ids(messages)
+        if not ids:  # the generator needs at least one token to continue
+            raise DataError(f"the chat template ({self.template.origin}) renders the "
+                            "conversation as no tokens at all; give a non-empty --prompt, "
+                            "or a template that writes the messages.")
         if len(ids) >= self.limit:
             raise DataError(f"the conversation is {len(ids)} tokens with the chat template; "
                             f"model.max_sequence_length is {self.limit}: shorten it.")

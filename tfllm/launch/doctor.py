@@ -52,6 +52,7 @@ import time
 from typing import Dict, List, Mapping, Optional, Sequence, Tuple
 
 from tfllm import files
+from tfllm.confined import read_regular
 from tfllm.launch import allreduce, nccl_log, ports as job_ports, xla_files
 from tfllm.launch.findings import NCCL_SETTINGS, compare  # noqa: F401  (the doctor's API)
 from tfllm.launch.topology import DEFAULT_PORT, LaunchError, slurm_topology
@@ -59,6 +60,8 @@ from tfllm.runtime.gpu_checks import Finding, HostFacts
 
 REPORT = "doctor.rank_{}.json"
 GO = "doctor.go.json"
+#: the most a rank's report (or go file, bandwidth result) may hold: a few KiB is usual
+MAX_RECORD_BYTES = 1 << 20
 ALLREDUCE = "doctor.allreduce_{}.json"
 #: how long the other ranks keep listening after --wait-s (rank 0 probes every port)
 PROBE_MARGIN_S = 60
@@ -193,11 +196,13 @@ def write_report(directory: str, report: dict) -> str:
 
 
 def _read_json(path: str) -> Optional[dict]:
+    """Another rank's JSON record, or None when missing, unreadable or no JSON object (a
+    list, a number: no report of a tfllm doctor, counted as missing)."""
     try:
-        with open(path, encoding="utf-8") as f:
-            return json.load(f)
-    except (OSError, ValueError):
+        record = json.loads(read_regular(path, MAX_RECORD_BYTES, "a doctor's report"))
+    except (OSError, ValueError, RecursionError):
         return None
+    return record if isinstance(record, dict) else None
 
 
 def wait_reports(directory: str, size: int, timeout_s: float,

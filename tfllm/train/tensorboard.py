@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import errno
+import os
+
 import numpy as np
 import tensorflow as tf
 
@@ -35,10 +38,15 @@ class TensorBoard:
     """
 
     def __init__(self, logdir: str):
-        with tf.device("/cpu:0"):
+        self.logdir = logdir
+        with tf.device("/cpu:0"), _named(logdir):
             self.writer = tf.summary.create_file_writer(logdir)
 
     def write(self, step: int, metrics: dict, model=None) -> None:
+        with _named(self.logdir):
+            self._write(step, metrics, model)
+
+    def _write(self, step: int, metrics: dict, model=None) -> None:
         values = {k: v for k, v in metrics.items() if k != "step"}
         if model is not None and model.fp8_state_variables():
             margin = model.fp8.margin if model.fp8 is not None else 0
@@ -47,3 +55,28 @@ class TensorBoard:
             for name, value in values.items():
                 tf.summary.scalar(name, float(value))
         self.writer.flush()
+
+
+#: errors of the storage that TensorFlow's event writer reports only in its message
+_STORAGE_ERRNOS = tuple(e for e in (errno.ENOSPC, getattr(errno, "EDQUOT", None), errno.EROFS,
+                                    errno.EIO, errno.EACCES, errno.EFBIG) if e is not None)
+
+
+class _named:
+    """TensorFlow's event writer failing on the storage ("Could not initialize events
+    writer", "Could not flush events file") as the OSError it was, naming the folder."""
+
+    def __init__(self, logdir: str):
+        self.logdir = logdir
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, kind, error, tb):
+        if not isinstance(error, tf.errors.OpError):
+            return False
+        for number in _STORAGE_ERRNOS:
+            if os.strerror(number) in str(error.message):
+                raise OSError(number, f"{os.strerror(number)} (TensorBoard's event file)",
+                              self.logdir) from None
+        return False
