@@ -17,7 +17,8 @@ What is fenced:
 * TensorFlow: XLA's lazy-compilation switch (`set_xla_lazy_compilation`), the executed
   graphs of a block (`collect_executed_graphs`), the eager context's coordination
   service (`eager_context`), the names DTensor's SPMD expansion gives the ops it inserts
-  (`is_dtensor_op_name`).
+  (`is_dtensor_op_name`), whether ops being built will be compiled by XLA
+  (`in_xla_context`).
 * Keras (the Keras <-> DTensor bridge): `Variable._value` (`is_allocated`),
   `Variable._initializer/_initialize` (`adopt`), `Layer._flatten_layers` (`all_layers`), the deferred-initialization list in
   `keras.src.backend.common.global_state` (`forget_deferred`, `abstract_backbone`),
@@ -107,6 +108,21 @@ def eager_context():
     except ImportError:
         raise _missing("tensorflow", "tensorflow.python.eager.context") from None
     return context.context()
+
+
+def in_xla_context() -> bool:
+    """Whether the ops being built now will be compiled by XLA (inside a
+    `tf.function(jit_compile=True)`, or a function it calls): ops that only XLA runs
+    (a bf16 x bf16 -> float32 matmul) may be used there and nowhere else."""
+    import tensorflow as tf
+    try:
+        from tensorflow.python.ops import control_flow_util
+    except ImportError:
+        raise _missing("tensorflow", "tensorflow.python.ops.control_flow_util") from None
+    check = getattr(control_flow_util, "GraphOrParentsInXlaContext", None)
+    if check is None:
+        raise _missing("tensorflow", "control_flow_util.GraphOrParentsInXlaContext")
+    return bool(check(tf.compat.v1.get_default_graph()))
 
 
 # Names of the ops DTensor's SPMD expansion inserts: the reshapes and slices around its

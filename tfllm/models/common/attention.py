@@ -195,12 +195,13 @@ class Attention(keras.layers.Layer):
             if layer is not None:
                 layer.build(None)
 
-    def keys_per_head(self, k, v):
+    def keys_per_head(self, k, v, repeat: bool = True):
         """Keys and values (B, S, K, D) laid out as the scores use them (length never
-        split), repeated to one per query head (B, S, H, D) for grouped queries."""
+        split), repeated to one per query head (B, S, H, D) for grouped queries unless
+        `repeat` is False (blocked attention groups the query heads instead)."""
         groups = self.num_query_heads // self.num_key_value_heads
         k, v = constrain(k, _KEYS, "keys"), constrain(v, _KEYS, "values")  # (B, S, K, D)
-        if groups > 1:  # each K head serves `groups` consecutive query heads
+        if groups > 1 and repeat:  # each K head serves `groups` consecutive query heads
             k = constrain(tf.repeat(k, groups, axis=2), _KEYS_REPEATED)  # (B, S, H, D)
             v = constrain(tf.repeat(v, groups, axis=2), _KEYS_REPEATED)  # (B, S, H, D)
         return k, v
@@ -247,7 +248,7 @@ class Attention(keras.layers.Layer):
         pieces = split_count(q.shape, _HEADS, 1)
         local = length // pieces
         q = constrain(tf.reshape(q, (batch, pieces, local, heads, dim)), _FOLDED)  # (B,P,L,H,D)
-        k, v = self.keys_per_head(k, v)  # (B, S, H, D)
+        k, v = self.keys_per_head(k, v, repeat=False)  # (B, S, K, D)
         window, key_length = self.sliding_window, k.shape[1]
         if attention_mask is not None:  # (B, T, S) -> (B, P, L, S)
             attention_mask = constrain(

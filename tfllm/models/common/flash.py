@@ -20,6 +20,8 @@ from typing import Callable, List, Optional, Tuple
 
 import tensorflow as tf
 
+from tfllm import internals
+
 _NEG = -1e30  # not -inf: exp(-inf - -inf) is NaN; a masked score stays finite
 
 # mask_fn(first, stop, key_first, key_stop) -> bool (B or 1, P, t, s) tile of allowed
@@ -37,9 +39,36 @@ def blocks(length: int, size: int) -> List[Tuple[int, int]]:
     return list(zip(bounds[:-1], bounds[1:]))
 
 
+def dot_f32(equation: str, a, b):
+    """`tf.einsum(equation, a, b)` of compute-dtype operands, accumulated and returned in
+    float32: under XLA one GEMM of bf16 operands with a float32 result (a matmul whose
+    `Tout` is float32, which only XLA compiles); elsewhere the einsum of the operands cast
+    to float32, the same numbers (products of bf16 values are exact in float32).
+
+    The equation contracts one index and has one free index of `b`, its last (as
+    "bptkgd,bskd->bkgpts"); every other index of `b` is also `a`'s.
+    """
+    if a.dtype == tf.float32 or not internals.in_xla_context():
+        return tf.einsum(equation, tf.cast(a, tf.float32), tf.cast(b, tf.float32))
+    inputs, out = equation.split("->")
+    ia, ib = inputs.split(",")
+    (contract,) = [c for c in ia if c in ib and c not in out]
+    (free_b,) = [c for c in ib if c not in ia]
+    batch = [c for c in out if c in ia and c != free_b]  # a's other indices, out's order
+    x = tf.transpose(a, [ia.index(c) for c in batch + [contract]])  # (..., M, C)
+    y = tf.transpose(b, [ib.index(c) for c in batch if c in ib]
+                     + [ib.index(contract), ib.index(free_b)])  # (b's batch, C, N)
+    # broadcast b over a's free indices: size-1 axes where b lacks them
+    shape = [b.shape[ib.index(c)] if c in ib else 1 for c in batch[:-1]]
+    y = tf.reshape(y, shape + [y.shape[-2], y.shape[-1]])
+    product = tf.raw_ops.BatchMatMulV3(x=x, y=y, Tout=tf.float32)  # (batch..., M, N)
+    have = batch + [free_b]
+    return tf.transpose(product, [have.index(c) for c in out])
+
+
 def flash_attention(q, k, v, *, scale: float, block_q: int, block_k: int,
                     mask_fn: MaskFn, key_span: KeySpan):
-    """Attention of q (B, P, L, H, D) over k, v (B, S, H, D) -> (B, P, L, H, D), blockwise.
+    """Attention of q (B, P, L, H, D) over k, v (B, S, K, D) -> (B, P, L, H, D), blockwise.
 
     The queries come folded by the P pieces their sequence is split into on a mesh (P = 1
     when it is not): a query block takes queries a .. b-1 of every piece, so each device
@@ -47,7 +76,9 @@ def flash_attention(q, k, v, *, scale: float, block_q: int, block_k: int,
     (true of causal and packed training masks).
 
     Args:
-      q, k, v: queries, keys and values (heads already repeated for grouped queries).
+      q: queries (B, P, L, H, D).
+      k, v: keys and values (B, S, K, D), K dividing H: query head h attends key/value
+        head h // (H / K) (grouped queries), without repeating k and v per query head.
       scale: the scores' factor (1 / sqrt(head_dim), or Gemma 3's).
       block_q, block_k: the tile: a pass holds (B, H, P, block_q, block_k) scores at a time.
       mask_fn: the allowed (query, key) pairs of a tile (`MaskFn`).
@@ -56,22 +87,25 @@ def flash_attention(q, k, v, *, scale: float, block_q: int, block_k: int,
     Returns:
       The attention output (B, P, L, H, D), in q's dtype.
     """
-    q_blocks, k_blocks = blocks(q.shape[2], block_q), blocks(k.shape[1], block_k)
+    batch, pieces, length, heads, dim = q.shape
+    kv_heads = k.shape[2]
+    groups = heads // kv_heads
+    q_blocks, k_blocks = blocks(length, block_q), blocks(k.shape[1], block_k)
     visible = []
     for qa, qb in q_blocks:
         low, high = key_span(qa, qb)
         visible.append([j for j, (a, b) in enumerate(k_blocks) if b > low and a <= high])
 
     def tile_scores(q_i, k_j, qa, qb, ka, kb):
-        s = tf.cast(tf.einsum("bpthd,bshd->bhpts", q_i, k_j), tf.float32) * scale
+        s = tf.cast(tf.einsum("bptkgd,bskd->bkgpts", q_i, k_j), tf.float32) * scale
         allowed = mask_fn(qa, qb, ka, kb)
         if allowed is not None:
-            allowed = tf.expand_dims(allowed, 1)  # (B, 1, P, t, s)
+            allowed = allowed[:, None, None]  # (B, 1, 1, P, t, s)
             s = tf.where(allowed, s, _NEG)
-        return s, allowed  # (B, H, P, t, s)
+        return s, allowed  # (B, K, G, P, t, s)
 
-    def per_query(x):  # (B, H, P, t) -> (B, P, t, H, 1), to scale (B, P, t, H, D)
-        return tf.expand_dims(tf.transpose(x, (0, 2, 3, 1)), -1)
+    def per_query(x):  # (B, K, G, P, t) -> (B, P, t, K, G, 1), to scale (B, P, t, K, G, D)
+        return tf.expand_dims(tf.transpose(x, (0, 3, 4, 1, 2)), -1)
 
     def after(x, previous):
         """x, made to wait for `previous` (an exact + 0 * y, which XLA does not fold): the
@@ -82,21 +116,23 @@ def flash_attention(q, k, v, *, scale: float, block_q: int, block_k: int,
 
     @tf.custom_gradient
     def attend(q, k, v):
+        # query heads grouped by the key/value head they attend: h = kv * G + g
+        q = tf.reshape(q, (batch, pieces, length, kv_heads, groups, dim))  # (B,P,L,K,G,D)
         outs, lses, last = [], [], None
         for i, (qa, qb) in enumerate(q_blocks):
-            q_i = after(q[:, :, qa:qb], last)  # (B, P, t, H, D)
+            q_i = after(q[:, :, qa:qb], last)  # (B, P, t, K, G, D)
             m = l = acc = None
             for j in visible[i]:
                 ka, kb = k_blocks[j]
                 # tile after tile, too: else XLA computes all of a block's scores first
                 q_ij = q_i if acc is None else after(q_i, acc[:, :, -1:])
                 s, _ = tile_scores(q_ij, k[:, ka:kb], qa, qb, ka, kb)
-                m_new = tf.reduce_max(s, axis=-1)  # (B, H, P, t)
+                m_new = tf.reduce_max(s, axis=-1)  # (B, K, G, P, t)
                 if m is not None:
                     m_new = tf.maximum(m, m_new)
                 p = tf.exp(s - tf.expand_dims(m_new, -1))  # float32
-                pv = tf.cast(tf.einsum("bhpts,bshd->bpthd", tf.cast(p, v.dtype), v[:, ka:kb]),
-                             tf.float32)  # (B, P, t, H, D)
+                pv = tf.cast(tf.einsum("bkgpts,bskd->bptkgd", tf.cast(p, v.dtype),
+                                       v[:, ka:kb]), tf.float32)  # (B, P, t, K, G, D)
                 if m is None:
                     l, acc = tf.reduce_sum(p, axis=-1), pv
                 else:
@@ -104,26 +140,27 @@ def flash_attention(q, k, v, *, scale: float, block_q: int, block_k: int,
                     l = l * alpha + tf.reduce_sum(p, axis=-1)
                     acc = acc * per_query(alpha) + pv
                 m = m_new
-            outs.append(acc / per_query(l))  # (B, P, t, H, D) float32
-            lses.append(m + tf.math.log(l))  # (B, H, P, t)
+            outs.append(acc / per_query(l))  # (B, P, t, K, G, D) float32
+            lses.append(m + tf.math.log(l))  # (B, K, G, P, t)
             last = outs[-1][:, :, -1:]
-        out32 = tf.concat(outs, axis=2)  # (B, P, L, H, D)
-        out = tf.cast(out32, q.dtype)
-        lse = tf.concat(lses, axis=3)  # (B, H, P, L)
+        out32 = tf.concat(outs, axis=2)  # (B, P, L, K, G, D)
+        out = tf.reshape(tf.cast(out32, q.dtype), (batch, pieces, length, heads, dim))
+        lse = tf.concat(lses, axis=4)  # (B, K, G, P, L)
 
         def grad(d_out):
-            d_out = tf.cast(d_out, q.dtype)
-            # the softmax's correction term, per query: sum_d dO * O (B, H, P, L), from
+            d_out = tf.reshape(tf.cast(d_out, q.dtype),
+                               (batch, pieces, length, kv_heads, groups, dim))
+            # the softmax's correction term, per query: sum_d dO * O (B, K, G, P, L), from
             # the float32 output (O rounded to bf16 here doubled the gradients' error)
-            delta = tf.einsum("bpthd,bpthd->bhpt", tf.cast(d_out, tf.float32), out32)
+            delta = tf.einsum("bptkgd,bptkgd->bkgpt", tf.cast(d_out, tf.float32), out32)
             dq = []
             dk = [tf.zeros(k[:, a:b].shape, tf.float32) for a, b in k_blocks]
             dv = [tf.zeros(v[:, a:b].shape, tf.float32) for a, b in k_blocks]
             for i, (qa, qb) in enumerate(q_blocks):
                 q_i = q[:, :, qa:qb]
                 do_i = after(d_out[:, :, qa:qb], dq[-1][:, :, -1:] if dq else None)
-                lse_i = tf.expand_dims(lse[:, :, :, qa:qb], -1)  # (B, H, P, t, 1)
-                delta_i = tf.expand_dims(delta[:, :, :, qa:qb], -1)
+                lse_i = tf.expand_dims(lse[..., qa:qb], -1)  # (B, K, G, P, t, 1)
+                delta_i = tf.expand_dims(delta[..., qa:qb], -1)
                 dq_i = tf.zeros(q_i.shape, tf.float32)
                 for n, j in enumerate(visible[i]):
                     ka, kb = k_blocks[j]
@@ -134,18 +171,19 @@ def flash_attention(q, k, v, *, scale: float, block_q: int, block_k: int,
                     p = tf.exp(s - lse_i)  # the forward pass's probabilities, recomputed
                     if allowed is not None:
                         p = tf.where(allowed, p, 0.0)
-                    dv[j] += tf.cast(tf.einsum("bhpts,bpthd->bshd", tf.cast(p, v.dtype), do_ij),
-                                     tf.float32)
-                    # dP in float32 (as FlashAttention's accumulators): rounded to the
-                    # compute dtype, its error is not cancelled by delta, computed from O,
-                    # and dP - delta cancels (bf16 gradients: 2x the one-shot error)
-                    dp = tf.einsum("bpthd,bshd->bhpts", tf.cast(do_ij, tf.float32),
-                                   tf.cast(v_j, tf.float32))
+                    dv[j] += tf.cast(tf.einsum("bkgpts,bptkgd->bskd", tf.cast(p, v.dtype),
+                                               do_ij), tf.float32)
+                    # dP accumulated and kept in float32 (as FlashAttention's
+                    # accumulators) from compute-dtype operands: rounded to the compute
+                    # dtype, its error is not cancelled by delta, computed from O, and
+                    # dP - delta cancels (bf16 gradients: 1.4-2x the one-shot error)
+                    dp = dot_f32("bptkgd,bskd->bkgpts", do_ij, v_j)  # (B, K, G, P, t, s)
                     ds = tf.cast(p * (dp - delta_i) * scale, q.dtype)
-                    dq_i += tf.cast(tf.einsum("bhpts,bshd->bpthd", ds, k_j), tf.float32)
-                    dk[j] += tf.cast(tf.einsum("bhpts,bpthd->bshd", ds, q_ij), tf.float32)
+                    dq_i += tf.cast(tf.einsum("bkgpts,bskd->bptkgd", ds, k_j), tf.float32)
+                    dk[j] += tf.cast(tf.einsum("bkgpts,bptkgd->bskd", ds, q_ij), tf.float32)
                 dq.append(tf.cast(dq_i, q.dtype))
-            return (tf.concat(dq, axis=2), tf.cast(tf.concat(dk, axis=1), k.dtype),
+            dq = tf.reshape(tf.concat(dq, axis=2), (batch, pieces, length, heads, dim))
+            return (dq, tf.cast(tf.concat(dk, axis=1), k.dtype),
                     tf.cast(tf.concat(dv, axis=1), v.dtype))
 
         return out, grad
