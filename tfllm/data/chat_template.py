@@ -26,11 +26,12 @@ from typing import Dict, List, Optional, Sequence, Tuple
 import jinja2
 import jinja2.ext
 import jinja2.nodes
-import jinja2.sandbox
 import jinja2.utils
 
 from tfllm import files
 from tfllm.data.errors import DataError
+from tfllm.data.template_bounds import (MAX_TEMPLATE_CHARS, BoundedEnvironment, TemplateLimit,
+                                        budget)
 
 TEMPLATE_FILE = "chat_template.jinja"
 TOKENIZER_CONFIG = "tokenizer_config.json"
@@ -115,15 +116,46 @@ def _strftime_now(fmt):
     return datetime.now().strftime(fmt)
 
 
-def environment() -> jinja2.sandbox.ImmutableSandboxedEnvironment:
-    """The sandboxed jinja2 environment chat templates are rendered in (transformers')."""
-    env = jinja2.sandbox.ImmutableSandboxedEnvironment(
-        trim_blocks=True, lstrip_blocks=True,
-        extensions=[_GenerationSpans, jinja2.ext.loopcontrols])
+def environment() -> BoundedEnvironment:
+    """The sandboxed jinja2 environment chat templates are rendered in (transformers'),
+    with the bounds on a template's work (`tfllm.data.template_bounds`)."""
+    env = BoundedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                             extensions=[_GenerationSpans, jinja2.ext.loopcontrols])
     env.filters["tojson"] = _tojson
+    env.bound_filters()
     env.globals.update(raise_exception=_raise, strftime_now=_strftime_now, dict=_Dict(),
                        namespace=_Namespace)
     return env
+
+
+class TemplateFailed(jinja2.exceptions.TemplateError):
+    """Any failure of a template while rendering (a Python error, a bound that was hit),
+    as one jinja TemplateError: the callers name the sample."""
+
+
+def _template_line(error: BaseException) -> str:
+    """' (line N)': the template line a render failed on (jinja rewrites tracebacks to
+    point into the template), or ''."""
+    tb, line = error.__traceback__, None
+    while tb is not None:
+        if tb.tb_frame.f_code.co_filename == "<template>":
+            line = tb.tb_lineno
+        tb = tb.tb_next
+    return f" (line {line})" if line else ""
+
+
+def _failure(error: BaseException) -> jinja2.exceptions.TemplateError:
+    """A render's failure as a TemplateError in one line (a TemplateError as it is)."""
+    if isinstance(error, jinja2.exceptions.TemplateError) and not isinstance(
+            error, TemplateLimit):
+        return error
+    text = " ".join(str(error).split())
+    if len(text) > 200:
+        text = text[:200] + "..."
+    limit = isinstance(error, TemplateLimit)
+    kind = "" if limit else f"{type(error).__name__}: "
+    return (TemplateLimit if limit else TemplateFailed)(
+        f"{kind}{text or type(error).__name__}{_template_line(error)}")
 
 
 def _plain(value):
@@ -164,10 +196,15 @@ class ChatTemplate:
         self.source, self.origin = source, origin
         self.special_tokens = dict(special_tokens or {})
         try:
-            self._template = environment().from_string(source)
+            with budget():  # compiling folds constants: bounded as a render is
+                self._template = environment().from_string(source)
         except jinja2.exceptions.TemplateSyntaxError as e:
             raise DataError(f"{origin}: not a valid jinja template (line {e.lineno}: "
                             f"{e.message}); fix it or name another with "
+                            "data.chat_template.") from None
+        except Exception as e:  # noqa: BLE001 (RecursionError, MemoryError, a bound...)
+            raise DataError(f"{origin}: the chat template cannot be compiled "
+                            f"({_failure(e)}); fix it or name another with "
                             "data.chat_template.") from None
         #: whether `{% generation %}` marks the assistant's text
         self.has_generation = bool(_GENERATION_TAG.search(source))
@@ -183,10 +220,27 @@ class ChatTemplate:
 
         Raises:
           jinja2.exceptions.TemplateError: the template refused the conversation
-            (`raise_exception`) or failed; callers name the sample.
+            (`raise_exception`), failed (any error, as `TemplateFailed`) or went past a
+            bound of `tfllm.data.template_bounds`; callers name the sample.
         """
-        return self._template.render(**self._variables(messages, add_generation_prompt,
-                                                       tools))
+        return self._generate(self._variables(messages, add_generation_prompt, tools), [])
+
+    def _generate(self, variables: dict, pieces: list) -> str:
+        """The rendered text, its pieces appended to `pieces` as they come, under a
+        render's budget; every failure a TemplateError."""
+        size = 0
+        try:
+            with budget():
+                for piece in self._template.generate(**variables):
+                    size += len(piece)
+                    if size > MAX_TEMPLATE_CHARS:
+                        raise TemplateLimit(f"the rendered text is longer than "
+                                            f"{MAX_TEMPLATE_CHARS:,} characters (the bound "
+                                            "on a chat template's output)")
+                    pieces.append(piece)
+        except Exception as e:  # noqa: BLE001 (a template may fail in any way)
+            raise _failure(e) from None
+        return "".join(pieces)
 
     def render_with_spans(self, messages: Sequence[dict], tools: Optional[list] = None
                           ) -> Tuple[str, List[Tuple[int, int]]]:
@@ -195,11 +249,10 @@ class ChatTemplate:
         pieces, spans = [], []
         token = _TRACKING.set((pieces, spans))
         try:
-            for piece in self._template.generate(**self._variables(messages, False, tools)):
-                pieces.append(piece)
+            text = self._generate(self._variables(messages, False, tools), pieces)
         finally:
             _TRACKING.reset(token)
-        return "".join(pieces), spans
+        return text, spans
 
     def end_of_turn(self) -> str:
         """The text the template writes right after an assistant's reply (its end-of-turn
