@@ -23,14 +23,17 @@ the text up to each span boundary: a token that straddles a boundary counts as i
 tokenizer_config.json's added_tokens_decoder, e.g. [INST]) is encoded piece by piece
 and the added tokens map to their ids, as transformers splits them out first.
 
-A broken line (not JSON, a missing key, an unknown role, content that is not a string)
-is one `DataError` naming file:line; so is a sample with no trained token.
+A broken line (not JSON, a missing key, an unknown role, a field of the wrong type, a
+line over MAX_LINE_BYTES, JSON nested deeper than MAX_JSON_DEPTH, a lone surrogate, a
+number that is not finite) is one `DataError` naming file:line; so is a sample with no
+trained token.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import math
 import re
 from dataclasses import dataclass
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
@@ -38,6 +41,7 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 import jinja2
 import numpy as np
 
+from tfllm.confined import open_regular
 from tfllm.data.errors import DataError
 
 ROLES = ("system", "user", "assistant", "tool")
@@ -84,14 +88,80 @@ def check_settings(data, loss_on: str) -> None:
                         f"{data.format}: {fix}.")
 
 
+#: the longest JSONL line read (one conversation); a longer line is refused unread
+MAX_LINE_BYTES = 16 * 2 ** 20
+#: the deepest nesting of a line's JSON (arrays and objects; a tool's JSON schema is ~10)
+MAX_JSON_DEPTH = 64
+#: the optional string fields of a message, passed to the template as they are
+_STRING_FIELDS = ("name", "tool_call_id", "reasoning_content", "thinking", "reasoning")
+_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def _json_error(obj) -> Optional[str]:
+    """What makes a parsed line unusable whatever its format: nesting deeper than
+    MAX_JSON_DEPTH, a lone surrogate (no UTF-8 text), a number that is not finite."""
+    stack = [(obj, 1, "")]
+    while stack:  # iterative: a line nested 200,000 deep must not recurse
+        value, depth, where = stack.pop()
+        if isinstance(value, (dict, list)):
+            if depth > MAX_JSON_DEPTH:
+                return f"JSON nested more than {MAX_JSON_DEPTH} deep{where and ' at ' + where}"
+            items = value.items() if isinstance(value, dict) else enumerate(value)
+            for key, item in items:
+                if isinstance(key, str) and _SURROGATE.search(key):
+                    return f"a key at {where or 'the top'} holds a lone surrogate (no UTF-8 text)"
+                name = (f"{where}[{key}]" if isinstance(value, list) else
+                        f"{where}.{key}" if where else str(key))
+                stack.append((item, depth + 1, name if len(name) <= 80 else where))
+        elif isinstance(value, str) and _SURROGATE.search(value):
+            return f"{where or 'a string'} holds a lone surrogate (\\ud800-\\udfff: no UTF-8 text)"
+        elif isinstance(value, float) and not math.isfinite(value):
+            return f"{where or 'a number'} is {value} (not a finite number)"
+    return None
+
+
+def _tool_call_error(call, where: str) -> Optional[str]:
+    """A tool call as OpenAI writes it: {"type"?: "function", "id"?: str, "function":
+    {"name": str, "arguments": object or JSON string}}."""
+    if not isinstance(call, dict):
+        return f"{where} is a {type(call).__name__}, not an object"
+    function = call.get("function")
+    if not isinstance(function, dict):
+        return f"{where}.function is missing or not an object"
+    if not isinstance(function.get("name"), str):
+        return f"{where}.function.name is missing or not a string"
+    if not isinstance(function.get("arguments", {}), (dict, str)):
+        return f"{where}.function.arguments is not an object or a JSON string"
+    for key in ("id", "type"):
+        if key in call and not isinstance(call[key], str):
+            return f"{where}.{key} is a {type(call[key]).__name__}, not a string"
+    return None
+
+
 def _message_error(message, i: int) -> Optional[str]:
     if not isinstance(message, dict):
         return f"messages[{i}] is not an object"
     role = message.get("role")
     if role not in ROLES:
-        return f"messages[{i}].role is {role!r}, not one of {', '.join(ROLES)}"
+        text = repr(role) if isinstance(role, str) and len(role) <= 40 else (
+            f"a {type(role).__name__}")
+        return f"messages[{i}].role is {text}, not one of {', '.join(ROLES)}"
+    calls = message.get("tool_calls")
+    if calls is not None:
+        if role != "assistant":
+            return f"messages[{i}] ({role}) has tool_calls; only an assistant turn calls tools"
+        if not isinstance(calls, list):
+            return (f"messages[{i}].tool_calls is a {type(calls).__name__}, not a list of "
+                    'tool calls ({"function": {"name": ..., "arguments": {...}}})')
+        for k, call in enumerate(calls):
+            error = _tool_call_error(call, f"messages[{i}].tool_calls[{k}]")
+            if error:
+                return error
+    for key in _STRING_FIELDS:
+        if message.get(key) is not None and not isinstance(message[key], str):
+            return f"messages[{i}].{key} is a {type(message[key]).__name__}, not a string"
     content = message.get("content")
-    if content is None and role == "assistant" and message.get("tool_calls"):
+    if content is None and role == "assistant" and calls:
         return None  # a tool call without text, as OpenAI writes it
     if "content" not in message:
         return f"messages[{i}] ({role}) has no content"
@@ -101,15 +171,28 @@ def _message_error(message, i: int) -> Optional[str]:
     return None
 
 
+def _refuse_constant(name):
+    raise ValueError(f"{name} is not a finite number")
+
+
 def parse_line(line: str, where: str, fmt: str) -> Record:
     """One JSONL line of data.format `fmt` as a Record; DataError naming `where` and the fix."""
     fix = {"messages": 'each line must be {"messages": [{"role": "user", "content": "..."}, '
                        '...]}',
            "prompt_completion": 'each line must be {"prompt": "...", "completion": "..."}'}[fmt]
     try:
-        obj = json.loads(line)
+        obj = json.loads(line, parse_constant=_refuse_constant)
     except json.JSONDecodeError as e:
         raise DataError(f"{where}: not JSON ({e.msg} at column {e.colno}); {fix}.") from None
+    except RecursionError:
+        raise DataError(f"{where}: JSON nested more than {MAX_JSON_DEPTH} deep; "
+                        f"{fix}.") from None
+    except ValueError as e:  # NaN/Infinity, an integer of more digits than Python reads
+        text = " ".join(str(e).split(":")[0].split())[:120]
+        raise DataError(f"{where}: not usable JSON ({text}); {fix}.") from None
+    error = _json_error(obj)
+    if error:
+        raise DataError(f"{where}: {error}; {fix}.")
     if not isinstance(obj, dict):
         raise DataError(f"{where}: a JSON {type(obj).__name__}, not an object; {fix}.")
     if fmt == "prompt_completion":
@@ -127,22 +210,40 @@ def parse_line(line: str, where: str, fmt: str) -> Record:
         if error:
             raise DataError(f"{where}: {error}; {fix}.")
     tools = obj.get("tools")
-    if tools is not None and not isinstance(tools, list):
-        raise DataError(f"{where}: \"tools\" is not a list of JSON schemas; {fix}.")
+    if tools is not None and not (isinstance(tools, list)
+                                  and all(isinstance(t, dict) for t in tools)):
+        raise DataError(f"{where}: \"tools\" is not a list of JSON schemas (objects); {fix}.")
     return Record(where, line, messages=messages, tools=tools)
+
+
+def _lines(path: str):
+    """(number, text) of every line of a JSONL file, each read with a bound
+    (MAX_LINE_BYTES: a longer line is refused before it is read whole) and decoded as
+    UTF-8; DataError naming path:line otherwise."""
+    with open_regular(path, None, "a JSONL data file", DataError,
+                      "name a JSONL file in data.paths") as f:
+        number = 0
+        while True:
+            raw = f.readline(MAX_LINE_BYTES + 1)
+            if not raw:
+                return
+            number += 1
+            if len(raw) > MAX_LINE_BYTES:
+                raise DataError(f"{path}:{number}: a line longer than {MAX_LINE_BYTES:,} "
+                                "bytes (the bound on one sample's JSON); split or shorten "
+                                "the sample.")
+            try:
+                yield number, raw.decode("utf-8")
+            except UnicodeDecodeError as e:
+                raise DataError(f"{path}:{number}: not UTF-8 ({e.reason} at byte {e.start} "
+                                "of the line); re-encode the file as UTF-8.") from None
 
 
 def read_records(files: Sequence[str], fmt: str) -> List[Record]:
     """Every non-blank line of the JSONL `files` as a Record, in order."""
     records = []
     for path in files:
-        try:
-            with open(path, encoding="utf-8") as f:
-                lines = list(f)
-        except UnicodeDecodeError as e:
-            raise DataError(f"{path}: not UTF-8 ({e.reason} at byte {e.start}); re-encode "
-                            "it as UTF-8.") from None
-        for number, line in enumerate(lines, 1):
+        for number, line in _lines(path):
             if line.strip():
                 records.append(parse_line(line, f"{path}:{number}", fmt))
     return records
