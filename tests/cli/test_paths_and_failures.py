@@ -88,3 +88,56 @@ def test_a_doctor_report_that_is_no_json_object_counts_as_missing(tmp_path, cont
     (tmp_path / doctor.REPORT.format(0)).write_text(json.dumps({"rank": 0}))
     reports = doctor.wait_reports(str(tmp_path), 2, timeout_s=0.0)
     assert reports == {0: {"rank": 0}}
+
+
+# ---- paths on the command line -------------------------------------------------------------
+def _path_options():
+    """(command, option) of every option of every command."""
+    from tfllm.cli.main import build_parser
+    sub = next(a for a in build_parser()._actions if a.dest == "command")
+    for name, parser in sub.choices.items():
+        for action in parser._actions:
+            if action.option_strings:
+                yield name, action
+
+
+def test_every_path_option_expands_the_home_folder(tmp_path, monkeypatch):
+    from tfllm.cli.main import build_parser, user_path
+    monkeypatch.setenv("HOME", str(tmp_path))
+    import re
+    named = re.compile(r"\b(directory|folder|file|path|dir)\b", re.I)
+    paths = [(c, a) for c, a in _path_options()
+             if a.nargs != 0 and not a.choices and a.dest not in ("max_shard_size", "ports")  # sizes, ports
+             and (a.type is None or a.type is user_path)
+             and (named.search(a.help or "") or named.search(a.metavar or ""))]
+    assert {a.dest for _, a in paths} >= {"workdir", "out", "config", "preset", "tokenizer",
+                                          "adapter", "report_dir", "plot"}
+    for command, action in paths:
+        assert action.type is user_path, f"tfllm {command} {action.option_strings[0]}"
+    # `--workdir=~/r` reaches tfllm unexpanded (the shell expands only `--workdir ~/r`)
+    args = build_parser().parse_args(["train", "--workdir=~/r"])
+    assert args.workdir == str(tmp_path / "r")
+
+
+@pytest.mark.parametrize("make,expected", [
+    (lambda tmp: "~no-such-user-tfllm/r", "names no home folder on this host"),
+    (lambda tmp: (os.symlink(tmp / "loop", tmp / "loop"), str(tmp / "loop" / "r"))[1],
+     "Too many levels of symbolic links"),
+    (lambda tmp: str(tmp) + "/caf\udce9", "not a UTF-8 name"),
+    (lambda tmp: ((tmp / "file").write_text("x"), str(tmp / "file" / "r"))[1],
+     "Not a directory"),
+])
+def test_a_workdir_the_system_refuses_is_one_line_before_any_work(
+        tmp_path, capsys, make, expected):
+    workdir = make(tmp_path)
+    before = sorted(os.listdir(tmp_path))
+    assert main(["train", "--workdir", workdir, "--set", "data.source=synthetic"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "argument --workdir" in err[0] and expected in err[0], err
+    assert sorted(os.listdir(tmp_path)) == before  # nothing written
+
+
+def test_a_path_in_the_config_expands_the_home_folder(tmp_path, monkeypatch):
+    from tfllm.runtime.environment import xla_cache_dir
+    monkeypatch.setenv("HOME", str(tmp_path))
+    assert xla_cache_dir("~/cache", None) == str(tmp_path / "cache")

@@ -70,8 +70,47 @@ def _text(text: str) -> str:
     return text
 
 
+#: errno values of a path the system refuses to resolve (checked before any work)
+_REFUSED_PATH_ERRNOS = frozenset((errno.ELOOP, errno.ENAMETOOLONG, errno.ENOTDIR,
+                                  errno.EACCES))
+
+
+def user_path(text: str) -> str:
+    """An argparse type for every path given on the command line (--workdir, --out,
+    --config, --preset, ...): `~` expanded (`--workdir=~/r` reaches tfllm unexpanded, and
+    a run split over `~/r` and a folder named `~`), UTF-8, and resolvable by the system;
+    each refusal one line naming the flag (exit 2), before any work."""
+    if not text:
+        raise argparse.ArgumentTypeError("is empty; give a path")
+    path = os.path.expanduser(text)
+    if path.startswith("~"):
+        raise argparse.ArgumentTypeError(
+            f"{text}: {path.split(os.sep)[0]} names no home folder on this host; give the "
+            "path in full")
+    try:  # bytes that are not UTF-8 reach Python as lone surrogates (PEP 383)
+        path.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise argparse.ArgumentTypeError(
+            f"{path.encode('utf-8', 'backslashreplace').decode()}: not a UTF-8 name "
+            f"(byte {e.start}); tfllm writes paths into UTF-8 files (config.yaml, "
+            "metrics): rename it or choose another path") from None
+    try:
+        os.stat(path)
+    except FileNotFoundError:
+        pass  # made when the command writes it
+    except OSError as e:
+        if e.errno not in _REFUSED_PATH_ERRNOS:
+            raise
+        shown = path if len(path) <= 80 else f"{path[:60]}... ({len(path)} characters)"
+        raise argparse.ArgumentTypeError(
+            f"{shown}: {e.strerror}; give a path the system accepts (each name at most "
+            "255 bytes, no symbolic link loop, folders all the way down)") from None
+    return path
+
+
 def _common(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--config", help="YAML file of overrides (e.g. configs/tiny.yaml).")
+    parser.add_argument("--config", type=user_path,
+                        help="YAML file of overrides (e.g. configs/tiny.yaml).")
     parser.add_argument("--set", dest="overrides", action="append", default=[],
                         metavar="SECTION.KEY=VALUE", help="Override one setting (repeatable).")
 
@@ -380,10 +419,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("launch_args", nargs=argparse.REMAINDER)
     p = sub.add_parser("train", help="Train a model; writes config.yaml and metrics.jsonl.")
     _common(p)
-    p.add_argument("--workdir", default="runs/default", help="Run directory.")
+    p.add_argument("--workdir", type=user_path, default="runs/default",
+                   help="Run directory.")
     p.set_defaults(fn=cmd_train)
     p = sub.add_parser("generate", help="Generate text with a trained run's model.")
-    p.add_argument("--workdir", required=True, help="A run directory of tfllm train.")
+    p.add_argument("--workdir", type=user_path, required=True,
+                   help="A run directory of tfllm train.")
     p.add_argument("--set", dest="overrides", action="append", default=[],
                    metavar="SECTION.KEY=VALUE", help="Override a setting, e.g. mesh.axes.")
     p.add_argument("--prompt", required=True, type=_text, help="The text to continue.")
@@ -404,7 +445,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "assistant's reply, stop at the template's end of turn.")
     p.set_defaults(fn=cmd_generate)
     p = sub.add_parser("eval", help="Validation loss and perplexity of a trained run.")
-    p.add_argument("--workdir", required=True, help="A run directory of tfllm train.")
+    p.add_argument("--workdir", type=user_path, required=True,
+                   help="A run directory of tfllm train.")
     p.add_argument("--set", dest="overrides", action="append", default=[],
                    metavar="SECTION.KEY=VALUE", help="Override a setting, e.g. mesh.axes.")
     p.add_argument("--steps", type=_whole(0), default=0,
@@ -412,10 +454,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(fn=cmd_eval)
     p = sub.add_parser("export", help="Write a single-device model (SavedModel + Keras "
                        "weights) from a run's latest checkpoint.")
-    p.add_argument("--workdir", required=True, help="A run directory of tfllm train.")
+    p.add_argument("--workdir", type=user_path, required=True,
+                   help="A run directory of tfllm train.")
     p.add_argument("--set", dest="overrides", action="append", default=[],
                    metavar="SECTION.KEY=VALUE", help="Override a setting.")
-    p.add_argument("--out", required=True, help="Output directory.")
+    p.add_argument("--out", type=user_path, required=True, help="Output directory.")
     p.add_argument("--format", default="saved-model",
                    choices=("saved-model", "keras-hub", "hf", "peft"),
                    help="saved-model (SavedModel + Keras weights), keras-hub (a preset "
@@ -439,25 +482,29 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(fn=cmd_export)
     p = sub.add_parser("import", help="Write a run at step 0 from a local keras-hub preset "
                        "or Hugging Face checkpoint folder, for generate/eval/train/export.")
-    p.add_argument("--preset", required=True, help="The preset or checkpoint directory.")
-    p.add_argument("--workdir", required=True, help="The new run directory.")
+    p.add_argument("--preset", type=user_path, required=True,
+                   help="The preset or checkpoint directory.")
+    p.add_argument("--workdir", type=user_path, required=True, help="The new run directory.")
     p.add_argument("--set", dest="overrides", action="append", default=[],
                    metavar="SECTION.KEY=VALUE", help="Override a setting, e.g. mesh.axes.")
-    p.add_argument("--tokenizer", default=None, help="Use this tokenizer instead of the "
-                   "preset's: a keras-hub tokenizer preset or a SentencePiece .model file.")
-    p.add_argument("--config", default=None, help="A YAML file of fine-tuning settings "
-                   "(data, train, lora, ...; e.g. configs/sft-lora.yaml) applied over the "
-                   "preset's model and the fine-tuning defaults, before --set.")
-    p.add_argument("--adapter", default=None, help="A PEFT LoRA adapter folder trained on "
-                   "this base (adapter_config.json + adapter_model.safetensors): the run "
-                   "gets its lora settings and weights, to evaluate or train on.")
+    p.add_argument("--tokenizer", type=user_path, default=None,
+                   help="Use this tokenizer instead of the preset's: a keras-hub tokenizer "
+                        "preset or a SentencePiece .model file.")
+    p.add_argument("--config", type=user_path, default=None,
+                   help="A YAML file of fine-tuning settings "
+                        "(data, train, lora, ...; e.g. configs/sft-lora.yaml) applied over the "
+                        "preset's model and the fine-tuning defaults, before --set.")
+    p.add_argument("--adapter", type=user_path, default=None,
+                   help="A PEFT LoRA adapter folder trained on "
+                        "this base (adapter_config.json + adapter_model.safetensors): the run "
+                        "gets its lora settings and weights, to evaluate or train on.")
     p.set_defaults(fn=cmd_import)
     p = sub.add_parser("layouts", help="Print each variable's layout and bytes per device "
                        "without allocating the model.")
     _common(p)
     p.add_argument("--num-devices", type=_whole(1), default=None,
                    help="Device count, needed when a mesh axis is -1.")
-    p.add_argument("--plot", default=None, metavar="FILE.png",
+    p.add_argument("--plot", type=user_path, default=None, metavar="FILE.png",
                    help="Also draw the mesh, the first block's query and MLP kernels, the "
                         "token embedding and a token batch, coloured by device (PNG or SVG).")
     p.set_defaults(fn=cmd_layouts)
@@ -472,7 +519,7 @@ def build_parser() -> argparse.ArgumentParser:
                        "--report-dir, every node of a job (srun tfllm doctor ...) in one "
                        "report.")
     _common(p)
-    p.add_argument("--report-dir", default=None, metavar="DIR",
+    p.add_argument("--report-dir", type=user_path, default=None, metavar="DIR",
                    help="A folder the job's nodes share: each rank writes its node's "
                         "findings there and rank 0 prints one report for the job "
                         "(tfllm.launch.doctor).")
@@ -509,7 +556,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("export-step", help="Write the one-device XLA train step (HLO) and "
                        "its parameter description, for benchmarks/gpu/run_step.py.")
     _common(p)
-    p.add_argument("--out", required=True, help="Output directory.")
+    p.add_argument("--out", type=user_path, required=True, help="Output directory.")
     p.add_argument("--check", action="store_true",
                    help="Also save one step's inputs and TensorFlow's outputs (check.npz).")
     p.set_defaults(fn=cmd_export_step)

@@ -268,7 +268,7 @@ def _tfds_documents(data, split: str, num_shards: int, index: int) -> tf.data.Da
     check_tfds_name(data.tfds_name)
     # even_splits reads only this shard's examples, unlike Dataset.shard.
     sub = tfds.even_splits(_tfds_split(data, split), n=num_shards)[index]
-    ds = tfds.load(data.tfds_name, split=sub, data_dir=data.tfds_data_dir or None,
+    ds = tfds.load(data.tfds_name, split=sub, data_dir=os.path.expanduser(data.tfds_data_dir) or None,
                    shuffle_files=False)
     if data.text_key not in ds.element_spec:
         raise DataError(f"data.text_key={data.text_key}: {data.tfds_name} has no such "

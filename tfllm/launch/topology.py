@@ -10,6 +10,7 @@ rule is unit-tested without processes. `tfllm.launch.supervisor` starts what the
 
 from __future__ import annotations
 
+import os
 import re
 import shlex
 from dataclasses import dataclass, field
@@ -444,4 +445,6 @@ def command_workdir(command: Sequence[str]) -> Optional[str]:
             workdir = command[i + 1]
         elif word.startswith("--workdir="):
             workdir = word[len("--workdir="):]
-    return workdir
+    # the command expands `~` itself (`--workdir=~/r` reaches it unexpanded): so does the
+    # launcher, or the clients' logs would go to a folder named `~`
+    return os.path.expanduser(workdir) if workdir else workdir

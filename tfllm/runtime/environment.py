@@ -80,7 +80,7 @@ def xla_cache_dir(setting: str, workdir: Optional[str], client: int = 0) -> Opti
         return None
     if setting == "auto":
         return RunPaths(workdir).xla_cache(client) if workdir else None
-    return setting
+    return os.path.expanduser(setting)  # a path from the config: `~` is the user's home
 
 
 def xla_cache(directory: Optional[str],

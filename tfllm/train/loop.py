@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import json
 import math
+import os
 import sys
 import time
 from collections import deque
@@ -105,6 +106,7 @@ def train(config, workdir: str, model_cls=None, out=None, checked=None) -> dict:
       NonFiniteError: a NaN/Inf loss or gradient norm under on_nonfinite=abort.
     """
     out = sys.stdout if out is None else out
+    workdir = os.path.expanduser(workdir)  # one folder, as the command line spells it
     with SignalWatcher() as signals:  # from the start: setup and first compile included
         watchdog = []
         try:
