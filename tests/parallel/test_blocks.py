@@ -61,6 +61,25 @@ def test_fsdp_moves_a_block_in_one_gather_one_regather_and_one_reduction(fsdp_ru
 
 
 @pytest.mark.slow
+def test_an_fp8_block_runs_the_collectives_of_a_bf16_block(fsdp_runs):
+    # Delayed scaling: the amaxes stay per device and the step reduces them all at its
+    # end (tfllm.precision.fp8.AmaxCollector), where each operand had a scalar
+    # all-reduce (11 per llama block: 15 collectives per block against 4).
+    fp8 = {n: first_step_costs("fsdp=8", n, "fp8")[0] for n in (2, 3)}
+    (two, _), (three, _) = fsdp_runs[2], fsdp_runs[3]
+    assert _count(fp8[3]) - _count(fp8[2]) == _count(three) - _count(two) == 4, \
+        [c.describe() for c in fp8[3].collectives]
+    assert _count(fp8[3], _scalar) == _count(three, _scalar), \
+        [c.describe() for c in fp8[3].collectives if _scalar(c)]
+    # the step's one more: every history's amax, 2 per projection (input and output
+    # gradient; the weight's comes with its gather), in one float32 all-reduce
+    extra = [c for c in fp8[3].collectives if c.dtensor_op == "all-reduce"
+             and c.elements == 3 * 7 * 2]
+    assert len(extra) == 1 and _count(fp8[3]) == _count(three) + 1, \
+        [c.describe() for c in fp8[3].collectives]
+
+
+@pytest.mark.slow
 def test_block_gathers_wait_for_the_block_ahead_and_regathers_come_one_block_early(fsdp_runs):
     _, graphs = fsdp_runs[3]
     graph = max(graphs, key=lambda g: sum(n.op == "CollectiveGatherV2" for n in g.node))

@@ -513,6 +513,10 @@ def product(block: Block, var, equation: str, einsum, x, extra=()):
     amax = block.amax(var)
     if amax is not None:  # the weight arrived quantized: its einsum takes the true amax
         einsum = functools.partial(einsum, w_amax=amax)
+    if getattr(einsum, "per_piece_amax", False) or amax is not None:
+        # an FP8 einsum: amaxes collected for the step keep one value per piece (device)
+        einsum = functools.partial(einsum, piece_dims=(
+            tuple(pieces.piece_dims()), tuple(range(len(pieces.splits)))))
 
     @tf.custom_gradient
     def op(x, wb, *extra):

@@ -19,6 +19,7 @@ from tfllm.models.loss import token_nll
 from tfllm.models.common.noise import noise_seed
 from tfllm.optim.adamw import global_norm
 from tfllm.parallel.placement import Parallel, new_variable, to_numpy
+from tfllm.precision import fp8
 
 
 def lm_forward(model, micro, packing_mask: bool):
@@ -120,14 +121,19 @@ class TrainStep:
         noisy = any(getattr(l, "lora", None) and l.lora.dropout
                     for l in internals.all_layers(self.model))
         step = tf.cast(self.optimizer.iterations, tf.int64) * accum if noisy else None
+        # Delayed scaling's amaxes of every micro-batch, reduced together at the end
+        # (tfllm.precision.fp8: one all-reduce per layout, not one per operand).
+        amaxes = fp8.AmaxCollector()
         for i, tokens in enumerate(micro_batches):  # unrolled: grad_accum_steps is small
             if total_grads:  # one micro-batch after another (see `after_backward`)
                 tokens = after_backward(tokens, total_grads[0])
-            with tf.GradientTape() as tape:
-                tape.watch(fp8_handles)
-                loss = self._micro(tokens, trained_tokens, None if step is None else step + i)
-                scaled = loss * scale if scale is not None else loss
-            out = tape.gradient(scaled, self.variables + fp8_handles)
+            with fp8.collecting_amaxes(amaxes):
+                with tf.GradientTape() as tape:
+                    tape.watch(fp8_handles)
+                    loss = self._micro(tokens, trained_tokens,
+                                       None if step is None else step + i)
+                    scaled = loss * scale if scale is not None else loss
+                out = tape.gradient(scaled, self.variables + fp8_handles)
             # Embedding lookups give IndexedSlices; accumulate and clip dense tensors.
             grads = [tf.convert_to_tensor(g) for g in out[:len(self.variables)]]
             histories = out[len(self.variables):]
@@ -136,7 +142,11 @@ class TrainStep:
                 a + b for a, b in zip(total_grads, grads)]
             # Each micro-batch rolls the same old history; keep the largest amaxes.
             fp8_new = histories if fp8_new is None else [
-                tf.maximum(a, b) for a, b in zip(fp8_new, histories)]
+                b if a is None else a if b is None else tf.maximum(a, b)
+                for a, b in zip(fp8_new, histories)]
+        if amaxes:  # the histories no einsum gave a gradient were collected
+            collected = amaxes.new_histories(self.fp8_state)
+            fp8_new = [c if h is None else h for h, c in zip(fp8_new, collected)]
         divisor = accum * scale if scale is not None else accum
         grads = [g / divisor for g in total_grads]
         return total_loss / accum, grads, fp8_new

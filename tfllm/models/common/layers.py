@@ -138,8 +138,9 @@ class Projection(keras.layers.Layer):
         if self.fp8 is not None:
             from tfllm.precision.fp8 import fp8_einsum
 
-            def einsum(eq, x, w, *h, **kw):  # kw: w_amax of a weight gathered in FP8
-                return fp8_einsum(eq, x, w, *h, self.fp8, **kw)
+            def einsum(eq, x, w, *h, **kw):  # kw: w_amax, piece_dims (parallel.blocks)
+                return fp8_einsum(eq, x, w, *h, self.fp8, variables=self.fp8_history, **kw)
+            einsum.per_piece_amax = True
             extra = tuple(self.fp8_history)
         else:
             einsum = lambda eq, x, w: tf.einsum(eq, x, w)  # noqa: E731
