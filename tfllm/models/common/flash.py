@@ -121,24 +121,25 @@ def flash_attention(q, k, v, *, scale: float, block_q: int, block_k: int,
         outs, lses, last = [], [], None
         for i, (qa, qb) in enumerate(q_blocks):
             q_i = after(q[:, :, qa:qb], last)  # (B, P, t, K, G, D)
-            m = l = acc = None
+            m = l = acc = pv = None
             for j in visible[i]:
                 ka, kb = k_blocks[j]
                 # tile after tile, too: else XLA computes all of a block's scores first
-                q_ij = q_i if acc is None else after(q_i, acc[:, :, -1:])
+                # (waiting on the last tile's GEMM output, which a fusion reads directly)
+                q_ij = q_i if pv is None else after(q_i, pv[:, :, -1:])
                 s, _ = tile_scores(q_ij, k[:, ka:kb], qa, qb, ka, kb)
                 m_new = tf.reduce_max(s, axis=-1)  # (B, K, G, P, t)
                 if m is not None:
                     m_new = tf.maximum(m, m_new)
                 p = tf.exp(s - tf.expand_dims(m_new, -1))  # float32
-                pv = tf.cast(tf.einsum("bkgpts,bskd->bptkgd", tf.cast(p, v.dtype),
-                                       v[:, ka:kb]), tf.float32)  # (B, P, t, K, G, D)
+                pv = tf.einsum("bkgpts,bskd->bptkgd", tf.cast(p, v.dtype),
+                               v[:, ka:kb])  # (B, P, t, K, G, D)
                 if m is None:
-                    l, acc = tf.reduce_sum(p, axis=-1), pv
+                    l, acc = tf.reduce_sum(p, axis=-1), tf.cast(pv, tf.float32)
                 else:
                     alpha = tf.exp(m - m_new)  # rescales what the earlier key blocks gave
                     l = l * alpha + tf.reduce_sum(p, axis=-1)
-                    acc = acc * per_query(alpha) + pv
+                    acc = acc * per_query(alpha) + tf.cast(pv, tf.float32)
                 m = m_new
             outs.append(acc / per_query(l))  # (B, P, t, K, G, D) float32
             lses.append(m + tf.math.log(l))  # (B, K, G, P, t)
@@ -161,11 +162,12 @@ def flash_attention(q, k, v, *, scale: float, block_q: int, block_k: int,
                 do_i = after(d_out[:, :, qa:qb], dq[-1][:, :, -1:] if dq else None)
                 lse_i = tf.expand_dims(lse[..., qa:qb], -1)  # (B, K, G, P, t, 1)
                 delta_i = tf.expand_dims(delta[..., qa:qb], -1)
-                dq_i = tf.zeros(q_i.shape, tf.float32)
-                for n, j in enumerate(visible[i]):
+                dq_i, dq_ij = tf.zeros(q_i.shape, tf.float32), None
+                for j in visible[i]:
                     ka, kb = k_blocks[j]
                     k_j, v_j = k[:, ka:kb], v[:, ka:kb]
-                    previous = dq_i[:, :, -1:] if n else None  # tile after tile
+                    # tile after tile, waiting on the last tile's GEMM output
+                    previous = None if dq_ij is None else dq_ij[:, :, -1:]
                     q_ij, do_ij = after(q_i, previous), after(do_i, previous)
                     s, allowed = tile_scores(q_ij, k_j, qa, qb, ka, kb)
                     p = tf.exp(s - lse_i)  # the forward pass's probabilities, recomputed
@@ -179,7 +181,8 @@ def flash_attention(q, k, v, *, scale: float, block_q: int, block_k: int,
                     # dP - delta cancels (bf16 gradients: 1.4-2x the one-shot error)
                     dp = dot_f32("bptkgd,bskd->bkgpts", do_ij, v_j)  # (B, K, G, P, t, s)
                     ds = tf.cast(p * (dp - delta_i) * scale, q.dtype)
-                    dq_i += tf.cast(tf.einsum("bkgpts,bskd->bptkgd", ds, k_j), tf.float32)
+                    dq_ij = tf.einsum("bkgpts,bskd->bptkgd", ds, k_j)  # (B, P, t, K, G, D)
+                    dq_i += tf.cast(dq_ij, tf.float32)
                     dk[j] += tf.cast(tf.einsum("bkgpts,bptkgd->bskd", ds, q_ij), tf.float32)
                 dq.append(tf.cast(dq_i, q.dtype))
             dq = tf.reshape(tf.concat(dq, axis=2), (batch, pieces, length, heads, dim))
