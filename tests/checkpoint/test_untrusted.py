@@ -96,7 +96,7 @@ def test_a_renamed_checkpoint_is_refused(tmp_path):
 
 def _edit_metadata(root):
     """Tampering the sha256 chain cannot see: metadata.json changed, hashes recomputed."""
-    data = json.dumps({"step": 1, "config": "evil"}).encode()
+    data = json.dumps({"step": 1, "config": {"model": "evil"}}).encode()
     (root / "metadata.json").write_bytes(data)
     _forge(root, _add("metadata.json", data))
 
@@ -111,7 +111,7 @@ def test_checksums_do_not_catch_tampering_the_hmac_does(tmp_path, monkeypatch):
                                               "TFLLM_CHECKPOINT_KEY"):
         Reader(str(root))
     monkeypatch.delenv("TFLLM_CHECKPOINT_KEY")
-    assert Reader(str(root)).metadata()["config"] == "evil"  # sha256 alone: accepted
+    assert Reader(str(root)).metadata()["config"] == {"model": "evil"}  # sha256 alone
 
 
 def test_hmac_refuses_unsigned_and_other_keys(tmp_path, monkeypatch):
@@ -191,3 +191,91 @@ def test_a_checkpoint_file_that_is_a_fifo_is_refused_without_blocking(tmp_path, 
     with pytest.raises((CheckpointError, FileNotFoundError)) as error:
         Reader(str(root)).metadata()
     assert "FIFO" in str(error.value) or name == "COMMIT"
+
+
+def _forge_manifest(root, edit):
+    """Applies `edit(manifest)` to manifest.json (raw text in, text out), then recomputes
+    COMMIT's manifest_sha256 (as anyone can)."""
+    data = edit((root / "manifest.json").read_text()).encode()
+    (root / "manifest.json").write_bytes(data)
+    commit = json.loads((root / "COMMIT").read_text())
+    commit["manifest_sha256"] = _sha(data)
+    (root / "COMMIT").write_text(json.dumps(commit))
+
+
+def _manifest_field(key, value):
+    def edit(text):
+        manifest = json.loads(text)
+        manifest[key] = "@@"
+        return json.dumps(manifest).replace('"@@"', value)
+    return edit
+
+
+@pytest.mark.parametrize("edit, fragment", [
+    (_manifest_field("step", "Infinity"), "Infinity"),
+    (_manifest_field("step", "NaN"), "NaN"),
+    (_manifest_field("step", "1.5"), "step is 1.5"),
+    (_manifest_field("step", '"1"'), "step is 1"),
+    (_manifest_field("step", "1e400"), "step is inf"),
+    (_manifest_field("num_clients", "1000000000"), "num_clients is 1000000000"),
+    (_manifest_field("files", "5"), "malformed"),
+    (lambda text: "[" * 100_000 + "]" * 100_000, "nested too deep"),
+    (lambda text: "[1, 2]", "malformed"),
+])
+def test_a_crafted_manifest_is_one_checkpoint_error(tmp_path, edit, fragment):
+    root = _save(tmp_path / "ckpt")
+    _forge_manifest(root, edit)
+    variables = _vars(7.0)
+    with pytest.raises(CheckpointError, match="malicious") as error:
+        Checkpointer(str(tmp_path / "ckpt")).restore(variables)
+    assert fragment in str(error.value) and "\n" not in str(error.value), str(error.value)
+    assert np.all(variables["w"].numpy() == 7.0)  # untouched
+
+
+@pytest.mark.parametrize("metadata, fragment", [
+    ("[1, 2]", "a JSON list, not an object"),
+    ('"step"', "a JSON str, not an object"),
+    ('{"step": 2}', "is not the manifest's 1"),
+    ('{"step": Infinity}', "Infinity"),
+    ('{"step": 1, "config": "evil"}', "config is not an object"),
+    ('{"step": 1, "tokenizer": 5}', "tokenizer fingerprint"),
+    ("[" * 100_000 + "]" * 100_000, "nested too deep"),
+])
+def test_crafted_metadata_is_one_checkpoint_error(tmp_path, metadata, fragment):
+    root = _save(tmp_path / "ckpt")
+    (root / "metadata.json").write_text(metadata)
+    _forge(root, _add("metadata.json", metadata.encode()))
+    with pytest.raises(CheckpointError, match="malicious") as error:
+        Reader(str(root)).metadata()
+    assert fragment in str(error.value) and "\n" not in str(error.value), str(error.value)
+
+
+def test_fuzzed_checkpoint_json_is_one_checkpoint_error_or_restores(tmp_path):
+    """Seeded fuzz of the three JSON files a reader parses (manifest, index, metadata):
+    truncations, type swaps, huge and non-finite numbers; each re-signed as anyone can.
+    A restore raises one CheckpointError line (or restores); never another exception."""
+    import random
+    rng = random.Random(48)
+    swaps = ["null", "[]", "{}", '"x"', "1.5", "-1", "1e999", "NaN", "true",
+             "123456789012345678901234567890", "[[[[[[]]]]]]"]
+    for case in range(60):
+        root = _save(tmp_path / f"c{case}")
+        target = rng.choice(["manifest.json", "metadata.json", "client_00000/index.json"])
+        text = (root / target).read_text()
+        if rng.random() < 0.3:
+            text = text[:rng.randrange(len(text))]
+        else:  # one JSON value replaced by another type
+            spans = [(m.start(), m.end()) for m in __import__("re").finditer(
+                r'"[^"]*"|-?\d+(?:\.\d+)?|\[\]|\{\}|true|false|null', text)]
+            start, end = rng.choice(spans)
+            text = text[:start] + rng.choice(swaps) + text[end:]
+        if target == "manifest.json":
+            _forge_manifest(root, lambda _: text)
+        else:
+            (root / target).write_text(text)
+            _forge(root, _add(target, text.encode()))
+        variables = _vars(7.0)
+        try:
+            Checkpointer(str(tmp_path / f"c{case}")).restore(variables)
+        except CheckpointError as error:
+            assert "\n" not in str(error), str(error)

@@ -48,6 +48,35 @@ _DTYPES = frozenset(("float32", "float16", "bfloat16", "float64", "int32", "int6
                      "float8_e4m3fn", "float8_e5m2", "bool", "uint8", "int8"))
 
 
+#: the largest step and client count a manifest may name (whole numbers, no Infinity)
+_MAX_STEP, _MAX_CLIENTS = 2 ** 53, 2 ** 16
+
+
+def _no_constant(name):
+    raise ValueError(f"{name} is no JSON number tfllm writes")
+
+
+def _json(data: bytes):
+    """Strict JSON of a checkpoint file: no NaN or Infinity, bounded nesting (a
+    RecursionError becomes a ValueError)."""
+    try:
+        return json.loads(data, parse_constant=_no_constant)
+    except RecursionError:
+        raise ValueError("JSON nested too deep") from None
+
+
+def _count(value, name: str, low: int, high: int) -> int:
+    """`value` when it is a whole number (a JSON int, not a float or bool) in [low, high]."""
+    if type(value) is not int or not low <= value <= high:
+        raise ValueError(f"{name} is {str(value)[:40]}, not a whole number from {low} to "
+                         f"{high}")
+    return value
+
+
+def _short(error: BaseException) -> str:
+    return " ".join(str(error).split())[:160]
+
+
 def _sha(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()
 
@@ -67,7 +96,9 @@ class Reader:
         self.path = path
         commit_path = os.path.join(path, "COMMIT")
         try:
-            commit = json.loads(self._read_file(commit_path, _COMMIT_BYTES, missing=True))
+            commit = _json(self._read_file(commit_path, _COMMIT_BYTES, missing=True))
+            if not isinstance(commit, dict):
+                raise TypeError(f"a JSON {type(commit).__name__}, not an object")
             manifest_sha = commit["manifest_sha256"]
         except FileNotFoundError:
             raise CheckpointError(f"{commit_path}: missing; {path} is not a committed "
@@ -82,17 +113,18 @@ class Reader:
                                   "the file is corrupt.")
         signing.check(commit, data, commit_path)
         try:
-            manifest = json.loads(data)
-            self.step = int(manifest["step"])
-            self.num_clients = int(manifest["num_clients"])
+            manifest = _json(data)
+            self.step = _count(manifest["step"], "step", 0, _MAX_STEP)
+            self.num_clients = _count(manifest["num_clients"], "num_clients", 1,
+                                      _MAX_CLIENTS)
             self.files: Dict[str, dict] = dict(manifest["files"])
             for info in self.files.values():
                 if not (type(info["bytes"]) is int and info["bytes"] >= 0
                         and isinstance(info["sha256"], str)):
                     raise TypeError(f"a file entry {str(info)[:80]} lacks a count 'bytes' "
                                     "and a string 'sha256'")
-        except (ValueError, KeyError, TypeError) as e:
-            raise CheckpointError(f"{manifest_path}: malformed ({e}); "
+        except (ValueError, KeyError, TypeError, AttributeError) as e:
+            raise CheckpointError(f"{manifest_path}: malformed ({_short(e)}); "
                                   f"{_UNTRUSTED}.") from None
         dir_step = _STEP_DIR.match(os.path.basename(os.path.normpath(path)))
         if dir_step and int(dir_step.group(1)) != self.step:
@@ -116,7 +148,7 @@ class Reader:
         for c in range(self.num_clients):
             index_path = f"{client_dir(c)}/index.json"
             try:
-                index = json.loads(self.read(index_path))
+                index = _json(self.read(index_path))
                 shards = f"{client_dir(c)}/shards.bin"
                 for name, entry in index["variables"].items():
                     target = self.variables.setdefault(
@@ -217,7 +249,25 @@ class Reader:
         return data
 
     def metadata(self) -> dict:
-        return json.loads(self.read("metadata.json"))
+        """metadata.json: a JSON object whose "step" (when there) is the manifest's, whose
+        "config" and "tokenizer" (when there) are an object and a string; else a
+        CheckpointError (a crafted checkpoint whose checksums were recomputed)."""
+        path = os.path.join(self.path, "metadata.json")
+        try:
+            meta = _json(self.read("metadata.json"))
+        except ValueError as e:
+            raise CheckpointError(f"{path}: malformed ({_short(e)}); {_UNTRUSTED}.") from None
+        problem = (f"a JSON {type(meta).__name__}, not an object" if not isinstance(meta, dict)
+                   else f"its step {str(meta['step'])[:40]} is not the manifest's {self.step}"
+                   if "step" in meta and (type(meta["step"]) is not int
+                                          or meta["step"] != self.step)
+                   else "its config is not an object" if "config" in meta
+                   and not isinstance(meta["config"], dict)
+                   else "its tokenizer fingerprint is not a string" if meta.get("tokenizer")
+                   is not None and not isinstance(meta["tokenizer"], str) else None)
+        if problem:
+            raise CheckpointError(f"{path}: {problem}; {_UNTRUSTED}.")
+        return meta
 
     def client_files(self, client_id: int) -> Dict[str, bytes]:
         """The per-client files saved by `client_id`, verified, as {name: bytes}; each
