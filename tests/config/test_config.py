@@ -219,6 +219,9 @@ def test_overrides_are_bounded_as_files_are():
     ("model.hidden_dim=" + str(2 ** 21), "is above the maximum 1048576"),
     ("mesh.num_cpu_devices=1000000", "above the maximum 256 logical CPU devices"),
     ("mesh.axes=data=65537", "a mesh holds at most 65536"),
+    # issue 48: a TensorFlow OOM traceback before; bounded by the model's own width
+    ("lora.rank=1000000000", "is above the maximum 1048576"),
+    ("lora.rank=129", "lora.rank=129 is above model.hidden_dim (128)"),
 ])
 def test_numbers_beyond_their_field_are_one_line(override, fragment):
     with pytest.raises(ConfigError) as error:

@@ -335,6 +335,13 @@ def validate(cfg: schema.Config) -> None:
     if bad:
         raise ConfigError(f"optimizer.weight_decay_exclude: unknown kind(s) {sorted(bad)}; "
                           "use bias, norm, embedding.")
+    if cfg.lora.rank > m.hidden_dim:
+        # Every projection reads or writes the residual stream, so rank(A B) <= hidden_dim:
+        # a larger rank adds no capacity, only memory (refused before it is allocated).
+        raise ConfigError(f"lora.rank={cfg.lora.rank} is above model.hidden_dim "
+                          f"({m.hidden_dim}): an adapter's update A B has rank at most "
+                          f"min(in, out) <= {m.hidden_dim}, so a larger rank only allocates "
+                          f"memory; use lora.rank <= {m.hidden_dim} (commonly 8 to 64).")
     elements = weight_elements(m)[1]
     if elements > MAX_WEIGHT_ELEMENTS:
         raise ConfigError(f"model: the sizes give up to {elements:.3g} weights (vocab_size "

@@ -340,8 +340,9 @@ class CheckpointConfig:
 class LoraConfig:
     """Low-rank adapters (LoRA): y = x W + s (x A) B with W frozen, A and B trained."""
 
-    rank: int = _f(0, "Rank r of every adapter; 0: no adapters (every weight trains).",
-                   min=0)
+    rank: int = _f(0, "Rank r of every adapter; 0: no adapters (every weight trains). At "
+                   "most model.hidden_dim: no adapter's update A B has a higher rank.",
+                   min=0, max=_MAX_WIDTH)
     alpha: float = _f(16.0, "Scale numerator: s = alpha / rank (alpha / sqrt(rank) with "
                       "rslora).", min=0.0)
     dropout: float = _f(0.0, "Dropout on each adapter's input x in training (peft's "
