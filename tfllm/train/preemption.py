@@ -5,12 +5,20 @@ The first signal only sets a flag; the loop checks it at each step boundary (aft
 first compilation, after an evaluation), saves a checkpoint and exits with
 `PREEMPTED_EXIT_CODE` (75). A second signal stops at once without saving (exit 130). The
 codes live in `tfllm.contracts`.
+
+"At once" in every phase: Python runs a signal's handler only when the main thread is
+back in Python, which a long call into C++ (the corpus build in tf.data, SentencePiece's
+training, a compilation) delays by as long as it runs. So while a watcher is active, the
+signals also reach a thread through Python's wakeup file descriptor (written by the C
+handler as the signal arrives, `signal.set_wakeup_fd`), which counts them and stops the
+process on the second, whatever the main thread is doing.
 """
 
 from __future__ import annotations
 
 import os
 import signal
+import threading
 
 from tfllm import quiet
 from tfllm.contracts import HARD_STOP_EXIT_CODE
@@ -30,8 +38,72 @@ class NonFiniteError(RuntimeError):
     """The loss or gradient norm was NaN/Inf under train.on_nonfinite=abort."""
 
 
+def _stop_at_once(signum: int) -> None:
+    """The second signal: one line, then exit 130 without saving."""
+    name = signal.Signals(signum).name
+    os.write(2, f"tfllm train: stopped at once by a second signal ({name}); nothing "
+                "was saved, the latest committed checkpoint stays the latest.\n".encode())
+    quiet.release()  # the line through the command's stderr filter before _exit
+    os._exit(HARD_STOP_EXIT_CODE)
+
+
+class _Counter:
+    """The signals SIGTERM/SIGINT that arrived while the outermost watcher was active,
+    counted from the wakeup descriptor by a thread (see the module); one per process."""
+
+    def __init__(self):
+        self.lock = threading.Lock()
+        self.depth, self.seen = 0, 0
+        self._previous_fd, self._write_fd = -1, None
+
+    def enter(self) -> None:
+        with self.lock:
+            self.depth += 1
+            if self.depth > 1 or self._write_fd is not None:
+                return
+            read_fd, write_fd = os.pipe()
+            os.set_blocking(write_fd, False)  # the C handler must never block
+            try:
+                self._previous_fd = signal.set_wakeup_fd(write_fd, warn_on_full_buffer=False)
+            except ValueError:  # not the main thread: Python's handlers alone
+                os.close(read_fd)
+                os.close(write_fd)
+                return
+            self._write_fd, self.seen = write_fd, 0
+            threading.Thread(target=self._read, args=(read_fd,), daemon=True,
+                             name="tfllm-second-signal").start()
+
+    def exit(self) -> None:
+        with self.lock:
+            self.depth -= 1
+            if self.depth > 0 or self._write_fd is None:
+                return
+            signal.set_wakeup_fd(self._previous_fd)
+            os.close(self._write_fd)  # the thread reads the end of the pipe and ends
+            self._write_fd, self.seen = None, 0
+
+    def _read(self, read_fd: int) -> None:
+        watched = {int(s) for s in SignalWatcher.SIGNALS}
+        with os.fdopen(read_fd, "rb", buffering=0) as pipe:
+            while True:
+                data = pipe.read(64)
+                if not data:
+                    return
+                for signum in data:
+                    if signum in watched:
+                        with self.lock:
+                            self.seen += 1
+                            second = self.seen >= 2
+                        if second:
+                            _stop_at_once(signum)
+
+
+_COUNTER = _Counter()
+
+
 class SignalWatcher:
-    """Turns SIGTERM/SIGINT into a flag while active (a context manager)."""
+    """Turns SIGTERM/SIGINT into a flag while active (a context manager); a second signal
+    stops the process at once (see the module)."""
 
     SIGNALS = (signal.SIGTERM, signal.SIGINT)
 
@@ -45,12 +117,7 @@ class SignalWatcher:
 
     def _handle(self, signum, frame):
         if self.signame is not None:  # the second signal: give up at once
-            name = signal.Signals(signum).name
-            os.write(2, f"tfllm train: stopped at once by a second signal ({name}); nothing "
-                        "was saved, the latest committed checkpoint stays the latest.\n"
-                        .encode())
-            quiet.release()  # the line through the command's stderr filter before _exit
-            os._exit(HARD_STOP_EXIT_CODE)
+            _stop_at_once(signum)
         self.signame = signal.Signals(signum).name
 
     def __enter__(self):
@@ -65,6 +132,7 @@ class SignalWatcher:
         outer = getattr(self._previous.get(signal.SIGTERM), "__self__", None)
         if isinstance(outer, SignalWatcher) and self.signame is None:
             self.signame = outer.signame
+        _COUNTER.enter()
         return self
 
     def reinstall(self) -> None:
@@ -78,4 +146,5 @@ class SignalWatcher:
     def __exit__(self, *exc):
         for sig, handler in self._previous.items():
             signal.signal(sig, handler)
+        _COUNTER.exit()
         return False
