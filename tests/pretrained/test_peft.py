@@ -173,3 +173,41 @@ def test_an_import_with_adapters_starts_them_from_their_init(tmp_path):
     assert not b.any()
     # peft's Kaiming-uniform variance 1 / (3 fan_in), fan_in = hidden 32
     assert abs(a.std() - 1 / math.sqrt(3 * 32)) < 0.25 / math.sqrt(3 * 32)
+
+
+def test_a_broken_adapter_is_one_line_and_writes_nothing(tmp_path, capsys):
+    """Through the command: a NaN in lora_B (imported silently before) and a lora_A stored
+    (in, r) (reshaped into a scrambled matrix before) are refused, and no run is left."""
+    from safetensors.numpy import load_file, save_file
+    ref.save("llama3", tmp_path / "hf")
+    _adapter("llama3", tmp_path / "hf", tmp_path / "adapter", rank=8)
+    weights = tmp_path / "adapter" / "adapter_model.safetensors"
+    good = load_file(str(weights))
+    a_key = next(k for k in sorted(good) if "q_proj.lora_A" in k)
+    b_key = next(k for k in sorted(good) if "v_proj.lora_B" in k)
+    for name, edit, says in (
+            ("nan", lambda t: t[b_key].__setitem__((0, 0), np.nan), "NaN or infinite"),
+            ("transposed", lambda t: t.__setitem__(a_key, np.ascontiguousarray(t[a_key].T)),
+             "peft writes lora_A as (r, in)")):
+        tensors = {k: v.copy() for k, v in good.items()}
+        edit(tensors)
+        save_file(tensors, str(weights))
+        capsys.readouterr()
+        run = tmp_path / f"run_{name}"
+        assert main(["import", "--preset", str(tmp_path / "hf"), "--workdir", str(run),
+                     "--adapter", str(tmp_path / "adapter")]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and says in err[0], err
+        assert not run.exists() and not (tmp_path / f"run_{name}.importing").exists()
+
+
+def test_export_with_another_rank_than_trained_is_one_line(tmp_path, capsys):
+    # `export --format peft --set lora.rank=...` was an AssertionError
+    ref.save("llama3", tmp_path / "hf")
+    _import(tmp_path, "llama3", "--set", "lora.rank=8")
+    capsys.readouterr()
+    assert main(["export", "--workdir", str(tmp_path / "run"), "--out",
+                 str(tmp_path / "out"), "--format", "peft", "--set", "lora.rank=16"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "(rank 8), not what lora.rank=16" in err[0], err
+    assert not (tmp_path / "out").exists()

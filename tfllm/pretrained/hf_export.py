@@ -23,6 +23,7 @@ next to `out` and renamed last; an existing `out` is never replaced.
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 import struct
@@ -553,12 +554,24 @@ def export_peft(config, workdir: str, out: str, dtype: str = "float32",
             if prefix + s not in reader.variables:
                 raise PretrainedError(f"{path}: holds no {prefix + s} for {t.key}; the "
                                       "checkpoint does not match the run's lora settings.")
+            # The checkpoint's adapters decide the export: an A (in..., r) or B (r, out...)
+            # of another rank (or size) than the config's is refused before writing.
+            shape = [int(n) for n in reader.variables[prefix + s]["shape"]]
+            rank = shape[-1] if s.endswith("/lora_a") else shape[0]
+            if rank != lora.rank or math.prod(shape) != rank * (
+                    t.shape[1] if s.endswith("/lora_a") else t.shape[0] // len(t.sources)):
+                raise PretrainedError(
+                    f"{path}: {prefix + s} is {shape} (rank {rank}), not what lora.rank="
+                    f"{lora.rank} and the model's sizes give for {t.key}: a checkpoint's "
+                    "adapters are exported as they were trained; drop --set lora.* and "
+                    "model.* overrides from tfllm export.")
     np_dtype = np.dtype(tf.as_dtype(dtype).as_numpy_dtype)
 
     def produce(t: Tensor) -> np.ndarray:
         arrays = [reader.whole(prefix + s).astype(np.float32) for s in t.sources]
         array = t.make(*arrays)
-        assert tuple(array.shape) == t.shape, (t.key, array.shape, t.shape)
+        if tuple(array.shape) != t.shape:  # checked above: a bug if reached
+            raise RuntimeError(f"{t.key}: made {array.shape}, expected {t.shape}")
         return array.astype(np_dtype)
 
     config_json = peft.adapter_config(model_type, lora, patterns, origin.get("preset"))

@@ -218,10 +218,14 @@ def load_adapter(model, arrays: dict) -> int:
                               f"({missing[:3]}); is it an adapter of this base?")
     for path, var in ours.items():
         shape = tuple(int(n) for n in var.shape)
-        if arrays[path].size != np.prod(shape):
-            raise PretrainedError(f"--adapter: {path} holds {arrays[path].size} values, the "
-                                  f"model's is shaped {list(shape)}; is it an adapter of "
-                                  "this base?")
+        # A (in..., r) and B (r, out...) flattened as peft's matrices: only the model's own
+        # split of in or out (heads) is undone; any other shape is refused, never reshaped.
+        flat = ((int(np.prod(shape[:-1])), shape[-1]) if path.endswith("/lora_a")
+                else (shape[0], int(np.prod(shape[1:]))))
+        if tuple(arrays[path].shape) != flat:
+            raise PretrainedError(f"--adapter: {path} is {list(arrays[path].shape)} (tfllm's "
+                                  f"order of peft's matrix), the model's is {list(flat)}; is "
+                                  "it an adapter of this base?")
         var = tf_variable(var, path)
         full = arrays[path].reshape(shape).astype(np.dtype(var.dtype.as_numpy_dtype))
         blocks = sorted({block for _, block in target_blocks(var)})
@@ -285,6 +289,10 @@ def import_preset(preset: str, workdir: str, overrides: Iterable[str] = (),
             settings, adapter_arrays = read_adapter(os.path.expanduser(adapter), family)
             overrides = [f"{k}={json.dumps(v)}" for k, v in settings.items()] + list(overrides)
         config = preset_config(source, overrides, Workdir(workdir).tokenizer_dir, recipe)
+        if adapter_arrays is not None:  # in and out of every A and B: before any build
+            from tfllm.pretrained.peft import check_adapter_shapes
+            check_adapter_shapes(adapter_arrays, config.model, family,
+                                 f"--adapter {adapter}")
         # The mesh next: splitting the CPU into logical devices must happen before
         # anything (the tokenizer, the abstract backbone) initializes TensorFlow; with
         # several clients it is also where they meet.

@@ -170,49 +170,138 @@ def merged(reader, prefix: str, source: str, array: np.ndarray, lora) -> np.ndar
 
 
 # ---- adapters in (tfllm import --adapter) -------------------------------------------------
+#: the largest adapter_config.json read (peft writes about 1 KB)
+MAX_ADAPTER_CONFIG_BYTES = 1 << 20
+#: rank_pattern / alpha_pattern: what a value must be, and what it is called
+_PATTERNS = (("rank_pattern", "a whole number of at least 1"),
+             ("alpha_pattern", "a finite number above 0"))
+
+
+def _whole(value) -> bool:
+    return type(value) is int and value >= 1
+
+
+def _positive(value) -> bool:
+    return type(value) in (int, float) and math.isfinite(value) and value > 0
+
+
+def _no_constant(name):
+    raise ValueError(f"{name} is not a number JSON allows")
+
+
+def _read_config(path: str, config_path: str) -> dict:
+    """adapter_config.json as a dict with every field tfllm reads typed; one line else."""
+    from tfllm.confined import read_regular
+    fix = "give the folder peft's save_pretrained wrote"
+    try:
+        data = read_regular(config_path, MAX_ADAPTER_CONFIG_BYTES, "an adapter_config.json",
+                            PretrainedError, fix)
+    except FileNotFoundError:
+        raise PretrainedError(f"--adapter {path}: no {ADAPTER_CONFIG}; {fix}.") from None
+    try:
+        c = json.loads(data.decode("utf-8"), parse_constant=_no_constant)
+    except RecursionError:
+        raise PretrainedError(f"{config_path}: JSON nested too deep; {fix}.") from None
+    except ValueError as e:  # a JSONDecodeError, invalid UTF-8, NaN, a 5000-digit number
+        text = " ".join(str(e).split())[:120]
+        raise PretrainedError(f"{config_path}: not JSON ({text}); {fix}.") from None
+    if not isinstance(c, dict):
+        raise PretrainedError(f"{config_path}: a JSON {type(c).__name__}, not an object; "
+                              f"{fix}.")
+    if c.get("peft_type") != "LORA":
+        raise PretrainedError(f"{config_path}: peft_type is {str(c.get('peft_type'))[:40]!r}; "
+                              "only LORA adapters are read.")
+    for key, ok, fix_key in (
+            ("use_dora", lambda v: not v, "DoRA is not supported"),
+            ("modules_to_save", lambda v: not v,
+             "whole modules saved beside the adapter are not supported"),
+            ("bias", lambda v: v in (None, "none"), "adapter biases are not supported"),
+            ("layers_to_transform", lambda v: v is None,
+             "adapters on some layers only are not supported"),
+            ("target_modules", lambda v: isinstance(v, list) and v and all(
+                isinstance(t, str) for t in v),
+             "a regular expression of modules is not supported: list the module names "
+             "(strings)"),
+            ("r", _whole, "the rank must be a whole number of at least 1"),
+            ("lora_alpha", lambda v: v is None or _positive(v),
+             "lora_alpha must be a finite number above 0"),
+            ("use_rslora", lambda v: v in (None, True, False), "use_rslora must be true or "
+             "false"),
+            ("lora_dropout", lambda v: v is None or (type(v) in (int, float) and 0 <= v < 1),
+             "lora_dropout must be a number from 0 to below 1")):
+        if not ok(c.get(key)):
+            raise PretrainedError(f"{config_path}: {key}={str(c.get(key))[:60]}: {fix_key}.")
+    for key, what in _PATTERNS:
+        pattern = c.get(key) or {}
+        check = _whole if key == "rank_pattern" else _positive
+        if not isinstance(pattern, dict) or not all(
+                isinstance(k, str) and check(v) for k, v in pattern.items()):
+            raise PretrainedError(f"{config_path}: {key}={str(c.get(key))[:60]}: must map "
+                                  f"module names to {what}.")
+    return c
+
+
+def _load_weights(path: str) -> Dict[str, np.ndarray]:
+    """The adapter's tensors: a regular file safetensors reads; every tensor a finite
+    floating-point matrix. One line naming the file and the tensor otherwise."""
+    from safetensors.numpy import load_file
+
+    from tfllm.confined import open_regular
+    weights_path = os.path.join(path, ADAPTER_WEIGHTS)
+    try:
+        open_regular(weights_path, None, "a safetensors adapter", PretrainedError).close()
+    except FileNotFoundError:
+        raise PretrainedError(f"--adapter {path}: no {ADAPTER_WEIGHTS} (tfllm reads "
+                              "safetensors adapters).") from None
+    try:
+        stored = load_file(weights_path)
+    except Exception as e:  # noqa: BLE001 (safetensors' own error, truncation, dtype)
+        text = " ".join(str(e).split())[:160]
+        raise PretrainedError(f"{weights_path}: not a readable safetensors file ({text}); "
+                              "save the adapter again with peft's save_pretrained.") from None
+    for key, array in stored.items():
+        if array.dtype.kind != "f" or array.ndim != 2:
+            raise PretrainedError(f"{weights_path}: {key} is {array.dtype} of shape "
+                                  f"{list(array.shape)}, not a floating-point matrix as peft "
+                                  "writes.")
+        if not np.isfinite(array).all():
+            bad = int(np.size(array) - np.isfinite(array).sum())
+            raise PretrainedError(f"{weights_path}: {key} holds {bad} NaN or infinite "
+                                  "values; the adapter is broken (retrain or re-save it).")
+    return stored
+
+
 def read_adapter(path: str, family: str) -> Tuple[dict, Dict[str, np.ndarray]]:
     """The lora settings and tfllm's A/B arrays ({"block_i/<proj>/lora_a": array}) of a
-    peft adapter folder, for a base model of `family`."""
-    from safetensors.numpy import load_file
+    peft adapter folder, for a base model of `family`.
+
+    Everything is checked before it is used, one PretrainedError line otherwise:
+    adapter_config.json's fields and types, every tensor a finite float matrix, lora_A
+    (r, in) and lora_B (out, r) exactly as peft writes them, with the rank of
+    adapter_config.json or of its `rank_pattern` (a wrong orientation is refused, never
+    reshaped), one rank and alpha for all modules (`rank_pattern`/`alpha_pattern` are
+    honoured where they say the same or are GPT-2's fused c_attn export, else refused),
+    and no tensor the config does not name. `check_adapter_shapes` then compares in and
+    out with the base model.
+    """
     config_path = os.path.join(path, ADAPTER_CONFIG)
-    try:
-        with open(config_path, encoding="utf-8") as f:
-            c = json.load(f)
-    except FileNotFoundError:
-        raise PretrainedError(f"--adapter {path}: no {ADAPTER_CONFIG}; give a folder "
-                              "peft's save_pretrained wrote.") from None
-    except ValueError as e:
-        raise PretrainedError(f"{config_path}: not JSON ({e}).") from None
-    if not isinstance(c, dict) or c.get("peft_type") != "LORA":
-        raise PretrainedError(f"{config_path}: peft_type is {c.get('peft_type')!r}; only "
-                              "LORA adapters are read.")
-    for key, ok, fix in (("use_dora", lambda v: not v, "DoRA is not supported"),
-                         ("modules_to_save", lambda v: not v,
-                          "whole modules saved beside the adapter are not supported"),
-                         ("bias", lambda v: v in (None, "none"), "adapter biases are not "
-                          "supported"),
-                         ("layers_to_transform", lambda v: v is None,
-                          "adapters on some layers only are not supported"),
-                         ("target_modules", lambda v: isinstance(v, list),
-                          "a regular expression of modules is not supported: list them")):
-        if not ok(c.get(key)):
-            raise PretrainedError(f"{config_path}: {key}={c.get(key)!r}: {fix}.")
-    r, alpha, rslora = int(c["r"]), float(c["lora_alpha"]), bool(c.get("use_rslora"))
+    c = _read_config(path, config_path)
+    r = c["r"]
+    alpha = float(c["lora_alpha"]) if c.get("lora_alpha") is not None else 8.0  # peft's
+    rslora = bool(c.get("use_rslora"))
     table = TARGETS[family]
     modules = {}
     for t in c["target_modules"]:
         hit = [m for m in table if matches(m, t)]
         if not hit:
-            raise PretrainedError(f"{config_path}: target module {t!r} is no projection "
+            raise PretrainedError(f"{config_path}: target module {t[:60]!r} is no projection "
                                   f"tfllm's {family} family has ({sorted(table)}).")
         modules.update({m: table[m] for m in hit})
     ranks, alphas = c.get("rank_pattern") or {}, c.get("alpha_pattern") or {}
+    _check_patterns(config_path, modules, r, alpha, rslora, ranks, alphas)
+    stored = _load_weights(path)
     weights_path = os.path.join(path, ADAPTER_WEIGHTS)
-    if not os.path.exists(weights_path):
-        raise PretrainedError(f"--adapter {path}: no {ADAPTER_WEIGHTS} (tfllm reads "
-                              "safetensors adapters).")
-    stored = load_file(weights_path)
-    arrays = {}
+    arrays, used = {}, set()
     layer = LAYER_PREFIX[family]
     i = 0
     while any(k.startswith(_PEFT_PREFIX + layer.format(i=i)) for k in stored):
@@ -223,14 +312,22 @@ def read_adapter(path: str, family: str) -> Tuple[dict, Dict[str, np.ndarray]]:
             except KeyError as e:
                 raise PretrainedError(f"{weights_path}: holds no {e.args[0]}; the adapter "
                                       "does not match its adapter_config.json.") from None
-            a, b = a.astype(np.float32), b.astype(np.float32)
+            used.update((key + ".lora_A.weight", key + ".lora_B.weight"))
             leaf = module.rsplit(".", 1)[-1]
-            rank = int(ranks.get(leaf, ranks.get(module, r)))
+            rank = ranks.get(leaf, ranks.get(module, r))
+            for name, array, axis, form in (("lora_A", a, 0, "(r, in)"),
+                                            ("lora_B", b, 1, "(out, r)")):
+                if array.shape[axis] != rank:
+                    raise PretrainedError(
+                        f"{weights_path}: {key}.{name}.weight is {list(array.shape)}, but "
+                        f"peft writes {name} as {form} with r = {rank} "
+                        f"(adapter_config.json); a transposed or other-rank tensor is "
+                        "refused, never reshaped.")
+            a, b = a.astype(np.float32), b.astype(np.float32)
             if len(paths) > 1 and rank == r * len(paths):  # tfllm's own block form
-                want = alpha * (math.sqrt(len(paths)) if rslora else len(paths))
-                if not math.isclose(float(alphas.get(leaf, alpha)), want):
-                    raise PretrainedError(f"{config_path}: alpha_pattern of {leaf} does "
-                                          "not keep one scale for all modules.")
+                if b.shape[0] % len(paths):
+                    raise PretrainedError(f"{weights_path}: {key}.lora_B.weight has "
+                                          f"{b.shape[0]} rows, not {len(paths)} equal blocks.")
                 rows = np.cumsum([0] + [b.shape[0] // len(paths)] * len(paths))
                 for k, p in enumerate(paths):
                     block = b[rows[k]:rows[k + 1]]
@@ -242,16 +339,70 @@ def read_adapter(path: str, family: str) -> Tuple[dict, Dict[str, np.ndarray]]:
                     arrays[f"block_{i}/{p}/lora_a"] = a[k * r:(k + 1) * r].T
                     arrays[f"block_{i}/{p}/lora_b"] = block[:, k * r:(k + 1) * r].T
                 continue
-            if rank != r or float(alphas.get(leaf, alpha)) != alpha:
-                raise PretrainedError(f"{config_path}: {module} has its own rank or alpha "
-                                      "(rank_pattern/alpha_pattern); tfllm trains one rank "
-                                      "and alpha for every module.")
+            if b.shape[0] % len(paths):
+                raise PretrainedError(f"{weights_path}: {key}.lora_B.weight has "
+                                      f"{b.shape[0]} rows, not {len(paths)} equal blocks.")
             rows = np.cumsum([0] + [b.shape[0] // len(paths)] * len(paths))
             for k, p in enumerate(paths):  # GPT-2's c_attn: q, k, v share peft's A
                 arrays[f"block_{i}/{p}/lora_a"] = a.T
                 arrays[f"block_{i}/{p}/lora_b"] = b[rows[k]:rows[k + 1]].T
         i += 1
+    extra = sorted(set(stored) - used)
+    if extra:
+        raise PretrainedError(f"{weights_path}: holds {len(extra)} tensor(s) its "
+                              f"adapter_config.json does not name ({extra[0]}, ...): not an "
+                              f"adapter of the {family} modules it lists; give a matching "
+                              "adapter_config.json.")
+    if not arrays:
+        raise PretrainedError(f"{weights_path}: holds no adapter tensor of a layer "
+                              f"({_PEFT_PREFIX}{layer.format(i=0)}...).")
     settings = {"lora.rank": r, "lora.alpha": alpha, "lora.rslora": rslora,
                 "lora.dropout": float(c.get("lora_dropout") or 0.0),
                 "lora.targets": list(modules)}
     return settings, arrays
+
+
+def _check_patterns(config_path, modules, r, alpha, rslora, ranks, alphas) -> None:
+    """rank_pattern / alpha_pattern: honoured where they say what tfllm trains (the
+    config's rank and alpha, or GPT-2's fused c_attn as tfllm exports it: rank k r with
+    the same scale); any other key or value is refused (tfllm trains one rank and alpha
+    for every module), naming the key."""
+    names = {}
+    for module, paths in modules.items():
+        names[module] = names[module.rsplit(".", 1)[-1]] = len(paths)
+    for key, pattern, own in (("rank_pattern", ranks, r), ("alpha_pattern", alphas, alpha)):
+        for name, value in pattern.items():
+            n = names.get(name)
+            fused = n is not None and n > 1 and (
+                value == r * n if key == "rank_pattern" else
+                math.isclose(value, alpha * (math.sqrt(n) if rslora else n)))
+            if value != own and not fused:
+                raise PretrainedError(
+                    f"{config_path}: {key} gives {name[:60]!r} {value}, where the adapter's "
+                    f"is {own}: tfllm trains one rank and alpha for every module; export "
+                    "the adapter with one r and lora_alpha.")
+    for module, n in ((m, len(p)) for m, p in modules.items() if len(p) > 1):
+        leaf = module.rsplit(".", 1)[-1]
+        rank = ranks.get(leaf, ranks.get(module, r))
+        scaled = alphas.get(leaf, alphas.get(module, alpha))
+        if (rank == r * n) != (scaled != alpha):
+            raise PretrainedError(f"{config_path}: rank_pattern and alpha_pattern of {leaf} "
+                                  "do not keep one scale for all modules.")
+
+
+def check_adapter_shapes(arrays: Dict[str, np.ndarray], m, family: str,
+                         where: str = "--adapter") -> None:
+    """Each imported A (in, r) and B (r, out) (tfllm's orientation of peft's lora_A
+    (r, in) and lora_B (out, r)) has exactly the in and out sizes of its projection in
+    model config `m`: an adapter of another base is refused before anything is built."""
+    for name, array in arrays.items():
+        path = name.split("/", 1)[1].rsplit("/", 1)[0]  # attention/query
+        is_a = name.endswith("/lora_a")
+        want = _in_size(m, family, path) if is_a else _out_size(m, family, path)
+        have = array.shape[0] if is_a else array.shape[1]
+        if have != want:
+            peft_name = "lora_A (r, in)" if is_a else "lora_B (out, r)"
+            raise PretrainedError(
+                f"{where}: {name} has {'in' if is_a else 'out'} = {have} where the model's "
+                f"{path} has {want} (peft's {peft_name} is {list(array.shape[::-1])}); is it "
+                "an adapter of this base?")
