@@ -50,7 +50,9 @@ import errno
 import os
 import re
 import shutil
+import socket
 import stat
+import sys
 import tempfile
 import threading
 from typing import Optional, Union
@@ -84,6 +86,8 @@ OWNED_NAMES = (
     (re.escape(WRITER_RECORD), "a checkpoint folder's writer record (tfllm.checkpoint.lock)"),
     (r"ready\.\d+", "a worker's readiness file (tfllm launch)"),
     (r".+\.importing", "a crashed tfllm import (deleted only with its marker)"),
+    (r"\..+\.exporting-.+-\d+-[A-Za-z0-9_]+", "an export's temporary folder beside --out "
+                                            "(deleted only when its process is gone)"),
 )
 _OWNED = re.compile("|".join(f"(?:{pattern})" for pattern, _ in OWNED_NAMES))
 
@@ -512,14 +516,66 @@ def require_new_folder(out: str, error=ValueError, keep=()) -> str:
     return out
 
 
+#: an export's temporary folder beside --out: .NAME.exporting-HOST-PID-RANDOM
+_EXPORTING = re.compile(r"\.(?P<name>.+)\.exporting-(?P<host>.+)-(?P<pid>\d+)-[A-Za-z0-9_]+")
+
+
+def _gone(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    except OSError:  # another user's live process
+        return False
+    return False
+
+
+def _clear_interrupted(out: str, say) -> None:
+    """Removes the temporary folders that an interrupted export into `out` left beside it
+    (a SIGKILL, a second signal, a power cut) when the process that made them is gone
+    from this host; names any other one (`say`)."""
+    parent, name = os.path.dirname(out) or ".", os.path.basename(out)
+    try:
+        entries = os.listdir(parent)
+    except OSError:
+        return
+    host = socket.gethostname()
+    for entry in sorted(entries):
+        if not entry.startswith(f".{name}.exporting-"):
+            continue
+        path = os.path.join(parent, entry)
+        found = _EXPORTING.fullmatch(entry)
+        if (found and found["name"] == name and found["host"] == host
+                and _gone(int(found["pid"])) and not os.path.islink(path)):
+            remove_tree(parent, entry, ignore_errors=True)
+            say(f"tfllm: removed {path}, left by an interrupted export (pid "
+                f"{found['pid']} is gone)")
+        else:
+            say(f"tfllm: note: {path} is an export's temporary folder, of a process that "
+                "is still running or of another host or tfllm version; remove it once "
+                "that export is over")
+
+
+def _stderr(line: str) -> None:
+    print(line, file=sys.stderr, flush=True)
+
+
 @contextlib.contextmanager
-def written_atomically(out: str):
+def written_atomically(out: str, say=_stderr):
     """Yields a new temporary folder next to `out` (checked by `require_new_folder`),
     renamed to `out` when the block succeeds (an empty `out` folder is replaced by the
     rename itself) and removed when it fails: only that folder, which this call made, is
-    ever deleted."""
+    ever deleted. Its name holds this host and pid, so that when the process is killed
+    before it can remove it, the next export into `out` does (`say` tells which).
+
+    Args:
+      out: the export's folder, from `require_new_folder`.
+      say: receives one-line notes (default: printed to stderr).
+    """
     parent = os.path.dirname(out) or "."
-    tmp = new_temporary_folder(f".{os.path.basename(out)}.exporting-", parent)
+    _clear_interrupted(out, say)
+    tmp = new_temporary_folder(f".{os.path.basename(out)}.exporting-{socket.gethostname()}-"
+                               f"{os.getpid()}-", parent)
     try:
         yield tmp
     except BaseException:

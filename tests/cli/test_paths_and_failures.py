@@ -141,3 +141,63 @@ def test_a_path_in_the_config_expands_the_home_folder(tmp_path, monkeypatch):
     from tfllm.runtime.environment import xla_cache_dir
     monkeypatch.setenv("HOME", str(tmp_path))
     assert xla_cache_dir("~/cache", None) == str(tmp_path / "cache")
+
+
+# ---- an export interrupted ---------------------------------------------------------------------
+def test_the_next_export_removes_what_a_killed_export_left_and_names_the_rest(tmp_path):
+    import socket
+    with open("/proc/sys/kernel/pid_max") as f:
+        gone = int(f.read()) + 1  # no process has it
+    host = socket.gethostname()
+    killed = tmp_path / f".out.exporting-{host}-{gone}-ab_12"
+    (killed / "saved_model").mkdir(parents=True)
+    alive = tmp_path / f".out.exporting-{host}-{os.getpid()}-cd34"  # still running
+    alive.mkdir()
+    old = tmp_path / ".out.exporting-x1y2z3"  # an earlier tfllm's name: whose, unknown
+    old.mkdir()
+    other = tmp_path / ".other.exporting-x1y2z3"  # another --out's: not looked at
+    other.mkdir()
+    said = []
+    with files.written_atomically(str(tmp_path / "out"), said.append) as tmp:
+        files.write_atomically(tmp, "config.yaml", "a: 1")
+    assert not killed.exists() and alive.is_dir() and old.is_dir() and other.is_dir()
+    removed = [line for line in said if f"removed {killed}," in line]
+    named = [line for line in said if "is an export's temporary folder" in line]
+    assert len(said) == 3 and len(removed) == 1 and len(named) == 2
+    assert str(alive) in " ".join(named) and str(old) in " ".join(named)
+    assert os.listdir(tmp_path / "out") == ["config.yaml"]
+
+
+_SLOW_EXPORT = """
+import sys, time
+import tfllm.cli.main as cli
+from tfllm import files
+def slow(args):
+    with files.written_atomically(files.require_new_folder(args.out)) as tmp:
+        files.write_atomically(tmp, "model.weights.h5", b"x" * 1000)
+        print("writing", flush=True)
+        time.sleep(600)
+cli.cmd_export = slow
+sys.exit(cli.main(["export", "--workdir", sys.argv[1], "--out", sys.argv[2]]))
+"""
+
+
+@pytest.mark.slow  # a process of its own
+@pytest.mark.multiprocess
+def test_sigterm_during_an_export_leaves_no_temporary_folder(tmp_path):
+    import signal
+    from tests.harness import PY, finish, start_process
+    from tfllm.contracts import HARD_STOP_EXIT_CODE
+    (tmp_path / "exports").mkdir()
+    proc = start_process([PY, "-c", _SLOW_EXPORT, str(tmp_path / "run"),
+                          str(tmp_path / "exports" / "out")])
+    try:
+        assert proc.stdout.readline().strip() == "writing"
+        assert len(os.listdir(tmp_path / "exports")) == 1  # its temporary folder
+        proc.send_signal(signal.SIGTERM)
+        code, _, err = finish(proc, timeout=120)  # bounds a hang only
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert code == HARD_STOP_EXIT_CODE and "interrupted" in err, err
+    assert os.listdir(tmp_path / "exports") == []

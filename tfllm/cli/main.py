@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import errno
 import json
 import math
 import os
+import signal
 import sys
 import traceback
 from typing import Optional
@@ -636,6 +638,26 @@ def _failure(error: BaseException, args):
     return None
 
 
+@contextlib.contextmanager
+def _terminate_as_interrupt(command: str):
+    """SIGTERM as Ctrl-C for the commands other than train (which has its own watcher):
+    an export or import interrupted by a scheduler or `kill` unwinds, removing its own
+    temporary folder, instead of dying with it left behind."""
+    def interrupt(signum, frame):
+        raise KeyboardInterrupt(signal.Signals(signum).name)
+    previous = None
+    if command != "train":
+        try:
+            previous = signal.signal(signal.SIGTERM, interrupt)
+        except ValueError:  # not the main thread (a notebook's worker): left as it is
+            pass
+    try:
+        yield
+    finally:
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
+
+
 def main(argv=None) -> int:
     """The `tfllm` command; returns its exit code.
 
@@ -657,7 +679,8 @@ def main(argv=None) -> int:
     except SystemExit as e:  # --help (0), or a bad argument already said on one line
         return e.code if isinstance(e.code, int) else BAD_INPUT_EXIT_CODE
     try:
-        return args.fn(args)
+        with _terminate_as_interrupt(args.command):
+            return args.fn(args)
     except KeyboardInterrupt:  # Ctrl-C outside training (which saves and exits 75)
         print(f"tfllm {args.command}: interrupted", file=sys.stderr)
         return HARD_STOP_EXIT_CODE
