@@ -112,3 +112,18 @@ def test_fuzz_lines_are_refused_in_one_line_or_render():
             encode[fmt](record)
         except DataError as e:
             one_line(e)
+
+
+@pytest.mark.parametrize("text", ["[" * 100_000 + "]" * 100_000, "[1, 2]",
+                                  '{"added_tokens_decoder": [1]}',
+                                  '{"added_tokens_decoder": {"1' + "0" * 30 + '": '
+                                  '{"content": "x"}}}'])
+def test_a_hostile_tokenizer_config_is_one_line_or_ignored(tmp_path, text):
+    from tfllm.data.chat import added_token_ids
+    from tfllm.data.chat_template import folder_template
+    (tmp_path / "tokenizer_config.json").write_text(text)
+    assert added_token_ids(str(tmp_path)) == {}
+    try:
+        assert folder_template(str(tmp_path))[0] is None
+    except DataError as e:  # nested too deep: named, in one line
+        assert "tokenizer_config.json: not readable JSON" in str(e) and "\n" not in str(e)

@@ -267,12 +267,15 @@ def added_token_ids(folder: Optional[str]) -> Dict[str, int]:
         return {}
     try:
         with open(path, encoding="utf-8") as f:
-            decoder = json.load(f).get("added_tokens_decoder") or {}
-    except (OSError, ValueError):
+            config = json.load(f)
+    except (OSError, ValueError, RecursionError):
+        return {}  # the template's own read of the file names what is wrong with it
+    decoder = config.get("added_tokens_decoder") if isinstance(config, dict) else None
+    if not isinstance(decoder, dict):
         return {}
     return {entry["content"]: int(i) for i, entry in decoder.items()
             if isinstance(entry, dict) and isinstance(entry.get("content"), str)
-            and str(i).isdigit()}
+            and entry["content"] and str(i).isdigit() and len(str(i)) < 10}
 
 
 def text_encoder(tokenizer, added: Dict[str, int]) -> Callable[[str], List[int]]:

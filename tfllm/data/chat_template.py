@@ -279,8 +279,9 @@ def _read_json(path: str) -> dict:
     try:
         with open(path, encoding="utf-8") as f:
             data = json.load(f)
-    except (OSError, ValueError) as e:
-        raise DataError(f"{path}: not readable JSON ({e}); fix or remove it.") from None
+    except (OSError, ValueError, RecursionError) as e:  # RecursionError: nested too deep
+        text = " ".join(str(e).split())[:160]
+        raise DataError(f"{path}: not readable JSON ({text}); fix or remove it.") from None
     return data if isinstance(data, dict) else {}
 
 
