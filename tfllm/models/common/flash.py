@@ -97,15 +97,12 @@ def flash_attention(q, k, v, *, scale: float, block_q: int, block_k: int,
         visible.append([j for j, (a, b) in enumerate(k_blocks) if b > low and a <= high])
 
     def tile_scores(q_i, k_j, qa, qb, ka, kb):
-        s = tf.cast(tf.einsum("bptkgd,bskd->bkgpts", q_i, k_j), tf.float32) * scale
+        s = tf.cast(tf.einsum("bkgptd,bskd->bkgpts", q_i, k_j), tf.float32) * scale
         allowed = mask_fn(qa, qb, ka, kb)
         if allowed is not None:
             allowed = allowed[:, None, None]  # (B, 1, 1, P, t, s)
             s = tf.where(allowed, s, _NEG)
         return s, allowed  # (B, K, G, P, t, s)
-
-    def per_query(x):  # (B, K, G, P, t) -> (B, P, t, K, G, 1), to scale (B, P, t, K, G, D)
-        return tf.expand_dims(tf.transpose(x, (0, 3, 4, 1, 2)), -1)
 
     def after(x, previous):
         """x, made to wait for `previous` (an exact + 0 * y, which XLA does not fold): the
@@ -114,79 +111,90 @@ def flash_attention(q, k, v, *, scale: float, block_q: int, block_k: int,
             return x
         return x + tf.cast(0.0, x.dtype) * tf.cast(previous, x.dtype)
 
+    # Queries (and outputs, and their gradients) head-major, grouped by the key/value head
+    # they attend (h = kv * G + g): (B, P, L, H, D) <-> (B, K, G, P, L, D). In this layout
+    # every tile GEMM takes its operands as they are, and the gradients of keys and
+    # values contract (g, p, t) in the same order on both sides, so XLA transposes the
+    # queries once instead of a (t, s) tile per GEMM.
+    def grouped(x):  # (B, P, L, H, D) -> (B, K, G, P, L, D)
+        x = tf.reshape(x, (batch, pieces, length, kv_heads, groups, dim))
+        return tf.transpose(x, (0, 3, 4, 1, 2, 5))
+
+    def ungrouped(x):  # (B, K, G, P, L, D) -> (B, P, L, H, D)
+        x = tf.transpose(x, (0, 3, 4, 1, 2, 5))
+        return tf.reshape(x, (batch, pieces, length, heads, dim))
+
     @tf.custom_gradient
     def attend(q, k, v):
-        # query heads grouped by the key/value head they attend: h = kv * G + g
-        q = tf.reshape(q, (batch, pieces, length, kv_heads, groups, dim))  # (B,P,L,K,G,D)
+        qg = grouped(q)  # (B, K, G, P, L, D)
         outs, lses, last = [], [], None
         for i, (qa, qb) in enumerate(q_blocks):
-            q_i = after(q[:, :, qa:qb], last)  # (B, P, t, K, G, D)
+            q_i = after(qg[..., qa:qb, :], last)  # (B, K, G, P, t, D)
             m = l = acc = pv = None
             for j in visible[i]:
                 ka, kb = k_blocks[j]
                 # tile after tile, too: else XLA computes all of a block's scores first
                 # (waiting on the last tile's GEMM output, which a fusion reads directly)
-                q_ij = q_i if pv is None else after(q_i, pv[:, :, -1:])
+                q_ij = q_i if pv is None else after(q_i, pv[..., -1:, :])
                 s, _ = tile_scores(q_ij, k[:, ka:kb], qa, qb, ka, kb)
-                m_new = tf.reduce_max(s, axis=-1)  # (B, K, G, P, t)
+                m_new = tf.reduce_max(s, axis=-1, keepdims=True)  # (B, K, G, P, t, 1)
                 if m is not None:
                     m_new = tf.maximum(m, m_new)
-                p = tf.exp(s - tf.expand_dims(m_new, -1))  # float32
-                pv = tf.einsum("bkgpts,bskd->bptkgd", tf.cast(p, v.dtype),
-                               v[:, ka:kb])  # (B, P, t, K, G, D)
+                p = tf.exp(s - m_new)  # float32
+                pv = tf.einsum("bkgpts,bskd->bkgptd", tf.cast(p, v.dtype),
+                               v[:, ka:kb])  # (B, K, G, P, t, D)
                 if m is None:
-                    l, acc = tf.reduce_sum(p, axis=-1), tf.cast(pv, tf.float32)
+                    l = tf.reduce_sum(p, axis=-1, keepdims=True)
+                    acc = tf.cast(pv, tf.float32)
                 else:
                     alpha = tf.exp(m - m_new)  # rescales what the earlier key blocks gave
-                    l = l * alpha + tf.reduce_sum(p, axis=-1)
-                    acc = acc * per_query(alpha) + tf.cast(pv, tf.float32)
+                    l = l * alpha + tf.reduce_sum(p, axis=-1, keepdims=True)
+                    acc = acc * alpha + tf.cast(pv, tf.float32)
                 m = m_new
-            outs.append(acc / per_query(l))  # (B, P, t, K, G, D) float32
-            lses.append(m + tf.math.log(l))  # (B, K, G, P, t)
-            last = outs[-1][:, :, -1:]
-        out32 = tf.concat(outs, axis=2)  # (B, P, L, K, G, D)
-        out = tf.reshape(tf.cast(out32, q.dtype), (batch, pieces, length, heads, dim))
-        lse = tf.concat(lses, axis=4)  # (B, K, G, P, L)
+            outs.append(acc / l)  # (B, K, G, P, t, D) float32
+            lses.append(m + tf.math.log(l))  # (B, K, G, P, t, 1)
+            last = outs[-1][..., -1:, :]
+        out32 = tf.concat(outs, axis=4)  # (B, K, G, P, L, D)
+        out = ungrouped(tf.cast(out32, q.dtype))
+        lse = tf.concat(lses, axis=4)  # (B, K, G, P, L, 1)
 
         def grad(d_out):
-            d_out = tf.reshape(tf.cast(d_out, q.dtype),
-                               (batch, pieces, length, kv_heads, groups, dim))
-            # the softmax's correction term, per query: sum_d dO * O (B, K, G, P, L), from
-            # the float32 output (O rounded to bf16 here doubled the gradients' error)
-            delta = tf.einsum("bptkgd,bptkgd->bkgpt", tf.cast(d_out, tf.float32), out32)
+            dog = grouped(tf.cast(d_out, q.dtype))  # (B, K, G, P, L, D)
+            # the softmax's correction term, per query: sum_d dO * O (B, K, G, P, L, 1),
+            # from the float32 output (O rounded to bf16 here doubled the gradients' error)
+            delta = tf.reduce_sum(tf.cast(dog, tf.float32) * out32, -1, keepdims=True)
             dq = []
             dk = [tf.zeros(k[:, a:b].shape, tf.float32) for a, b in k_blocks]
             dv = [tf.zeros(v[:, a:b].shape, tf.float32) for a, b in k_blocks]
             for i, (qa, qb) in enumerate(q_blocks):
-                q_i = q[:, :, qa:qb]
-                do_i = after(d_out[:, :, qa:qb], dq[-1][:, :, -1:] if dq else None)
-                lse_i = tf.expand_dims(lse[..., qa:qb], -1)  # (B, K, G, P, t, 1)
-                delta_i = tf.expand_dims(delta[..., qa:qb], -1)
+                q_i = qg[..., qa:qb, :]  # (B, K, G, P, t, D)
+                do_i = after(dog[..., qa:qb, :], dq[-1][..., -1:, :] if dq else None)
+                lse_i, delta_i = lse[..., qa:qb, :], delta[..., qa:qb, :]  # (B,K,G,P,t,1)
                 dq_i, dq_ij = tf.zeros(q_i.shape, tf.float32), None
                 for j in visible[i]:
                     ka, kb = k_blocks[j]
                     k_j, v_j = k[:, ka:kb], v[:, ka:kb]
                     # tile after tile, waiting on the last tile's GEMM output
-                    previous = None if dq_ij is None else dq_ij[:, :, -1:]
+                    previous = None if dq_ij is None else dq_ij[..., -1:, :]
                     q_ij, do_ij = after(q_i, previous), after(do_i, previous)
                     s, allowed = tile_scores(q_ij, k_j, qa, qb, ka, kb)
                     p = tf.exp(s - lse_i)  # the forward pass's probabilities, recomputed
                     if allowed is not None:
                         p = tf.where(allowed, p, 0.0)
-                    dv[j] += tf.cast(tf.einsum("bkgpts,bptkgd->bskd", tf.cast(p, v.dtype),
+                    dv[j] += tf.cast(tf.einsum("bkgpts,bkgptd->bskd", tf.cast(p, v.dtype),
                                                do_ij), tf.float32)
                     # dP accumulated and kept in float32 (as FlashAttention's
                     # accumulators) from compute-dtype operands: rounded to the compute
                     # dtype, its error is not cancelled by delta, computed from O, and
-                    # dP - delta cancels (bf16 gradients: 1.4-2x the one-shot error)
-                    dp = dot_f32("bptkgd,bskd->bkgpts", do_ij, v_j)  # (B, K, G, P, t, s)
+                    # dP - delta cancels (bf16 gradients: 1.4x the one-shot error; dP -
+                    # delta in one GEMM, delta as bf16 hi + lo columns: 1.6x)
+                    dp = dot_f32("bkgptd,bskd->bkgpts", do_ij, v_j)  # (B, K, G, P, t, s)
                     ds = tf.cast(p * (dp - delta_i) * scale, q.dtype)
-                    dq_ij = tf.einsum("bkgpts,bskd->bptkgd", ds, k_j)  # (B, P, t, K, G, D)
+                    dq_ij = tf.einsum("bkgpts,bskd->bkgptd", ds, k_j)  # (B, K, G, P, t, D)
                     dq_i += tf.cast(dq_ij, tf.float32)
-                    dk[j] += tf.cast(tf.einsum("bkgpts,bptkgd->bskd", ds, q_ij), tf.float32)
+                    dk[j] += tf.cast(tf.einsum("bkgpts,bkgptd->bskd", ds, q_ij), tf.float32)
                 dq.append(tf.cast(dq_i, q.dtype))
-            dq = tf.reshape(tf.concat(dq, axis=2), (batch, pieces, length, heads, dim))
-            return (dq, tf.cast(tf.concat(dk, axis=1), k.dtype),
+            return (ungrouped(tf.concat(dq, axis=4)), tf.cast(tf.concat(dk, axis=1), k.dtype),
                     tf.cast(tf.concat(dv, axis=1), v.dtype))
 
         return out, grad
