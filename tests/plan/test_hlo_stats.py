@@ -103,3 +103,34 @@ def test_target_peaks_match_the_datasheets():
     assert "device_memory_size: 84942979072" in h100.target_config()
     with pytest.raises(ValueError, match="known targets: a100, b200, h100, h200"):
         get_target("v100")
+
+
+# A fusion that reads rows 0..7 of a 64-row operand (through a transpose), and one that
+# reads all of it: with partial_reads the first counts the rows it slices.
+SLICED = """HloModule sliced, entry_computation_layout={()}
+
+%fused_slice (p0: bf16[64,32]) -> bf16[32,8] {
+  %p0 = bf16[64,32]{1,0} parameter(0)
+  %t = bf16[32,64]{1,0} transpose(%p0), dimensions={1,0}
+  ROOT %s = bf16[32,8]{1,0} slice(%t), slice={[0:32], [0:8]}
+}
+
+%fused_neg (q0: bf16[64,32]) -> bf16[64,32] {
+  %q0 = bf16[64,32]{1,0} parameter(0)
+  ROOT %n = bf16[64,32]{1,0} negate(%q0)
+}
+
+ENTRY %main (x: bf16[64,32]) -> (bf16[32,8], bf16[64,32]) {
+  %x = bf16[64,32]{1,0} parameter(0)
+  %a = bf16[32,8]{1,0} fusion(%x), kind=kLoop, calls=%fused_slice
+  %b = bf16[64,32]{1,0} fusion(%x), kind=kLoop, calls=%fused_neg
+  ROOT %r = (bf16[32,8]{1,0}, bf16[64,32]{1,0}) tuple(%a, %b)
+}
+"""
+
+
+@pytest.mark.parametrize("partial_reads, sliced_read", [(False, 64 * 32), (True, 8 * 32)])
+def test_a_fusion_that_slices_an_operand_reads_the_slice(partial_reads, sliced_read):
+    by_name = {k.name: k for k in hlo_stats.kernels(SLICED, partial_reads)[0]}
+    assert by_name["a"].bytes == 2 * (sliced_read + 32 * 8)  # read + written, bf16
+    assert by_name["b"].bytes == 2 * 2 * 64 * 32  # negate reads all of its operand

@@ -11,7 +11,9 @@ optimized HLO here:
   `conditional` are descended into; fused computations are not kernels of their own.
 * a kernel's **bytes** are its operands' bytes plus its outputs' bytes (cuBLAS workspace
   buffers excluded): what it reads from and writes to device memory, assuming no reuse
-  through the L2 cache. Fusions that read only a slice of an operand are over-counted.
+  through the L2 cache. Fusions that read only a slice of an operand are over-counted,
+  unless `partial_reads` is set: then a fusion operand that the fused computation only
+  slices (through bitcasts, reshapes and transposes) counts the bytes of its slices.
 * **GEMM FLOPs** are 2 * (output elements) * (contracted elements) of every cuBLAS call
   and of every `dot` inside a fusion.
 
@@ -65,6 +67,7 @@ class Instruction:
     opcode: str
     operands: List[str]
     attrs: str
+    number: Optional[int] = None  # a parameter's index
 
 
 @dataclass
@@ -110,7 +113,8 @@ def _parse_instruction(line: str) -> Optional[Instruction]:
     close = _split_balanced(rest, op.end() - 1)
     operand_text = rest[op.end():close - 1]
     operands = re.findall(r"%([^\s,()]+)", operand_text)
-    return Instruction(m.group(1), type_text, op.group(1), operands, rest[close:])
+    number = int(operand_text) if op.group(1) == "parameter" else None
+    return Instruction(m.group(1), type_text, op.group(1), operands, rest[close:], number)
 
 
 def parse_module(text: str) -> Dict[str, Computation]:
@@ -188,8 +192,39 @@ def _trip_count(attrs: str) -> Optional[int]:
     return int(m.group(1)) if m else None
 
 
-def kernels(text: str) -> Tuple[List[Kernel], List[str]]:
-    """The kernels one step launches, and warnings (e.g. loops of unknown trip count)."""
+_RELAYOUTS = {"bitcast", "reshape", "transpose", "copy"}
+
+
+def _sliced_bytes(comp: Computation, number: int) -> Optional[float]:
+    """Bytes a fused computation reads of its parameter `number` when it only slices it
+    (through relayouts), else None (it reads all of it)."""
+    param = next((i for i in comp.instructions
+                  if i.opcode == "parameter" and i.number == number), None)
+    if param is None:
+        return None
+    users: Dict[str, List[Instruction]] = {}
+    for inst in comp.instructions:
+        for o in inst.operands:
+            users.setdefault(o, []).append(inst)
+    total, frontier = 0.0, [param.name]
+    while frontier:
+        name = frontier.pop()
+        for user in users.get(name, []):
+            if user.opcode in _RELAYOUTS:
+                frontier.append(user.name)
+            elif user.opcode in ("slice", "dynamic-slice") and user.operands[0] == name:
+                total += type_bytes(user.type_text)
+            else:
+                return None
+    return total
+
+
+def kernels(text: str, partial_reads: bool = False) -> Tuple[List[Kernel], List[str]]:
+    """The kernels one step launches, and warnings (e.g. loops of unknown trip count).
+
+    `partial_reads`: a fusion operand that the fusion only slices counts its slices'
+    bytes, not the whole operand's.
+    """
     comps = parse_module(text)
     entry = next((c for c in comps.values() if c.is_entry), None)
     if entry is None:
@@ -198,8 +233,16 @@ def kernels(text: str) -> Tuple[List[Kernel], List[str]]:
     warnings: List[str] = []
 
     def operand_bytes(comp, inst):
-        return sum(type_bytes(comp.by_name[o].type_text) for o in inst.operands
-                   if o in comp.by_name)
+        fused = _called(inst.attrs, "calls") if inst.opcode == "fusion" else []
+        total = 0.0
+        for number, o in enumerate(inst.operands):
+            if o not in comp.by_name:
+                continue
+            full = type_bytes(comp.by_name[o].type_text)
+            read = (_sliced_bytes(comps[fused[0]], number)
+                    if partial_reads and fused and fused[0] in comps else None)
+            total += full if read is None else min(full, read)
+        return total
 
     def visit(comp: Computation, count: int):
         for inst in comp.instructions:
@@ -254,9 +297,10 @@ def kernels(text: str) -> Tuple[List[Kernel], List[str]]:
     return out, warnings
 
 
-def summarize(text: str, target) -> dict:
-    """Counts, FLOPs, bytes and the roofline time of one compiled step for `target`."""
-    ks, warnings = kernels(text)
+def summarize(text: str, target, partial_reads: bool = False) -> dict:
+    """Counts, FLOPs, bytes and the roofline time of one compiled step for `target`
+    (`partial_reads`: as in `kernels`)."""
+    ks, warnings = kernels(text, partial_reads)
     calls = re.findall(r'custom_call_target="([^"]+)"', text)
     gemm_targets = sorted({c for c in calls if "cublas" in c})
     gemm_s = sum(k.seconds(target) for k in ks if k.gemm_flops)
