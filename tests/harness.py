@@ -25,6 +25,7 @@ first).
   `forward_on_mesh`.
 """
 
+import ast
 import functools
 import glob
 import json
@@ -33,6 +34,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import time
 
 import numpy as np
 
@@ -709,3 +711,31 @@ def snapshot_tree(directory):
             out[os.path.relpath(path, directory)] = (
                 open(path, "rb").read() if os.path.isfile(path) else None)
     return out
+
+
+def wait_delivered(proc, sig, timeout_s=60):
+    """Waits until `sig` is no longer pending for `proc`: its handler took it, so a next one
+    cannot merge with it (a fixed sleep did not say so on a loaded machine). `timeout_s`
+    bounds a hang only."""
+    deadline = time.monotonic() + timeout_s
+    bit = 1 << (int(sig) - 1)
+    while proc.poll() is None:
+        with open(f"/proc/{proc.pid}/status") as f:
+            pending = [int(line.split()[1], 16) for line in f
+                       if line.startswith(("SigPnd:", "ShdPnd:"))]
+        if not any(p & bit for p in pending):
+            return
+        assert time.monotonic() < deadline, f"signal {sig} still pending after {timeout_s} s"
+        time.sleep(0.01)
+
+
+def dotted_name(node) -> str:
+    """'os.path.join' for the expression os.path.join; '' when it is not a plain name."""
+    parts = []
+    while isinstance(node, ast.Attribute):
+        parts.append(node.attr)
+        node = node.value
+    if isinstance(node, ast.Name):
+        parts.append(node.id)
+        return ".".join(reversed(parts))
+    return ""

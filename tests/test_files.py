@@ -9,6 +9,7 @@ import pathlib
 import pytest
 
 import tfllm
+from tests.harness import dotted_name
 from tfllm import files
 from tfllm.files import Refused
 
@@ -322,18 +323,6 @@ _ALLOWED = {
 }
 
 
-def _dotted(node) -> str:
-    """'os.path.join' for the expression os.path.join; '' when it is not a plain name."""
-    parts = []
-    while isinstance(node, ast.Attribute):
-        parts.append(node.attr)
-        node = node.value
-    if isinstance(node, ast.Name):
-        parts.append(node.id)
-        return ".".join(reversed(parts))
-    return ""
-
-
 def _write_mode(call: ast.Call):
     """open()'s mode when it writes (or cannot be known), else None."""
     mode = call.args[1] if len(call.args) > 1 else next(
@@ -362,7 +351,7 @@ def _writes(tree):
     for node in ast.walk(tree):
         if not isinstance(node, ast.Call):
             continue
-        name = _dotted(node.func)
+        name = dotted_name(node.func)
         module, _, function = name.rpartition(".")
         attr = node.func.attr if isinstance(node.func, ast.Attribute) else name
         if name == "open" and _write_mode(node):

@@ -17,6 +17,9 @@ with a rename), and without blocking: a FIFO, a device such as /dev/zero, a sock
 directory is refused before a byte is read, where reading it would block forever or
 until memory runs out.
 
+What an export copies out of a run must be the run's own: `within` and `tree_within`
+refuse a path (or a folder holding one) that a link leads out of the run, naming it.
+
 This module only reads; every write and delete goes through `tfllm.files`.
 """
 
@@ -70,6 +73,33 @@ def inside(directory: str, name, what: str, error=ValueError, flat: bool = False
                     "uses only files inside the directory: replace the link by the file it "
                     "names (cp -rL copies a folder with its links resolved).")
     return path
+
+
+def within(path: str, root: str, what: str, error=ValueError) -> str:
+    """`path` when it resolves (links followed) inside `root`, else raises `error` naming
+    where it leads: what an export copies out of a run must be the run's own."""
+    top, real = os.path.realpath(root), os.path.realpath(path)
+    if os.path.commonpath([top, real]) != top:
+        raise error(f"{path} leads to {real}, outside {root} (a symbolic link); {what} "
+                    "only the run's own files: replace the link by the file or folder it "
+                    "names (cp -rL), then run the command again.")
+    return path
+
+
+def tree_within(folder: str, root: str, what: str, error=ValueError) -> str:
+    """`folder` when it and everything in it resolve inside `root` (`within`), walked
+    through links (each real folder once); returns `folder`."""
+    seen = set()
+    for current, folders, names in os.walk(within(folder, root, what, error),
+                                           followlinks=True):
+        real = os.path.realpath(within(current, root, what, error))
+        if real in seen:
+            folders[:] = []
+            continue
+        seen.add(real)
+        for name in names:
+            within(os.path.join(current, name), root, what, error)
+    return folder
 
 
 _KINDS = ((stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a FIFO (named pipe)"),

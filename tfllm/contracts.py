@@ -118,6 +118,8 @@ TOKENIZER_DIR = "tokenizer"
 TOKENIZER_MODEL_FILE = "tokenizer.model"
 #: where an imported run's weights came from (`tfllm.pretrained.importer`)
 PRETRAINED_FILE = "pretrained.json"
+#: the run's copy of data.chat_template, read as it starts (`tfllm.data.chat_template`)
+CHAT_TEMPLATE_FILE = "chat_template.jinja"
 #: `tfllm launch`'s client logs and the watchdog's heartbeats
 LOGS_DIR = "logs"
 #: the persistent XLA compile cache of `train.xla_cache=auto`, one folder per client
@@ -131,7 +133,7 @@ WRITER_RECORD = ".tfllm-writer"
 #: the files and folders a run writes: cleared when a dead run without checkpoints is
 #: reused (`tfllm.checkpoint.workdir`), the only top-level names tfllm deletes in a run
 RUN_OUTPUTS = (METRICS_FILE, TENSORBOARD_DIR, PLOT_FILE, CONFIG_FILE, COSTS_FILE,
-               TOKENIZER_DIR, PRETRAINED_FILE)
+               TOKENIZER_DIR, PRETRAINED_FILE, CHAT_TEMPLATE_FILE)
 
 
 #: the variables `tfllm launch` gives a worker for the readiness handshake

@@ -57,7 +57,7 @@ import tempfile
 import threading
 from typing import Optional, Union
 
-from tfllm.confined import open_regular
+from tfllm.confined import open_regular, tree_within
 from tfllm.contracts import InputError, RUN_OUTPUTS, WRITER_RECORD
 from tfllm.runpaths import CLIENT, HOLDER_SUFFIX
 
@@ -340,11 +340,19 @@ def copy_file(root: str, src: str, dst) -> str:
     return _absolute(root, dst)
 
 
-def copy_tree(root: str, src: str, dst) -> str:
+def copy_tree(root: str, src: str, dst, within: Optional[str] = None) -> str:
     """Copies the folder `src` (its files' contents; links in it are read through, each
-    folder once) to `dst` inside `root`; returns `dst`'s absolute path."""
+    folder once) to `dst` inside `root`; returns `dst`'s absolute path.
+
+    Args:
+      within: a folder every file copied must resolve inside (a run's workdir, for an
+        export: a link planted in the run out of it is refused, never copied); None: the
+        user named `src` and links in it lead where the user made them.
+    """
     target = make_dirs(root, dst)
     seen = set()
+    if within is not None:
+        tree_within(src, within, "an export copies", Refused)
     for folder, folders, names in os.walk(src, followlinks=True):
         real = os.path.realpath(folder)
         if real in seen:

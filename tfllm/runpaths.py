@@ -13,7 +13,8 @@ from __future__ import annotations
 
 import os
 
-from tfllm.contracts import (CHECKPOINTS_DIR, CONFIG_FILE, COSTS_FILE, LOCKS_DIR, LOGS_DIR,
+from tfllm.contracts import (CHAT_TEMPLATE_FILE, CHECKPOINTS_DIR, CONFIG_FILE, COSTS_FILE,
+                             LOCKS_DIR, LOGS_DIR,
                              MARKER, METRICS_FILE, PLOT_FILE, PRETRAINED_FILE,
                              TENSORBOARD_DIR, TOKENIZER_DIR, TOKENIZER_MODEL_FILE,
                              XLA_CACHE_DIR)
@@ -75,6 +76,11 @@ class RunPaths:
     def tokenizer_model_file(self) -> str:
         """WORKDIR/tokenizer/tokenizer.model: a run's trained SentencePiece model."""
         return os.path.join(self.tokenizer_dir, TOKENIZER_MODEL_FILE)
+
+    @property
+    def chat_template_file(self) -> str:
+        """WORKDIR/chat_template.jinja: the run's copy of data.chat_template."""
+        return self.entry(CHAT_TEMPLATE_FILE)
 
     @property
     def pretrained_file(self) -> str:

@@ -27,7 +27,6 @@ import shutil
 import signal
 import sys
 import tempfile
-import time
 
 import h5py
 import numpy as np
@@ -35,7 +34,7 @@ import pytest
 import safetensors.numpy as safetensors
 
 from tests.harness import (ROOT, TF_HANG_S, kill_group, snapshot_tree, start_process,
-                           tfllm_command, write_text_corpus)
+                           tfllm_command, wait_delivered, write_text_corpus)
 from tests.pretrained import helpers
 from tfllm.checkpoint import storage
 from tfllm.cli.main import main
@@ -751,22 +750,6 @@ PROCESS_ROWS = [
 ]
 
 
-def _wait_delivered(proc, sig, timeout_s=60):
-    """Waits until `sig` is no longer pending for `proc`: its handler took it, so a next one
-    cannot merge with it (a fixed sleep did not say so on a loaded machine). `timeout_s`
-    bounds a hang only."""
-    deadline = time.monotonic() + timeout_s
-    bit = 1 << (int(sig) - 1)
-    while proc.poll() is None:
-        with open(f"/proc/{proc.pid}/status") as f:
-            pending = [int(line.split()[1], 16) for line in f
-                       if line.startswith(("SigPnd:", "ShdPnd:"))]
-        if not any(p & bit for p in pending):
-            return
-        assert time.monotonic() < deadline, f"signal {sig} still pending after {timeout_s} s"
-        time.sleep(0.01)
-
-
 @pytest.mark.slow
 @pytest.mark.multiprocess
 @pytest.mark.parametrize("argv, storage_errno, sig, expected_code, fragment", PROCESS_ROWS)
@@ -785,7 +768,7 @@ def test_bad_input_in_a_process(argv, storage_errno, sig, expected_code, fragmen
                 if line.startswith(after):
                     for _ in range(times):  # apart: two pending signals would merge
                         proc.send_signal(sig)
-                        _wait_delivered(proc, sig)
+                        wait_delivered(proc, sig)
                     break
         _, err = proc.communicate(timeout=TF_HANG_S)  # bounds a hang only
     finally:

@@ -35,15 +35,14 @@ with SignalWatcher():
 @pytest.mark.multiprocess
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
 def test_a_second_signal_stops_at_once_while_the_main_thread_is_in_c(sig):
-    from tests.harness import PY, finish, start_process
-    from tests.cli.test_bad_input import _wait_delivered
+    from tests.harness import PY, finish, start_process, wait_delivered
     from tfllm.contracts import HARD_STOP_EXIT_CODE
     proc = start_process([PY, "-c", _BUSY_IN_C])
     try:
         assert proc.stdout.readline().strip() == "ready"
         for _ in range(2):  # apart: two pending signals would merge into one
             proc.send_signal(sig)
-            _wait_delivered(proc, sig)
+            wait_delivered(proc, sig)
         # 300 s bounds a hang only (the C call alone runs for minutes; stopped, milliseconds)
         code, out, err = finish(proc, timeout=300)
     finally:

@@ -29,11 +29,16 @@ import jinja2.nodes
 import jinja2.utils
 
 from tfllm import files
+from tfllm.confined import read_regular
+from tfllm.contracts import CHAT_TEMPLATE_FILE
 from tfllm.data.errors import DataError
+from tfllm.runpaths import RunPaths
 from tfllm.data.template_bounds import (MAX_TEMPLATE_CHARS, BoundedEnvironment, TemplateLimit,
                                         budget)
 
 TEMPLATE_FILE = "chat_template.jinja"
+#: the most a chat template file may hold (the largest published ones are ~20 KB)
+MAX_TEMPLATE_FILE_BYTES = 1 << 20
 TOKENIZER_CONFIG = "tokenizer_config.json"
 SPECIAL_TOKENS_MAP = "special_tokens_map.json"
 #: the named special tokens transformers passes to a template (its special_tokens_map)
@@ -309,8 +314,7 @@ def folder_template(folder: str) -> Tuple[Optional[str], Dict[str, str], str]:
                 specials[name] = text
     jinja_path = os.path.join(folder, TEMPLATE_FILE)
     if os.path.isfile(jinja_path):
-        with open(jinja_path, encoding="utf-8") as f:
-            return f.read(), specials, jinja_path
+        return read_template(jinja_path, jinja_path), specials, jinja_path
     template = config.get("chat_template")
     if isinstance(template, list):  # [{"name": ..., "template": ...}, ...]
         named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
@@ -320,10 +324,47 @@ def folder_template(folder: str) -> Tuple[Optional[str], Dict[str, str], str]:
     return None, specials, folder
 
 
-def load_chat_template(data) -> ChatTemplate:
+def read_template(path: str, what: str) -> str:
+    """The text of a chat template file: a regular file (a FIFO, a device or a folder is
+    refused before a byte is read) of at most `MAX_TEMPLATE_FILE_BYTES`, UTF-8; else one
+    DataError line naming `what`."""
+    try:
+        raw = read_regular(path, MAX_TEMPLATE_FILE_BYTES, "a chat template", DataError,
+                           "name a .jinja chat template file")
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise DataError(f"{what}: not UTF-8 text (byte offset {e.start}); save the "
+                        "template as UTF-8.") from None
+    except OSError as e:
+        raise DataError(f"{what}: cannot read it ({e.strerror or e}); name a .jinja chat "
+                        "template file.") from None
+
+
+def store_chat_template(data, workdir: str) -> Optional[str]:
+    """A run's copy of data.chat_template, read as the run starts (`read_template`) and
+    written to WORKDIR/chat_template.jinja, which exports and chats of the run read
+    instead of the path the config names (anyone may edit a run's config.yaml; an export
+    copies only what the run holds). Returns the copy's path, or None without a
+    data.chat_template."""
+    if not data.chat_template:
+        return None
+    text = read_template(os.path.expanduser(data.chat_template),
+                         f"data.chat_template={data.chat_template}")
+    path = RunPaths(workdir).chat_template_file
+    files.write_atomically(workdir, path, text)
+    return path
+
+
+def load_chat_template(data, run: Optional[str] = None) -> ChatTemplate:
     """The chat template the data settings (`config.data`) name: the .jinja file of
     data.chat_template, else the tokenizer folder's own (data.tokenizer_path). Special
     tokens come from the tokenizer folder either way.
+
+    Args:
+      data: the run's data settings.
+      run: the run's workdir, when the template is for what the run holds (an export, a
+        chat with the trained model): data.chat_template is then the run's own copy
+        (`store_chat_template`), never the file the config names.
 
     Raises:
       DataError (one line naming data.chat_template) when there is none.
@@ -331,14 +372,21 @@ def load_chat_template(data) -> ChatTemplate:
     folder = folder_of(data.tokenizer_path) if data.tokenizer == "file" else None
     source, specials, origin = (folder_template(folder) if folder and os.path.isdir(folder)
                                 else (None, {}, ""))
-    if data.chat_template:
+    if data.chat_template and run is not None:
+        origin = RunPaths(run).chat_template_file
+        if not os.path.lexists(origin):
+            raise DataError(
+                f"data.chat_template={data.chat_template}: {run} holds no copy of it "
+                f"({CHAT_TEMPLATE_FILE}: runs trained before tfllm kept one), and tfllm "
+                "reads only the run's own files here; copy the template the run trained "
+                f"with to {origin}, then run the command again.")
+        if os.path.islink(origin):
+            raise DataError(f"{origin} is a symbolic link; tfllm writes the run's template "
+                            "there as a file: replace the link by the template it names.")
+        source = read_template(origin, origin)
+    elif data.chat_template:
         path = os.path.expanduser(data.chat_template)
-        try:
-            with open(path, encoding="utf-8") as f:
-                source, origin = f.read(), path
-        except (OSError, UnicodeDecodeError) as e:
-            raise DataError(f"data.chat_template={data.chat_template}: cannot read it "
-                            f"({e}); name a .jinja chat template file.") from None
+        source, origin = read_template(path, f"data.chat_template={data.chat_template}"), path
     if source is None:
         where = (f"data.tokenizer_path={data.tokenizer_path} has neither {TEMPLATE_FILE} "
                  f"nor a chat_template in {TOKENIZER_CONFIG}" if folder
@@ -365,15 +413,23 @@ def copy_template_files(source: str, folder: str) -> List[str]:
     return copied
 
 
-def export_template(data, folder: str) -> Optional[str]:
+def export_template(data, folder: str, run: Optional[str] = None) -> Optional[str]:
     """Writes the run's chat template (`load_chat_template`) into an exported Hugging
     Face folder: chat_template.jinja, which transformers reads first, and the
     chat_template of its tokenizer_config.json, for readers that know only that. Returns
-    the .jinja path, or None when the run has no template."""
-    try:
-        template = load_chat_template(data)
-    except DataError:
-        return None
+    the .jinja path, or None when the run has no template.
+
+    Args:
+      run: the run's workdir: a data.chat_template is its own copy, never the path the
+        config names (a config.yaml naming ~/.ssh/id_rsa exported that file).
+    """
+    if data.chat_template and run is not None:
+        template = load_chat_template(data, run)  # the run names one: a failure says why
+    else:
+        try:
+            template = load_chat_template(data)
+        except DataError:
+            return None
     path = os.path.join(folder, TEMPLATE_FILE)
     files.write_atomically(folder, path, template.source)
     config_path = os.path.join(folder, TOKENIZER_CONFIG)

@@ -15,6 +15,7 @@ import os
 import numpy as np
 
 from tfllm import files
+from tfllm.confined import tree_within
 from tfllm.pretrained.families import (Permuted, PretrainedError, default_backbone,
                                        family_for, keras_hub_path)
 from tfllm.pretrained.importer import read_origin
@@ -25,13 +26,26 @@ def require_new_folder(out: str, workdir: str = None) -> str:
     return files.require_new_folder(out, PretrainedError, keep=(workdir,) if workdir else ())
 
 
-def _run_tokenizer(config):
+def run_tokenizer_folder(config, workdir: str):
+    """The run's keras-hub tokenizer folder (data.tokenizer_path), or None when the run
+    has none. One inside the run (an import's WORKDIR/tokenizer) must hold only the run's
+    own files: a link planted there out of the run is refused (`PretrainedError`), never
+    read into the export; one elsewhere is the folder the user named."""
+    d = config.data
+    path = os.path.expanduser(d.tokenizer_path or "")
+    if d.tokenizer != "file" or not os.path.isdir(path):
+        return None
+    top = os.path.abspath(workdir)
+    if os.path.commonpath([top, os.path.abspath(path)]) == top:
+        tree_within(path, workdir, "an export reads", PretrainedError)
+    return path
+
+
+def _run_tokenizer(config, workdir: str):
     """The run's tokenizer as a keras-hub tokenizer, or None when it is not one."""
     from tfllm.data.tokenizer import load_keras_hub_tokenizer
-    d = config.data
-    if d.tokenizer != "file" or not os.path.isdir(os.path.expanduser(d.tokenizer_path)):
-        return None
-    return load_keras_hub_tokenizer(os.path.expanduser(d.tokenizer_path))
+    path = run_tokenizer_folder(config, workdir)
+    return None if path is None else load_keras_hub_tokenizer(path)
 
 
 def export_preset(config, workdir: str, out_dir: str) -> dict:
@@ -95,7 +109,7 @@ def export_preset(config, workdir: str, out_dir: str) -> dict:
     if missing:
         raise PretrainedError(f"{name}'s weights {missing[:5]} have no tfllm counterpart.")
 
-    tokenizer = _run_tokenizer(config)
+    tokenizer = _run_tokenizer(config, workdir)
     with files.written_atomically(out_dir) as tmp:  # keras-hub writes into that new folder
         if tokenizer is not None:
             task_cls = getattr(keras_hub.models, name.replace("Backbone", "CausalLM"))

@@ -386,16 +386,18 @@ def _model_prefix(names) -> str:
                           "is not a tfllm model checkpoint.")
 
 
-def _tokenizer_files(config, out: str) -> Tuple[bool, Optional[int], Optional[int], str]:
+def _tokenizer_files(config, out: str, workdir: str
+                     ) -> Tuple[bool, Optional[int], Optional[int], str]:
     """Writes the run's tokenizer as Hugging Face files into `out`.
 
     Returns:
       (written, bos id, eos id, why not when not written).
     """
     from tfllm.data.tokenizer import load_keras_hub_tokenizer
+    from tfllm.pretrained.exporter import run_tokenizer_folder
     d = config.data
-    path = os.path.expanduser(d.tokenizer_path or "")
-    if d.tokenizer != "file" or not os.path.isdir(path):
+    path = run_tokenizer_folder(config, workdir)  # none of a run's files linked out of it
+    if path is None:
         return False, None, None, (f"the run's tokenizer (data.tokenizer={d.tokenizer}) is "
                                    "not a keras-hub tokenizer preset")
     tokenizer = load_keras_hub_tokenizer(path)
@@ -478,8 +480,10 @@ def export_hf(config, workdir: str, out: str, dtype: str = "float32",
         return array.astype(np_dtype)
 
     with files.written_atomically(out) as tmp:
-        written, bos, eos, why = _tokenizer_files(config, tmp)
-        export_template(config.data, tmp)  # the run's chat template, when it has one
+        written, bos, eos, why = _tokenizer_files(config, tmp, workdir)
+        # the run's chat template, when it has one: its own copy, never a path the
+        # config names (a config.yaml anyone edited could name any file of the user's)
+        export_template(config.data, tmp, run=workdir)
         with files.open_for_writing(tmp, "config.json") as f:
             json.dump(hf_config(m, model_type, dtype, bos, eos), f, indent=2,
                       sort_keys=True)

@@ -264,7 +264,7 @@ def import_preset(preset: str, workdir: str, overrides: Iterable[str] = (),
     """
     from tfllm.checkpoint import agree_nonce
     from tfllm.config.loader import to_dict
-    from tfllm.data.chat_template import copy_template_files
+    from tfllm.data.chat_template import copy_template_files, store_chat_template
     from tfllm.data.tokenizer import _check_vocab, from_file
     from tfllm.models import build_model
     from tfllm.parallel import make_parallel
@@ -303,6 +303,7 @@ def import_preset(preset: str, workdir: str, overrides: Iterable[str] = (),
             model_file = _write_tokenizer(source, tokenizer, tmp_dir)
             # The chat template (data.format=messages) with its special and added tokens.
             copy_template_files(source.path, tmp_dir.tokenizer_dir)
+            store_chat_template(config.data, tmp)  # a recipe's data.chat_template
             where = lambda run: (run.tokenizer_model_file if model_file  # noqa: E731
                                  else run.tokenizer_dir)
             config.data.tokenizer_path = where(Workdir(workdir))

@@ -50,6 +50,9 @@ def export_model(config, workdir: str, out_dir: str) -> dict:
                      verbose=False)
         save_config(config, tmp)
         if os.path.isdir(run_dir.tokenizer_dir):  # the export holds it as a run does
-            files.copy_tree(tmp, run_dir.tokenizer_dir, RunPaths(tmp).tokenizer_dir)
+            # only the run's own files: a link planted in tokenizer/ is refused, never
+            # followed out of the run into the export users upload
+            files.copy_tree(tmp, run_dir.tokenizer_dir, RunPaths(tmp).tokenizer_dir,
+                            within=workdir)
     params = sum(int(tf.size(v)) for v in model.trainable_variables)
     return {"out": out_dir, "step": int(meta["step"]), "params": params}

@@ -28,6 +28,7 @@ from tfllm.compiler.reports import FirstCall
 from tfllm.checkpoint.lock import RunLock
 from tfllm.checkpoint.workdir import (Workdir, check_tokenizer, check_workdir, start_run,
                                       tokenizer_fingerprint)
+from tfllm.data.chat_template import store_chat_template
 from tfllm.data.tokenizer import save_to_run
 from tfllm.models.lora import summary_line as lora_summary
 from tfllm.config.loader import profile_steps, to_dict
@@ -194,6 +195,8 @@ def _prepare(config, workdir, model_cls, out, signals, watchdog: list,
         start_run(state, config.data)
     if primary and not state.has_checkpoint:
         save_to_run(run.tokenizer, config.data, workdir)
+    if primary:  # what data.chat_template names, as this run reads it: exports copy this
+        store_chat_template(config.data, workdir)
     # one writer per checkpoint folder, however it is reached (a checkpoints/ link): held
     # before the checkpointer removes interrupted saves there
     lock.hold_checkpoints()

@@ -48,12 +48,14 @@ def _stop_at_once(signum: int) -> None:
 
 
 class _Counter:
-    """The signals SIGTERM/SIGINT that arrived while the outermost watcher was active,
-    counted from the wakeup descriptor by a thread (see the module); one per process."""
+    """Counts SIGTERM/SIGINT while the outermost watcher is active, from the wakeup
+    descriptor, in a thread (see the module); one per process. Each activation has its
+    own pipe and thread, whose count is its own: a signal of an earlier one, read late,
+    never adds to a later one's."""
 
     def __init__(self):
         self.lock = threading.Lock()
-        self.depth, self.seen = 0, 0
+        self.depth = 0
         self._previous_fd, self._write_fd = -1, None
 
     def enter(self) -> None:
@@ -69,7 +71,7 @@ class _Counter:
                 os.close(read_fd)
                 os.close(write_fd)
                 return
-            self._write_fd, self.seen = write_fd, 0
+            self._write_fd = write_fd
             threading.Thread(target=self._read, args=(read_fd,), daemon=True,
                              name="tfllm-second-signal").start()
 
@@ -80,22 +82,20 @@ class _Counter:
                 return
             signal.set_wakeup_fd(self._previous_fd)
             os.close(self._write_fd)  # the thread reads the end of the pipe and ends
-            self._write_fd, self.seen = None, 0
+            self._write_fd = None
 
-    def _read(self, read_fd: int) -> None:
-        watched = {int(s) for s in SignalWatcher.SIGNALS}
+    @staticmethod
+    def _read(read_fd: int) -> None:
+        watched, seen = {int(s) for s in SignalWatcher.SIGNALS}, 0
         with os.fdopen(read_fd, "rb", buffering=0) as pipe:
             while True:
                 data = pipe.read(64)
-                if not data:
+                if not data:  # the watcher ended
                     return
                 for signum in data:
-                    if signum in watched:
-                        with self.lock:
-                            self.seen += 1
-                            second = self.seen >= 2
-                        if second:
-                            _stop_at_once(signum)
+                    seen += signum in watched
+                    if seen >= 2:
+                        _stop_at_once(signum)
 
 
 _COUNTER = _Counter()
