@@ -33,6 +33,7 @@ import time
 from typing import Optional
 
 from tfllm import files
+from tfllm.confined import read_regular
 from tfllm.checkpoint.workdir import WorkdirError
 from tfllm.contracts import WRITER_RECORD
 from tfllm.runpaths import RunPaths
@@ -162,10 +163,9 @@ class RunLock:
 def _read(path: str) -> dict:
     """A holder record, or {} (missing, unreadable, not a small regular file)."""
     try:
-        if os.path.islink(path) or not os.path.isfile(path) or os.path.getsize(path) > 4096:
+        if os.path.islink(path):
             return {}
-        with open(path, encoding="utf-8") as f:
-            record = json.load(f)
-    except (OSError, ValueError):
+        record = json.loads(read_regular(path, 4096, "a lock's holder record"))
+    except (OSError, ValueError, RecursionError):
         return {}
     return record if isinstance(record, dict) else {}

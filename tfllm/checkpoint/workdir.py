@@ -47,7 +47,7 @@ from tfllm.checkpoint.shards import CheckpointError
 from tfllm.checkpoint.state import model_variables
 from tfllm.checkpoint.storage import committed, latest, step_name, write_json_atomic
 from tfllm import files
-from tfllm.confined import open_regular
+from tfllm.confined import open_regular, read_regular
 from tfllm.config.loader import ConfigError, read_config_file, save_config
 from tfllm.contracts import (CHECKPOINTS_DIR, LOCKS_DIR, LOGS_DIR, MARKER, RUN_OUTPUTS,
                              XLA_CACHE_DIR)
@@ -235,10 +235,9 @@ def read_marker(directory: str) -> Optional[dict]:
     path = Workdir(directory).marker_file
     if os.path.islink(path) or not os.path.isfile(path):
         return None
-    try:
-        with open(path, encoding="utf-8") as f:
-            marker = json.load(f)
-    except (OSError, ValueError):
+    try:  # a small regular file (the marker is ~200 bytes)
+        marker = json.loads(read_regular(path, 1 << 16, "a run's marker"))
+    except (OSError, ValueError, RecursionError):
         return None
     return marker if isinstance(marker, dict) and marker.get("tfllm") == "run" else None
 

@@ -216,8 +216,9 @@ def _tokenizer_only_preset(path: str):
 
     import keras
     import keras_hub  # noqa: F401  (registers keras-hub's tokenizer classes)
-    with open(os.path.join(path, "tokenizer.json"), encoding="utf-8") as f:
-        config = json.load(f)
+    # a downloaded folder's: a regular file of a bounded size (the vocabulary is an asset)
+    config = json.loads(read_regular(os.path.join(path, "tokenizer.json"), 16 << 20,
+                                     "a keras-hub tokenizer.json"))
     tokenizer = keras.saving.deserialize_keras_object(config)
     if not hasattr(tokenizer, "load_preset_assets"):
         raise ValueError(f"tokenizer.json holds a {type(tokenizer).__name__}, not a keras-hub "

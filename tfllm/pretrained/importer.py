@@ -18,6 +18,7 @@ from typing import Dict, Iterable, Optional
 import numpy as np
 
 from tfllm import files
+from tfllm.confined import read_regular
 from tfllm.checkpoint import model_variables
 from tfllm.checkpoint.workdir import Workdir, read_marker, write_marker
 from tfllm.contracts import MARKER
@@ -358,5 +359,11 @@ def read_origin(workdir: str) -> Optional[Dict]:
     path = Workdir(workdir).pretrained_file
     if not os.path.exists(path):
         return None
-    with open(path, encoding="utf-8") as f:
-        return json.load(f)
+    try:  # a run anyone may have copied or edited: bounded, regular, strict
+        origin = json.loads(read_regular(path, 1 << 20, "pretrained.json", PretrainedError))
+    except (ValueError, RecursionError) as e:
+        if isinstance(e, PretrainedError):
+            raise
+        raise PretrainedError(f"{path}: not JSON ({' '.join(str(e).split())[:120]}); it is "
+                              "written by tfllm import: restore it or import again.") from None
+    return origin if isinstance(origin, dict) else None

@@ -22,7 +22,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
-from tfllm.confined import inside
+from tfllm.confined import inside, read_regular
 from tfllm.parallel.placement import block_slices
 from tfllm import internals
 from tfllm.pretrained.families import PretrainedError, family_for
@@ -37,6 +37,10 @@ KERAS_SHARDED = "model.weights.json"
 HF_WEIGHTS = "model.safetensors"
 HF_INDEX = "model.safetensors.index.json"
 _UNTRUSTED = "the preset was made by a buggy or malicious program: do not import it"
+
+#: the most a weight-map index (model.safetensors.index.json) may hold: Llama 3.1 405B's
+#: is ~100 KB
+MAX_INDEX_BYTES = 64 << 20
 
 
 def hf_cache_repository(path: str):
@@ -121,10 +125,11 @@ class Source:
         or list of them}), every file name checked by `file` before any is opened (a
         weight map is written by whoever made the preset)."""
         what = f"{self.path}/{index}"
-        try:
-            with open(self.file(index, what), encoding="utf-8") as f:
-                weight_map = dict(json.load(f)["weight_map"])
-        except (OSError, ValueError, KeyError, TypeError) as e:
+        try:  # a regular file of a bounded size (a FIFO or /dev/zero is one line)
+            raw = read_regular(self.file(index, what), MAX_INDEX_BYTES, "a weight map index",
+                               PretrainedError, _UNTRUSTED)
+            weight_map = dict(json.loads(raw)["weight_map"])
+        except (OSError, ValueError, KeyError, TypeError, RecursionError) as e:
             raise PretrainedError(f"{what}: not a weight map ({type(e).__name__}: {e}); it "
                                   "must be JSON with a \"weight_map\" object of tensor -> file "
                                   "name.") from None
