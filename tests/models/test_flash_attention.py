@@ -3,6 +3,7 @@ one-shot softmax attention, forward and backward, skips hidden tiles, and keeps 
 memory linear in the sequence (the model-level parity on meshes, packed and split
 sequences is in test_chunked_attention.py, which runs `model.attention_chunk`)."""
 
+import functools
 import importlib.util
 import json
 import math
@@ -10,11 +11,14 @@ import os
 import subprocess
 import tempfile
 
+import re
+
 import numpy as np
 import pytest
 import tensorflow as tf
 
 from tests.harness import PY, ROOT, TF_HANG_S, run_tfllm, tfllm_env
+from tfllm.models.common.attention import Attention, AttentionSettings
 from tfllm.models.common.flash import blocks, flash_attention
 
 B, T, H, D = 2, 16, 4, 8
@@ -94,9 +98,12 @@ def test_blocked_equals_softmax_attention_forward_and_backward(window, packed, p
         np.testing.assert_allclose(g.numpy(), w.numpy(), atol=1e-5 * np.abs(w).max(), rtol=0)
 
 
-def test_blocked_bfloat16_is_as_close_to_float32_as_the_one_shot_softmax():
+@pytest.mark.parametrize("compiled", [False, True])
+def test_blocked_bfloat16_is_as_close_to_float32_as_the_one_shot_softmax(compiled):
     # Probabilities are kept in the compute dtype (bf16) for the matmul with the values,
     # as in Attention.attend; the running max, normalizer and accumulator are float32.
+    # Compiled: under XLA dP is one GEMM of bf16 operands with a float32 result (eager:
+    # the same numbers through float32 casts).
     allowed = _allowed(0, _segments())
     exact, exact_grads = _value_and_grads(lambda *a: _reference(*a, allowed), *_inputs())
     q16 = _inputs(tf.bfloat16)
@@ -112,9 +119,12 @@ def test_blocked_bfloat16_is_as_close_to_float32_as_the_one_shot_softmax():
         a, b = tf.cast(a, tf.float32).numpy(), b.numpy()
         return float(np.sqrt(np.mean((a - b) ** 2) / np.mean(b ** 2)))
 
-    for block_q, block_k in [(5, 6), (2, 2)]:
-        blocked, blocked_grads = _value_and_grads(
-            lambda *a: _blocked(*a, allowed, 0, 1, block_q, block_k), *q16)
+    # (compiled: one tiling; XLA's CPU compile of the 36 tiles of (2, 2) takes ~40 s)
+    for block_q, block_k in [(5, 6)] if compiled else [(5, 6), (2, 2)]:
+        run = functools.partial(_value_and_grads, lambda *a: _blocked(
+            *a, allowed, 0, 1, block_q, block_k))
+        blocked, blocked_grads = (tf.function(run, jit_compile=True) if compiled
+                                  else run)(*q16)
         # bf16 rounds inputs and products by up to 2^-9: both paths err by ~0.4% (outputs)
         # and ~1% (gradients) RMS. Blocked accumulates across tiles in float32 and computes
         # dP in float32, so it errs no more than the one-shot path (measured: 0.3-0.9%
@@ -123,6 +133,76 @@ def test_blocked_bfloat16_is_as_close_to_float32_as_the_one_shot_softmax():
         assert rms(blocked, exact) <= 1.1 * rms(one_shot, exact)
         for b, o, e in zip(blocked_grads, one_shot_grads, exact_grads):
             assert rms(b, e) <= 1.1 * rms(o, e), (block_q, block_k, rms(b, e), rms(o, e))
+
+
+def _tiles(block_q, block_k):
+    """Tiles a causal blocked pass over T tokens computes."""
+    return sum(1 for qa, qb in blocks(T, block_q) for ka, _ in blocks(T, block_k)
+               if ka <= qb - 1)
+
+
+@pytest.mark.parametrize("kv_heads", [1, 2])
+def test_grouped_queries_equal_attention_over_repeated_keys(kv_heads):
+    # flash_attention takes keys and values (B, S, K, D) as they are: query head h reads
+    # key/value head h // (H / K), as Attention.attend's repeated keys.
+    q, _, _ = _inputs()
+    rng = np.random.default_rng(1)
+    k, v = [tf.constant(rng.normal(size=(B, T, kv_heads, D)), tf.float32) for _ in range(2)]
+    allowed, groups = _allowed(0, _segments()), H // kv_heads
+    want, want_grads = _value_and_grads(
+        lambda q, k, v: _reference(q, tf.repeat(k, groups, 2), tf.repeat(v, groups, 2),
+                                   allowed), q, k, v)
+    got, got_grads = _value_and_grads(lambda *a: _blocked(*a, allowed, 0, 1, 5, 6), q, k, v)
+    # as the multi-head parity above; a key's gradient sums `groups` heads' terms
+    np.testing.assert_allclose(got.numpy(), want.numpy(), atol=2e-6, rtol=0)
+    for g, w in zip(got_grads, want_grads):
+        assert g.shape == w.shape
+        np.testing.assert_allclose(g.numpy(), w.numpy(), atol=1e-5 * np.abs(w).max(), rtol=0)
+
+
+def _attention_graph_ops(attend_name):
+    """Op types and names of an Attention method's forward and backward, traced with 4
+    query heads over 2 key/value heads."""
+    layer = Attention(AttentionSettings(hidden_dim=32, num_query_heads=H,
+                                        num_key_value_heads=2, head_dim=D, block_size=6))
+    q = tf.zeros((B, T, H, D))
+    k = v = tf.zeros((B, T, 2, D))
+
+    def step(q, k, v):
+        with tf.GradientTape() as tape:
+            tape.watch([q, k, v])
+            out = getattr(layer, attend_name)(q, k, v, attention_mask=None)
+        return tape.gradient(out, [q, k, v])
+
+    graph = tf.function(step, autograph=False).get_concrete_function(q, k, v).graph
+    return [(op.type, op.name) for op in graph.get_operations()]
+
+
+def test_blocked_attention_never_repeats_grouped_keys_and_values():
+    def repeats(ops):
+        return [name for kind, name in ops
+                if kind in ("Tile", "BroadcastTo") or "repeat" in name.lower()]
+    assert repeats(_attention_graph_ops("attend"))  # the check sees the standard repeat
+    assert repeats(_attention_graph_ops("attend_blocked")) == []
+
+
+def test_compiled_blocked_attention_multiplies_compute_dtype_operands_only():
+    # Under XLA every GEMM of a bf16 pass takes bf16 operands (float32 ones run at the
+    # TF32 rate and move twice the bytes): seven per tile (forward: scores, P x V;
+    # backward: scores, dP, dV, dQ, dK), and only dP returns float32 (accumulated there).
+    q, k, v = _inputs(tf.bfloat16)
+    allowed = _allowed(0, _segments())
+    step = tf.function(lambda *a: _value_and_grads(
+        lambda *b: _blocked(*b, allowed, 0, 1, 5, 6), *a), jit_compile=True)
+    hlo = step.experimental_get_compiler_ir(q, k, v)(stage="hlo")
+    dots = [line for line in hlo.splitlines() if " dot(" in line]
+    operands = [re.findall(r"([a-z0-9]+)\[[0-9,]*\]\{[0-9,]*\} %", line.split(" dot(")[1])
+                for line in dots]
+    results = [line.split(" = ")[1].split("[")[0] for line in dots]
+    tiles = _tiles(5, 6)
+    assert len(dots) == 7 * tiles
+    assert all(types == ["bf16", "bf16"] for types in operands), operands
+    assert results.count("f32") == tiles and results.count("bf16") == 6 * tiles
 
 
 @pytest.mark.parametrize("window, tiles", [(0, 10), (4, 7)])
