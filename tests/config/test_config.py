@@ -28,13 +28,14 @@ ALL_KEYS = {
              "tfds_eval_split", "tfds_data_dir", "data_dir", "validation_fraction",
              "tokenizer", "tokenizer_path", "packing_mask", "shuffle_buffer",
              "sequence_length", "seed"],
-    "train": ["steps", "global_batch_size", "grad_accum_steps", "loss_on", "memory_check", "seed",
+    "train": ["steps", "global_batch_size", "objective", "grad_accum_steps", "loss_on", "memory_check", "seed",
               "jit_compile",
               "profile_steps", "xla_cache", "log_every", "eval_every", "eval_steps", "deterministic", "progress",
               "on_nonfinite", "loss_spike_factor", "loss_spike_window", "sample_prompt",
               "sample_tokens", "peer_timeout_s"],
     "checkpoint": ["every", "max_to_keep", "async_save", "on_corruption"],
     "lora": ["rank", "alpha", "dropout", "rslora", "targets"],
+    "dpo": ["loss", "beta", "label_smoothing", "rpo_alpha"],
 }
 
 

@@ -357,6 +357,25 @@ def validate(cfg: schema.Config) -> None:
         mesh_lib.parse_axes(cfg.mesh.axes, mesh_axes_known(cfg))
     except mesh_lib.MeshError as e:
         raise ConfigError(str(e)) from None
+    check_objective(cfg)
+
+
+def check_objective(cfg: schema.Config) -> None:
+    """train.objective, data.format, lora and the dpo section go together."""
+    t, d = cfg.train, cfg.data
+    if (t.objective == "dpo") != (d.format == "preference"):
+        raise ConfigError(
+            f"train.objective={t.objective} with data.format={d.format}: preference pairs "
+            "train with DPO and DPO trains on pairs; set both train.objective=dpo and "
+            "data.format=preference, or neither.")
+    if t.objective == "dpo" and cfg.lora.rank == 0:
+        raise ConfigError(
+            "train.objective=dpo needs lora.rank > 0: the reference model is the same "
+            "weights with the adapters off (full fine-tuning's frozen reference copy is not "
+            "built yet); set lora.rank (e.g. 16).")
+    if cfg.dpo.label_smoothing and cfg.dpo.loss != "sigmoid":
+        raise ConfigError(f"dpo.label_smoothing={cfg.dpo.label_smoothing} applies to "
+                          f"dpo.loss=sigmoid only (it is {cfg.dpo.loss}); set it to 0.")
 
 
 #: the most weights a model holds (2**40, about 1.1 trillion: 4.4 TB in float32)

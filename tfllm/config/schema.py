@@ -220,10 +220,13 @@ class DataConfig:
     format: str = _f("text", "What one record of the data is: text (a document of plain "
                      "text), messages (a JSONL line {\"messages\": [{\"role\", \"content\"}, "
                      "...]}: a conversation of system, user, assistant and tool turns, "
-                     "rendered by the model's chat template) or prompt_completion (a JSONL "
-                     "line {\"prompt\", \"completion\"}). messages and prompt_completion "
-                     "read data.paths / data.eval_paths as JSONL files (source text).",
-                     choices=("text", "messages", "prompt_completion"))
+                     "rendered by the model's chat template), prompt_completion (a JSONL "
+                     "line {\"prompt\", \"completion\"}) or preference (a JSONL line "
+                     "{\"prompt\", \"chosen\", \"rejected\"} in TRL's layouts, strings or "
+                     "conversations, for train.objective=dpo: tfllm/data/preference.py). "
+                     "messages, prompt_completion and preference read data.paths / "
+                     "data.eval_paths as JSONL files (source text).",
+                     choices=("text", "messages", "prompt_completion", "preference"))
     chat_template: str = _f("", "messages: a Jinja chat template file (.jinja) to render "
                             "conversations; empty: the tokenizer's own "
                             "(chat_template.jinja, else tokenizer_config.json's "
@@ -265,7 +268,14 @@ class TrainConfig:
 
     steps: int = _f(1200, "Optimizer steps to run.", min=1)
     global_batch_size: int = _f(16, "Sequences per optimizer step, over all devices and "
-                                "micro-batches.", min=1, max=_MAX_TOKENS)
+                                "micro-batches (preference pairs with train.objective=dpo: "
+                                "each pair is two sequences, chosen and rejected).",
+                                min=1, max=_MAX_TOKENS)
+    objective: str = _f("sft", "What the step minimizes: sft (next-token cross-entropy on "
+                        "the tokens of train.loss_on) or dpo (direct preference "
+                        "optimization on data.format=preference pairs, the loss of "
+                        "dpo.loss; the reference is the model with its LoRA adapters off, "
+                        "so it needs lora.rank > 0).", choices=("sft", "dpo"))
     grad_accum_steps: int = _f(1, "Micro-batches accumulated per optimizer step.",
                                min=1, max=_MAX_TOKENS)
     loss_on: str = _f("all", "Which target tokens the loss trains on: all; completion "
@@ -359,6 +369,32 @@ class LoraConfig:
 
 
 @dataclass
+class DpoConfig:
+    """Direct preference optimization (train.objective=dpo), computed as TRL's DPOTrainer.
+
+    Sequence log-probabilities are summed over each completion's tokens; delta = (log
+    pi(y_w) - log pi_ref(y_w)) - (log pi(y_l) - log pi_ref(y_l)); the loss is the mean
+    over pairs (tfllm/train/dpo.py)."""
+
+    loss: str = _f("sigmoid", "sigmoid: -log sigmoid(beta delta) (DPO; with label_smoothing "
+                   "e: -(1 - e) log sigmoid(beta delta) - e log sigmoid(-beta delta), "
+                   "conservative DPO); hinge: max(0, 1 - beta delta) (SLiC); ipo: (delta' - "
+                   "1 / (2 beta))^2 with each log-ratio divided by its completion's token "
+                   "count (IPO, as TRL normalizes it).",
+                   choices=("sigmoid", "hinge", "ipo"))
+    beta: float = _f(0.1, "Temperature beta: how far the policy may move from the "
+                     "reference (IPO: the regularization tau). Rewards are beta times the "
+                     "log-ratios.", min=1e-6, max=1e6)
+    label_smoothing: float = _f(0.0, "sigmoid only: the probability e that a pair's "
+                                "preference is flipped (conservative DPO); 0: plain DPO.",
+                                min=0.0, max=0.49)
+    rpo_alpha: float = _f(0.0, "Adds rpo_alpha times the chosen completions' mean "
+                          "next-token NLL (over their tokens in the micro-batch) to the loss "
+                          "(RPO; TRL's loss_type [..., \"sft\"] with that weight); 0: none.",
+                          min=0.0, max=1e6)
+
+
+@dataclass
 class Config:
     """The whole configuration of a tfllm run."""
 
@@ -370,6 +406,7 @@ class Config:
     train: TrainConfig = field(default_factory=TrainConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     lora: LoraConfig = field(default_factory=LoraConfig)
+    dpo: DpoConfig = field(default_factory=DpoConfig)
 
 
 SECTIONS = tuple(f.name for f in dataclasses.fields(Config))

@@ -47,7 +47,9 @@ from tfllm.data.errors import DataError
 ROLES = ("system", "user", "assistant", "tool")
 #: which train.loss_on values each data.format takes
 LOSS_ON = {"text": ("all",), "messages": ("all", "assistant", "last_assistant"),
-           "prompt_completion": ("all", "completion")}
+           "prompt_completion": ("all", "completion"),
+           # preference pairs: the objective reads the completions whatever loss_on says
+           "preference": ("all", "completion")}
 _HOLDOUT_BUCKETS = 1 << 20
 
 
@@ -83,7 +85,9 @@ def check_settings(data, loss_on: str) -> None:
         fix = {"text": "set data.format=messages or prompt_completion (chat data), or "
                        "train.loss_on=all",
                "messages": "use train.loss_on=assistant, last_assistant or all",
-               "prompt_completion": "use train.loss_on=completion or all"}[data.format]
+               "prompt_completion": "use train.loss_on=completion or all",
+               "preference": "use train.loss_on=completion or all (the objective trains "
+                             "on the completions)"}[data.format]
         raise DataError(f"train.loss_on={loss_on} does not apply to data.format="
                         f"{data.format}: {fix}.")
 
@@ -175,11 +179,9 @@ def _refuse_constant(name):
     raise ValueError(f"{name} is not a finite number")
 
 
-def parse_line(line: str, where: str, fmt: str) -> Record:
-    """One JSONL line of data.format `fmt` as a Record; DataError naming `where` and the fix."""
-    fix = {"messages": 'each line must be {"messages": [{"role": "user", "content": "..."}, '
-                       '...]}',
-           "prompt_completion": 'each line must be {"prompt": "...", "completion": "..."}'}[fmt]
+def load_object(line: str, where: str, fix: str) -> dict:
+    """One JSONL line as a JSON object, checked whatever its format (`_json_error`);
+    DataError naming `where` and ending with `fix` otherwise."""
     try:
         obj = json.loads(line, parse_constant=_refuse_constant)
     except json.JSONDecodeError as e:
@@ -195,6 +197,33 @@ def parse_line(line: str, where: str, fmt: str) -> Record:
         raise DataError(f"{where}: {error}; {fix}.")
     if not isinstance(obj, dict):
         raise DataError(f"{where}: a JSON {type(obj).__name__}, not an object; {fix}.")
+    return obj
+
+
+def message_error(messages, key: str = "messages") -> Optional[str]:
+    """What makes `messages` no conversation (a non-empty list of typed messages), naming
+    the field as `key`; None when it is one."""
+    if not isinstance(messages, list) or not messages:
+        return f'"{key}" is not a non-empty list of messages'
+    for i, message in enumerate(messages):
+        error = _message_error(message, i)
+        if error:
+            return error.replace("messages[", f"{key}[", 1)
+    return None
+
+
+def tools_ok(tools) -> bool:
+    """Whether a line's "tools" is absent or a list of JSON schemas (objects)."""
+    return tools is None or (isinstance(tools, list) and all(isinstance(t, dict)
+                                                             for t in tools))
+
+
+def parse_line(line: str, where: str, fmt: str) -> Record:
+    """One JSONL line of data.format `fmt` as a Record; DataError naming `where` and the fix."""
+    fix = {"messages": 'each line must be {"messages": [{"role": "user", "content": "..."}, '
+                       '...]}',
+           "prompt_completion": 'each line must be {"prompt": "...", "completion": "..."}'}[fmt]
+    obj = load_object(line, where, fix)
     if fmt == "prompt_completion":
         for key in ("prompt", "completion"):
             if not isinstance(obj.get(key), str):
@@ -210,8 +239,7 @@ def parse_line(line: str, where: str, fmt: str) -> Record:
         if error:
             raise DataError(f"{where}: {error}; {fix}.")
     tools = obj.get("tools")
-    if tools is not None and not (isinstance(tools, list)
-                                  and all(isinstance(t, dict) for t in tools)):
+    if not tools_ok(tools):
         raise DataError(f"{where}: \"tools\" is not a list of JSON schemas (objects); {fix}.")
     return Record(where, line, messages=messages, tools=tools)
 
@@ -239,13 +267,21 @@ def _lines(path: str):
                                 "of the line); re-encode the file as UTF-8.") from None
 
 
-def read_records(files: Sequence[str], fmt: str) -> List[Record]:
-    """Every non-blank line of the JSONL `files` as a Record, in order."""
+def read_records(files: Sequence[str], fmt: str, parse: Optional[Callable] = None) -> list:
+    """Every non-blank line of the JSONL `files` as a Record, in order.
+
+    Args:
+      files: the JSONL files.
+      fmt: data.format.
+      parse: parse(line, "file:line", fmt) -> record; default `parse_line` (SFT formats;
+        `tfllm.data.preference.parse_line` for preference pairs).
+    """
+    parse = parse or parse_line
     records = []
     for path in files:
         for number, line in _lines(path):
             if line.strip():
-                records.append(parse_line(line, f"{path}:{number}", fmt))
+                records.append(parse(line, f"{path}:{number}", fmt))
     return records
 
 
@@ -256,9 +292,9 @@ def held_out(record: Record, fraction: float) -> bool:
     return int.from_bytes(digest[:8], "little") % _HOLDOUT_BUCKETS < fraction * _HOLDOUT_BUCKETS
 
 
-def added_token_ids(folder: Optional[str]) -> Dict[str, int]:
-    """{text: id} of a tokenizer folder's added tokens (tokenizer_config.json's
-    added_tokens_decoder), which transformers splits out of text before encoding."""
+def tokenizer_config(folder: Optional[str]) -> dict:
+    """A tokenizer folder's tokenizer_config.json as a dict; {} when there is none or it is
+    not a JSON object (the template's own read of the file names what is wrong with it)."""
     import os
 
     from tfllm.data.chat_template import TOKENIZER_CONFIG
@@ -269,8 +305,14 @@ def added_token_ids(folder: Optional[str]) -> Dict[str, int]:
         with open(path, encoding="utf-8") as f:
             config = json.load(f)
     except (OSError, ValueError, RecursionError):
-        return {}  # the template's own read of the file names what is wrong with it
-    decoder = config.get("added_tokens_decoder") if isinstance(config, dict) else None
+        return {}
+    return config if isinstance(config, dict) else {}
+
+
+def added_token_ids(folder: Optional[str]) -> Dict[str, int]:
+    """{text: id} of a tokenizer folder's added tokens (tokenizer_config.json's
+    added_tokens_decoder), which transformers splits out of text before encoding."""
+    decoder = tokenizer_config(folder).get("added_tokens_decoder")
     if not isinstance(decoder, dict):
         return {}
     return {entry["content"]: int(i) for i, entry in decoder.items()

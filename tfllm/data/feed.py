@@ -166,8 +166,17 @@ class DeviceFeed:
         t, d = train, data
         # The batch's own error first (naming train.global_batch_size or
         # data.sequence_length), before the generic sharding error could fire.
-        layout = rules_lib.batch_layout(t.global_batch_size, t.grad_accum_steps,
-                                        d.sequence_length, parallel.rules, parallel.shape)
+        #: rows per example: a preference pair (DPO) is two rows side by side, chosen
+        #: and rejected (`tfllm.data.preference`); train.global_batch_size counts pairs
+        self.rows_per_example = 2 if d.format == "preference" else 1
+        if self.rows_per_example == 2:
+            # Pairs, not rows, must divide over the batch's mesh axis: every device then
+            # holds whole pairs (an even block of rows), never one half of a pair.
+            rules_lib.batch_layout(t.global_batch_size, t.grad_accum_steps,
+                                   d.sequence_length, parallel.rules, parallel.shape)
+        layout = rules_lib.batch_layout(t.global_batch_size * self.rows_per_example,
+                                        t.grad_accum_steps, d.sequence_length,
+                                        parallel.rules, parallel.shape)
         self.micro_batch_rows = layout.micro_batch_rows
         self.row_length = d.sequence_length + 1
         #: the mesh axis of the rows, and of the model's sequence (None: not split)

@@ -18,6 +18,9 @@ With data.format messages or prompt_completion, whole samples are packed per row
 (`tfllm.data.packing`, no sample is cut across rows) and batches carry a third array,
   loss_mask:   1 where the token is a trained target (train.loss_on); 0 on each
                sample's first token and on padding.
+With data.format preference (DPO) rows 2p and 2p + 1 of each micro-batch are one pair's
+chosen and rejected sequences, one per row, padded (`tfllm.data.preference`); the loss
+mask marks their completions.
 
 Training streams repeat forever and reshuffle each epoch (deterministically: the order
 depends only on the seed and the epoch). Validation streams are unshuffled and read
@@ -38,6 +41,7 @@ import tensorflow as tf
 from tfllm import files
 from tfllm.data.errors import DataError
 from tfllm.data.packing import PackedStream
+from tfllm.data.preference import PairStream, pair_rows
 from tfllm.data.samples import prepare_samples
 from tfllm.data.sources import documents, strip_continued
 from tfllm.data.synthetic import SyntheticTokens
@@ -118,6 +122,10 @@ class Batches:
                             "tfllm.data.tokenizer.load_tokenizer.")
         self._synthetic = None
         self._packed = None
+        self._pairs = None
+        if data.format == "preference":
+            self._pairs = self._pair_streams()
+            return
         if data.format != "text":
             self._packed = self._packed_streams()
             return
@@ -186,6 +194,41 @@ class Batches:
                 seed = stream_seed(self.data.seed, row) if train else None
                 streams.append(PackedStream(mine, self.length, seed))
         return streams
+
+    def _pair_streams(self):
+        """Preference pairs (DPO): rows 2p and 2p + 1 of a micro-batch are pair stream
+        p's chosen and rejected; stream (a, p) reads pairs a * P + p, a * P + p + A * P,
+        ... of the split (P pairs per micro-batch)."""
+        pairs_per_micro = self.micro_batch_rows // 2
+        if self.micro_batch_rows % 2 or any(r ^ 1 not in self.rows for r in self.rows):
+            raise DataError(f"preference rows {self.rows} of {self.micro_batch_rows} split a "
+                            "pair (rows 2p and 2p + 1 are one pair's chosen and rejected); "
+                            "give a client whole pairs.")
+        pairs = prepare_samples(self.data, self.tokenizer, self.split, self.loss_on)
+        streams = self.micro_batches * pairs_per_micro
+        train = self.split == "train"
+        if train and len(pairs) < streams:
+            raise DataError(f"data.paths: {len(pairs)} training preference pairs, fewer than "
+                            f"the {streams} pairs of a global batch (each reads its own share "
+                            "of the pairs); add pairs or lower train.global_batch_size.")
+        out = {}
+        for a in range(self.micro_batches):
+            for p in sorted({r // 2 for r in self.rows}):
+                stream = a * pairs_per_micro + p
+                out[a, p] = PairStream(pairs[stream::streams],
+                                       stream_seed(self.data.seed, stream) if train else None)
+        return out
+
+    def _next_pairs(self) -> Dict[str, np.ndarray]:
+        if (self.split != "train" and self.max_batches is None
+                and all(s.exhausted() for s in self._pairs.values())):
+            raise StopIteration
+        drawn = {key: pair_rows(next(stream), self.length)
+                 for key, stream in self._pairs.items()}
+        rows = [drawn[a, r // 2][r % 2] for a in range(self.micro_batches) for r in self.rows]
+        shape = (self.micro_batches, len(self.rows), self.length)
+        return {name: np.stack([r[i] for r in rows]).reshape(shape)  # (A, R, T+1)
+                for i, name in enumerate(("tokens", "segment_ids", "loss_mask"))}
 
     def _next_packed(self) -> Dict[str, np.ndarray]:
         if (self.split != "train" and self.max_batches is None
@@ -264,8 +307,8 @@ class Batches:
         self._count = 0
         if self._synthetic is not None:
             return
-        if self._packed is not None:
-            for stream in self._packed:
+        if self._packed is not None or self._pairs is not None:
+            for stream in self._packed or self._pairs.values():
                 stream.position = 0
             return
         self._iterator = iter(self.dataset)
@@ -280,6 +323,8 @@ class Batches:
             tokens = self._synthetic.batch(self._count, self.num_streams,
                                            self.micro_batches)[:, self.rows]
             batch = {"tokens": tokens, "segment_ids": np.ones_like(tokens)}
+        elif self._pairs is not None:
+            batch = self._next_pairs()
         elif self._packed is not None:
             batch = self._next_packed()
         else:
@@ -307,7 +352,7 @@ class Batches:
         folder = os.path.dirname(os.path.abspath(path_prefix))
         files.write_atomically(folder, path_prefix + ".json",
                                json.dumps({"count": self._count, "rows": self.rows}))
-        if self._synthetic is not None or self._packed is not None:
+        if self._synthetic is not None or self._packed is not None or self._pairs is not None:
             return path_prefix + ".json"
         return tf.train.Checkpoint(iterator=self._iterator).write(path_prefix)
 
@@ -323,8 +368,9 @@ class Batches:
             raise DataError(f"{path_prefix}: saved for rows {state['rows']}, not "
                             f"{self.rows}; restore with the same number of clients.")
         self._count = state["count"]
-        if self._packed is not None:
-            for stream in self._packed:  # a packed stream's n-th row is a pure function of n
+        if self._packed is not None or self._pairs is not None:
+            # a packed or pair stream's n-th row is a pure function of n
+            for stream in self._packed or self._pairs.values():
                 stream.position = self._count
         elif self._synthetic is None:
             try:

@@ -1,6 +1,7 @@
-"""The samples of a split for SFT (data.format messages / prompt_completion): read,
+"""The samples of a split: for SFT (data.format messages / prompt_completion) read,
 rendered, masked and tokenized once per process (`tfllm.data.chat`), then packed per row
-stream by `tfllm.data.pipeline.Batches`."""
+stream by `tfllm.data.pipeline.Batches`; for DPO (data.format preference) the pairs
+(`tfllm.data.preference`), one pair per two rows."""
 
 from __future__ import annotations
 
@@ -10,6 +11,8 @@ from typing import Dict, List, Sequence
 
 from tfllm.data.chat import Sample, SampleEncoder, added_token_ids, check_settings
 from tfllm.data.chat_template import folder_of, load_chat_template
+from tfllm.data.errors import DataError
+from tfllm.data.preference import PairEncoder, PairSample, bos_prefix
 from tfllm.data.sources import split_files, split_records
 
 log = logging.getLogger("tfllm.data")
@@ -40,6 +43,11 @@ def prepare_samples(data, tokenizer, split: str, loss_on: str) -> List[Sample]:
     check_settings(data, loss_on)
     files = split_files(data, split)
     template = load_chat_template(data) if data.format == "messages" else None
+    if data.format == "preference":
+        try:  # a strings layout needs none: a conversation without one names its line
+            template = load_chat_template(data)
+        except DataError:
+            template = None
     length = data.sequence_length + 1
     cache_key = (_files_key(files), split, data.format, loss_on, bool(data.eval_paths),
                  data.validation_fraction, template.source if template else None,
@@ -48,6 +56,11 @@ def prepare_samples(data, tokenizer, split: str, loss_on: str) -> List[Sample]:
         return _PREPARED[cache_key]
     records = split_records(data, split)
     folder = folder_of(data.tokenizer_path) if data.tokenizer == "file" else None
+    if data.format == "preference":
+        samples = _pairs(records, PairEncoder(tokenizer, template, added_token_ids(folder),
+                                              length, bos_prefix(folder)), split, length)
+        _PREPARED[cache_key] = samples
+        return samples
     encoder = SampleEncoder(tokenizer, data.format, loss_on, template,
                             added_token_ids(folder), max_tokens=length)
     samples = [encoder(r) for r in records]
@@ -58,3 +71,13 @@ def prepare_samples(data, tokenizer, split: str, loss_on: str) -> List[Sample]:
         _PREPARED.clear()
     _PREPARED[cache_key] = samples
     return samples
+
+
+def _pairs(records, encoder: PairEncoder, split: str, length: int) -> List[PairSample]:
+    pairs = [p for p in map(encoder, records) if p is not None]
+    if encoder.dropped:
+        shown = ", ".join(encoder.dropped[:3]) + (", ..." if len(encoder.dropped) > 3 else "")
+        log.warning(f"{split}: {len(encoder.dropped)} of {len(records)} preference pairs "
+                    f"dropped: the prompt alone fills data.sequence_length + 1 = {length} "
+                    f"tokens ({shown})")
+    return pairs

@@ -31,7 +31,7 @@ from typing import Iterator, List
 
 import tensorflow as tf
 
-from tfllm.data import chat
+from tfllm.data import chat, preference
 from tfllm.data.errors import DataError
 
 SEPARATOR = "<|endoftext|>"
@@ -323,7 +323,8 @@ def split_files(data, split: str) -> List[str]:
 def split_records(data, split: str) -> list:
     """A split's records: every line of its files, less (training) or only (validation)
     the lines held out by data.validation_fraction when there are no data.eval_paths."""
-    records = chat.read_records(split_files(data, split), data.format)
+    parse = preference.parse_line if data.format == "preference" else None
+    records = chat.read_records(split_files(data, split), data.format, parse)
     if not data.eval_paths and data.validation_fraction > 0:
         validation = split == "validation"
         records = [r for r in records
