@@ -253,10 +253,11 @@ def test_every_name_tfllm_deletes_is_in_the_table():
     for name in ("step_00000012", "step_00000012.tmp-0f0f0f0f", "step_00000012.replaced-1a",
                  "COMMIT", "metrics.jsonl", "metrics.jsonl.tmp", "config.yaml.tmp",
                  "loss.png.tmp.png", "costs.json.part", "tensorboard", "tokenizer",
-                 "client_3.holder", ".tfllm-writer", "ready.0", "run.importing"):
+                 "client_3.holder", ".tfllm-writer", "ready.0", "run.importing",
+                 ".out.exporting-host-a-12-ab_c3"):
         assert files.owned_name(name), name
     for name in ("step_12", "checkpoints", ".tfllm-run", "logs", "notes.tmp", "x.part",
-                 "client_3.lock", "COMMIT.bak"):
+                 "client_3.lock", "COMMIT.bak", ".out.exporting-ab_c3"):
         assert not files.owned_name(name), name
 
 

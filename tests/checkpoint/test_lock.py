@@ -134,3 +134,39 @@ def test_a_checkpoints_link_to_nothing_is_one_line(tmp_path):
     os.symlink(tmp_path / "missing", tmp_path / "checkpoints")
     with pytest.raises(WorkdirError, match="is not a folder .*a link to nothing"):
         RunLock(str(tmp_path), 0).acquire()
+
+
+@pytest.mark.slow  # a training process and a second train in this one
+@pytest.mark.multiprocess
+def test_a_second_workdir_linked_to_a_live_run_s_checkpoints_is_refused(tmp_path, capsys):
+    # the audit's case: it deleted the live run's in-flight save, resumed from it and
+    # pruned the same folder
+    live, second = str(tmp_path / "live"), tmp_path / "second"
+    sets = [a for o in tiny_overrides("gpt", **{"train.steps": 100000,
+                                                "checkpoint.every": 1,
+                                                "train.log_every": 1})
+            for a in ("--set", o)]
+    proc = start_process(tfllm_command("train", "--workdir", live, *sets))
+    try:
+        checkpoints = os.path.join(live, "checkpoints")
+        deadline = time.monotonic() + TF_HANG_S  # bounds a hang only
+        while time.monotonic() < deadline and not any(
+                os.path.exists(os.path.join(checkpoints, n, "COMMIT"))
+                for n in (os.listdir(checkpoints) if os.path.isdir(checkpoints) else [])):
+            time.sleep(0.5)  # a committed checkpoint: the second workdir holds "a run"
+        second.mkdir()
+        os.symlink(checkpoints, second / "checkpoints")
+        capsys.readouterr()
+        assert main(["train", "--workdir", str(second), *sets]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and f"pid {proc.pid}" in err[0], err
+        assert f"--workdir {os.path.abspath(live)}" in err[0]
+        assert "two runs never share one" in err[0]
+        proc.send_signal(signal.SIGTERM)
+        code, out, _ = finish(proc, timeout=TF_HANG_S)
+        assert code == 75, out[-2000:]  # the live run saved and stopped as usual
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert sorted(os.listdir(second)) == [".tfllm-locks", "checkpoints"]  # wrote nothing
+    assert not os.path.exists(os.path.join(checkpoints, ".tfllm-writer"))  # let go
