@@ -201,3 +201,19 @@ def test_sigterm_during_an_export_leaves_no_temporary_folder(tmp_path):
             proc.kill()
     assert code == HARD_STOP_EXIT_CODE and "interrupted" in err, err
     assert os.listdir(tmp_path / "exports") == []
+
+
+def test_a_profile_trace_on_a_full_disk_names_its_folder(tmp_path, monkeypatch):
+    import tensorflow as tf
+    from tfllm.train.profile import StepProfiler
+
+    def full(*args, **kwargs):
+        raise tf.errors.ResourceExhaustedError(None, None, "No space left on device")
+    monkeypatch.setattr(tf.profiler.experimental, "start", lambda *a, **k: None)
+    monkeypatch.setattr(tf.profiler.experimental, "stop", full)
+    profiler = StepProfiler(str(tmp_path / "tensorboard"))
+    profiler.start()
+    with pytest.raises(OSError) as e:
+        profiler.stop()
+    assert e.value.errno == errno.ENOSPC and e.value.filename == str(tmp_path / "tensorboard")
+    assert not profiler.active

@@ -48,19 +48,25 @@ class StepProfiler:
     def start(self) -> None:
         if not self.active:
             import tensorflow as tf
+
+            from tfllm.train.tensorboard import storage_errors_named  # TensorFlow's
             # TensorFlow writes the trace by path: into folders made here, no link
             files.make_dirs(self.root, self.logdir)
-            tf.profiler.experimental.start(self.logdir, options=tf.profiler.experimental.
-                                           ProfilerOptions(host_tracer_level=2,
-                                                           device_tracer_level=1,
-                                                           python_tracer_level=0))
+            with storage_errors_named(self.logdir):
+                tf.profiler.experimental.start(self.logdir, options=tf.profiler.experimental.
+                                               ProfilerOptions(host_tracer_level=2,
+                                                               device_tracer_level=1,
+                                                               python_tracer_level=0))
             self.active = True
 
     def stop(self) -> None:
         if self.active:
             import tensorflow as tf
-            tf.profiler.experimental.stop()
+
+            from tfllm.train.tensorboard import storage_errors_named  # TensorFlow's
             self.active = False
+            with storage_errors_named(self.logdir):  # the trace is written as it stops
+                tf.profiler.experimental.stop()
 
 
 def trace_files(logdir: str) -> List[str]:

@@ -39,11 +39,11 @@ class TensorBoard:
 
     def __init__(self, logdir: str):
         self.logdir = logdir
-        with tf.device("/cpu:0"), _named(logdir):
+        with tf.device("/cpu:0"), storage_errors_named(logdir):
             self.writer = tf.summary.create_file_writer(logdir)
 
     def write(self, step: int, metrics: dict, model=None) -> None:
-        with _named(self.logdir):
+        with storage_errors_named(self.logdir):
             self._write(step, metrics, model)
 
     def _write(self, step: int, metrics: dict, model=None) -> None:
@@ -62,9 +62,11 @@ _STORAGE_ERRNOS = tuple(e for e in (errno.ENOSPC, getattr(errno, "EDQUOT", None)
                                     errno.EIO, errno.EACCES, errno.EFBIG) if e is not None)
 
 
-class _named:
-    """TensorFlow's event writer failing on the storage ("Could not initialize events
-    writer", "Could not flush events file") as the OSError it was, naming the folder."""
+class storage_errors_named:
+    """TensorFlow writing by path into `logdir` (its event writer, its profiler) and
+    failing on the storage ("Could not initialize events writer", "Could not flush events
+    file", a full disk while a trace is written) as the OSError it was, naming the folder:
+    one line and exit 74 at the command line, not TensorFlow's message without a path."""
 
     def __init__(self, logdir: str):
         self.logdir = logdir
@@ -77,6 +79,6 @@ class _named:
             return False
         for number in _STORAGE_ERRNOS:
             if os.strerror(number) in str(error.message):
-                raise OSError(number, f"{os.strerror(number)} (TensorBoard's event file)",
+                raise OSError(number, f"{os.strerror(number)} (TensorFlow writing there)",
                               self.logdir) from None
         return False
