@@ -217,3 +217,17 @@ def test_a_profile_trace_on_a_full_disk_names_its_folder(tmp_path, monkeypatch):
         profiler.stop()
     assert e.value.errno == errno.ENOSPC and e.value.filename == str(tmp_path / "tensorboard")
     assert not profiler.active
+
+
+def test_metrics_on_a_full_disk_name_metrics_jsonl(tmp_path, monkeypatch):
+    from tfllm.train import loop
+
+    class Full:
+        def write(self, text):
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+    outputs = loop._Outputs.__new__(loop._Outputs)
+    outputs.file, outputs.tensorboard = Full(), None
+    outputs.metrics_path = str(tmp_path / "metrics.jsonl")
+    with pytest.raises(OSError) as e:
+        outputs.record({"step": 1, "loss": 1.0}, None)
+    assert e.value.filename == str(tmp_path / "metrics.jsonl")

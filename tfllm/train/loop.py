@@ -64,8 +64,13 @@ class _Outputs:
 
     def record(self, record: dict, model) -> None:
         if self.file is not None:
-            self.file.write(json.dumps(record) + "\n")
-            self.file.flush()
+            try:
+                self.file.write(json.dumps(record) + "\n")
+                self.file.flush()
+            except OSError as e:  # a write names no path: say which file it was
+                if e.filename is not None:
+                    raise
+                raise OSError(e.errno, e.strerror, self.metrics_path) from None
         if self.tensorboard is not None:
             self.tensorboard.write(record["step"], record, model)
 
@@ -383,8 +388,10 @@ def _finish(training: _Training, tally: _Tally) -> None:
     if training.evaluating:
         with _peer_lost_as_one_line(steps, checkpointer):
             final = run.evaluate()
-        training.progress.message(f"validation loss {final['eval_loss']:.4f} (perplexity "
-                                  f"{final['eval_perplexity']:.2f}) after step {steps}")
+        detail = (f"perplexity {final['eval_perplexity']:.2f}" if "eval_perplexity" in final
+                  else f"reward accuracy {final['eval_rewards/accuracies']:.3f}")  # DPO
+        training.progress.message(f"validation loss {final['eval_loss']:.4f} ({detail}) "
+                                  f"after step {steps}")
         tally.last = {**tally.last, **final, "step": steps}
         training.outputs.record({"step": steps, **final}, None)
 
