@@ -335,3 +335,15 @@ def test_env_mode_per_gpu_names_its_options():
     t = topo.env_topology({}, "3", "4", "h0")  # four ranks on one pod
     with pytest.raises(LaunchError, match=re.escape("(--hosts/--world-size)")):
         topo.worker_specs(t, topo.fixed_ports(t, None), per_gpu=True, visible_gpus="0,1")
+
+
+def test_the_launcher_expands_the_home_folder_of_its_folders(monkeypatch, tmp_path):
+    # `--workdir=~/r` reaches tfllm unexpanded: the clients' logs went to a folder named ~
+    monkeypatch.setenv("HOME", str(tmp_path))
+    assert topo.command_workdir(["tfllm", "train", "--workdir=~/r"]) == str(tmp_path / "r")
+    plan = make_plan(parse(["--mode=local", "--num-workers", "1", "--log-dir=~/logs", "--",
+                            "true"]), {})
+    assert plan.log_dir == str(tmp_path / "logs")
+    plan = make_plan(parse(["--mode=local", "--num-workers", "1", "--", "tfllm", "train",
+                            "--workdir=~/r"]), {})
+    assert plan.log_dir == str(tmp_path / "r" / "logs")

@@ -314,7 +314,7 @@ def make_plan(opts: Options, environ) -> Plan:
                           "--kill-on-bad-exit=1 in an sbatch --requeue job; Kubernetes: a "
                           "JobSet with failurePolicy.maxRestarts) and drop --max-restarts")
     workdir = topo.command_workdir(command)
-    log_dir = (os.path.expanduser(opts["--log-dir"]) if opts.get("--log-dir")
+    log_dir = (os.path.expanduser(opts.get("--log-dir")) if opts.get("--log-dir")
                else RunPaths(workdir).logs_dir if workdir else "multiworker-logs")
     return Plan(topology, device, per_gpu, opts.get("--job-name", "worker"),
                 int(port) if port else None, log_dir, kill_timeout, startup_timeout,
