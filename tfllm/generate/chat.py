@@ -13,24 +13,35 @@ from __future__ import annotations
 import json
 from typing import List, Optional
 
-from tfllm.data.chat import added_token_ids, text_encoder
+from tfllm.data.chat import added_token_ids, load_object, message_error, text_encoder
 from tfllm.data.chat_template import folder_of, load_chat_template
 from tfllm.data.errors import DataError
 from tfllm.generate.generator import Generator
 
 
 def conversation(prompt: str) -> List[dict]:
-    """The messages of `tfllm generate --chat --prompt`: a JSON list of {"role",
-    "content"} messages, or else the text of one user message."""
+    """The messages of `tfllm generate --chat --prompt`: a JSON list of messages ({"role",
+    "content"}, typed and bounded as a line of chat data is: `tfllm.data.chat`), or else
+    the text of one user message.
+
+    Raises:
+      DataError: a JSON list of messages that is no conversation (one line).
+    """
     text = prompt.strip()
     if text.startswith("["):
         try:
             messages = json.loads(text)
-        except json.JSONDecodeError:
+        except (ValueError, RecursionError):  # not JSON: the text of one message
             messages = None
-        if isinstance(messages, list) and all(
-                isinstance(m, dict) and isinstance(m.get("role"), str)
-                and isinstance(m.get("content"), str) for m in messages):
+        if isinstance(messages, list) and messages and all(
+                isinstance(m, dict) and "role" in m for m in messages):
+            fix = ('give --prompt a JSON list such as [{"role": "user", "content": "..."}], '
+                   "or plain text")
+            # the checks of a data line: nesting, surrogates, finite numbers, every field
+            messages = load_object('{"messages": ' + text + "}", "--prompt", fix)["messages"]
+            error = message_error(messages)
+            if error:
+                raise DataError(f"--prompt: {error}; {fix}.")
             return messages
     return [{"role": "user", "content": prompt}]
 
