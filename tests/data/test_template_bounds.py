@@ -57,11 +57,22 @@ def refusal(source):
     ("{{ ('a' * 1000).replace('a', 'a' * 100000) }}", "characters"),
     ("{% macro d(s, n) %}{{ d(s ~ s, n - 1) if n else s | length }}{% endmacro %}"
      "{{ d('x', 40) }}", "bound"),
+    # doubling without a loop: each statement of the source doubles the text
+    ("{% set s = 'x' * 1000 %}" + "{% set s = s ~ s %}" * 40 + "{{ s | length }}",
+     "more than 4,000,000 characters"),
+    ("{% set s = 'x' * 1000 %}" + "{% set s %}{{ s }}{{ s }}{% endset %}" * 40
+     + "{{ s | length }}", "more than 4,000,000 characters"),
+    ("{% set ns = namespace(s='x' * 1000) %}{% for i in range(40) %}"
+     "{% set ns.s = ns.s ~ ns.s %}{% endfor %}{{ ns.s | length }}",
+     "more than 4,000,000 characters"),
+    # a list of one long string repeated: printed or joined it is that long
+    ("{% set s = 'x' * 1000000 %}{{ ([s] * 1000) | join | length }}",
+     "more than 4,000,000 characters"),
 ])
 def test_every_render_failure_is_one_line_naming_template_and_sample(source, says,
                                                                       monkeypatch):
-    # a smaller bound on steps refuses the same templates sooner (the quick tier)
-    monkeypatch.setattr(bounds, "MAX_TEMPLATE_STEPS", 50_000)
+    if says == "steps":  # a smaller bound on steps refuses them sooner (the quick tier)
+        monkeypatch.setattr(bounds, "MAX_TEMPLATE_STEPS", 50_000)
     message = refusal(source)
     assert "chat.jsonl:7" in message and says in message, message
 

@@ -8,7 +8,8 @@ it from taking the machine. Every render runs under a `Budget`:
   macro, a method, a global), a filter, a test or an operator (each counting one step
   more per 64 items or characters of the values it reads), an attribute or item lookup;
 * `MAX_TEMPLATE_CHARS` characters: of the rendered text, and of any value the template
-  builds (a string, a list, a number's decimal digits: at most `MAX_TEMPLATE_DIGITS`,
+  builds, prints (`{{ }}`) or joins (`~`) (a string; a list, counted with the strings it
+  holds; a number's decimal digits: at most `MAX_TEMPLATE_DIGITS`,
   Python's own limit for printing one); a size argument (`'x'.ljust(n)`,
   `center(n)`, a format width) above it is refused before the value is built;
 * `MAX_TEMPLATE_SECONDS` of time, checked as the steps are counted.
@@ -23,7 +24,8 @@ the sample.
 How the steps are counted: `BoundedEnvironment` is jinja's immutable sandbox whose hooks
 (`call`, `getattr`, `getitem`, `call_binop`, `call_test`, every filter) count, and whose
 code generator adds a counting step to the body and the test of every `{% for %}` loop,
-so a loop with an empty body is counted too.
+so a loop with an empty body is counted too, and passes every printed expression and every
+`~` through a size check (so doubling a text by `{% set %}` statements is bounded).
 """
 
 from __future__ import annotations
@@ -56,6 +58,7 @@ _CLOCK_EVERY = 4096
 #: the clock renders are timed on (a test may replace it)
 CLOCK = time.monotonic
 _TICK = "tfllm_step"  # the filter the code generator's loop steps call
+_VALUE = "tfllm_value"  # the filter it passes printed and joined values through
 _NUMBER = re.compile(r"\d+")
 
 
@@ -128,10 +131,28 @@ def checked(value, what: str = "a value"):
         if value.bit_length() * 0.30103 > MAX_TEMPLATE_DIGITS + 1:
             raise TemplateLimit(f"{what} is a number of more than {MAX_TEMPLATE_DIGITS} "
                                 "digits (the bound on a chat template's numbers)")
-    elif _length(value) > MAX_TEMPLATE_CHARS:
+    elif _deep_size(value) > MAX_TEMPLATE_CHARS:
         raise TemplateLimit(f"{what} would hold more than {MAX_TEMPLATE_CHARS:,} "
                             "characters or items (the bound on a chat template's values)")
     return value
+
+
+def _deep_size(value) -> int:
+    """Characters and items of a value with what it contains (a list of one long string
+    repeated counts each repetition: printed or joined, it is that long); the walk stops
+    once past MAX_TEMPLATE_CHARS, so it costs at most that many items."""
+    if isinstance(value, (str, bytes)) or not _length(value):
+        return _length(value)
+    total, stack = 0, [value]
+    while stack and total <= MAX_TEMPLATE_CHARS:
+        item = stack.pop()
+        total += _length(item)
+        if isinstance(item, dict):
+            stack.extend(item.keys())
+            stack.extend(item.values())
+        elif isinstance(item, (list, tuple, set)):
+            stack.extend(item)
+    return total
 
 
 def _size_arguments(args, kwargs, what: str) -> None:
@@ -196,6 +217,15 @@ def _loop_step(context, value=True):
     return value
 
 
+@jinja2.pass_context
+def _value_step(context, value):
+    """What every `{{ expression }}` and `a ~ b` is passed through: counted by its
+    length and refused past the size bounds (a block `{% set %}` that doubles its text,
+    a `~` chain, a list of one long string printed)."""
+    _spend(1 + _items(value))
+    return checked(value, "a printed or joined value")
+
+
 class _CountingCodeGenerator(jinja2.compiler.CodeGenerator):
     """jinja's code generator with a counting step in every loop body and loop test."""
 
@@ -203,8 +233,19 @@ class _CountingCodeGenerator(jinja2.compiler.CodeGenerator):
         return jinja2.nodes.Filter(jinja2.nodes.Const(value), _TICK, [], [], None, None,
                                    lineno=node.lineno).set_environment(self.environment)
 
+    def _value(self, expr):
+        return jinja2.nodes.Filter(expr, _VALUE, [], [], None, None, lineno=expr.lineno
+                                   ).set_environment(self.environment)
+
     def visit_Template(self, node, frame=None):
         # Before the generator collects the filters the template names (the step's too).
+        for output in node.find_all(jinja2.nodes.Output):
+            output.nodes = [child if isinstance(child, jinja2.nodes.TemplateData)
+                            else self._value(child) for child in output.nodes]
+        for concat in list(node.find_all(jinja2.nodes.Concat)):
+            concat.nodes = [jinja2.nodes.Concat(concat.nodes, lineno=concat.lineno
+                                                ).set_environment(self.environment)]
+            concat.nodes = [self._value(concat.nodes[0])]
         for loop in node.find_all(jinja2.nodes.For):
             loop.body = [jinja2.nodes.ExprStmt(self._step(loop), lineno=loop.lineno
                                                ).set_environment(self.environment),
@@ -226,11 +267,11 @@ class BoundedEnvironment(jinja2.sandbox.ImmutableSandboxedEnvironment):
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self.filters = {name: _bounded_filter(name, f) for name, f in self.filters.items()}
-        self.filters[_TICK] = _loop_step
+        self.filters[_TICK], self.filters[_VALUE] = _loop_step, _value_step
 
     def bound_filters(self) -> None:
         """Bounds the filters added since the environment was made (call after adding)."""
-        self.filters = {name: f if f is _loop_step or hasattr(f, "__wrapped__")
+        self.filters = {name: f if f in (_loop_step, _value_step) or hasattr(f, "__wrapped__")
                         else _bounded_filter(name, f) for name, f in self.filters.items()}
 
     def call_binop(self, context, operator, left, right):
