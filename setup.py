@@ -46,6 +46,9 @@ setup(
                  "transformers>=5.0,<6", "torch==2.13.0",
                  # the reference of LoRA adapters (tfllm export --format peft / --adapter)
                  "peft>=0.14,<1",
+                 # the reference of DPO (tests/train/test_dpo_trl.py): TRL's DPOTrainer
+                 # (1.x: loss_type lists with loss_weights, the fused log-prob head)
+                 "trl>=1.16,<2",
                  # tests/test_docs.py builds the documentation site in strict mode
                  "mkdocs>=1.6,<2"],
         # The documentation site (mkdocs.yml): `mkdocs serve`, `mkdocs build --strict`.

@@ -1,4 +1,5 @@
-"""Validation loss and perplexity: the mean next-token NLL over held-out batches."""
+"""Validation loss and perplexity: the mean next-token NLL over held-out batches; with
+DPO (train.objective=dpo) the DPO loss and TRL's reward metrics over held-out pairs."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ from tfllm.compiler.jit import compile_fn
 from tfllm.data.errors import DataError
 from tfllm.models.loss import loss_sum_and_count
 from tfllm.parallel.placement import to_numpy
+from tfllm.train.dpo import real_pairs
 from tfllm.train.step import lm_forward, trained_targets
 
 
@@ -21,12 +23,40 @@ class Evaluator:
       parallel: the sharding setup, or None.
       jit_compile: XLA-compile the step.
       packing_mask: pass segment ids to the model (documents do not attend to each other).
+      objective: the run's `tfllm.train.dpo.DpoLoss` (DPO), or None (SFT).
     """
 
-    def __init__(self, model, parallel, jit_compile: bool, packing_mask: bool = False):
+    def __init__(self, model, parallel, jit_compile: bool, packing_mask: bool = False,
+                 objective=None):
         self.model, self.parallel, self.packing_mask = model, parallel, packing_mask
+        self.objective = objective
         #: the compiled sums of one batch (a `tf.function` of its micro-batches)
-        self.compiled = compile_fn(self._nll_sum, parallel, jit_compile)
+        self.compiled = compile_fn(self._nll_sum if objective is None else self._pair_sums,
+                                   parallel, jit_compile)
+
+    def _pair_sums(self, micro_batches):
+        """{name: summed over pairs} of the DPO loss and metrics, and "pairs" (DPO)."""
+        sums = {}
+        for micro in micro_batches:
+            loss, metrics = self.objective(
+                self.model, micro, lambda m, x: lm_forward(m, x, self.packing_mask))
+            pairs = tf.reduce_sum(real_pairs(micro))
+            for name, value in {"loss": loss, **metrics, "pairs": 1.0}.items():
+                sums[name] = sums.get(name, 0.0) + value * pairs
+        return sums
+
+    def _pairs(self, batches, steps: int) -> dict:
+        """DPO: {"eval_loss", "eval_rewards/chosen", ..., "eval_pairs"}, means over the
+        held-out pairs (TRL's evaluate names)."""
+        sums = {}
+        for _, batch in zip(range(steps), batches):
+            for name, value in self.compiled(batch).items():
+                sums[name] = sums.get(name, 0.0) + float(to_numpy(value))
+        if not sums.get("pairs"):
+            raise DataError("the validation data holds no preference pair; add pairs "
+                            "(data.eval_paths or a larger data.validation_fraction).")
+        pairs = sums.pop("pairs")
+        return {**{f"eval_{k}": v / pairs for k, v in sums.items()}, "eval_pairs": int(pairs)}
 
     def _nll_sum(self, micro_batches):
         total, count, correct = 0.0, 0.0, 0.0
@@ -54,6 +84,8 @@ class Evaluator:
           `tfllm.data.chat`) the loss is over the trained targets only, and
           "eval_accuracy" is the fraction of them the model's argmax predicts.
         """
+        if self.objective is not None:
+            return self._pairs(batches, steps)
         total, count, correct, chat = 0.0, 0.0, 0.0, False
         for _, batch in zip(range(steps), batches):
             s, n, c = self.compiled(batch)

@@ -388,8 +388,10 @@ def _finish(training: _Training, tally: _Tally) -> None:
     if training.evaluating:
         with _peer_lost_as_one_line(steps, checkpointer):
             final = run.evaluate()
-        training.progress.message(f"validation loss {final['eval_loss']:.4f} (perplexity "
-                                  f"{final['eval_perplexity']:.2f}) after step {steps}")
+        detail = (f"perplexity {final['eval_perplexity']:.2f}" if "eval_perplexity" in final
+                  else f"reward accuracy {final['eval_rewards/accuracies']:.3f}")  # DPO
+        training.progress.message(f"validation loss {final['eval_loss']:.4f} ({detail}) "
+                                  f"after step {steps}")
         tally.last = {**tally.last, **final, "step": steps}
         training.outputs.record({"step": steps, **final}, None)
 

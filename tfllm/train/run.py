@@ -20,6 +20,7 @@ from tfllm.parallel import make_parallel
 from tfllm.runtime.coordination import announce_ready, check_same_config, check_same_devices
 from tfllm.runtime.devices import check_gpus
 from tfllm.compiler import hlo_dump
+from tfllm.train.dpo import DpoLoss
 from tfllm.train.evaluate import Evaluator
 from tfllm.train.state import build_train_state
 
@@ -74,7 +75,9 @@ class Run:
                                   optimizer=not inference)
         self.model, self.optimizer = state.model, state.optimizer
         self.loss_scale, self.step = state.loss_scale, state.step
-        self.evaluator = Evaluator(self.model, self.parallel, self.jit_compile, packing)
+        objective = DpoLoss(config.dpo) if t.objective == "dpo" else None  # also `tfllm eval`
+        self.evaluator = Evaluator(self.model, self.parallel, self.jit_compile, packing,
+                                   objective)
 
     def _announce_ready(self) -> None:
         """Every client says it joined the mesh, and answers the launcher's readiness

@@ -11,6 +11,7 @@ from typing import Optional
 
 from tfllm.models import build_model
 from tfllm.optim import AdamW
+from tfllm.train.dpo import DpoLoss
 from tfllm.train.step import TrainStep
 
 
@@ -56,6 +57,7 @@ def build_train_state(config, parallel, jit_compile: bool, model_cls=None,
         from tfllm.precision.loss_scale import DynamicLossScale
         loss_scale = DynamicLossScale(config.precision.loss_scale_initial,
                                       config.precision.loss_scale_growth_interval, parallel)
+    objective = DpoLoss(config.dpo) if config.train.objective == "dpo" else None
     step = TrainStep(model, optimizer, parallel, jit_compile, loss_scale,
-                     packing_mask=packing_mask)
+                     packing_mask=packing_mask, objective=objective)
     return TrainState(model, optimizer, loss_scale, step)

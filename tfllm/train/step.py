@@ -77,14 +77,18 @@ class TrainStep:
       jit_compile: XLA-compile the step (on a mesh: XLA clusters of each device's
         program, see `tfllm.compiler.jit`).
       loss_scale: a `tfllm.precision.loss_scale.DynamicLossScale` (float16), or None.
+      packing_mask: mask attention to each packed document (segment ids).
+      objective: a micro-batch loss beside SFT's, objective(model, micro, forward, seed)
+        -> (loss, metrics) (`tfllm.train.dpo.DpoLoss`); None: SFT's cross-entropy.
     """
 
     def __init__(self, model, optimizer, parallel: Optional[Parallel], jit_compile: bool,
-                 loss_scale=None, packing_mask: bool = False):
+                 loss_scale=None, packing_mask: bool = False, objective=None):
         self.model, self.optimizer, self.parallel = model, optimizer, parallel
         self.jit_compile = jit_compile
         self.loss_scale = loss_scale
         self.packing_mask = packing_mask
+        self.objective = objective
         # Steps the guard skipped (non-finite loss or gradient norm, or a loss spike).
         self.skipped = new_variable(parallel, (), (), ("zeros",), "int64", "guard_skipped")
         self.variables = list(model.trainable_variables)
@@ -96,6 +100,13 @@ class TrainStep:
         self._grads = compile_fn(self._loss_and_grads, parallel, jit_compile)
 
     def _micro(self, micro, trained_tokens=None, seed=None):
+        """(loss, metrics) of one micro-batch: the objective's, or SFT's (no metrics)."""
+        if self.objective is not None:
+            return self.objective(self.model, micro,
+                                  lambda m, x: lm_forward(m, x, self.packing_mask), seed)
+        return self._sft_micro(micro, trained_tokens, seed), {}
+
+    def _sft_micro(self, micro, trained_tokens=None, seed=None):
         with noise_seed(seed):  # a training forward pass: LoRA dropout acts (if any)
             logits, targets, _ = lm_forward(self.model, micro, self.packing_mask)
         mask = trained_targets(micro)
@@ -108,15 +119,16 @@ class TrainStep:
         return tf.reduce_sum(nll * mask) / trained_tokens
 
     def _loss_and_grads(self, micro_batches):
-        """Mean loss, gradients and new FP8 histories over a tuple of micro-batches."""
+        """Mean loss, gradients, new FP8 histories and the objective's mean metrics over a
+        tuple of micro-batches."""
         accum = len(micro_batches)
         trained_tokens = None
-        if trained_targets(micro_batches[0]) is not None:
+        if self.objective is None and trained_targets(micro_batches[0]) is not None:
             trained_tokens = tf.maximum(tf.add_n([tf.reduce_sum(trained_targets(m))
                                                   for m in micro_batches]), 1.0) / accum
         scale = self.loss_scale.scale if self.loss_scale is not None else None
         fp8_handles = [v.value for v in self.fp8_state]
-        total_loss, total_grads, fp8_new = 0.0, None, None
+        total_loss, total_grads, fp8_new, total_metrics = 0.0, None, None, {}
         # Dropout masks differ per optimizer step and micro-batch (and layer).
         noisy = any(getattr(l, "lora", None) and l.lora.dropout
                     for l in internals.all_layers(self.model))
@@ -130,14 +142,15 @@ class TrainStep:
             with fp8.collecting_amaxes(amaxes):
                 with tf.GradientTape() as tape:
                     tape.watch(fp8_handles)
-                    loss = self._micro(tokens, trained_tokens,
-                                       None if step is None else step + i)
+                    loss, metrics = self._micro(tokens, trained_tokens,
+                                                None if step is None else step + i)
                     scaled = loss * scale if scale is not None else loss
                 out = tape.gradient(scaled, self.variables + fp8_handles)
             # Embedding lookups give IndexedSlices; accumulate and clip dense tensors.
             grads = [tf.convert_to_tensor(g) for g in out[:len(self.variables)]]
             histories = out[len(self.variables):]
             total_loss = total_loss + loss
+            total_metrics = {k: total_metrics.get(k, 0.0) + v for k, v in metrics.items()}
             total_grads = grads if total_grads is None else [
                 a + b for a, b in zip(total_grads, grads)]
             # Each micro-batch rolls the same old history; keep the largest amaxes.
@@ -149,7 +162,8 @@ class TrainStep:
             fp8_new = [c if h is None else h for h, c in zip(fp8_new, collected)]
         divisor = accum * scale if scale is not None else accum
         grads = [g / divisor for g in total_grads]
-        return total_loss / accum, grads, fp8_new
+        return (total_loss / accum, grads, fp8_new,
+                {k: v / accum for k, v in total_metrics.items()})
 
     def _train_step(self, micro_batches, loss_limit):
         """One guarded optimizer step.
@@ -158,7 +172,7 @@ class TrainStep:
         loss is at most `loss_limit` (inf unless the loss-spike guard is on). The decision
         is made in the graph from globally reduced values, so every client skips together.
         """
-        loss, grads, fp8_new = self._loss_and_grads(micro_batches)
+        loss, grads, fp8_new, metrics = self._loss_and_grads(micro_batches)
         # Reported: inf or NaN on a non-finite step. On a mesh, one scalar all-reduce per
         # set of sharded axes, not one per gradient.
         raw_norm = (self.parallel.global_norm(grads, self.variables) if self.parallel
@@ -181,7 +195,7 @@ class TrainStep:
         self.skipped.assign(skipped)
         out = {"loss": loss, "grad_norm": raw_norm, "learning_rate": lr,
                "skipped_steps": tf.cast(skipped, tf.float32),
-               "step_ok": tf.cast(ok, tf.float32)}
+               "step_ok": tf.cast(ok, tf.float32), **metrics}
         if self.loss_scale is not None:
             new_scale, _ = self.loss_scale.update(grads_finite)
             out["loss_scale"] = new_scale
@@ -207,7 +221,11 @@ class TrainStep:
             return dict(out)
         return {k: float(to_numpy(v)) for k, v in out.items()}
 
-    def loss_and_grads(self, tokens):
-        """(loss, gathered numpy gradients) without updating: for parity tests."""
-        loss, grads, _ = self._grads(tokens)
-        return float(to_numpy(loss)), [to_numpy(g) for g in grads]
+    def loss_and_grads(self, tokens, with_metrics: bool = False):
+        """(loss, gathered numpy gradients) without updating: for parity tests; with
+        `with_metrics` also the objective's metrics ({name: float}; empty for SFT)."""
+        loss, grads, _, metrics = self._grads(tokens)
+        out = float(to_numpy(loss)), [to_numpy(g) for g in grads]
+        if with_metrics:
+            return out + ({k: float(to_numpy(v)) for k, v in metrics.items()},)
+        return out

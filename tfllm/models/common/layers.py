@@ -18,7 +18,7 @@ from typing import Optional, Sequence, Tuple
 import keras
 import tensorflow as tf
 
-from tfllm.models.common import noise
+from tfllm.models.common import adapters, noise
 from tfllm.models.common.remat import recompute
 from tfllm.parallel.context import apply_weight, constrain, gather_weight, weight_product
 
@@ -148,7 +148,7 @@ class Projection(keras.layers.Layer):
         product = lambda x, w, *h: einsum(self.equation, x, w, *h)  # noqa: E731
         y = weight_product(product, x, self.kernel, self.kernel_axes, self.name, extra,
                            equation=self.equation, einsum=einsum)
-        if self.lora is not None:
+        if self.lora is not None and not adapters.disabled():  # off: DPO's reference
             if self.lora.dropout and noise.current() is not None:  # training
                 x = noise.dropout(x, self.lora.dropout, self.path)
             y = y + self._adapter(x)

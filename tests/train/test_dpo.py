@@ -1,0 +1,161 @@
+"""DPO in the step: one forward pass for both halves of a pair, the reference is the model
+with its adapters off and takes no gradient, the loss of accumulated micro-batches and of
+a mesh is one device's. TRL's numbers: tests/train/test_dpo_trl.py."""
+
+import math
+import os
+
+import numpy as np
+import pytest
+
+from tests.harness import tiny_config
+from tfllm.data import feed
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+EXAMPLE = os.path.join(ROOT, "tfllm", "data", "preference_example.jsonl")
+DPO = {"train.objective": "dpo", "data.format": "preference", "data.source": "text",
+       "data.paths": f"[{EXAMPLE}]", "lora.rank": 4, "dpo.beta": 0.5}
+
+
+def pair_batch(rng, pairs, vocab, length=17):
+    """Rows 2p, 2p + 1: a shared random prompt of 3-8 tokens, then two different random
+    completions of 2-8 tokens each (padded with 0), masks on the completions."""
+    tokens = np.zeros((2 * pairs, length), np.int32)
+    segments = np.zeros_like(tokens)
+    mask = np.zeros_like(tokens)
+    for p in range(pairs):
+        prompt = rng.integers(1, vocab, rng.integers(3, 9))
+        for r in (2 * p, 2 * p + 1):
+            reply = rng.integers(1, vocab, rng.integers(2, 9))
+            n = len(prompt) + len(reply)
+            tokens[r, :n] = np.concatenate([prompt, reply])
+            segments[r, :n] = 1
+            mask[r, len(prompt):n] = 1
+    return tokens, segments, mask
+
+
+def randomize_adapters(model, seed=0, parallel=None):
+    """B (zero at init) random too: the policy then differs from the reference."""
+    rng = np.random.default_rng(seed)
+    for v in model.trainable_variables:
+        if "lora_b" in v.path:
+            value = rng.normal(0, 0.2, v.shape).astype(np.float32)
+            if parallel is not None:  # laid out as the variable
+                value = parallel.shard_array(value, parallel.spec(v.path, v.shape,
+                                                                  v.logical_axes))
+            v.assign(value)
+
+
+def test_a_fresh_adapter_is_its_reference_and_the_reference_takes_no_gradient():
+    """With B = 0 the policy is the adapters-off model: rewards 0 and the sigmoid loss
+    log 2. With B random, the step's gradients are those of the loss with the reference
+    log-probabilities computed apart (adapters off) and held constant."""
+    import tensorflow as tf
+
+    from tfllm.models.common.adapters import adapters_off
+    from tfllm.train.dpo import pairs_of, row_sums
+    from tfllm.train.state import build_train_state
+    from tfllm.train.step import lm_forward
+    cfg = tiny_config("llama", **{"train.global_batch_size": 2}, **DPO)
+    step = build_train_state(cfg, None, False, packing_mask=True).step
+    assert all("lora_" in v.path for v in step.variables)  # only adapters train
+    tokens, segments, mask = pair_batch(np.random.default_rng(0), 2, 128)
+    batch = feed.to_device(None, tokens[None], segments[None], mask[None])
+    out = step.compiled(batch, tf.constant(np.inf, tf.float32))
+    # one forward of the same weights twice: the same float32 numbers, so exactly 0
+    assert float(out["rewards/chosen"]) == 0 and float(out["rewards/margins"]) == 0
+    assert float(out["loss"]) == pytest.approx(math.log(2), abs=1e-7)
+    assert float(out["step_ok"]) == 1
+
+    randomize_adapters(step.model)
+    loss, grads = step.loss_and_grads(batch)
+    micro = batch[0]
+    trained = tf.cast(micro[2][:, 1:], tf.float32)
+    with adapters_off():
+        ref_logits, targets, _ = lm_forward(step.model, micro, True)
+    ref_c, ref_r = (tf.constant(x.numpy()) for x in pairs_of(row_sums(ref_logits, targets,
+                                                                      trained)[0]))
+    with tf.GradientTape() as tape:
+        logits, _, _ = lm_forward(step.model, micro, True)
+        c, r = pairs_of(row_sums(logits, targets, trained)[0])
+        want = tf.reduce_mean(-tf.math.log_sigmoid(0.5 * ((c - ref_c) - (r - ref_r))))
+    want_grads = tape.gradient(want, step.variables)
+    assert loss == pytest.approx(float(want), rel=1e-6)  # the same ops: rounding only
+    assert abs(loss - math.log(2)) > 1e-3  # the adapters moved the policy
+    for g, w in zip(grads, want_grads):
+        np.testing.assert_allclose(g, w.numpy(), rtol=1e-5, atol=1e-7)  # rounding only
+
+
+@pytest.mark.parametrize("mesh,accum,rpo", [
+    (None, 2, 0.0),
+    ("data=2", 2, 0.3),
+    # pairs over FSDP with tensor parallelism (~15-20 s: compiles a mesh)
+    pytest.param("fsdp=2,model=2", 1, 0.3, marks=pytest.mark.slow),
+])
+def test_accumulated_and_sharded_steps_equal_one_device(mesh, accum, rpo):
+    """Four pairs (IPO, with RPO on the meshes): 2 micro-batches give one micro-batch's
+    loss, metrics and gradients (pair losses are means over pairs); a mesh whose batch
+    axis splits the rows (each device holds whole pairs) gives one device's with the same
+    micro-batches (the RPO term is a mean over each micro-batch's chosen tokens, as TRL's
+    under gradient accumulation, so only the mesh case compares it)."""
+    from tfllm.parallel import make_parallel
+    from tfllm.train.state import build_train_state
+    tokens, segments, mask = pair_batch(np.random.default_rng(3), 4, 128)
+    out = []
+    for axes, a in ((None, 1 if mesh is None else accum), (mesh, accum)):
+        cfg = tiny_config("llama", axes or "data=1", **DPO, **{
+            "train.global_batch_size": 4, "train.grad_accum_steps": a, "dpo.loss": "ipo",
+            "dpo.rpo_alpha": rpo})
+        parallel = None if axes is None else make_parallel(cfg.mesh, cfg.model, cfg.optimizer)
+        step = build_train_state(cfg, parallel, False, packing_mask=True).step
+        randomize_adapters(step.model, parallel=parallel)
+        shape = (a, 8 // a, 17)
+        batch = feed.to_device(parallel, tokens.reshape(shape), segments.reshape(shape),
+                               mask.reshape(shape))
+        out.append(step.loss_and_grads(batch, with_metrics=True))
+    (loss, grads, metrics), (other_loss, other_grads, other_metrics) = out
+    assert other_loss == pytest.approx(loss, rel=1e-6)  # float32 reduction order only
+    for key in metrics:
+        assert other_metrics[key] == pytest.approx(metrics[key], rel=1e-5, abs=1e-6), key
+    # IPO's gradient scales with (delta' - 1/(2 beta)), where delta' differs sequence
+    # log-probs of ~40 summed in another order (float32: ~3e-6 absolute): elements of
+    # gradients up to ~0.15 move by up to ~4e-7 (measured), so 1e-6 absolute.
+    for g, g0 in zip(other_grads, grads):
+        np.testing.assert_allclose(g, g0, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.slow  # trains a run (~30 steps of a tiny model) with evaluations
+def test_a_dpo_run_logs_trls_metrics_and_evaluates_held_out_pairs(tmp_path):
+    """train() on the example pairs with a fresh adapter: metrics.jsonl carries TRL's
+    names at every logged step, evaluations the held-out pairs' DPO loss and rewards; the
+    first step starts at the reference (loss log 2, rewards 0) and training separates
+    chosen from rejected on the pairs it trains on."""
+    from tests.harness import metrics_records
+    from tfllm.train.loop import train
+    from tfllm.train.dpo import METRICS
+    cfg = tiny_config("llama", **{
+        **DPO, "data.tokenizer": "byte", "model.vocab_size": 257,
+        "data.chat_template": os.path.join(ROOT, "tfllm", "data", "templates",
+                                           "chatml.jinja"),
+        "data.sequence_length": 192, "model.max_sequence_length": 192,
+        "data.validation_fraction": 0.2, "train.global_batch_size": 4,
+        "train.steps": 30, "train.log_every": 1, "train.eval_every": 15,
+        "train.eval_steps": 8, "optimizer.learning_rate": 3e-3,
+        "optimizer.warmup_steps": 0, "lora.rank": 8, "lora.alpha": 16.0})
+    train(cfg, str(tmp_path / "run"))
+    records = metrics_records(tmp_path / "run")
+    steps = [r for r in records if "rewards/chosen" in r]
+    assert [r["step"] for r in steps] == list(range(1, 31))
+    assert steps[0]["loss"] == pytest.approx(math.log(2), abs=1e-6)  # policy = reference
+    assert steps[0]["rewards/margins"] == 0
+    for key in METRICS:
+        assert all(math.isfinite(r[key]) for r in steps), key
+    late = steps[-10:]
+    assert np.mean([r["rewards/margins"] for r in late]) > 0.1
+    assert np.mean([r["rewards/accuracies"] for r in late]) > 0.7
+    evals = [r for r in records if "eval_loss" in r]
+    assert [r["step"] for r in evals] == [15, 30]
+    for r in evals:
+        assert r["eval_pairs"] > 0 and all(math.isfinite(r[f"eval_{k}"]) for k in METRICS)
+    with open(tmp_path / "run" / "config.yaml") as f:
+        assert "objective: dpo" in f.read()  # the resolved config names it

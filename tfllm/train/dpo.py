@@ -1,0 +1,148 @@
+"""Direct preference optimization: the loss of one micro-batch of preference pairs.
+
+TRL's DPOTrainer is the reference (tests/train/test_dpo_trl.py holds tfllm to it): a
+sequence's log-probability is the sum of its completion tokens' log-probabilities (the
+targets the loss mask marks, `tfllm.data.preference`); with chosen y_w and rejected y_l
+of prompt x,
+
+    delta = (log pi(y_w|x) - log pi_ref(y_w|x)) - (log pi(y_l|x) - log pi_ref(y_l|x))
+
+and, per pair (`dpo.loss`; the micro-batch's loss is the mean over its pairs):
+    sigmoid: -(1 - e) log sigmoid(beta delta) - e log sigmoid(-beta delta)  (e:
+             dpo.label_smoothing; 0 is DPO, e > 0 conservative DPO)
+    hinge:   max(0, 1 - beta delta)                                         (SLiC)
+    ipo:     (delta' - 1 / (2 beta))^2, delta' with each log-ratio divided by its
+             completion's token count                                      (IPO, as TRL)
+plus dpo.rpo_alpha times the chosen completions' mean token NLL (RPO).
+
+Chosen and rejected run through ONE forward pass: a micro-batch's rows 2p and 2p + 1
+are pair p's two sequences, concatenated along the batch, so the rows split over the
+mesh's batch axis keep each pair (and its reference terms) on one device. The
+reference pi_ref is the same weights with the LoRA adapters off (`adapters_off`): one
+more forward pass of the same rows, without gradients, and no second copy of the model.
+
+Metrics carry TRL's names: rewards/chosen, rewards/rejected (beta times the
+log-ratios), rewards/accuracies (chosen reward > rejected), rewards/margins,
+logps/chosen, logps/rejected (policy log-probabilities), each a mean over pairs.
+"""
+
+from __future__ import annotations
+
+from typing import Dict, Tuple
+
+import tensorflow as tf
+
+from tfllm.models.common.adapters import adapters_off
+from tfllm.models.common.noise import noise_seed
+from tfllm.models.loss import token_nll
+
+#: the metrics a DPO step reports, TRL's names
+METRICS = ("rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins",
+           "logps/chosen", "logps/rejected")
+
+
+def pairs_of(per_row):
+    """(chosen, rejected), each (P,), of a per-row vector (2P,) whose rows 2p, 2p + 1 are
+    pair p's."""
+    pairs = tf.reshape(per_row, [-1, 2])  # (P, 2)
+    return pairs[:, 0], pairs[:, 1]
+
+
+def row_sums(logits, targets, trained):
+    """(summed log-probability (N,), summed NLL (N,)) of each row's trained targets.
+
+    Args:
+      logits: (N, T, V) float32; targets: (N, T) ids; trained: (N, T) float32 0/1.
+    """
+    nll = token_nll(logits, targets) * trained  # (N, T)
+    summed = tf.reduce_sum(nll, axis=1)  # (N,)
+    return -summed, summed
+
+
+def real_pairs(micro):
+    """(P,) float32: 1 for a pair, 0 for padding (a validation stream past its end has
+    rows with no completion token)."""
+    chosen_tokens, _ = pairs_of(tf.reduce_sum(tf.cast(micro[2], tf.float32), axis=1))
+    return tf.cast(chosen_tokens > 0, tf.float32)
+
+
+def _mean(values, weights):
+    """The mean of `values` (P,) over the pairs `weights` marks (all of them in training)."""
+    return tf.reduce_sum(values * weights) / tf.maximum(tf.reduce_sum(weights), 1.0)
+
+
+def pair_losses(chosen_logratio, rejected_logratio, chosen_tokens, rejected_tokens, dpo):
+    """The loss of each pair (P,) by dpo.loss, from the policy-minus-reference
+    log-ratios (P,) and the completions' token counts (P,) float32 (IPO's normalization).
+    """
+    beta = dpo.beta
+    delta = chosen_logratio - rejected_logratio  # (P,)
+    if dpo.loss == "sigmoid":
+        e = dpo.label_smoothing
+        return (-(1.0 - e) * tf.math.log_sigmoid(beta * delta)
+                - e * tf.math.log_sigmoid(-beta * delta))
+    if dpo.loss == "hinge":
+        return tf.nn.relu(1.0 - beta * delta)
+    if dpo.loss == "ipo":
+        normalized = (chosen_logratio / tf.maximum(chosen_tokens, 1.0)
+                      - rejected_logratio / tf.maximum(rejected_tokens, 1.0))
+        return tf.square(normalized - 1.0 / (2.0 * beta))
+    raise ValueError(f"dpo.loss={dpo.loss!r}: use sigmoid, hinge or ipo.")
+
+
+class DpoLoss:
+    """The DPO loss and metrics of a micro-batch of pairs, beside the SFT loss of
+    `tfllm.train.step.TrainStep`.
+
+    Args:
+      dpo: the config's `DpoConfig` (loss, beta, label_smoothing, rpo_alpha).
+    """
+
+    def __init__(self, dpo):
+        self.dpo = dpo
+
+    def __call__(self, model, micro, forward, seed=None) -> Tuple[tf.Tensor, Dict]:
+        """(loss, metrics) of one micro-batch.
+
+        Args:
+          model: the CausalLM (with LoRA adapters: the reference switches them off).
+          micro: (tokens, segment_ids, loss_mask), each (2P, T+1): pair p in rows 2p
+            (chosen) and 2p + 1 (rejected), the loss mask on their completions.
+          forward: forward(model, micro) -> (logits (2P, T, V), targets (2P, T), _)
+            (`tfllm.train.step.lm_forward` with the run's packing setting).
+          seed: the step's noise seed (LoRA dropout of the policy pass), or None.
+        """
+        trained = tf.cast(micro[2][:, 1:], tf.float32)  # (2P, T): completion targets
+        with noise_seed(seed):  # the policy: adapters on, dropout in training
+            logits, targets, _ = forward(model, micro)
+        logps, nll = row_sums(logits, targets, trained)  # (2P,) each
+        with adapters_off():  # the reference: the same weights, adapters off, no dropout
+            ref_logits, _, _ = forward(model, micro)
+        ref_logps = tf.stop_gradient(row_sums(ref_logits, targets, trained)[0])  # (2P,)
+        chosen, rejected = pairs_of(logps)
+        ref_chosen, ref_rejected = pairs_of(ref_logps)
+        # Completion tokens of each sequence, counted over the whole row as TRL's IPO
+        # counts its completion_mask.
+        chosen_tokens, rejected_tokens = pairs_of(
+            tf.reduce_sum(tf.cast(micro[2], tf.float32), axis=1))
+        chosen_ratio, rejected_ratio = chosen - ref_chosen, rejected - ref_rejected
+        real = real_pairs(micro)  # (P,): every pair but padding (validation's end)
+        loss = _mean(pair_losses(chosen_ratio, rejected_ratio, chosen_tokens,
+                                 rejected_tokens, self.dpo), real)
+        if self.dpo.rpo_alpha:
+            chosen_nll, _ = pairs_of(nll)
+            chosen_targets, _ = pairs_of(tf.reduce_sum(trained, axis=1))
+            loss = loss + self.dpo.rpo_alpha * (tf.reduce_sum(chosen_nll)
+                                                / tf.maximum(tf.reduce_sum(chosen_targets), 1.0))
+        chosen_reward = self.dpo.beta * tf.stop_gradient(chosen_ratio)  # (P,)
+        rejected_reward = self.dpo.beta * tf.stop_gradient(rejected_ratio)
+        metrics = {
+            "rewards/chosen": _mean(chosen_reward, real),
+            "rewards/rejected": _mean(rejected_reward, real),
+            "rewards/accuracies": _mean(
+                tf.cast(chosen_reward > rejected_reward, tf.float32), real),
+            "rewards/margins": _mean(chosen_reward - rejected_reward, real),
+            "logps/chosen": _mean(tf.stop_gradient(chosen), real),
+            "logps/rejected": _mean(tf.stop_gradient(rejected), real),
+        }
+        return loss, metrics
