@@ -100,7 +100,9 @@ def flash_attention(q, k, v, *, scale: float, block_q: int, block_k: int,
         s = tf.cast(tf.einsum("bkgptd,bskd->bkgpts", q_i, k_j), tf.float32) * scale
         allowed = mask_fn(qa, qb, ka, kb)
         if allowed is not None:
-            allowed = allowed[:, None, None]  # (B, 1, 1, P, t, s)
+            # expand_dims, not [:, None, None]: DTensor crashes on a StridedSlice with
+            # new axes of a sharded (packed) mask (tfllm.models.common.masks)
+            allowed = tf.expand_dims(tf.expand_dims(allowed, 1), 1)  # (B, 1, 1, P, t, s)
             s = tf.where(allowed, s, _NEG)
         return s, allowed  # (B, K, G, P, t, s)
 
@@ -129,13 +131,13 @@ def flash_attention(q, k, v, *, scale: float, block_q: int, block_k: int,
         qg = grouped(q)  # (B, K, G, P, L, D)
         outs, lses, last = [], [], None
         for i, (qa, qb) in enumerate(q_blocks):
-            q_i = after(qg[..., qa:qb, :], last)  # (B, K, G, P, t, D)
+            q_i = after(qg[:, :, :, :, qa:qb], last)  # (B, K, G, P, t, D)
             m = l = acc = pv = None
             for j in visible[i]:
                 ka, kb = k_blocks[j]
                 # tile after tile, too: else XLA computes all of a block's scores first
                 # (waiting on the last tile's GEMM output, which a fusion reads directly)
-                q_ij = q_i if pv is None else after(q_i, pv[..., -1:, :])
+                q_ij = q_i if pv is None else after(q_i, pv[:, :, :, :, -1:])
                 s, _ = tile_scores(q_ij, k[:, ka:kb], qa, qb, ka, kb)
                 m_new = tf.reduce_max(s, axis=-1, keepdims=True)  # (B, K, G, P, t, 1)
                 if m is not None:
@@ -153,7 +155,7 @@ def flash_attention(q, k, v, *, scale: float, block_q: int, block_k: int,
                 m = m_new
             outs.append(acc / l)  # (B, K, G, P, t, D) float32
             lses.append(m + tf.math.log(l))  # (B, K, G, P, t, 1)
-            last = outs[-1][..., -1:, :]
+            last = outs[-1][:, :, :, :, -1:]
         out32 = tf.concat(outs, axis=4)  # (B, K, G, P, L, D)
         out = ungrouped(tf.cast(out32, q.dtype))
         lse = tf.concat(lses, axis=4)  # (B, K, G, P, L, 1)
@@ -167,15 +169,15 @@ def flash_attention(q, k, v, *, scale: float, block_q: int, block_k: int,
             dk = [tf.zeros(k[:, a:b].shape, tf.float32) for a, b in k_blocks]
             dv = [tf.zeros(v[:, a:b].shape, tf.float32) for a, b in k_blocks]
             for i, (qa, qb) in enumerate(q_blocks):
-                q_i = qg[..., qa:qb, :]  # (B, K, G, P, t, D)
-                do_i = after(dog[..., qa:qb, :], dq[-1][..., -1:, :] if dq else None)
-                lse_i, delta_i = lse[..., qa:qb, :], delta[..., qa:qb, :]  # (B,K,G,P,t,1)
+                q_i = qg[:, :, :, :, qa:qb]  # (B, K, G, P, t, D)
+                do_i = after(dog[:, :, :, :, qa:qb], dq[-1][:, :, :, :, -1:] if dq else None)
+                lse_i, delta_i = lse[:, :, :, :, qa:qb], delta[:, :, :, :, qa:qb]  # (B,K,G,P,t,1)
                 dq_i, dq_ij = tf.zeros(q_i.shape, tf.float32), None
                 for j in visible[i]:
                     ka, kb = k_blocks[j]
                     k_j, v_j = k[:, ka:kb], v[:, ka:kb]
                     # tile after tile, waiting on the last tile's GEMM output
-                    previous = None if dq_ij is None else dq_ij[..., -1:, :]
+                    previous = None if dq_ij is None else dq_ij[:, :, :, :, -1:]
                     q_ij, do_ij = after(q_i, previous), after(do_i, previous)
                     s, allowed = tile_scores(q_ij, k_j, qa, qb, ka, kb)
                     p = tf.exp(s - lse_i)  # the forward pass's probabilities, recomputed
