@@ -65,6 +65,13 @@ def refusal(source):
     ("{% set ns = namespace(s='x' * 1000) %}{% for i in range(40) %}"
      "{% set ns.s = ns.s ~ ns.s %}{% endfor %}{{ ns.s | length }}",
      "more than 4,000,000 characters"),
+    # work whose result is a product of sizes, judged before the work
+    ("{{ range(100000) | join('x' * 4000000) }}", "may hold more than"),
+    ("{{ range(100000) | map('string') | join('x' * 1000000) }}", "may hold more than"),
+    ("{{ ('x' * 1000000).join(range(100000) | map('string')) }}", "may hold more than"),
+    ("{{ ('a\n' * 100000) | indent(1000) }}", "may hold more than"),
+    ("{{ ('\t' * 1000000).expandtabs(100) }}", "may hold more than"),
+    ("{{ lipsum(n=1000000) }}", "lipsum: at most 1,000 paragraphs"),
     # a list of one long string repeated: printed or joined it is that long
     ("{% set s = 'x' * 1000000 %}{{ ([s] * 1000) | join | length }}",
      "more than 4,000,000 characters"),

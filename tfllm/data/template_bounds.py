@@ -11,7 +11,10 @@ it from taking the machine. Every render runs under a `Budget`:
   builds, prints (`{{ }}`) or joins (`~`) (a string; a list, counted with the strings it
   holds; a number's decimal digits: at most `MAX_TEMPLATE_DIGITS`,
   Python's own limit for printing one); a size argument (`'x'.ljust(n)`,
-  `center(n)`, a format width) above it is refused before the value is built;
+  `center(n)`, a format width) above it is refused before the value is built, and so is
+  a string filter or method whose result may exceed 16 times the bound, judged from its
+  value's size times its largest argument (`indent`, `join`, `replace`, `expandtabs`;
+  `lipsum` is held to 1,000 paragraphs of 1,000 words);
 * `MAX_TEMPLATE_SECONDS` of time, checked as the steps are counted.
 
 The operators and filters are also what jinja folds at compile time: operators are
@@ -30,9 +33,11 @@ so a loop with an empty body is counted too, and passes every printed expression
 
 from __future__ import annotations
 
+import collections.abc
 import contextlib
 import contextvars
 import functools
+import itertools
 import math
 import re
 import time
@@ -60,6 +65,9 @@ CLOCK = time.monotonic
 _TICK = "tfllm_step"  # the filter the code generator's loop steps call
 _VALUE = "tfllm_value"  # the filter it passes printed and joined values through
 _NUMBER = re.compile(r"\d+")
+# What a string filter or method may build, as a multiple of MAX_TEMPLATE_CHARS, judged
+# before the work (the result is then held to MAX_TEMPLATE_CHARS itself).
+_GROWTH = 16
 
 
 class TemplateLimit(jinja2.exceptions.TemplateError):
@@ -121,7 +129,7 @@ def _items(value) -> int:
 
 def _length(value) -> int:
     """Items or characters a value holds (what reading it costs); 0 for a scalar."""
-    return len(value) if isinstance(value, (str, bytes, list, tuple, dict, set)) else 0
+    return len(value) if isinstance(value, (str, bytes, list, tuple, dict, set, range)) else 0
 
 
 def checked(value, what: str = "a value"):
@@ -167,6 +175,40 @@ def _size_arguments(args, kwargs, what: str) -> None:
         checked(value, what)
 
 
+def _materialized(value, what: str):
+    """An iterator (a generator of `map`, `select`, ...) as a list, so that what is built
+    from it can be sized before the work; at most MAX_TEMPLATE_CHARS items, counted."""
+    if not isinstance(value, collections.abc.Iterator):
+        return value
+    items = list(itertools.islice(value, MAX_TEMPLATE_CHARS + 1))
+    _spend(1 + (len(items) >> 6))
+    if len(items) > MAX_TEMPLATE_CHARS:
+        raise TemplateLimit(f"{what}: more than {MAX_TEMPLATE_CHARS:,} items (the bound on a "
+                            "chat template's values)")
+    return items
+
+
+def _growth(value, args, kwargs, what: str) -> None:
+    """Refuses work whose result may exceed the bound: what a string filter or method
+    builds is at most (the value's size + 1) x (its largest size argument: an int, or a
+    string's length), e.g. `indent(width)` per line, `replace(old, new)`, a separator
+    joined between items, `wordwrap`'s wrapstring, `expandtabs`."""
+    scale = max([1] + [abs(a) for a in (*args, *kwargs.values())
+                       if isinstance(a, int) and not isinstance(a, bool)]
+                + [len(a) for a in (*args, *kwargs.values()) if isinstance(a, str)])
+    if (_deep_size(value) + 1) * scale > _GROWTH * MAX_TEMPLATE_CHARS:
+        raise TemplateLimit(f"{what}: the result may hold more than {MAX_TEMPLATE_CHARS:,} "
+                            "characters (the bound on a chat template's values)")
+
+
+def _lipsum(n=5, html=True, min=20, max=100):  # noqa: A002 (jinja's own argument names)
+    """jinja's lipsum, bounded: at most 1,000 paragraphs of at most 1,000 words."""
+    if not (isinstance(n, int) and isinstance(max, int) and n <= 1000 and max <= 1000):
+        raise TemplateLimit("lipsum: at most 1,000 paragraphs of at most 1,000 words (the "
+                            "bound on a chat template's values)")
+    return jinja2.utils.generate_lorem_ipsum(n=n, html=html, min=min, max=max)
+
+
 def _format_widths(fmt, what: str) -> None:
     """Refuses a format string ('%5000000s', '{:>5000000}') whose widths exceed the bound."""
     if isinstance(fmt, str) and any(len(n) > 7 or int(n) > MAX_TEMPLATE_CHARS
@@ -199,12 +241,16 @@ def _bounded_filter(name: str, f):
     # environment), so jinja calls the wrapper exactly as it would call `f`.
     @functools.wraps(f)
     def run(*args, **kwargs):
-        value = next((a for a in args if not isinstance(
-            a, (jinja2.runtime.Context, jinja2.nodes.EvalContext, jinja2.Environment))),
-            None)
-        _spend(1 + _items(value))
         what = f"the filter {name}"
+        lead = 0  # jinja's context, eval context or environment come first
+        while lead < len(args) and isinstance(args[lead], (
+                jinja2.runtime.Context, jinja2.nodes.EvalContext, jinja2.Environment)):
+            lead += 1
+        args = (*args[:lead], *(_materialized(a, what) for a in args[lead:]))
+        value = args[lead] if lead < len(args) else None
+        _spend(1 + _items(value))
         _size_arguments(args, kwargs, what)
+        _growth(value, args[lead + 1:], kwargs, what)
         if name == "format":
             _format_widths(value, what)
         return checked(f(*args, **kwargs), what)
@@ -268,6 +314,7 @@ class BoundedEnvironment(jinja2.sandbox.ImmutableSandboxedEnvironment):
         super().__init__(*args, **kwargs)
         self.filters = {name: _bounded_filter(name, f) for name, f in self.filters.items()}
         self.filters[_TICK], self.filters[_VALUE] = _loop_step, _value_step
+        self.globals["lipsum"] = _lipsum
 
     def bound_filters(self) -> None:
         """Bounds the filters added since the environment was made (call after adding)."""
@@ -298,6 +345,10 @@ class BoundedEnvironment(jinja2.sandbox.ImmutableSandboxedEnvironment):
         what = f"calling {name or 'a function'}"
         _size_arguments(args, kwargs, what)
         if isinstance(owner, str):
+            args = tuple(_materialized(a, what) for a in args)  # str.join(generator)
+            _growth(owner, args, kwargs, what)
+            _growth(args[0] if len(args) == 1 and not isinstance(args[0], str) else "",
+                    (owner,), {}, what)  # a separator joined between items
             if getattr(__obj, "__name__", "") in ("format", "format_map"):
                 _format_widths(owner, what)
             if getattr(__obj, "__name__", "") == "replace" and len(args) >= 2 \
