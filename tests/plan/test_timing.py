@@ -18,7 +18,8 @@ def test_each_factor_adds_what_its_constant_says():
     assert t["dispatch_s"] == pytest.approx(100 * timing.CLUSTER_DISPATCH_S)
     # Hockney: a latency per collective plus the bytes at the bus bandwidth
     assert t["collective_s"] == pytest.approx(0.1 + 100 * timing.NCCL_LATENCY_S)
-    assert t["exposed_collective_s"] == pytest.approx(t["collective_s"] * (1 - timing.OVERLAP))
+    # no blocks named: nothing is prefetched, every collective second is waited for
+    assert t["exposed_collective_s"] == pytest.approx(t["collective_s"])
     assert t["step_s"] == pytest.approx(t["gemm_s"] + t["other_s"] + t["launch_s"]
                                         + t["dispatch_s"] + t["exposed_collective_s"])
 
@@ -32,3 +33,31 @@ def test_the_sharded_adamw_update_replaces_the_no_mesh_programs():
               "optimizer_update": {"program_s": full, "layout_s": full / 8}}
     t = timing.step_time(result, H100)
     assert t["other_s"] == pytest.approx(0.2 - full * 7 / 8)
+
+
+def test_prefetched_block_collectives_hide_behind_a_neighbours_compute():
+    exposed = timing.exposed_collective_seconds
+    # 32 blocks, 0.32 s of compute (10 ms a block): 3.2 ms of collectives a block hide
+    # whole behind the neighbour's 10 ms, except the first block's
+    assert exposed(0.1024, 0.32, 32, True) == pytest.approx(0.1024 / 32)
+    # 20 ms of collectives a block: 10 ms of each hidden, the first block's 20 exposed
+    assert exposed(0.64, 0.32, 32, True) == pytest.approx(0.02 + 31 * 0.01)
+    # never more than all of them, never less than one block's share
+    for comm, compute in ((0.1, 0.0), (0.1, 10.0), (5.0, 0.3)):
+        assert comm / 32 - 1e-12 <= exposed(comm, compute, 32, True) <= comm + 1e-12
+    # tensor or sequence parallelism, or one block: all exposed
+    assert exposed(0.1, 10.0, 32, False) == 0.1 and exposed(0.1, 10.0, 1, True) == 0.1
+
+
+def test_a_plan_with_prefetched_blocks_exposes_less_than_one_without():
+    base = {"roofline_s": 0.4, "roofline_gemm_s": 0.3, "kernel_launches": 1000,
+            "collectives": {"bytes_per_device": 45e9, "link_bandwidth": 450e9}}
+    flat = timing.step_time(base, H100, clusters=101, collective_count=100)
+    fsdp = timing.step_time({**base, "blocks": 32, "overlappable": True}, H100,
+                            clusters=101, collective_count=100)
+    tp = timing.step_time({**base, "blocks": 32, "overlappable": False}, H100,
+                          clusters=101, collective_count=100)
+    assert tp["step_s"] == flat["step_s"]
+    assert fsdp["exposed_collective_s"] == pytest.approx(flat["collective_s"] / 32)
+    assert fsdp["step_s"] == pytest.approx(flat["step_s"] - flat["collective_s"] * 31 / 32)
+    assert fsdp["factors"]["overlap"] == "prefetched by block"

@@ -232,8 +232,9 @@ def figure_sources(result: dict) -> dict:
     out = {"compute": f"compiled: {program}",
            "memory": f"compiled: XLA's buffer assignment of {program}",
            "step time": "modelled: the compiled roofline with GEMM efficiency, kernel gaps"
-                        + (", cluster dispatch, NCCL latency and bandwidth, overlap"
-                           if sharded else "") + " (tfllm.plan.timing)"}
+                        + (", cluster dispatch, NCCL latency and bandwidth, and the "
+                           "overlap the blocks' prefetch allows" if sharded else "")
+                        + " (tfllm.plan.timing)"}
     if sharded:
         out["memory"] += ("; state: exact bytes of the layout; block buffers: modelled "
                           "from the model's blocks (tfllm/parallel/blocks.py's schedule)")
@@ -298,7 +299,8 @@ def _step_parts(p: dict) -> str:
         parts.append(f"{t['factors']['clusters']:,} clusters {ms(t['dispatch_s'])}")
     if t["collective_s"]:
         parts.append(f"{t['factors']['collectives']:,} collectives "
-                     f"{ms(t['exposed_collective_s'])} exposed")
+                     f"{ms(t['exposed_collective_s'])} of {ms(t['collective_s'])} exposed "
+                     f"({t['factors']['overlap']})")
     return ", ".join(parts)
 
 

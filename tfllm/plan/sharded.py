@@ -14,7 +14,8 @@ sharded step exists to compile for a GPU, so a sharded mesh is planned as:
   in its layout (`tfllm.parallel.layouts`), replacing the one-device program's copies;
 * **collectives**: the bytes each device sends per step for the layout with ring
   algorithms (all-reduce 2(n-1)/n of the buffer, all-gather and reduce-scatter (n-1)/n of
-  the gathered size), timed at the target's NVLink bandwidth with no overlap:
+  the gathered size), timed at the target's NVLink bandwidth, hidden behind compute as
+  the blocks' prefetch allows (`tfllm.plan.timing.exposed_collective_seconds`):
   data: all-reduce of the gradients; fsdp: all-gather of the weights in the compute dtype
   (FP8 projections' kernels in one byte per value) forward and again backward,
   reduce-scatter of the float32 gradients; model: 4 all-reduces of the (B, T, E)
@@ -312,6 +313,11 @@ def apply_mesh(config, local, result: dict, target, mesh_note: str, devices=None
     else:
         result["collectives"] = assumed
     result["collective_s"] = result["collectives"]["seconds"]
+    # FSDP's and data parallelism's collectives move block by block, prefetched one block
+    # ahead (tfllm.plan.timing.exposed_collective_seconds); tensor and sequence
+    # parallelism's wait on the layer's own activations
+    result["blocks"] = config.model.num_layers
+    result["overlappable"] = tp == 1 and not seq_axis
     # Collectives per device per step: measured, else one per weight for each data-
     # parallel reduction, two gathers and a reduce-scatter per weight under FSDP, and four
     # activation all-reduces per layer under tensor parallelism. DTensor splits the

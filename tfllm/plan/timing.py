@@ -14,7 +14,14 @@ benchmarks/results/h100_plan.md):
 * **NCCL by message size** (Hockney's alpha-beta model): each collective costs a latency
   plus its bytes at the link's bus bandwidth, so many small collectives cost more than
   one large one of the same bytes;
-* **overlap**: the share of collective time hidden behind compute;
+* **overlap** (`exposed_collective_seconds`): FSDP's and data parallelism's collectives
+  move block by block and are prefetched (tfllm/parallel/blocks.py: block i+1's weights
+  are gathered when block i's input exists, a block's re-gather when the block after it
+  starts its backward pass, its gradients reduced while the block before computes;
+  tests/parallel/test_blocks.py checks that order in the executed graph), so each block's
+  collectives run beside a neighbouring block's compute: only the first block's and what
+  a block's collectives take beyond its compute are exposed. Tensor and sequence
+  parallelism's collectives sit on the critical path: never hidden;
 * **the AdamW update by the layout**: the per-device program is compiled without the
   mesh and updates every weight it computes with; on an FSDP (or ZeRO-1) layout a device
   updates only its shard.
@@ -46,10 +53,12 @@ CLUSTER_DISPATCH_S = 20e-6
 #: nccl-tests; reference tables such as docs.alayanew.com's "NCCL-tests in practice"); the
 #: low end is taken.
 NCCL_LATENCY_S = 15e-6
-#: Collective time hidden behind compute: none today, because tfllm's FSDP orders every
-#: gather behind a scalar all-reduce and the backward re-gather waits for its block's own
-#: gradient (issue 35, items 1-2); raise it when the executed program overlaps.
-OVERLAP = 0.0
+#: The share of a block's collectives that cannot run beside its neighbour's compute
+#: (the first block's are exposed whole; see `exposed_collective_seconds`). 0: a
+#: collective on its own stream (NCCL's, in TensorFlow's NcclManager and XLA) does not
+#: slow the compute it overlaps; a GPU profile (`tfllm.train.profile`, overlapped_ms)
+#: measures it when a GPU is lent.
+OVERLAP_LOSS = 0.0
 #: Bytes one AdamW update moves per parameter: reads the float32 weight, gradient and two
 #: moments and writes the weight and two moments (tfllm.optim: 7 x 4 bytes).
 ADAMW_BYTES_PER_PARAM = 28
@@ -58,6 +67,30 @@ ADAMW_BYTES_PER_PARAM = 28
 def adamw_seconds(params: float, memory_bandwidth: float) -> float:
     """HBM time of updating `params` parameters with AdamW."""
     return ADAMW_BYTES_PER_PARAM * params / memory_bandwidth
+
+
+def exposed_collective_seconds(comm: float, compute: float, blocks: int,
+                               overlappable: bool) -> float:
+    """The collective seconds a step waits for.
+
+    With `blocks` blocks whose collectives (`comm` seconds in all) are prefetched one
+    block ahead of `compute` seconds of work, block i's collectives run beside block
+    i-1's compute (forward) or i+1's (backward): a step exposes the first block's share
+    (nothing computes before it) and, for each other block, what its share takes beyond
+    one block's compute. Collectives that are not prefetched (`overlappable` False:
+    tensor or sequence parallelism, or no blocks) are all exposed.
+
+    Args:
+      comm: collective seconds per step.
+      compute: compute seconds per step (kernels).
+      blocks: the model's blocks (num_layers).
+      overlappable: whether the mesh's collectives are the blocks' prefetched ones.
+    """
+    if not overlappable or blocks < 2 or comm <= 0:
+        return comm
+    c, k = comm / blocks, compute / blocks
+    hidden_each = min(c, k) * (1.0 - OVERLAP_LOSS)
+    return c + (blocks - 1) * (c - hidden_each)
 
 
 def step_time(result: dict, target, clusters: int = 1,
@@ -85,12 +118,15 @@ def step_time(result: dict, target, clusters: int = 1,
     if c:
         comm = c["bytes_per_device"] / c["link_bandwidth"] + (collective_count or 0) * \
             NCCL_LATENCY_S
-    exposed = comm * (1.0 - OVERLAP)
+    exposed = exposed_collective_seconds(comm, compute + launches, result.get("blocks", 0),
+                                         result.get("overlappable", False))
     return {"compute_s": compute, "gemm_s": gemm / GEMM_EFFICIENCY, "other_s": other,
             "launch_s": launches, "dispatch_s": dispatch, "collective_s": comm,
             "exposed_collective_s": exposed,
             "step_s": compute + launches + dispatch + exposed,
             "factors": {"gemm_efficiency": GEMM_EFFICIENCY, "kernel_gap_s": KERNEL_GAP_S,
                         "cluster_dispatch_s": CLUSTER_DISPATCH_S,
-                        "nccl_latency_s": NCCL_LATENCY_S, "overlap": OVERLAP,
+                        "nccl_latency_s": NCCL_LATENCY_S, "overlap_loss": OVERLAP_LOSS,
+                        "overlap": "prefetched by block" if result.get("overlappable")
+                        else "none (collectives on the critical path)",
                         "clusters": clusters, "collectives": collective_count or 0}}
