@@ -11,6 +11,7 @@ from tfllm.data import chat
 from tfllm.data.chat import SampleEncoder, parse_line, read_records
 from tfllm.data.chat_template import ChatTemplate
 from tfllm.data.tokenizer import ByteTokenizer
+from tests.data import chat_templates as T
 from tests.data.test_chat import CHATML
 
 GOOD = {"messages": [
@@ -97,10 +98,12 @@ def test_fuzz_lines_are_refused_in_one_line_or_render():
     """Seeded: random truncations, type swaps, deep nesting, huge numbers and surrogates
     of a good line; each is one DataError or a record that renders and tokenizes."""
     rng = random.Random(48)
-    encode = {"messages": SampleEncoder(ByteTokenizer(), "messages", "all",
-                                        ChatTemplate(open(CHATML).read())),
-              "prompt_completion": SampleEncoder(ByteTokenizer(), "prompt_completion",
-                                                 "all")}
+    # the families' real templates read tool_calls, tools and reasoning fields
+    chats = [SampleEncoder(ByteTokenizer(), "messages", loss_on, ChatTemplate(*source))
+             for loss_on, source in (("all", (open(CHATML).read(),)),
+                                     ("assistant", T.FAMILIES["llama3"]),
+                                     ("last_assistant", T.FAMILIES["qwen3"]))]
+    completions = SampleEncoder(ByteTokenizer(), "prompt_completion", "all")
     for case in range(400):
         fmt = "messages" if case % 3 else "prompt_completion"
         good = GOOD if fmt == "messages" else PROMPT
@@ -109,9 +112,14 @@ def test_fuzz_lines_are_refused_in_one_line_or_render():
             line = line[:rng.randrange(len(line) + 1)]
         try:
             record = parse_line(line, f"data.jsonl:{case}", fmt)
-            encode[fmt](record)
         except DataError as e:
             one_line(e)
+            continue
+        for encode in (chats if fmt == "messages" else [completions]):
+            try:
+                encode(record)
+            except DataError as e:  # e.g. a template refusing a role order
+                one_line(e)
 
 
 @pytest.mark.parametrize("text", ["[" * 100_000 + "]" * 100_000, "[1, 2]",
