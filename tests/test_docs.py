@@ -205,6 +205,18 @@ COMMANDS = {
     "tfllm export --workdir runs/sft --format peft --out runs/sft-adapter":
         ("test", "tests/cli/test_sft_lora.py::test_the_sft_lora_recipe_trains_adapters_that_peft_serves",
          "peft loads the adapter onto the transformers base"),
+    "tfllm import --preset ./Llama-3.2-1B-Instruct --workdir runs/dpo "
+    "--config configs/recipes/dpo-lora.yaml":
+        ("test", "tests/cli/test_dpo_lora.py::"
+                 "test_the_dpo_lora_recipe_trains_adapters_trl_evaluates_alike",
+         "a tiny Llama 3 folder written by transformers; the recipe with 8 steps"),
+    "tfllm train --workdir runs/dpo":
+        ("test", "tests/cli/test_dpo_lora.py::"
+                 "test_the_dpo_lora_recipe_trains_adapters_trl_evaluates_alike", ""),
+    "tfllm export --workdir runs/dpo --format peft --out runs/dpo-adapter":
+        ("test", "tests/cli/test_dpo_lora.py::"
+                 "test_the_dpo_lora_recipe_trains_adapters_trl_evaluates_alike",
+         "TRL evaluates the adapter on the held-out pairs"),
     "vllm serve ./Llama-3.2-1B-Instruct --enable-lora --lora-modules sft=runs/sft-adapter":
         ("not run", "needs a GPU"),
     'tfllm generate --workdir runs/sft --chat --prompt "What is the capital of France?"':
