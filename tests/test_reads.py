@@ -160,11 +160,7 @@ _ALLOWED = {
     ("data/chat.py", "open"): "the chat JSONL reader, bounded per line by its parser "
                               "(item 2) and tokenizer_config.json's added tokens",
     ("data/chat.py", "json.load"): "the same",
-    ("data/sources.py", "open"): "data.paths: training text the user names, read as a "
-                                 "stream (no size bound: corpora are large)",
-    ("data/corpus.py", "open"): "the corpus cache tfllm built in data.data_dir, and the "
-                                "user's text files, read as a stream",
-    ("data/corpus.py", "json.load"): "the corpus cache's manifest, written by tfllm",
+    ("data/corpus.py", "open"): "tfllm's own source tree, the embedded corpus's text",
     ("data/pipeline.py", "open"): "the iterator state tf.train.Checkpoint wrote in a "
                                   "temporary folder tfllm made",
     ("data/pipeline.py", "json.load"): "the same",
@@ -255,3 +251,16 @@ def test_a_marker_or_holder_record_that_is_a_fifo_is_no_record(tmp_path):
     with RunLock(str(tmp_path), 0) as lock:  # read as no record (not a hang), then replaced
         assert lock.previous is None
         assert (tmp_path / ".tfllm-locks" / "client_0.holder").is_file()
+
+
+@pytest.mark.parametrize("manifest", ["[1]", "[" * 100000, '{"format": 0}',
+                                      '{"format": %d, "splits": {"train": {"file": '
+                                      '"../../outside", "file_bytes": 1, "sha256": "x"}}}'])
+def test_a_crafted_corpus_cache_is_no_cache(tmp_path, manifest):
+    # data.data_dir is shared (~/.cache/tfllm): its manifest was a traceback when a list,
+    # and its file names were joined without a check
+    from tfllm.data import corpus
+    if "%d" in manifest:
+        manifest = manifest % corpus.FORMAT_VERSION
+    (tmp_path / corpus.MANIFEST).write_text(manifest)
+    assert corpus._valid(str(tmp_path)) is None  # rebuilt, never read through

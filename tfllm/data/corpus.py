@@ -26,6 +26,7 @@ from typing import Dict, List, Optional, Tuple
 import tensorflow as tf
 
 from tfllm import files
+from tfllm.confined import inside, open_regular, read_regular
 from tfllm.data.errors import DataError
 
 SUFFIXES = (".py", ".txt", ".rst")
@@ -91,7 +92,7 @@ def _example(text: str) -> bytes:
 
 def _sha256(path: str) -> str:
     h = hashlib.sha256()
-    with open(path, "rb") as f:
+    with open_regular(path, None, "a corpus cache file") as f:  # no FIFO, no device
         for block in iter(lambda: f.read(1 << 20), b""):
             h.update(block)
     return h.hexdigest()
@@ -105,18 +106,19 @@ def _cache_dir(data_dir: str, validation_fraction: float) -> str:
 
 def _valid(directory: str) -> Optional[Dict]:
     """The manifest if the cache is complete and its files match their checksums."""
-    try:
-        with open(os.path.join(directory, MANIFEST)) as f:
-            manifest = json.load(f)
+    try:  # the cache is shared (data.data_dir): its manifest is read bounded, its file
+        # names kept inside the cache; anything else is no cache (rebuilt)
+        manifest = json.loads(read_regular(os.path.join(directory, MANIFEST), 1 << 20,
+                                           "the corpus cache's manifest"))
         if manifest.get("format") != FORMAT_VERSION:
             return None
         for split in ("train", "validation"):
             info = manifest["splits"][split]
-            path = os.path.join(directory, info["file"])
+            path = inside(directory, info["file"], "the corpus cache's manifest", flat=True)
             if os.path.getsize(path) != info["file_bytes"] or _sha256(path) != info["sha256"]:
                 return None
         return manifest
-    except (OSError, ValueError, KeyError):
+    except (OSError, ValueError, KeyError, TypeError, AttributeError, RecursionError):
         return None
 
 

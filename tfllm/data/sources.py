@@ -31,6 +31,7 @@ from typing import Iterator, List
 
 import tensorflow as tf
 
+from tfllm.confined import open_regular
 from tfllm.data import chat, preference
 from tfllm.data.errors import DataError
 
@@ -87,7 +88,7 @@ def check_text_files(files: List[str], key: str) -> None:
             raise DataError(f"{key}: {path} is empty; remove it from {key} or add text.")
         decoder = codecs.getincrementaldecoder("utf-8")("strict")
         offset = 0
-        with open(path, "rb") as f:
+        with open_regular(path, None, f"a text file of {key}", DataError) as f:
             for block in iter(lambda: f.read(1 << 20), b""):
                 try:
                     decoder.decode(block)
