@@ -192,3 +192,23 @@ def test_fuzzed_adapters_are_one_line_or_read(tmp_path):
             continue
         for name, array in arrays.items():
             assert np.isfinite(array).all() and array.ndim == 2
+
+
+def test_a_bfloat16_adapter_reads_as_float32(tmp_path):
+    # peft saves a bfloat16 model's adapter in bfloat16 (numpy has no such dtype), and so
+    # does tfllm export --format peft --dtype bfloat16
+    stored = tensors()
+    header, blobs, at = {}, [], 0
+    for key in sorted(stored):
+        bits = (stored[key].view(np.uint32) >> 16).astype("<u2")  # truncated to bfloat16
+        header[key] = {"dtype": "BF16", "shape": list(stored[key].shape),
+                       "data_offsets": [at, at + bits.nbytes]}
+        blobs.append(bits.tobytes())
+        at += bits.nbytes
+    text = json.dumps(header).encode()
+    data = struct.pack("<Q", len(text)) + text + b"".join(blobs)
+    _, arrays = read_adapter(adapter(tmp_path / "a", weights=data), "llama")
+    a = stored["base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight"]
+    want = ((a.view(np.uint32) >> 16) << 16).view(np.float32)
+    assert arrays["block_0/attention/query/lora_a"].dtype == np.float32
+    assert np.array_equal(arrays["block_0/attention/query/lora_a"], want.T)

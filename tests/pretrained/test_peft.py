@@ -211,3 +211,22 @@ def test_export_with_another_rank_than_trained_is_one_line(tmp_path, capsys):
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "(rank 8), not what lora.rank=16" in err[0], err
     assert not (tmp_path / "out").exists()
+
+
+def test_a_bfloat16_peft_export_imports_back(tmp_path):
+    # numpy has no bfloat16: the adapter reader converts it (a traceback-free refusal before)
+    from tfllm.checkpoint.reader import Reader
+    from tfllm.checkpoint.workdir import Workdir
+    ref.save("llama3", tmp_path / "hf")
+    _import(tmp_path, "llama3", "--set", "lora.rank=8")
+    assert main(["export", "--workdir", str(tmp_path / "run"), "--out",
+                 str(tmp_path / "adapter"), "--format", "peft", "--dtype", "bfloat16"]) == 0
+    assert main(["import", "--preset", str(tmp_path / "hf"), "--workdir",
+                 str(tmp_path / "back"), "--adapter", str(tmp_path / "adapter")]) == 0
+    name = "model/llama/block_1/mlp/down/lora_a"
+    a = Reader(Workdir(str(tmp_path / "run")).latest_checkpoint()).whole(name)
+    back = Reader(Workdir(str(tmp_path / "back")).latest_checkpoint()).whole(name)
+    rounded = a.astype(np.float32).view(np.uint32)
+    # bfloat16 keeps the top 16 bits, rounded to nearest even
+    rounded = ((rounded + 0x7FFF + ((rounded >> 16) & 1)) >> 16 << 16).view(np.float32)
+    assert np.array_equal(back, rounded)

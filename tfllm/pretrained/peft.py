@@ -26,6 +26,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import struct
 from typing import Dict, List, Optional, Tuple
 
 import numpy as np
@@ -244,8 +245,6 @@ def _read_config(path: str, config_path: str) -> dict:
 def _load_weights(path: str) -> Dict[str, np.ndarray]:
     """The adapter's tensors: a regular file safetensors reads; every tensor a finite
     floating-point matrix. One line naming the file and the tensor otherwise."""
-    from safetensors.numpy import load_file
-
     from tfllm.confined import open_regular
     weights_path = os.path.join(path, ADAPTER_WEIGHTS)
     try:
@@ -254,7 +253,7 @@ def _load_weights(path: str) -> Dict[str, np.ndarray]:
         raise PretrainedError(f"--adapter {path}: no {ADAPTER_WEIGHTS} (tfllm reads "
                               "safetensors adapters).") from None
     try:
-        stored = load_file(weights_path)
+        stored = _safetensors(weights_path)
     except Exception as e:  # noqa: BLE001 (safetensors' own error, truncation, dtype)
         text = " ".join(str(e).split())[:160]
         raise PretrainedError(f"{weights_path}: not a readable safetensors file ({text}); "
@@ -269,6 +268,29 @@ def _load_weights(path: str) -> Dict[str, np.ndarray]:
             raise PretrainedError(f"{weights_path}: {key} holds {bad} NaN or infinite "
                                   "values; the adapter is broken (retrain or re-save it).")
     return stored
+
+
+def _safetensors(path: str) -> Dict[str, np.ndarray]:
+    """The tensors of a safetensors file as numpy arrays, bfloat16 ones as float32 (numpy
+    has no bfloat16: peft saves a bfloat16 model's adapter so, and so does `tfllm export
+    --format peft --dtype bfloat16`). safetensors validates the header (its size, every
+    tensor's offsets inside the file) when the file is opened, before anything is read."""
+    from safetensors import safe_open
+    out = {}
+    with safe_open(path, framework="numpy") as f:
+        bf16 = [k for k in f.keys() if f.get_slice(k).get_dtype() == "BF16"]
+        out.update({k: f.get_tensor(k) for k in f.keys() if k not in bf16})
+    if bf16:
+        from tfllm.confined import open_regular
+        with open_regular(path, None, "a safetensors adapter", PretrainedError) as raw:
+            size = struct.unpack("<Q", raw.read(8))[0]
+            header = json.loads(raw.read(size))
+            for k in bf16:
+                start, end = header[k]["data_offsets"]
+                raw.seek(8 + size + start)
+                bits = np.frombuffer(raw.read(end - start), "<u2").astype(np.uint32) << 16
+                out[k] = bits.view(np.float32).reshape(header[k]["shape"])
+    return out
 
 
 def read_adapter(path: str, family: str) -> Tuple[dict, Dict[str, np.ndarray]]:
