@@ -87,3 +87,21 @@ def test_chat_on_a_text_run_without_a_template_says_how_to_name_one(monkeypatch)
         ChatSession(None, None, ByteTokenizer(), config.data, max_sequence_length=64)
     assert "data.format=messages" not in str(e.value)
     assert "this run (data.format=text" in str(e.value) and "without --chat" in str(e.value)
+
+
+def test_a_chat_uses_the_template_the_run_trained_with(monkeypatch, tmp_path):
+    # the run keeps its copy of data.chat_template (read as it started); the file the
+    # config names may have changed, or (a downloaded run) name any file of the user's
+    from tfllm.data.chat_template import store_chat_template
+    monkeypatch.setattr("tfllm.generate.chat.Generator", lambda *a, **k: None)
+    user = tmp_path / "chat.jinja"
+    user.write_text("{% for m in messages %}[{{ m.content }}]{% endfor %}")
+    config = Config()
+    config.data.tokenizer, config.data.chat_template = "byte", str(user)
+    store_chat_template(config.data, str(tmp_path / "run"))
+    user.write_text("{% for m in messages %}<changed>{% endfor %}")
+    own = ChatSession(None, None, ByteTokenizer(), config.data, 257,
+                      run_dir=str(tmp_path / "run"))
+    assert bytes(own.prompt_ids(conversation("hi"))).decode() == "[hi]"
+    named = ChatSession(None, None, ByteTokenizer(), config.data, 257)  # named with --set
+    assert bytes(named.prompt_ids(conversation("hi"))).decode() == "<changed>"

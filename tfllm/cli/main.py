@@ -273,8 +273,11 @@ def cmd_generate(args) -> int:
     run, meta = _restored_run(args, config)
     if args.chat:  # the reply through the run's chat template (tfllm.generate.chat)
         from tfllm.generate.chat import chat_reply
-        print(chat_reply(run, args.prompt, args.max_new_tokens, temperature=args.temperature,
-                         top_k=args.top_k, top_p=args.top_p, seed=args.seed))
+        # the template the run trained with (its own copy), unless named here with --set
+        named = any(o.split("=")[0].strip() == "data.chat_template" for o in args.overrides)
+        print(chat_reply(run, args.prompt, args.max_new_tokens, own_template=not named,
+                         temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
+                         seed=args.seed))
         return 0
     limit = config.model.max_sequence_length
     prompt_tokens = len(run.tokenizer.encode(args.prompt))

@@ -11,12 +11,14 @@ the end-of-turn text begins.
 from __future__ import annotations
 
 import json
+import os
 from typing import List, Optional
 
 from tfllm.data.chat import added_token_ids, load_object, message_error, text_encoder
 from tfllm.data.chat_template import folder_of, load_chat_template
 from tfllm.data.errors import DataError
 from tfllm.generate.generator import Generator
+from tfllm.runpaths import RunPaths
 
 
 def conversation(prompt: str) -> List[dict]:
@@ -56,12 +58,17 @@ class ChatSession:
       data: the run's data settings (`config.data`: data.chat_template, data.tokenizer_path).
       max_sequence_length: model.max_sequence_length.
       jit_compile: XLA-compile generation.
+      run_dir: the run's workdir: when it holds its copy of data.chat_template (what it
+        trained with, `store_chat_template`), that copy is the template, not the file the
+        config names now; None: the file the settings name (a user's --set).
     """
 
     def __init__(self, model, parallel, tokenizer, data, max_sequence_length: int,
-                 jit_compile: bool = True):
+                 jit_compile: bool = True, run_dir: Optional[str] = None):
+        own = run_dir if run_dir and os.path.isfile(
+            RunPaths(run_dir).chat_template_file) else None
         try:
-            self.template = load_chat_template(data)
+            self.template = load_chat_template(data, own)
         except DataError:
             if data.format == "messages":
                 raise
@@ -114,8 +121,14 @@ class ChatSession:
 
 
 def chat_reply(run, prompt: str, max_new_tokens: int, session: Optional[ChatSession] = None,
-               **sampling) -> str:
-    """The reply of a restored `tfllm.train.run.Run` to `prompt` (`conversation`)."""
+               own_template: bool = True, **sampling) -> str:
+    """The reply of a restored `tfllm.train.run.Run` to `prompt` (`conversation`).
+
+    Args:
+      own_template: the run's own copy of its chat template (what it trained with), when
+        it holds one; False: the file data.chat_template names (the user set it now).
+    """
     session = session or ChatSession(run.model, run.parallel, run.tokenizer, run.config.data,
-                                     run.config.model.max_sequence_length, run.jit_compile)
+                                     run.config.model.max_sequence_length, run.jit_compile,
+                                     run.workdir if own_template else None)
     return session.reply(conversation(prompt), max_new_tokens, **sampling)
