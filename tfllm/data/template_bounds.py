@@ -75,8 +75,14 @@ class TemplateLimit(jinja2.exceptions.TemplateError):
 
 
 class Budget:
-    """What one render may still spend: steps, and time on `clock` (`time.monotonic`
-    unless a test hands in its own)."""
+    """What one render (or compile) may still spend: steps, and time.
+
+    Args:
+      steps: the steps allowed (default MAX_TEMPLATE_STEPS, read when made).
+      seconds: the time allowed (default MAX_TEMPLATE_SECONDS).
+      clock: the clock the time is read on (default CLOCK: time.monotonic, which a test
+        may replace with a fake one).
+    """
 
     def __init__(self, steps: Optional[int] = None, seconds: Optional[float] = None,
                  clock: Optional[Callable[[], float]] = None):
@@ -117,7 +123,7 @@ def budget(spent: Optional[Budget] = None):
 
 def _spend(n: int = 1) -> None:
     spent = _BUDGET.get()
-    if spent is not None:  # compiling: nothing is counted (and nothing is folded at cost)
+    if spent is not None:  # outside a ChatTemplate's compile or render: not counted
         spent.spend(n)
 
 
