@@ -264,3 +264,15 @@ def test_a_crafted_corpus_cache_is_no_cache(tmp_path, manifest):
         manifest = manifest % corpus.FORMAT_VERSION
     (tmp_path / corpus.MANIFEST).write_text(manifest)
     assert corpus._valid(str(tmp_path)) is None  # rebuilt, never read through
+
+
+def test_a_resume_with_another_template_than_the_run_s_is_one_line(tmp_path):
+    from tfllm.data.chat_template import check_stored_template
+    user = tmp_path / "chat.jinja"
+    user.write_text(TEMPLATE)
+    store_chat_template(_data(str(user)), str(tmp_path / "run"))
+    check_stored_template(_data(str(user)), str(tmp_path / "run"))  # the same: fine
+    user.write_text(TEMPLATE + "!")
+    with pytest.raises(DataError, match=r"differs from the template this run trained with"):
+        check_stored_template(_data(str(user)), str(tmp_path / "run"))
+    check_stored_template(_data(str(user)), str(tmp_path / "older-run"))  # no copy: none

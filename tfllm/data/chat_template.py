@@ -355,6 +355,21 @@ def store_chat_template(data, workdir: str) -> Optional[str]:
     return path
 
 
+def check_stored_template(data, workdir: str) -> None:
+    """Raises DataError when the run in `workdir` trained with another template than the
+    file data.chat_template names holds now (a resume would render its data differently
+    from the run's first steps without a word), as a changed tokenizer is refused."""
+    path = RunPaths(workdir).chat_template_file
+    if not data.chat_template or os.path.islink(path) or not os.path.isfile(path):
+        return  # a run older than the copy, or none named
+    now = read_template(os.path.expanduser(data.chat_template),
+                        f"data.chat_template={data.chat_template}")
+    if now != read_template(path, path):
+        raise DataError(f"data.chat_template={data.chat_template} differs from the template "
+                        f"this run trained with ({path}); put that one back (cp {path} "
+                        f"{data.chat_template}), or start a new --workdir.")
+
+
 def load_chat_template(data, run: Optional[str] = None) -> ChatTemplate:
     """The chat template the data settings (`config.data`) name: the .jinja file of
     data.chat_template, else the tokenizer folder's own (data.tokenizer_path). Special

@@ -28,7 +28,7 @@ from tfllm.compiler.reports import FirstCall
 from tfllm.checkpoint.lock import RunLock
 from tfllm.checkpoint.workdir import (Workdir, check_tokenizer, check_workdir, start_run,
                                       tokenizer_fingerprint)
-from tfllm.data.chat_template import store_chat_template
+from tfllm.data.chat_template import check_stored_template, store_chat_template
 from tfllm.data.tokenizer import save_to_run
 from tfllm.models.lora import summary_line as lora_summary
 from tfllm.config.loader import profile_steps, to_dict
@@ -190,6 +190,8 @@ def _prepare(config, workdir, model_cls, out, signals, watchdog: list,
     run = Run(config, model_cls, workdir if state.has_checkpoint else None, capture_hlo=True)
     signals.reinstall()  # after the mesh: TensorFlow's multi-client start takes SIGTERM
     check_tokenizer(state, run.tokenizer)
+    if state.has_checkpoint and not state.imported:  # resumed: with its own template
+        check_stored_template(config.data, workdir)
     evaluating = preflight(run)  # what would fail after the last step fails before the first
     # One writer per run: after the input is checked (a refused run leaves the workdir as
     # it was), before anything is written or cleared (a second train on a live run is
