@@ -18,8 +18,11 @@ import pytest
 import tensorflow as tf
 
 from tests.harness import PY, ROOT, TF_HANG_S, run_tfllm, tfllm_env
+from tfllm.compiler import hlo_stats
+from tfllm.compiler.targets import get_target
 from tfllm.models.common.attention import Attention, AttentionSettings
 from tfllm.models.common.flash import blocks, flash_attention
+from tfllm.plan.planner import compile_in_child
 
 B, T, H, D = 2, 16, 4, 8
 
@@ -256,3 +259,51 @@ def test_blocked_attention_memory_grows_linearly_with_the_sequence():
     blocked = _temp_bytes(1024, 128)
     assert blocked / _temp_bytes(512, 128) < 2.4  # linear: one (128, 128) tile at a time
     assert _temp_bytes(1024, 0) > 3 * blocked  # the (B, H, T, T) scores the test would see
+
+
+def _h100_kernels(kv_heads, block, length=1024, heads=8, dim=64):
+    """Kernels of one bf16 attention core's forward and backward compiled for the H100
+    (deviceless, tfllm.plan's compile child), with the tiles its causal pass computes."""
+    layer = Attention(AttentionSettings(hidden_dim=heads * dim, num_query_heads=heads,
+                                        num_key_value_heads=kv_heads, head_dim=dim,
+                                        block_size=block), dtype="bfloat16")
+    attend = layer.attend_blocked if block else layer.attend
+
+    @tf.function(jit_compile=True, autograph=False)
+    def step(q, k, v, d_out):
+        with tf.GradientTape() as tape:
+            tape.watch([q, k, v])
+            out = attend(q, k, v, attention_mask=None)
+        return tape.gradient(out, [q, k, v], output_gradients=d_out)
+
+    args = [tf.zeros((1, length, h, dim), tf.bfloat16) for h in (heads, kv_heads, kv_heads,
+                                                                 heads)]
+    with tempfile.TemporaryDirectory() as work:
+        path = os.path.join(work, "attention.hlo.pb")
+        with open(path, "wb") as f:
+            f.write(step.experimental_get_compiler_ir(*args)(stage="hlo_serialized"))
+        text = compile_in_child(path, get_target("h100"))["optimized_hlo"]
+    spans = blocks(length, block or length)
+    tiles = sum(1 for _, qb in spans for ka, _ in spans if ka <= qb - 1)
+    kernels, _ = hlo_stats.kernels(text, partial_reads=True)
+    scores = tiles * heads * (block or length) ** 2
+    return kernels, tiles, scores
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(importlib.util.find_spec("jax") is None,
+                    reason='needs the plan extra (deviceless H100 compile): pip install -e ".[plan]"')
+@pytest.mark.parametrize("kv_heads", [8, 2])
+def test_compiled_for_h100_blocked_attention_moves_bounded_bytes_per_score(kv_heads):
+    # 1 x 1024 tokens, 8 query heads of 64, tiles of 256: 10 tiles (benchmarks/
+    # attention_bytes.py measures the 4096-token layer). Measured (2026-11-29, jax
+    # 0.10.2): 66 GEMMs, 133 kernels, 49 (kv 8) and 47 (kv 2) bytes per tile score
+    # element counting sliced reads (the standard path: 23 bytes per score of the whole
+    # T x T matrix); before this work dP's GEMM took float32 operands.
+    kernels, tiles, scores = _h100_kernels(kv_heads, 256)
+    gemms = [k for k in kernels if k.gemm_flops]
+    assert {k.operand_type for k in gemms} == {"bf16"}
+    assert len(gemms) <= 7 * tiles  # scores, P x V; scores, dP, dV, dQ, dK
+    # the same bounds for grouped queries (kv 2): no repeated keys, no per-tile transposes
+    assert len(kernels) <= 14 * tiles  # 13.3 measured
+    assert sum(k.bytes for k in kernels) <= 52 * scores
