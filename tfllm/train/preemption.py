@@ -19,6 +19,7 @@ from __future__ import annotations
 import os
 import signal
 import threading
+import time
 
 from tfllm import quiet
 from tfllm.contracts import HARD_STOP_EXIT_CODE
@@ -38,8 +39,15 @@ class NonFiniteError(RuntimeError):
     """The loss or gradient norm was NaN/Inf under train.on_nonfinite=abort."""
 
 
+#: taken by whichever of the handler and the counting thread stops the process first
+_STOPPING = threading.Lock()
+
+
 def _stop_at_once(signum: int) -> None:
     """The second signal: one line, then exit 130 without saving."""
+    if not _STOPPING.acquire(blocking=False):  # the other one is saying it and exiting
+        while True:
+            time.sleep(1)
     name = signal.Signals(signum).name
     os.write(2, f"tfllm train: stopped at once by a second signal ({name}); nothing "
                 "was saved, the latest committed checkpoint stays the latest.\n".encode())
