@@ -1,6 +1,6 @@
 """A PEFT adapter folder is input: every malformed adapter_config.json, damaged
 safetensors file or tensor of the wrong content is one PretrainedError line naming the
-file and the fix, read without TensorFlow and before anything is built or written."""
+file and the fix, found before a model is built or anything written."""
 
 import json
 import os
