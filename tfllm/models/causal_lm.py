@@ -32,7 +32,8 @@ import tensorflow as tf
 
 from tfllm.config.schema import ModelConfig
 from tfllm.models.common.layers import Projection, TokenEmbedding
-from tfllm.models.common.masks import cache_mask_and_positions, segment_mask_and_positions
+from tfllm.models.common.masks import (cache_mask_and_positions, row_positions,
+                                       segment_mask_and_positions)
 from tfllm.models.common.remat import check_policy, recompute, recomputing
 from tfllm.models.loss import token_nll
 from tfllm.parallel.context import block_weights, constrain
@@ -236,11 +237,15 @@ class CausalLM(keras.Model):
             attention stays within each document and positions restart at 0 at each
             document's start; None is plain causal attention over the whole row.
         """
-        mask = positions = None
         if segment_ids is not None:
             mask, positions = segment_mask_and_positions(segment_ids)
-        x = (self.embed(token_ids) if positions is None
-             else self.embed(token_ids, positions=positions))
+            x = self.embed(token_ids, positions=positions)
+        else:
+            # 0 .. T-1, computed in the program (`row_positions`): the blocks' RoPE
+            # tables and causal masks are then no folded constants. The embedding keeps
+            # its slice (learned positions: a gather would change its gradient's ops).
+            mask, positions = None, row_positions(token_ids)
+            x = self.embed(token_ids)
         previous = None
         for block in self.blocks:
             x, previous = self._run_block(block, x, mask, positions, ahead=previous), x

@@ -232,7 +232,7 @@ class Attention(keras.layers.Layer):
         out = tf.einsum("bhts,bshd->bthd", probs, v)  # (B, T, H, D)
         return constrain(out, _HEADS)
 
-    def attend_blocked(self, q, k, v, attention_mask=None):
+    def attend_blocked(self, q, k, v, attention_mask=None, positions=None):
         """`attend` over (block, block) tiles of queries and keys with an online softmax
         (tfllm.models.common.flash): same result up to the order of float32 sums, and
         neither pass keeps more than one tile's scores, so activation memory grows
@@ -243,6 +243,10 @@ class Attention(keras.layers.Layer):
         fsdp), query blocks are cut inside every piece: the queries are folded to
         (B, P, T/P, H, D) and a block takes queries a .. b-1 of each piece, so each
         device attends its own queries without gathering them.
+
+        `positions` (B, T), the rows' positions 0 .. T-1 when not packed (see
+        `tfllm.models.common.masks.row_positions`), or None: the causal tiles' masks are
+        computed from them, else they are constants.
         """
         batch, length, heads, dim = q.shape
         pieces = split_count(q.shape, _HEADS, 1)
@@ -255,6 +259,9 @@ class Attention(keras.layers.Layer):
                 tf.reshape(attention_mask, (batch, pieces, local, key_length)),
                 _FOLDED_MASK, "mask")
         query_pos = np.arange(pieces)[:, None] * local + np.arange(local)[None, :]  # (P, L)
+        if attention_mask is None and positions is not None:  # (B, T) -> (B, P, L)
+            positions = constrain(tf.reshape(positions, (batch, pieces, local)),
+                                  _FOLDED_MASK[:3], "positions")
 
         def mask_fn(qa, qb, ka, kb):
             if attention_mask is not None:  # packed: causal within segments (and window)
@@ -264,7 +271,19 @@ class Attention(keras.layers.Layer):
             allowed = keys <= rows
             if window:
                 allowed &= rows - keys < window
-            return None if allowed.all() else tf.constant(allowed[None])  # (1, P, t, s)
+            if allowed.all():
+                return None
+            if positions is None:
+                return tf.constant(allowed[None])  # (1, P, t, s)
+            # From the row's positions (0 .. T-1, computed in the program: masks'
+            # row_positions): XLA computes the tile's mask inside the scores' select
+            # instead of reading a folded (t, s) constant.
+            rows = tf.expand_dims(positions[:, :, qa:qb], -1)  # (B, P, t, 1)
+            keys = tf.constant(np.arange(ka, kb, dtype=np.int32))  # (s,)
+            allowed = keys <= rows
+            if window:
+                allowed &= rows - keys < window
+            return allowed  # (B, P, t, s)
 
         def key_span(qa, qb):
             return (max(0, qa - window + 1) if window else 0, int(query_pos[-1, qb - 1]))
@@ -300,7 +319,8 @@ class Attention(keras.layers.Layer):
                 window_mask(query_slots, tf.shape(attention_mask)[-1], self.sliding_window), 0)
         if cache is None:
             if self.block_size and q.shape[1] is not None and q.shape[1] > self.block_size:
-                return self.output_proj(self.attend_blocked(q, k, v, attention_mask))
+                return self.output_proj(self.attend_blocked(q, k, v, attention_mask,
+                                                            positions))
             attend = recompute(self.attend) if self.recompute_core else self.attend
             return self.output_proj(attend(q, k, v, attention_mask))  # (B, T, E)
         if attention_mask is None:

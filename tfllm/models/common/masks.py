@@ -17,6 +17,23 @@ _MASK = ("activation_batch", "activation_length", None)
 # tf.while_loop DTensor fails to lay out (or crashes on) a StridedSlice with new axes.
 
 
+def row_positions(token_ids):
+    """(B, T) int32 positions 0 .. T-1 of every row, computed in the program.
+
+    The training path's positions when rows are not packed. Written as a select on the
+    token ids that never takes them (an id is never above +inf), so that no compiler
+    can fold what depends on the positions into constants: tf.range(T) and the ops on it
+    were folded by tf2xla into each layer's RoPE tables ((1, T, 1, D) float32, two per
+    rotary call: 25 MB per llama-7b layer at 4096) and blocked attention's diagonal
+    masks (8 MB), in the program and in its compile. From these positions XLA computes
+    the tables' cosines in a fusion and the masks inside the scores' select.
+    """
+    token_ids = tf.convert_to_tensor(token_ids)
+    iota = tf.expand_dims(tf.range(token_ids.shape[1], dtype=tf.int32), 0)  # (1, T)
+    never = tf.cast(token_ids, tf.float32) > float("inf")  # (B, T), all False
+    return tf.where(never, tf.cast(token_ids, tf.int32), iota)  # (B, T)
+
+
 def segment_mask_and_positions(segment_ids):
     """Causal mask restricted to each token's own segment, and positions within it.
 
