@@ -169,6 +169,7 @@ def _block(variables):
     (lambda v: v["w"].update(shape=[2, 10 ** 20]), "cover 6 of its 2000000000"),
     (lambda v: v["w"].update(shape=[-2, 3]), "not a list of at most 8 sizes"),
     (lambda v: v["w"].update(dtype="object"), "not one tfllm saves"),
+    (lambda v: v["w"].update(dtype={"a": 1}), "not one tfllm saves"),  # a TypeError before
     (lambda v: _block(v).update(offset=10 ** 12), "at offset 1000000000000"),
     (lambda v: _block(v).update(nbytes=4), "says 4 bytes"),
     (lambda v: _block(v).update(start="0"), "malformed block"),
@@ -251,16 +252,17 @@ def test_crafted_metadata_is_one_checkpoint_error(tmp_path, metadata, fragment):
 
 
 def test_fuzzed_checkpoint_json_is_one_checkpoint_error_or_restores(tmp_path):
-    """Seeded fuzz of the three JSON files a reader parses (manifest, index, metadata):
+    """Seeded fuzz of the JSON files a reader parses (COMMIT, manifest, index, metadata):
     truncations, type swaps, huge and non-finite numbers; each re-signed as anyone can.
     A restore raises one CheckpointError line (or restores); never another exception."""
     import random
     rng = random.Random(48)
-    swaps = ["null", "[]", "{}", '"x"', "1.5", "-1", "1e999", "NaN", "true",
-             "123456789012345678901234567890", "[[[[[[]]]]]]"]
-    for case in range(60):
+    swaps = ["null", "[]", "{}", '"x"', "1.5", "-1", "1e999", "NaN", "Infinity", "true",
+             "123456789012345678901234567890", "[[[[[[]]]]]]", '{"a": 1}', "0"]
+    for case in range(80):
         root = _save(tmp_path / f"c{case}")
-        target = rng.choice(["manifest.json", "metadata.json", "client_00000/index.json"])
+        target = rng.choice(["manifest.json", "metadata.json", "client_00000/index.json",
+                             "COMMIT"])
         text = (root / target).read_text()
         if rng.random() < 0.3:
             text = text[:rng.randrange(len(text))]
@@ -271,6 +273,8 @@ def test_fuzzed_checkpoint_json_is_one_checkpoint_error_or_restores(tmp_path):
             text = text[:start] + rng.choice(swaps) + text[end:]
         if target == "manifest.json":
             _forge_manifest(root, lambda _: text)
+        elif target == "COMMIT":  # the top of the chain: nothing to recompute
+            (root / target).write_text(text)
         else:
             (root / target).write_text(text)
             _forge(root, _add(target, text.encode()))

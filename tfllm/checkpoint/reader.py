@@ -178,7 +178,7 @@ class Reader:
                 and all(type(n) is int and n >= 0 for n in shape)):
             raise CheckpointError(f"{where} has the shape {str(shape)[:60]}, not a list of "
                                   f"at most 8 sizes; {_UNTRUSTED}.")
-        if dtype not in _DTYPES:
+        if not isinstance(dtype, str) or dtype not in _DTYPES:  # a dict is unhashable
             raise CheckpointError(f"{where} has the dtype {str(dtype)[:40]!r}, not one tfllm "
                                   f"saves; {_UNTRUSTED}.")
         itemsize = np.dtype(_numpy_dtype(dtype)).itemsize
