@@ -231,3 +231,24 @@ def test_metrics_on_a_full_disk_name_metrics_jsonl(tmp_path, monkeypatch):
     with pytest.raises(OSError) as e:
         outputs.record({"step": 1, "loss": 1.0}, None)
     assert e.value.filename == str(tmp_path / "metrics.jsonl")
+
+
+def test_the_config_s_paths_expand_the_home_folder(tmp_path, monkeypatch):
+    # every path a config names: data.paths / eval_paths (globs), data.chat_template,
+    # data.tokenizer_path, train.xla_cache (above); data.data_dir and data.tfds_data_dir
+    # go through os.path.expanduser where read (tfllm/data/corpus.py, sources.py)
+    from tfllm.config import Config
+    from tfllm.data.chat_template import store_chat_template
+    from tfllm.data.sources import resolve_files
+    from tfllm.data.tokenizer import from_file
+    monkeypatch.setenv("HOME", str(tmp_path))
+    (tmp_path / "a.txt").write_text("text")
+    assert resolve_files(["~/*.txt"], "data.paths") == [str(tmp_path / "a.txt")]
+    (tmp_path / "t.jinja").write_text("{{ messages }}")
+    data = Config().data
+    data.chat_template = "~/t.jinja"
+    store_chat_template(data, str(tmp_path / "run"))
+    assert (tmp_path / "run" / "chat_template.jinja").read_text() == "{{ messages }}"
+    from tfllm.data.errors import DataError
+    with pytest.raises(DataError, match=f"tokenizer_path={tmp_path}/missing.model: no such"):
+        from_file("~/missing.model")  # looked for in the home folder
