@@ -159,7 +159,7 @@ def test_the_position_restores_exactly_and_validation_reads_once(tmp_path):
 
 @pytest.mark.parametrize("setting,says", [
     (dict(objective="sft"), "set both train.objective=dpo and data.format=preference"),
-    (dict(rank=0), "needs lora.rank > 0"),
+    (dict(rank=0, policy="fp8"), "would keep its first FP8 scales"),
     (dict(loss="hinge", label_smoothing=0.1), "applies to dpo.loss=sigmoid only"),
 ])
 def test_objective_settings_go_together(setting, says):
@@ -167,9 +167,12 @@ def test_objective_settings_go_together(setting, says):
     if "objective" in setting:
         config.train.objective = setting["objective"]
     if "rank" in setting:
-        config.lora.rank = setting["rank"]
+        config.lora.rank, config.precision.policy = setting["rank"], setting["policy"]
     if "loss" in setting:
         config.dpo.loss, config.dpo.label_smoothing = setting["loss"], setting["label_smoothing"]
     with pytest.raises(ConfigError, match=says.replace(".", r"\.").replace("+", r"\+")):
         check_objective(config)
     check_objective(pair_config())
+    full = pair_config()
+    full.lora.rank = 0  # full fine-tuning: a frozen reference copy
+    check_objective(full)

@@ -159,3 +159,75 @@ def test_a_dpo_run_logs_trls_metrics_and_evaluates_held_out_pairs(tmp_path):
         assert r["eval_pairs"] > 0 and all(math.isfinite(r[f"eval_{k}"]) for k in METRICS)
     with open(tmp_path / "run" / "config.yaml") as f:
         assert "objective: dpo" in f.read()  # the resolved config names it
+
+
+def test_full_fine_tuning_compares_with_a_frozen_copy_of_the_first_weights():
+    """lora.rank=0: the reference is a frozen copy (built as the model, same seed: the
+    same first weights), saved with the run; only the policy's weights train, and after
+    an update the step's gradients are those with the copy's log-probs held constant."""
+    import tensorflow as tf
+
+    from tfllm.train.dpo import pairs_of, row_sums
+    from tfllm.train.run import run_state_variables
+    from tfllm.train.state import build_train_state
+    from tfllm.train.step import lm_forward
+    cfg = tiny_config("llama", **{**DPO, "lora.rank": 0, "train.global_batch_size": 2})
+    state = build_train_state(cfg, None, False, packing_mask=True)
+    step, reference = state.step, state.reference
+    assert reference is not None and not reference.trainable_variables
+    assert len(step.variables) == len(reference.variables)  # every policy weight trains
+    names = run_state_variables(state.model, state.optimizer, None, None, reference)
+    assert sum(n.startswith("reference/") for n in names) == len(reference.variables)
+    tokens, segments, mask = pair_batch(np.random.default_rng(4), 2, 128)
+    batch = feed.to_device(None, tokens[None], segments[None], mask[None])
+    first = step.compiled(batch, tf.constant(np.inf, tf.float32))
+    assert float(first["loss"]) == pytest.approx(math.log(2), abs=1e-7)  # policy = copy
+    loss, grads = step.loss_and_grads(batch)  # after one update of the policy only
+    assert abs(loss - math.log(2)) > 1e-4
+    micro = batch[0]
+    trained = tf.cast(micro[2][:, 1:], tf.float32)
+    ref_logits, targets, _ = lm_forward(reference, micro, True)
+    ref_c, ref_r = (tf.constant(x.numpy()) for x in pairs_of(row_sums(ref_logits, targets,
+                                                                      trained)[0]))
+    with tf.GradientTape() as tape:
+        logits, _, _ = lm_forward(step.model, micro, True)
+        c, r = pairs_of(row_sums(logits, targets, trained)[0])
+        want = tf.reduce_mean(-tf.math.log_sigmoid(0.5 * ((c - ref_c) - (r - ref_r))))
+    assert loss == pytest.approx(float(want), rel=1e-6)  # the same ops: rounding only
+    for g, w in zip(grads, tape.gradient(want, step.variables)):
+        np.testing.assert_allclose(g, tf.convert_to_tensor(w).numpy(), rtol=1e-5,
+                                   atol=1e-7)  # rounding only
+
+
+@pytest.mark.slow  # three short runs of a tiny model
+def test_full_fine_tuning_saves_its_reference_and_resumes_exactly(tmp_path):
+    """lora.rank=0: checkpoints hold the reference copy (the first weights, unchanged by
+    training); 3 steps then a resume to 6 log the losses and rewards of 6 steps at once."""
+    from tests.harness import metrics_records
+    from tfllm.checkpoint.reader import Reader
+    from tfllm.checkpoint.workdir import Workdir
+    from tfllm.models import build_model
+    from tfllm.train.loop import train
+    overrides = {
+        **DPO, "lora.rank": 0, "data.tokenizer": "byte", "model.vocab_size": 257,
+        "data.chat_template": os.path.join(ROOT, "tfllm", "data", "templates",
+                                           "chatml.jinja"),
+        "data.sequence_length": 192, "model.max_sequence_length": 192,
+        "data.validation_fraction": 0.0, "train.global_batch_size": 2,
+        "train.log_every": 1, "checkpoint.every": 3, "optimizer.learning_rate": 1e-3,
+        # a schedule that does not depend on train.steps, which the two runs change
+        "optimizer.warmup_steps": 0, "optimizer.decay_steps": 100}
+    straight, resumed = tmp_path / "straight", tmp_path / "resumed"
+    train(tiny_config("llama", **{**overrides, "train.steps": 6}), str(straight))
+    train(tiny_config("llama", **{**overrides, "train.steps": 3}), str(resumed))
+    train(tiny_config("llama", **{**overrides, "train.steps": 6}), str(resumed))
+    want, got = metrics_records(straight), metrics_records(resumed)
+    keys = ("loss", "rewards/margins", "logps/chosen")
+    assert [[r[k] for k in keys] for r in got] == [[r[k] for k in keys] for r in want]
+    first = build_model(tiny_config("llama", **{**overrides, "train.steps": 6}))
+    saved = Reader(Workdir(str(resumed)).latest_checkpoint())
+    moved = 0
+    for v in first.variables:
+        np.testing.assert_array_equal(saved.whole(f"reference/{v.path}"), v.numpy())
+        moved += not np.array_equal(saved.whole(f"model/{v.path}"), v.numpy())
+    assert moved == len(first.variables)  # the policy trained, the reference did not

@@ -12,6 +12,7 @@ the DPO loss of one micro-batch. Everything is float32 on CPU.
 import json
 import math
 import os
+import shutil
 
 import numpy as np
 import pytest
@@ -79,6 +80,15 @@ def setup(tmp_path_factory):
     model.save_pretrained(str(folder / "adapter"))
     assert main(["import", "--preset", str(folder / "hf"), "--workdir", str(folder / "run"),
                  "--adapter", str(folder / "adapter")]) == 0
+    # Full fine-tuning: the adapted weights merged into a plain folder (the policy) and
+    # the base (the reference), each imported without adapters.
+    merged = peft.PeftModel.from_pretrained(ref.load(folder / "hf"), str(folder / "adapter"))
+    merged.merge_and_unload().save_pretrained(str(folder / "merged"))
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(folder / "hf" / name, folder / "merged" / name)
+    for preset, run in (("merged", "policy_run"), ("hf", "base_run")):
+        assert main(["import", "--preset", str(folder / preset), "--workdir",
+                     str(folder / run)]) == 0
     return folder, tokenizer, model.eval()
 
 
@@ -110,8 +120,9 @@ def _trl(setup, records, loss_type, **kwargs):
     return trainer
 
 
-def _tfllm(setup, records, tmp_path, **dpo):
-    """tfllm's (loss, metrics, pair samples) of `records` as one micro-batch."""
+def _tfllm(setup, records, tmp_path, full=False, **dpo):
+    """tfllm's (loss, metrics, pair samples) of `records` as one micro-batch; `full`:
+    the merged policy against a frozen copy of the base (lora.rank=0)."""
     from tfllm.checkpoint.workdir import Workdir
     from tfllm.config import load_config
     from tfllm.data import feed
@@ -120,6 +131,7 @@ def _tfllm(setup, records, tmp_path, **dpo):
     from tfllm.data.tokenizer import load_tokenizer
     from tfllm.models import build_model
     from tfllm.train.dpo import DpoLoss
+    from tfllm.train.state import build_train_state
     from tfllm.train.step import lm_forward
     folder = setup[0]
     path = tmp_path / "pairs.jsonl"
@@ -130,9 +142,14 @@ def _tfllm(setup, records, tmp_path, **dpo):
                  f"data.sequence_length={SEQUENCE_LENGTH}", "data.validation_fraction=0",
                  f"dpo.beta={BETA}", "model.max_sequence_length=96"]
     overrides += [f"dpo.{k}={v}" for k, v in dpo.items()]
-    config = load_config(str(folder / "run" / "config.yaml"), overrides)
+    run = folder / ("policy_run" if full else "run")
+    config = load_config(str(run / "config.yaml"), overrides)
     model = build_model(config, None)
-    Workdir(str(folder / "run")).restore_weights(model)
+    Workdir(str(run)).restore_weights(model)
+    reference = None
+    if full:  # the reference copy a full fine-tuning run builds, with the base's weights
+        reference = build_train_state(config, None, False, optimizer=False).reference
+        Workdir(str(folder / "base_run")).restore_weights(reference, fp8_state=False)
     tokenizer = load_tokenizer(config.data, config.model.vocab_size, str(folder / "run"))
     # The validation split (data.eval_paths) reads the pairs in file order: pair p is
     # rows 2p (chosen) and 2p + 1 (rejected) of the one micro-batch.
@@ -141,7 +158,8 @@ def _tfllm(setup, records, tmp_path, **dpo):
                          micro_batch_rows=2 * len(pairs), max_batches=1))
     micro = feed.to_device(None, batch["tokens"], batch["segment_ids"],
                            batch["loss_mask"])[0]
-    loss, metrics = DpoLoss(config.dpo)(model, micro, lambda m, x: lm_forward(m, x, False))
+    loss, metrics = DpoLoss(config.dpo, reference)(model, micro,
+                                                   lambda m, x: lm_forward(m, x, False))
     return float(loss), {k: float(v) for k, v in metrics.items()}, pairs
 
 
@@ -200,4 +218,30 @@ def test_loss_rewards_and_logps_equal_trls(setup, name, tmp_path):
     assert metrics["rewards/accuracies"] == theirs["eval_rewards/accuracies"]
     assert 0 < metrics["rewards/accuracies"] < 1  # the pairs' rewards differ both ways
     assert math.isfinite(loss) and loss > 0
+    np.testing.assert_allclose(loss, theirs["eval_loss"], rtol=1e-5, atol=LOSS_ATOL)
+
+
+def test_full_fine_tuning_s_frozen_reference_equals_trls_ref_model(setup, tmp_path):
+    """lora.rank=0: tfllm's frozen reference copy against TRL's ref_model (a frozen
+    model): the merged policy and the base, the same loss and metrics."""
+    import datasets
+    import trl
+    folder, tokenizer, _ = setup
+    records = _records("conversations")
+    dataset = datasets.Dataset.from_list(records)
+    args = trl.DPOConfig(output_dir=str(folder / "trl"), report_to=[], use_cpu=True,
+                         bf16=False, max_length=SEQUENCE_LENGTH + 1, beta=BETA,
+                         per_device_eval_batch_size=len(records))
+    theirs = trl.DPOTrainer(model=ref.load(folder / "merged"), ref_model=ref.load(
+        folder / "hf"), args=args, train_dataset=dataset, eval_dataset=dataset,
+        processing_class=tokenizer).evaluate()
+    loss, metrics, _ = _tfllm(setup, records, tmp_path, full=True)  # lora.rank=0
+    for key in ("logps/chosen", "logps/rejected"):
+        np.testing.assert_allclose(metrics[key], theirs[f"eval_{key}"], rtol=LOGP_RTOL,
+                                   atol=LOGP_ATOL, err_msg=key)
+    for key in ("rewards/chosen", "rewards/rejected", "rewards/margins"):
+        np.testing.assert_allclose(metrics[key], theirs[f"eval_{key}"], rtol=LOGP_RTOL,
+                                   atol=BETA * LOGP_ATOL, err_msg=key)
+    assert metrics["rewards/accuracies"] == theirs["eval_rewards/accuracies"]
+    assert abs(metrics["rewards/margins"]) > 1e-3  # the policy is not the reference
     np.testing.assert_allclose(loss, theirs["eval_loss"], rtol=1e-5, atol=LOSS_ATOL)

@@ -12,7 +12,7 @@ from typing import Dict, Optional
 
 #: the groups of run-state variables: those with a Keras path after the group's name
 #: (a model variable; a moment of a trained variable) and single ones
-PATH_GROUPS = ("model", "optimizer/m", "optimizer/v")
+PATH_GROUPS = ("model", "optimizer/m", "optimizer/v", "reference")
 SINGLE_NAMES = ("optimizer/iterations", "loss_scale/scale", "loss_scale/good_steps",
                 "loss_scale/skipped_steps", "train/guard_skipped")
 
@@ -22,7 +22,8 @@ def state_name(group: str, path: Optional[str] = None) -> str:
 
     Args:
       group: "model" (a model variable: weights and FP8 amax histories), "optimizer/m" or
-        "optimizer/v" (AdamW's moments of a trained variable), all with `path`; or one of
+        "optimizer/v" (AdamW's moments of a trained variable), "reference" (a weight of
+        DPO's frozen reference copy), all with `path`; or one of
         the single variables "optimizer/iterations", "loss_scale/{scale,good_steps,
         skipped_steps}" (fp16 loss scaling) and "train/guard_skipped" (the step guard's
         count), without `path`.
@@ -42,7 +43,7 @@ def state_name(group: str, path: Optional[str] = None) -> str:
                      f"{', '.join(SINGLE_NAMES)} without one.")
 
 
-def model_variables(model, fp8_state: bool = True) -> Dict[str, object]:
+def model_variables(model, fp8_state: bool = True, prefix: str = "model") -> Dict[str, object]:
     """The model's variables by their run-state names: the weights alone restore from a
     checkpoint that holds more (`Reader.restore(..., strict=False)`).
 
@@ -50,13 +51,14 @@ def model_variables(model, fp8_state: bool = True) -> Dict[str, object]:
       model: a built Keras model.
       fp8_state: include the FP8 amax histories (model variables of kind "fp8_state");
         False for pretrained weights, whose run may not have used FP8.
+      prefix: "model", or "reference" for DPO's reference copy (`run_state_variables`).
     """
-    return _unique((state_name("model", var.path), var) for var in model.variables
+    return _unique((state_name(prefix, var.path), var) for var in model.variables
                    if fp8_state or getattr(var, "kind", None) != "fp8_state")
 
 
 def run_state_variables(model, optimizer=None, loss_scale=None,
-                        guard_skipped=None) -> Dict[str, object]:
+                        guard_skipped=None, reference=None) -> Dict[str, object]:
     """Every variable a run must save to resume exactly, named by `state_name`.
 
     Args:
@@ -65,11 +67,13 @@ def run_state_variables(model, optimizer=None, loss_scale=None,
       loss_scale: a `tfllm.precision.loss_scale.DynamicLossScale`, or None.
       guard_skipped: the train step's count of steps its guard skipped
         (`TrainStep.skipped`), or None.
+      reference: DPO's frozen reference model (full fine-tuning), or None; saved as
+        reference/<path>, so that a resumed run compares with the same reference.
     """
-    return _unique(_state_items(model, optimizer, loss_scale, guard_skipped))
+    return _unique(_state_items(model, optimizer, loss_scale, guard_skipped, reference))
 
 
-def _state_items(model, optimizer, loss_scale, guard_skipped):
+def _state_items(model, optimizer, loss_scale, guard_skipped, reference=None):
     for var in model.variables:
         yield state_name("model", var.path), var
     if optimizer is not None:
@@ -86,6 +90,9 @@ def _state_items(model, optimizer, loss_scale, guard_skipped):
             yield state_name(f"loss_scale/{name}"), var
     if guard_skipped is not None:
         yield state_name("train/guard_skipped"), guard_skipped
+    if reference is not None:
+        for var in reference.variables:
+            yield state_name("reference", var.path), var
 
 
 def _unique(items) -> Dict[str, object]:

@@ -124,7 +124,7 @@ class Workdir(RunPaths):
 
     def restore_weights(self, model, parallel=None, config=None, step: Optional[int] = None,
                         fp8_state: bool = True, checkpointer: Optional[Checkpointer] = None,
-                        new_adapters: bool = False) -> dict:
+                        new_adapters: bool = False, prefix: str = "model") -> dict:
         """Restores the model's variables alone (no optimizer state is needed or built)
         from the latest committed checkpoint (falling back past corrupt ones per
         config.on_corruption) or from `step`; returns that checkpoint's metadata.
@@ -138,12 +138,13 @@ class Workdir(RunPaths):
           checkpointer: the run's own `Checkpointer` (else one is made).
           new_adapters: LoRA weights (A and B) the checkpoint does not hold keep their
             initialization (adapters added to imported weights); others must be there.
+          prefix: which saved model: "model", or "reference" (DPO's reference copy).
 
         Raises:
           FileNotFoundError: no committed checkpoint.
         """
         checkpointer = checkpointer or self.checkpointer(parallel, config)
-        weights = model_variables(model, fp8_state)
+        weights = model_variables(model, fp8_state, prefix)
         if new_adapters:
             found = step if step is not None else checkpointer.latest_step()
             if found is not None:

@@ -368,11 +368,12 @@ def check_objective(cfg: schema.Config) -> None:
             f"train.objective={t.objective} with data.format={d.format}: preference pairs "
             "train with DPO and DPO trains on pairs; set both train.objective=dpo and "
             "data.format=preference, or neither.")
-    if t.objective == "dpo" and cfg.lora.rank == 0:
+    if t.objective == "dpo" and cfg.lora.rank == 0 and cfg.precision.policy == "fp8":
         raise ConfigError(
-            "train.objective=dpo needs lora.rank > 0: the reference model is the same "
-            "weights with the adapters off (full fine-tuning's frozen reference copy is not "
-            "built yet); set lora.rank (e.g. 16).")
+            "train.objective=dpo with lora.rank=0 and precision.policy=fp8: the frozen "
+            "reference copy would keep its first FP8 scales for the whole run; use "
+            "precision.policy=bfloat16, or LoRA (lora.rank > 0: the reference is the "
+            "model with its adapters off).")
     if cfg.dpo.label_smoothing and cfg.dpo.loss != "sigmoid":
         raise ConfigError(f"dpo.label_smoothing={cfg.dpo.label_smoothing} applies to "
                           f"dpo.loss=sigmoid only (it is {cfg.dpo.loss}); set it to 0.")

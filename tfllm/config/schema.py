@@ -275,7 +275,8 @@ class TrainConfig:
                         "the tokens of train.loss_on) or dpo (direct preference "
                         "optimization on data.format=preference pairs, the loss of "
                         "dpo.loss; the reference is the model with its LoRA adapters off, "
-                        "so it needs lora.rank > 0).", choices=("sft", "dpo"))
+                        "or without LoRA a frozen copy of the initial weights, laid out as "
+                        "the model and saved with the run).", choices=("sft", "dpo"))
     grad_accum_steps: int = _f(1, "Micro-batches accumulated per optimizer step.",
                                min=1, max=_MAX_TOKENS)
     loss_on: str = _f("all", "Which target tokens the loss trains on: all; completion "

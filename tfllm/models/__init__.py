@@ -26,7 +26,7 @@ def model_class(family: str):
 
 
 def build_model(config, parallel=None, seed: Optional[int] = None, model_cls=None,
-                allocate: bool = True, zeros: bool = False) -> CausalLM:
+                allocate: bool = True, zeros: bool = False, frozen: bool = False) -> CausalLM:
     """Builds the model a config describes, its variables created in their layouts.
 
     Args:
@@ -36,6 +36,7 @@ def build_model(config, parallel=None, seed: Optional[int] = None, model_cls=Non
       model_cls: a `CausalLM` subclass to use instead of the config's family.
       allocate: False builds shapes only (no memory), for `tfllm layouts`.
       zeros: allocate zero-filled variables (weights that will be loaded).
+      frozen: every weight non-trainable (DPO's reference copy: no gradient is taken).
     """
     from tfllm.internals import forget_deferred
     from tfllm.parallel.placement import build_abstract, place_variables
@@ -48,6 +49,9 @@ def build_model(config, parallel=None, seed: Optional[int] = None, model_cls=Non
     enable_lora(model, config.lora)  # before the weights exist: kernels freeze, A and B join
     build_abstract(model)
     freeze_base(model)
+    if frozen:  # before the weights exist, as freeze_base
+        for v in model.variables:
+            v.trainable = False
     if parallel is not None:  # fail before allocating anything if a variable cannot be laid out
         try:
             for var in model.variables:

@@ -18,8 +18,11 @@ plus dpo.rpo_alpha times the chosen completions' mean token NLL (RPO).
 Chosen and rejected run through ONE forward pass: a micro-batch's rows 2p and 2p + 1
 are pair p's two sequences, concatenated along the batch, so the rows split over the
 mesh's batch axis keep each pair (and its reference terms) on one device. The
-reference pi_ref is the same weights with the LoRA adapters off (`adapters_off`): one
-more forward pass of the same rows, without gradients, and no second copy of the model.
+reference pi_ref is, with LoRA, the same weights with the adapters off (`adapters_off`:
+no second copy of the model); in full fine-tuning a frozen copy of the initial weights
+laid out by the same rules (`reference`: no optimizer state, no gradients). Either way
+one more forward pass of the same rows, which the step runs outside its gradient tape
+(`reference_logps`), so nothing of it is kept for the backward pass.
 
 Metrics carry TRL's names: rewards/chosen, rewards/rejected (beta times the
 log-ratios), rewards/accuracies (chosen reward > rejected), rewards/margins,
@@ -30,6 +33,7 @@ from __future__ import annotations
 
 from typing import Dict, Tuple
 
+import numpy as np
 import tensorflow as tf
 
 from tfllm.models.common.adapters import adapters_off
@@ -39,6 +43,20 @@ from tfllm.models.loss import token_nll
 #: the metrics a DPO step reports, TRL's names
 METRICS = ("rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins",
            "logps/chosen", "logps/rejected")
+
+
+def reference_summary(model, reference) -> str:
+    """The line a DPO run prints: which reference, and what it costs."""
+    if reference is None:
+        return ("tfllm: DPO reference: the model with its LoRA adapters off (no copy; one "
+                "more forward pass per micro-batch, outside the gradient tape)")
+    count = sum(int(np.prod(v.shape)) for v in reference.variables)
+    size = sum(int(np.prod(v.shape)) * np.dtype(v.dtype).itemsize
+               for v in reference.variables)
+    return (f"tfllm: DPO reference: a frozen copy of the first weights ({count:,} weights, "
+            f"{size / 2 ** 30:.3g} GiB in all, sharded as the model's; no optimizer state "
+            "or gradient; saved with each checkpoint; one more forward pass per "
+            "micro-batch)")
 
 
 def pairs_of(per_row):
@@ -96,12 +114,26 @@ class DpoLoss:
 
     Args:
       dpo: the config's `DpoConfig` (loss, beta, label_smoothing, rpo_alpha).
+      reference: the frozen reference model (full fine-tuning), or None: the policy with
+        its LoRA adapters off.
     """
 
-    def __init__(self, dpo):
-        self.dpo = dpo
+    def __init__(self, dpo, reference=None):
+        self.dpo, self.reference = dpo, reference
 
-    def __call__(self, model, micro, forward, seed=None) -> Tuple[tf.Tensor, Dict]:
+    def reference_logps(self, model, micro, forward):
+        """(2P,) the reference's summed completion log-probabilities of each row, without
+        gradients: the policy `model` with adapters off, or the frozen copy."""
+        trained = tf.cast(micro[2][:, 1:], tf.float32)  # (2P, T)
+        if self.reference is not None:
+            logits, targets, _ = forward(self.reference, micro)
+        else:
+            with adapters_off():  # the same weights, adapters off, no dropout
+                logits, targets, _ = forward(model, micro)
+        return tf.stop_gradient(row_sums(logits, targets, trained)[0])
+
+    def __call__(self, model, micro, forward, seed=None,
+                 reference_logps=None) -> Tuple[tf.Tensor, Dict]:
         """(loss, metrics) of one micro-batch.
 
         Args:
@@ -111,14 +143,15 @@ class DpoLoss:
           forward: forward(model, micro) -> (logits (2P, T, V), targets (2P, T), _)
             (`tfllm.train.step.lm_forward` with the run's packing setting).
           seed: the step's noise seed (LoRA dropout of the policy pass), or None.
+          reference_logps: `reference_logps` of this micro-batch, computed by the caller
+            outside its gradient tape; None: computed here.
         """
         trained = tf.cast(micro[2][:, 1:], tf.float32)  # (2P, T): completion targets
         with noise_seed(seed):  # the policy: adapters on, dropout in training
             logits, targets, _ = forward(model, micro)
         logps, nll = row_sums(logits, targets, trained)  # (2P,) each
-        with adapters_off():  # the reference: the same weights, adapters off, no dropout
-            ref_logits, _, _ = forward(model, micro)
-        ref_logps = tf.stop_gradient(row_sums(ref_logits, targets, trained)[0])  # (2P,)
+        ref_logps = (self.reference_logps(model, micro, forward)
+                     if reference_logps is None else reference_logps)  # (2P,)
         chosen, rejected = pairs_of(logps)
         ref_chosen, ref_rejected = pairs_of(ref_logps)
         # Completion tokens of each sequence, counted over the whole row as TRL's IPO

@@ -37,6 +37,7 @@ from tfllm.contracts import client_id, num_clients
 from tfllm.parallel.placement import to_numpy
 from tfllm.runtime.watchdog import PeerLost, PeerWatchdog, lost_message, peer_from_error
 from tfllm.precision import describe
+from tfllm.train.dpo import reference_summary
 from tfllm.train.metrics import Throughput, flops_per_token, mesh_peak
 from tfllm.train.preemption import NonFiniteError, Preempted, SignalWatcher
 from tfllm.train.preflight import no_validation_reason, preflight
@@ -223,6 +224,9 @@ def _restore(training: _Training) -> None:
         if training.state.imported:  # pretrained weights: a new run starts from them at 0
             imported = run_dir.restore_weights(run.model, step=0, fp8_state=False,
                                                checkpointer=checkpointer, new_adapters=True)
+            if run.reference is not None:  # DPO's reference: the imported weights too
+                run_dir.restore_weights(run.reference, step=0, fp8_state=False,
+                                        checkpointer=checkpointer)
             training.progress_note = ("; fine-tuning from "
                                       f"{imported['imported'].get('preset', 'imported weights')}")
         else:
@@ -262,6 +266,8 @@ def _announce(training: _Training) -> None:
                          "this run holds it now")
     if config.lora.rank:
         progress.message(lora_summary(run.model, config.lora))
+    if config.train.objective == "dpo":
+        progress.message(reference_summary(run.model, run.reference))
     feed = run.feed
     idle = feed.idle_batch_axes()
     if idle:

@@ -20,7 +20,6 @@ from tfllm.parallel import make_parallel
 from tfllm.runtime.coordination import announce_ready, check_same_config, check_same_devices
 from tfllm.runtime.devices import check_gpus
 from tfllm.compiler import hlo_dump
-from tfllm.train.dpo import DpoLoss
 from tfllm.train.evaluate import Evaluator
 from tfllm.train.state import build_train_state
 
@@ -75,9 +74,10 @@ class Run:
                                   optimizer=not inference)
         self.model, self.optimizer = state.model, state.optimizer
         self.loss_scale, self.step = state.loss_scale, state.step
-        objective = DpoLoss(config.dpo) if t.objective == "dpo" else None  # also `tfllm eval`
+        #: DPO's frozen reference copy (full fine-tuning), or None
+        self.reference = state.reference
         self.evaluator = Evaluator(self.model, self.parallel, self.jit_compile, packing,
-                                   objective)
+                                   state.objective)
 
     def _announce_ready(self) -> None:
         """Every client says it joined the mesh, and answers the launcher's readiness
@@ -95,7 +95,8 @@ class Run:
     def state_variables(self) -> dict:
         """Every variable a checkpoint must hold, by a stable name."""
         return run_state_variables(self.model, self.optimizer, self.loss_scale,
-                                   self.step.skipped if self.step is not None else None)
+                                   self.step.skipped if self.step is not None else None,
+                                   self.reference)
 
 
 def sample_text(run: Run, prompt: str, max_new_tokens: int, **sampling) -> str:

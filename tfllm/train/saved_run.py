@@ -91,4 +91,10 @@ def restored_run(workdir: str, config) -> Tuple[object, dict]:
     run = Run(config, workdir=workdir, train_iterator=False, inference=True)
     check_tokenizer(WorkdirState(workdir, *run_dir.newest_metadata()), run.tokenizer)
     meta = run_dir.restore_weights(run.model, run.parallel, config.checkpoint)
+    if run.reference is not None:  # DPO's reference copy (full fine-tuning) for `eval`
+        # saved with the run; an import (step 0) is its own reference
+        imported = meta.get("step") == 0 and "imported" in meta
+        run_dir.restore_weights(run.reference, run.parallel, config.checkpoint,
+                                step=meta["step"], fp8_state=False,
+                                prefix="model" if imported else "reference")
     return run, meta

@@ -24,12 +24,16 @@ class TrainState:
       optimizer: AdamW, built over the model's trainable variables (None: inference).
       loss_scale: a `DynamicLossScale` under float16, else None.
       step: the `TrainStep` over them (None: inference).
+      objective: DPO's `DpoLoss` (train.objective=dpo), or None (SFT).
+      reference: DPO's frozen reference copy (full fine-tuning: lora.rank=0), or None.
     """
 
     model: object
     optimizer: AdamW
     loss_scale: object
     step: Optional[TrainStep]
+    objective: object = None
+    reference: object = None
 
 
 def build_train_state(config, parallel, jit_compile: bool, model_cls=None,
@@ -48,8 +52,17 @@ def build_train_state(config, parallel, jit_compile: bool, model_cls=None,
         train step.
     """
     model = build_model(config, parallel, model_cls=model_cls)
+    reference = objective = None
+    if config.train.objective == "dpo":
+        if config.lora.rank == 0:
+            # Full fine-tuning: a frozen copy in the model's layouts (no optimizer state,
+            # no gradient), initialized as the model (the same seed); an imported run
+            # loads the imported weights into it (`tfllm.train.loop`), and checkpoints
+            # save it, so a resumed run keeps its reference.
+            reference = build_model(config, parallel, model_cls=model_cls, frozen=True)
+        objective = DpoLoss(config.dpo, reference)
     if not optimizer:
-        return TrainState(model, None, None, None)
+        return TrainState(model, None, None, None, objective, reference)
     optimizer = AdamW(config.optimizer, config.train.steps, parallel)
     optimizer.build(model.trainable_variables)
     loss_scale = None
@@ -57,7 +70,6 @@ def build_train_state(config, parallel, jit_compile: bool, model_cls=None,
         from tfllm.precision.loss_scale import DynamicLossScale
         loss_scale = DynamicLossScale(config.precision.loss_scale_initial,
                                       config.precision.loss_scale_growth_interval, parallel)
-    objective = DpoLoss(config.dpo) if config.train.objective == "dpo" else None
     step = TrainStep(model, optimizer, parallel, jit_compile, loss_scale,
                      packing_mask=packing_mask, objective=objective)
-    return TrainState(model, optimizer, loss_scale, step)
+    return TrainState(model, optimizer, loss_scale, step, objective, reference)

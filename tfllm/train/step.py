@@ -99,11 +99,15 @@ class TrainStep:
         self.compiled = compile_fn(self._train_step, parallel, jit_compile)
         self._grads = compile_fn(self._loss_and_grads, parallel, jit_compile)
 
-    def _micro(self, micro, trained_tokens=None, seed=None):
-        """(loss, metrics) of one micro-batch: the objective's, or SFT's (no metrics)."""
+    def _forward(self, model, micro):
+        return lm_forward(model, micro, self.packing_mask)
+
+    def _micro(self, micro, trained_tokens=None, seed=None, reference=None):
+        """(loss, metrics) of one micro-batch: the objective's (with its reference terms,
+        `reference`), or SFT's (no metrics)."""
         if self.objective is not None:
-            return self.objective(self.model, micro,
-                                  lambda m, x: lm_forward(m, x, self.packing_mask), seed)
+            return self.objective(self.model, micro, self._forward, seed,
+                                  reference_logps=reference)
         return self._sft_micro(micro, trained_tokens, seed), {}
 
     def _sft_micro(self, micro, trained_tokens=None, seed=None):
@@ -139,11 +143,14 @@ class TrainStep:
         for i, tokens in enumerate(micro_batches):  # unrolled: grad_accum_steps is small
             if total_grads:  # one micro-batch after another (see `after_backward`)
                 tokens = after_backward(tokens, total_grads[0])
+            # DPO's reference pass, outside the tape: nothing of it is kept for backward
+            reference = (self.objective.reference_logps(self.model, tokens, self._forward)
+                         if self.objective is not None else None)
             with fp8.collecting_amaxes(amaxes):
                 with tf.GradientTape() as tape:
                     tape.watch(fp8_handles)
                     loss, metrics = self._micro(tokens, trained_tokens,
-                                                None if step is None else step + i)
+                                                None if step is None else step + i, reference)
                     scaled = loss * scale if scale is not None else loss
                 out = tape.gradient(scaled, self.variables + fp8_handles)
             # Embedding lookups give IndexedSlices; accumulate and clip dense tensors.
