@@ -56,3 +56,6 @@ def test_row_positions_are_the_positions_of_every_row():
     from tfllm.models.common.masks import row_positions
     ids = tf.constant([[5, 0, 7], [1, 2, 3]])
     np.testing.assert_array_equal(row_positions(ids), [[0, 1, 2], [0, 1, 2]])
+    # a saved model's signature leaves the length unknown (tfllm export)
+    traced = tf.function(row_positions, input_signature=[tf.TensorSpec((None, None), tf.int32)])
+    np.testing.assert_array_equal(traced(ids), [[0, 1, 2], [0, 1, 2]])

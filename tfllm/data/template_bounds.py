@@ -285,7 +285,7 @@ class _CountingCodeGenerator(jinja2.compiler.CodeGenerator):
         return jinja2.nodes.Filter(jinja2.nodes.Const(value), _TICK, [], [], None, None,
                                    lineno=node.lineno).set_environment(self.environment)
 
-    def _value(self, expr):
+    def _sized(self, expr):
         return jinja2.nodes.Filter(expr, _VALUE, [], [], None, None, lineno=expr.lineno
                                    ).set_environment(self.environment)
 
@@ -293,11 +293,11 @@ class _CountingCodeGenerator(jinja2.compiler.CodeGenerator):
         # Before the generator collects the filters the template names (the step's too).
         for output in node.find_all(jinja2.nodes.Output):
             output.nodes = [child if isinstance(child, jinja2.nodes.TemplateData)
-                            else self._value(child) for child in output.nodes]
+                            else self._sized(child) for child in output.nodes]
         for concat in list(node.find_all(jinja2.nodes.Concat)):
             concat.nodes = [jinja2.nodes.Concat(concat.nodes, lineno=concat.lineno
                                                 ).set_environment(self.environment)]
-            concat.nodes = [self._value(concat.nodes[0])]
+            concat.nodes = [self._sized(concat.nodes[0])]
         for loop in node.find_all(jinja2.nodes.For):
             loop.body = [jinja2.nodes.ExprStmt(self._step(loop), lineno=loop.lineno
                                                ).set_environment(self.environment),

@@ -29,7 +29,9 @@ def row_positions(token_ids):
     the tables' cosines in a fusion and the masks inside the scores' select.
     """
     token_ids = tf.convert_to_tensor(token_ids)
-    iota = tf.expand_dims(tf.range(token_ids.shape[1], dtype=tf.int32), 0)  # (1, T)
+    length = token_ids.shape[1]  # None in a saved model's signature: read at run time
+    iota = tf.expand_dims(tf.range(tf.shape(token_ids)[1] if length is None else length,
+                                   dtype=tf.int32), 0)  # (1, T)
     never = tf.cast(token_ids, tf.float32) > float("inf")  # (B, T), all False
     return tf.where(never, tf.cast(token_ids, tf.int32), iota)  # (B, T)
 
