@@ -10,7 +10,9 @@ the TF32 rate and move twice the bytes). Bytes are counted two ways: every fusio
 operand read whole (as `tfllm plan` counts, and as the issue measured), and a fusion
 operand that the fusion only slices read as its slices (`partial_reads`; what the
 kernel reads). Rows: 32 and 8 key/value heads, blocked (`Attention.attend_blocked`,
-tiles of 512 and 1024) and standard (`Attention.attend`).
+tiles of 512 and 1024) and standard (`Attention.attend`); and blocked with its causal
+tiles' masks computed from the rows' positions, as the training forward pass makes them
+(`masks.row_positions`), instead of constants.
 
     python benchmarks/attention_bytes.py --out benchmarks/results/attention_bytes
 """
@@ -24,6 +26,7 @@ import platform
 import sys
 import tempfile
 import time
+from typing import Optional
 
 import tensorflow as tf
 
@@ -34,8 +37,8 @@ from tfllm.models.common.flash import blocks
 from tfllm.plan.planner import compile_in_child
 
 LENGTH, HEADS, HEAD_DIM = 4096, 32, 128
-# (key/value heads, tile; 0: standard attention)
-ROWS = ((32, 512), (32, 1024), (32, 0), (8, 512), (8, 1024), (8, 0))
+# key/value heads:tile (0: standard attention)[:p (masks from positions)]
+ROWS = ("32:512", "32:1024", "32:0", "32:512:p", "8:512", "8:1024", "8:0")
 
 
 def causal_tiles(length: int, block: int) -> int:
@@ -44,22 +47,24 @@ def causal_tiles(length: int, block: int) -> int:
     return sum(1 for qa, qb in spans for ka, _ in spans if ka <= qb - 1)
 
 
-def program(kv_heads: int, block: int, length: int = LENGTH) -> bytes:
-    """The serialized HLO of one attention core's forward and backward."""
+def program(kv_heads: int, block: int, length: int = LENGTH, positions: bool = False) -> bytes:
+    """The serialized HLO of one attention core's forward and backward (`positions`: the
+    blocked tiles' masks from a (1, T) argument of positions, else constants)."""
     layer = Attention(AttentionSettings(hidden_dim=HEADS * HEAD_DIM, num_query_heads=HEADS,
                                         num_key_value_heads=kv_heads, head_dim=HEAD_DIM,
                                         block_size=block), dtype="bfloat16")
     attend = layer.attend_blocked if block else layer.attend
 
     @tf.function(jit_compile=True, autograph=False)
-    def step(q, k, v, d_out):
+    def step(q, k, v, d_out, rows):
+        kwargs = {"positions": rows} if positions else {}
         with tf.GradientTape() as tape:
             tape.watch([q, k, v])
-            out = attend(q, k, v, attention_mask=None)
+            out = attend(q, k, v, attention_mask=None, **kwargs)
         return tape.gradient(out, [q, k, v], output_gradients=d_out)
 
     shapes = [(1, length, h, HEAD_DIM) for h in (HEADS, kv_heads, kv_heads, HEADS)]
-    args = [tf.zeros(s, tf.bfloat16) for s in shapes]
+    args = [tf.zeros(s, tf.bfloat16) for s in shapes] + [tf.range(length)[None]]
     return step.experimental_get_compiler_ir(*args)(stage="hlo_serialized")
 
 
@@ -81,16 +86,17 @@ def f32_gemm_operands(text: str) -> int:
     return count
 
 
-def measure(kv_heads: int, block: int, target, work: str) -> dict:
-    path = os.path.join(work, f"attention_{kv_heads}_{block}.hlo.pb")
+def measure(kv_heads: int, block: int, target, work: str, positions: bool = False) -> dict:
+    path = os.path.join(work, f"attention_{kv_heads}_{block}_{int(positions)}.hlo.pb")
     with open(path, "wb") as f:
-        f.write(program(kv_heads, block))
+        f.write(program(kv_heads, block, positions=positions))
     compiled = compile_in_child(path, target)
     text = compiled["optimized_hlo"]
     whole, sliced = (hlo_stats.summarize(text, target, partial_reads=p) for p in (False, True))
     tiles = causal_tiles(LENGTH, block) if block else 1
     scores = tiles * HEADS * (block or LENGTH) ** 2 if block else HEADS * LENGTH ** 2
     return {"kv_heads": kv_heads, "block": block, "tiles": tiles,
+            "masks": "positions" if positions else "constants",
             "roofline_ms": whole["roofline_s"] * 1e3,
             "roofline_ms_sliced": sliced["roofline_s"] * 1e3,
             "hbm_gb": whole["bytes"] / 1e9, "hbm_gb_sliced": sliced["bytes"] / 1e9,
@@ -114,7 +120,23 @@ def cpu_name() -> str:
     return platform.processor() or "unknown"
 
 
-def markdown(result: dict) -> str:
+def table(rows) -> list:
+    lines = ["| kv heads | attention | tiles | roofline ms (whole / sliced) | HBM GB "
+             "(whole / sliced) | B per score (sliced) | GEMMs | kernels | kernels/tile | "
+             "f32 GEMM operands | temp GiB |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        kind = f"blocked {r['block']}" if r["block"] else "standard"
+        if r.get("masks") == "positions":
+            kind += ", masks from positions"
+        lines.append(f"| {r['kv_heads']} | {kind} | {r['tiles']} | {r['roofline_ms']:.2f} / "
+                     f"{r['roofline_ms_sliced']:.2f} | {r['hbm_gb']:.1f} / "
+                     f"{r['hbm_gb_sliced']:.1f} | {r['bytes_per_score_sliced']:.1f} | "
+                     f"{r['gemms']} | {r['kernels']} | {r['kernels_per_tile']:.1f} | "
+                     f"{r['f32_gemm_operands']} | {r['temp_gib']:.2f} |")
+    return lines
+
+
+def markdown(result: dict, before: Optional[dict] = None) -> str:
     lines = [f"# Attention's HBM traffic on the H100 target ({result['date']})", "",
              f"`benchmarks/attention_bytes.py`: one attention core, batch 1 x {LENGTH}, "
              f"{HEADS} query heads of {HEAD_DIM}, bf16, forward + backward, compiled for "
@@ -123,33 +145,29 @@ def markdown(result: dict) -> str:
              "Roofline: each kernel bound by its GEMM FLOPs or its HBM bytes, one after "
              "another. *whole*: every fusion operand read whole (tfllm plan's count, the "
              "issue's 6.26 ms); *sliced*: an operand a fusion only slices read as its "
-             "slices.", "",
-             "| kv heads | attention | tiles | roofline ms (whole / sliced) | HBM GB "
-             "(whole / sliced) | B per score (sliced) | GEMMs | kernels | kernels/tile | "
-             "f32 GEMM operands | temp GiB |", "|---|---|---|---|---|---|---|---|---|---|---|"]
-    for r in result["rows"]:
-        kind = f"blocked {r['block']}" if r["block"] else "standard"
-        lines.append(f"| {r['kv_heads']} | {kind} | {r['tiles']} | {r['roofline_ms']:.2f} / "
-                     f"{r['roofline_ms_sliced']:.2f} | {r['hbm_gb']:.1f} / "
-                     f"{r['hbm_gb_sliced']:.1f} | {r['bytes_per_score_sliced']:.1f} | "
-                     f"{r['gemms']} | {r['kernels']} | {r['kernels_per_tile']:.1f} | "
-                     f"{r['f32_gemm_operands']} | {r['temp_gib']:.2f} |")
+             "slices.", ""] + table(result["rows"])
+    if before:
+        lines += ["", f"## Before ({before['commit']}: the same script with that commit's "
+                  "flash.py and attention.py)", ""] + table(before["rows"])
     return "\n".join(lines) + "\n"
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default=None, help="Write OUT.json and OUT.md.")
-    parser.add_argument("--rows", default=",".join(f"{kv}:{b}" for kv, b in ROWS),
-                        help="kv_heads:tile pairs (tile 0: standard attention).")
+    parser.add_argument("--rows", default=",".join(ROWS),
+                        help="kv_heads:tile[:p] (tile 0: standard attention; p: blocked "
+                             "masks from positions).")
     parser.add_argument("--target", default="h100")
+    parser.add_argument("--before", default=None,
+                        help="A JSON result of this script on earlier code, shown beside.")
     args = parser.parse_args()
     target = get_target(args.target)
     rows = []
     with tempfile.TemporaryDirectory() as work:
         for pair in args.rows.split(","):
-            kv, block = (int(n) for n in pair.split(":"))
-            row = measure(kv, block, target, work)
+            kv, block, *flag = pair.split(":")
+            row = measure(int(kv), int(block), target, work, positions=flag == ["p"])
             rows.append(row)
             print(json.dumps({k: v for k, v in row.items() if k != "top_kernels"}),
                   flush=True)
@@ -159,7 +177,11 @@ def main() -> None:
               "python": sys.version.split()[0], "target": target.name,
               "shape": {"batch": 1, "length": LENGTH, "heads": HEADS,
                         "head_dim": HEAD_DIM}, "rows": rows}
-    text = markdown(result)
+    before = None
+    if args.before:
+        with open(args.before) as f:
+            before = json.load(f)
+    text = markdown(result, before)
     if args.out:
         with open(args.out + ".json", "w") as f:
             json.dump(result, f, indent=1)
