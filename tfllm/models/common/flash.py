@@ -12,6 +12,12 @@ Numerics: scores, the running maximum, the normalizer and the accumulated output
 float32; the probabilities are cast to the compute dtype for the matmul with the values
 (as in `Attention.attend`, whose softmax is float32 and whose probabilities x V runs in
 the compute dtype). Only the order of the float32 sums differs from the one-shot softmax.
+The backward pass's dP = dO V^T is accumulated and kept in float32 from compute-dtype
+operands (`dot_f32`): no GEMM of either pass takes a float32 operand under XLA.
+
+Grouped queries read the (B, S, K, D) keys and values as they are, never repeated per
+query head: queries, outputs and their gradients are held head-major (B, K, G, P, L, D).
+What the passes cost on an H100 is measured by benchmarks/attention_bytes.py.
 """
 
 from __future__ import annotations
@@ -46,7 +52,7 @@ def dot_f32(equation: str, a, b):
     to float32, the same numbers (products of bf16 values are exact in float32).
 
     The equation contracts one index and has one free index of `b`, its last (as
-    "bptkgd,bskd->bkgpts"); every other index of `b` is also `a`'s.
+    "bkgptd,bskd->bkgpts"); every other index of `b` is also `a`'s.
     """
     if a.dtype == tf.float32 or not internals.in_xla_context():
         return tf.einsum(equation, tf.cast(a, tf.float32), tf.cast(b, tf.float32))
