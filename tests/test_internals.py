@@ -86,3 +86,19 @@ def test_no_module_outside_the_fence_reads_another_objects_private_attributes():
                              and node.args[0].id in ("self", "cls"))):
                 leaks.append(f"{where}: {ast.unparse(node)}")
     assert not leaks, leaks
+
+
+def test_xla_context_is_seen_only_where_xla_compiles():
+    # flash attention's bf16 x bf16 -> float32 GEMM has no TensorFlow kernel: it may be
+    # built only inside a jit_compile function (and what that function calls)
+    seen = {}
+
+    def probe(name):
+        seen[name] = internals.in_xla_context()
+        return tf.constant(0.0)
+
+    probe("eager")
+    tf.function(lambda: probe("graph"))()
+    tf.function(lambda: tf.function(lambda: probe("nested"))(), jit_compile=True)()
+    tf.function(lambda: probe("xla"), jit_compile=True)()
+    assert seen == {"eager": False, "graph": False, "nested": True, "xla": True}
