@@ -2,6 +2,7 @@
 with its adapters off and takes no gradient, the loss of accumulated micro-batches and of
 a mesh is one device's. TRL's numbers: tests/train/test_dpo_trl.py."""
 
+import json
 import math
 import os
 
@@ -240,3 +241,18 @@ def test_full_fine_tuning_saves_its_reference_and_resumes_exactly(tmp_path):
         np.testing.assert_array_equal(saved.whole(f"reference/{v.path}"), v.numpy())
         moved += not np.array_equal(saved.whole(f"model/{v.path}"), v.numpy())
     assert moved == len(first.variables)  # the policy trained, the reference did not
+
+
+def test_the_progress_line_and_loss_png_show_reward_accuracy(tmp_path):
+    """DPO records: the progress line names TRL's reward accuracy and margin, loss.png
+    draws the train and validation reward accuracy beside the loss."""
+    from tfllm.train.plots import plot_loss
+    from tfllm.train.progress import Progress
+    record = {"step": 3, "loss": 0.6, "rewards/accuracies": 0.75, "rewards/margins": 0.25,
+              "eval_loss": 0.65, "eval_rewards/accuracies": 0.5}
+    line = Progress(10, "lines").line(3, record, 100.0, 5.0)
+    assert "acc 0.75" in line and "margin 0.250" in line and "val acc 0.50" in line
+    metrics = tmp_path / "metrics.jsonl"
+    metrics.write_text("".join(json.dumps({**record, "step": s}) + "\n" for s in (1, 2, 3)))
+    plot_loss(str(metrics), str(tmp_path / "loss.png"))
+    assert (tmp_path / "loss.png").read_bytes()[:4] == b"\x89PNG"

@@ -10,7 +10,8 @@ from tfllm.checkpoint.workdir import read_metrics
 
 
 def plot_loss(metrics_path: str, png_path: str) -> str:
-    """Draws training (and validation) loss against step into `png_path`.
+    """Draws training (and validation) loss against step into `png_path`; with DPO
+    metrics (TRL's rewards/accuracies) the reward accuracy too, on a second axis.
 
     Args:
       metrics_path: WORKDIR/metrics.jsonl.
@@ -36,8 +37,25 @@ def plot_loss(metrics_path: str, png_path: str) -> str:
     ax.set_xlabel("step")
     ax.set_ylabel("loss (nats/token)")
     ax.grid(alpha=0.3)
+    accuracy = [(r["step"], r["rewards/accuracies"]) for r in records
+                if "rewards/accuracies" in r]
+    eval_accuracy = [(r["step"], r["eval_rewards/accuracies"]) for r in records
+                     if "eval_rewards/accuracies" in r]
+    lines = []
+    if accuracy or eval_accuracy:  # DPO: the loss is per pair; reward accuracy beside it
+        ax.set_ylabel("loss")
+        right = ax.twinx()
+        right.set_ylabel("reward accuracy")
+        right.set_ylim(0, 1)
+        if accuracy:
+            lines += right.plot(*zip(*accuracy), ":", color="tab:green",
+                                label="train reward accuracy")
+        if eval_accuracy:
+            lines += right.plot(*zip(*eval_accuracy), "s-", color="tab:red",
+                                label="validation reward accuracy")
     if train or evals:  # an empty plot has nothing to name (and matplotlib warns)
-        ax.legend()
+        handles = ax.get_legend_handles_labels()[0] + lines
+        ax.legend(handles, [h.get_label() for h in handles])
     fig.tight_layout()
     image = io.BytesIO()
     fig.savefig(image, format="png")

@@ -65,6 +65,11 @@ class Progress:
         parts = [f"step {step}/{self.total}", f"loss {metrics['loss']:.4f}"]
         if "eval_loss" in metrics:
             parts.append(f"val {metrics['eval_loss']:.4f}")
+        if "rewards/accuracies" in metrics:  # DPO: TRL's reward accuracy and margin
+            parts.append(f"acc {metrics['rewards/accuracies']:.2f}")
+            parts.append(f"margin {metrics['rewards/margins']:.3f}")
+        if "eval_rewards/accuracies" in metrics:
+            parts.append(f"val acc {metrics['eval_rewards/accuracies']:.2f}")
         if detail:
             if "grad_norm" in metrics:
                 parts.append(f"grad_norm {metrics['grad_norm']:.3f}")
