@@ -153,13 +153,7 @@ _ALLOWED = {
     ("plan/measured.py", "json.load"): "the same result files",
     ("plan/planner.py", "json.load"): "the same",
     ("train/profile.py", "open"): "TensorFlow's own trace file, written in this run",
-    ("data/chat_template.py", "open"): "_read_json: tokenizer_config.json / "
-                                       "special_tokens_map.json (item 2's parser)",
-    ("data/chat_template.py", "json.load"): "the same",
     ("data/feed.py", "open"): "the data iterator's state, in a temporary folder tfllm made",
-    ("data/chat.py", "open"): "the chat JSONL reader, bounded per line by its parser "
-                              "(item 2) and tokenizer_config.json's added tokens",
-    ("data/chat.py", "json.load"): "the same",
     ("data/corpus.py", "open"): "tfllm's own source tree, the embedded corpus's text",
     ("data/pipeline.py", "open"): "the iterator state tf.train.Checkpoint wrote in a "
                                   "temporary folder tfllm made",

@@ -297,14 +297,13 @@ def tokenizer_config(folder: Optional[str]) -> dict:
     not a JSON object (the template's own read of the file names what is wrong with it)."""
     import os
 
-    from tfllm.data.chat_template import TOKENIZER_CONFIG
+    from tfllm.data.chat_template import TOKENIZER_CONFIG, read_tokenizer_json
     path = os.path.join(folder, TOKENIZER_CONFIG) if folder else ""
     if not path or not os.path.isfile(path):
         return {}
     try:
-        with open(path, encoding="utf-8") as f:
-            config = json.load(f)
-    except (OSError, ValueError, RecursionError):
+        config = read_tokenizer_json(path)
+    except (OSError, ValueError, RecursionError, DataError):
         return {}
     return config if isinstance(config, dict) else {}
 

@@ -280,10 +280,21 @@ def _token_text(value) -> Optional[str]:
     return value if isinstance(value, str) else None
 
 
+#: tokenizer_config.json and special_tokens_map.json: a few KiB to a few MiB (added tokens)
+MAX_TOKENIZER_JSON_BYTES = 16 * 2 ** 20
+
+
+def read_tokenizer_json(path: str):
+    """A tokenizer folder's JSON file, read regular and bounded (`tfllm.confined`):
+    a FIFO, a device or a file over MAX_TOKENIZER_JSON_BYTES is a DataError."""
+    text = read_regular(path, MAX_TOKENIZER_JSON_BYTES, "a tokenizer's JSON file",
+                        DataError, "use the tokenizer folder as Hugging Face writes it")
+    return json.loads(text.decode("utf-8"))
+
+
 def _read_json(path: str) -> dict:
     try:
-        with open(path, encoding="utf-8") as f:
-            data = json.load(f)
+        data = read_tokenizer_json(path)
     except (OSError, ValueError, RecursionError) as e:  # RecursionError: nested too deep
         text = " ".join(str(e).split())[:160]
         raise DataError(f"{path}: not readable JSON ({text}); fix or remove it.") from None
