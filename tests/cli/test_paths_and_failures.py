@@ -81,13 +81,45 @@ def test_tensorboard_on_a_full_disk_names_its_folder(tmp_path, monkeypatch):
     assert e.value.errno == errno.ENOSPC and e.value.filename == str(tmp_path / "tensorboard")
 
 
-@pytest.mark.parametrize("content", ["[1, 2]", "5", '"report"', "[" * 100000])
-def test_a_doctor_report_that_is_no_json_object_counts_as_missing(tmp_path, content):
+def _doctor_report(rank):
+    return {"host": f"n{rank}", "rank": rank, "address": f"n{rank}", "tensorflow": "2.21.0",
+            "cuda": None, "cudnn": None, "nccl": None, "driver": None, "gpus": [],
+            "nccl_env": {}, "ports": {"9991": True}, "listening": [9991],
+            "findings": [["ok", "no GPU"]]}
+
+
+_NOT_REPORTS = ["[1, 2]", "5", '"report"', "[" * 100000, "{", json.dumps({"rank": 1}),
+                json.dumps(dict(_doctor_report(1), findings={"a": 1})),
+                json.dumps(dict(_doctor_report(1), findings=[["ok"]])),
+                json.dumps(dict(_doctor_report(1), ports=[9991])),
+                json.dumps(dict(_doctor_report(1), ports={"9991": "yes"})),
+                json.dumps(dict(_doctor_report(1), rank=True)),
+                json.dumps(dict(_doctor_report(1), gpus=[5])),
+                json.dumps(dict(_doctor_report(1), listening=[70000])),
+                json.dumps(dict(_doctor_report(1), tensorflow=2.21))]
+
+
+@pytest.mark.parametrize("content", _NOT_REPORTS)
+def test_a_doctor_report_that_is_no_report_is_named_not_waited_for(tmp_path, content):
+    # Another rank's report is checked field by field (what the job's comparison reads)
+    # before it is used: a list, a truncated object, a missing or mistyped field was a
+    # traceback on rank 0 or a rank waited for until --wait-s ran out.
     from tfllm.launch import doctor
+    from tfllm.launch.findings import compare
     (tmp_path / doctor.REPORT.format(1)).write_text(content)
-    (tmp_path / doctor.REPORT.format(0)).write_text(json.dumps({"rank": 0}))
-    reports = doctor.wait_reports(str(tmp_path), 2, timeout_s=0.0)
-    assert reports == {0: {"rank": 0}}
+    (tmp_path / doctor.REPORT.format(0)).write_text(json.dumps(_doctor_report(0)))
+    invalid = {}
+    reports = doctor.wait_reports(str(tmp_path), 2, timeout_s=600.0, invalid=invalid)
+    assert list(reports) == [0] and list(invalid) == [1]  # returned at once, not at 600 s
+    assert invalid[1].startswith(str(tmp_path / doctor.REPORT.format(1)) + ": ")
+    assert "\n" not in invalid[1]
+    found = compare(reports, 2, 600.0, invalid={1})
+    assert not any("wrote no report" in f.message for f in found)  # named, not missing
+
+
+def test_a_well_formed_doctor_report_passes_the_check():
+    from tfllm.launch import doctor
+    assert doctor.report_problem(_doctor_report(3)) is None
 
 
 # ---- paths on the command line -------------------------------------------------------------

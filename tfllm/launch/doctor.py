@@ -205,12 +205,65 @@ def _read_json(path: str) -> Optional[dict]:
     return record if isinstance(record, dict) else None
 
 
+_STR, _OPT_STR = (str,), (str, type(None))
+#: what `findings.compare` and the probes read of a report, and the types they take
+REPORT_FIELDS = {"host": _STR, "rank": (int,), "address": _STR, "findings": (list,),
+                 "ports": (dict,), "gpus": (list,), "nccl_env": (dict,),
+                 "listening": (list,), "tensorflow": _OPT_STR, "cuda": _OPT_STR,
+                 "cudnn": _OPT_STR, "nccl": _OPT_STR, "driver": _OPT_STR}
+
+
+def report_problem(record) -> Optional[str]:
+    """What makes `record` (another rank's parsed report) no tfllm doctor report, or
+    None: every field the job's comparison reads, with its type."""
+    if not isinstance(record, dict):
+        return f"a JSON {type(record).__name__}, not an object"
+    for key, types in REPORT_FIELDS.items():
+        if not isinstance(record.get(key), types) or isinstance(record.get(key), bool) \
+                and bool not in types:
+            return f"field {key!r} missing or not {' or '.join(t.__name__ for t in types)}"
+    if not all(isinstance(f, list) and len(f) == 2 and all(isinstance(x, str) for x in f)
+               for f in record["findings"]):
+        return "field 'findings' is not a list of [level, message] strings"
+    if not all(isinstance(k, str) and isinstance(v, bool) for k, v in record["ports"].items()):
+        return "field 'ports' is not an object of port: free (true or false)"
+    if not all(isinstance(g, str) for g in record["gpus"]) or not all(
+            isinstance(k, str) and isinstance(v, str) for k, v in record["nccl_env"].items()):
+        return "field 'gpus' or 'nccl_env' holds something other than strings"
+    if not all(isinstance(p, int) and not isinstance(p, bool) and 0 < p < 65536
+               for p in record["listening"]):
+        return "field 'listening' is not a list of ports"
+    return None
+
+
+def _read_report(path: str):
+    """(report, None), (None, what is wrong with the file) or (None, None) while it is
+    missing or unreadable (still being written, or not yet there)."""
+    try:
+        text = read_regular(path, MAX_RECORD_BYTES, "a doctor's report")
+    except (OSError, ValueError):
+        return None, None
+    try:
+        record = json.loads(text)
+    except (ValueError, RecursionError) as e:  # a partial write is renamed whole: final
+        return None, f"no JSON ({str(e).splitlines()[0][:80]})"
+    problem = report_problem(record)
+    return (record, None) if problem is None else (None, problem)
+
+
 def wait_reports(directory: str, size: int, timeout_s: float,
-                 since: float = 0.0) -> Dict[int, dict]:
+                 since: float = 0.0, invalid: Optional[Dict[int, str]] = None
+                 ) -> Dict[int, dict]:
     """Every rank's report in `directory` written after `since` (a stale one of an
-    earlier job does not count), waiting up to `timeout_s` for the missing ones."""
+    earlier job does not count), waiting up to `timeout_s` for the missing ones.
+
+    Args:
+      invalid: filled with rank -> "PATH: what is wrong" for a report file that is no
+        tfllm doctor report (`report_problem`); such a rank is not waited for.
+    """
     deadline = time.monotonic() + timeout_s
     reports: Dict[int, dict] = {}
+    invalid = {} if invalid is None else invalid
     while True:
         for rank in range(size):
             path = os.path.join(directory, REPORT.format(rank))
@@ -218,10 +271,13 @@ def wait_reports(directory: str, size: int, timeout_s: float,
                 fresh = rank not in reports and os.path.getmtime(path) + 1.0 >= since
             except OSError:
                 continue
-            found = _read_json(path) if fresh else None
+            found, problem = _read_report(path) if fresh else (None, None)
             if found is not None:
                 reports[rank] = found
-        if len(reports) == size or time.monotonic() > deadline:
+                invalid.pop(rank, None)
+            elif problem is not None:
+                invalid[rank] = f"{path}: {problem}"
+        if len(reports) + len(invalid) == size or time.monotonic() > deadline:
             return reports
         time.sleep(0.2)
 
@@ -304,7 +360,9 @@ def run(directory: str, facts: HostFacts, findings: Sequence[Finding], rank: int
         report.update(listening=heard.listening, nonce=nonce)
         path = write_report(directory, report)
         if rank == 0:
-            reports = wait_reports(directory, size, wait_s, since=started - 300)
+            invalid: Dict[int, str] = {}
+            reports = wait_reports(directory, size, wait_s, since=started - 300,
+                                   invalid=invalid)
             probed = reachability(reports)
             plan = bandwidth_plan(reports, size, probed)
             nonces = {str(r): rep.get("nonce") for r, rep in reports.items()}
@@ -328,7 +386,11 @@ def run(directory: str, facts: HostFacts, findings: Sequence[Finding], rank: int
         results = _wait_for(directory, {r: ALLREDUCE.format(r) for r in reports},
                             {r: rep.get("nonce") for r, rep in reports.items()},
                             PROBE_MARGIN_S)
-    return compare(reports, size, wait_s, probed, plan, results)
+    return [Finding("error", f"rank {r}'s report is no tfllm doctor report ({why}): run "
+                             "the same tfllm's doctor on that node, and give each job a "
+                             "--report-dir of its own")
+            for r, why in sorted(invalid.items())] + \
+        compare(reports, size, wait_s, probed, plan, results, invalid=set(invalid))
 
 
 def _wait_for_go(directory: str, rank: int, nonce: str, timeout_s: float) -> Optional[dict]:

@@ -55,7 +55,7 @@ def _has_gpu(r: Mapping) -> bool:
 
 def compare(reports: Dict[int, dict], size: int, waited_s: float,
             probed: Sequence[dict] = (), plan: Optional[dict] = None,
-            results: Optional[Dict[int, dict]] = None) -> List[Finding]:
+            results: Optional[Dict[int, dict]] = None, invalid=()) -> List[Finding]:
     """The job's findings (see `tfllm.launch.doctor`).
 
     Args:
@@ -65,9 +65,10 @@ def compare(reports: Dict[int, dict], size: int, waited_s: float,
       probed: `doctor.reachability`'s records (client 0's connections).
       plan: `doctor.bandwidth_plan` (None: no bandwidth test was considered).
       results: rank -> its all-reduce result (`allreduce.run_client`).
+      invalid: ranks whose report file is no report (the caller says so): not missing.
     """
     findings: List[Finding] = []
-    missing = [r for r in range(size) if r not in reports]
+    missing = [r for r in range(size) if r not in reports and r not in invalid]
     if missing:
         findings.append(Finding("error", f"ranks {', '.join(map(str, missing))} of {size} "
                                          f"wrote no report within {waited_s:g} s: their "
