@@ -284,3 +284,21 @@ def test_the_config_s_paths_expand_the_home_folder(tmp_path, monkeypatch):
     from tfllm.data.errors import DataError
     with pytest.raises(DataError, match=f"tokenizer_path={tmp_path}/missing.model: no such"):
         from_file("~/missing.model")  # looked for in the home folder
+
+
+@pytest.mark.parametrize("module, name", [("tfllm.data.errors", "DataError"),
+                                          ("tfllm.pretrained.families", "PretrainedError"),
+                                          ("tfllm.checkpoint.shards", "CheckpointError"),
+                                          ("tfllm.config.loader", "ConfigError")])
+def test_every_parsers_error_is_exit_2_in_one_line(module, name):
+    # The parsers' fuzz tests (chat data, templates, adapters, checkpoints, configs) assert
+    # their error class; the command line turns each class into exit 2 and one line.
+    import argparse
+    import importlib
+
+    from tfllm.cli import main
+    from tfllm.contracts import BAD_INPUT_EXIT_CODE
+    error = getattr(importlib.import_module(module), name)("a.jsonl:3: bad\nsecond line")
+    args = argparse.Namespace(command="train", workdir=None, out=None)
+    code, line = main._failure(error, args)
+    assert code == BAD_INPUT_EXIT_CODE and "\n" not in line and "a.jsonl:3: bad" in line
