@@ -250,3 +250,23 @@ def test_hugging_face_llama_on_a_mesh_fine_tunes_generates_and_exports(tmp_path,
     trained = _restored(tmp_path / "run")
     np.testing.assert_allclose(np.asarray(trained(ids)), helpers.keras_hub_logits(reloaded, ids),
                                atol=2e-5, rtol=0)  # as in test_import
+
+
+def test_an_interrupted_import_leaves_no_folder(tmp_path, monkeypatch, capsys):
+    # SIGTERM in `tfllm import` unwinds as Ctrl-C does (tfllm.cli.main turns it into a
+    # KeyboardInterrupt: tests/cli/test_paths_and_failures.py sends the real signal to an
+    # export): raised while the weights load, after WORKDIR.importing holds the marker,
+    # the tokenizer and the template files, it leaves neither that folder nor the run.
+    from tfllm.pretrained import importer
+    helpers.save_preset("gpt2", tmp_path / "preset")
+    seen = []
+
+    def interrupted(model, source):
+        seen.append(sorted(os.listdir(str(tmp_path / "run") + ".importing")))
+        raise KeyboardInterrupt
+    monkeypatch.setattr(importer, "load_weights", interrupted)
+    from tfllm.contracts import HARD_STOP_EXIT_CODE
+    assert _import(tmp_path / "preset", tmp_path / "run") == HARD_STOP_EXIT_CODE
+    assert "tfllm import: interrupted" in capsys.readouterr().err
+    assert seen and seen[0]  # the import's folder existed, with files, when interrupted
+    assert sorted(os.listdir(tmp_path)) == ["preset"]
