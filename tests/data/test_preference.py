@@ -161,6 +161,7 @@ def test_the_position_restores_exactly_and_validation_reads_once(tmp_path):
     (dict(objective="sft"), "set both train.objective=dpo and data.format=preference"),
     (dict(rank=0, policy="fp8"), "would keep its first FP8 scales"),
     (dict(loss="hinge", label_smoothing=0.1), "applies to dpo.loss=sigmoid only"),
+    (dict(loss="orpo", label_smoothing=0.0, rpo_alpha=0.5), "ORPO has its own NLL term"),
 ])
 def test_objective_settings_go_together(setting, says):
     config = pair_config()
@@ -170,6 +171,7 @@ def test_objective_settings_go_together(setting, says):
         config.lora.rank, config.precision.policy = setting["rank"], setting["policy"]
     if "loss" in setting:
         config.dpo.loss, config.dpo.label_smoothing = setting["loss"], setting["label_smoothing"]
+        config.dpo.rpo_alpha = setting.get("rpo_alpha", 0.0)
     with pytest.raises(ConfigError, match=says.replace(".", r"\.").replace("+", r"\+")):
         check_objective(config)
     check_objective(pair_config())

@@ -87,21 +87,25 @@ def test_a_fresh_adapter_is_its_reference_and_the_reference_takes_no_gradient():
         np.testing.assert_allclose(g, w.numpy(), rtol=1e-5, atol=1e-7)  # rounding only
 
 
-@pytest.mark.parametrize("mesh,accum,rpo,rank", [
-    (None, 2, 0.0, 4),
-    ("data=2", 2, 0.3, 4),
+@pytest.mark.parametrize("mesh,accum,rpo,rank,loss", [
+    (None, 2, 0.0, 4, "ipo"),
+    ("data=2", 2, 0.3, 4, "ipo"),
     # pairs over FSDP with tensor parallelism (~15-20 s each: compiles a mesh), LoRA and
     # full fine-tuning (its frozen reference copy sharded as the model)
-    pytest.param("fsdp=2,model=2", 1, 0.3, 4, marks=pytest.mark.slow),
-    pytest.param("fsdp=2,model=2", 2, 0.3, 0, marks=pytest.mark.slow),
-    pytest.param("data=2,fsdp=2", 1, 0.0, 0, marks=pytest.mark.slow),
+    pytest.param("fsdp=2,model=2", 1, 0.3, 4, "ipo", marks=pytest.mark.slow),
+    pytest.param("fsdp=2,model=2", 2, 0.3, 0, "ipo", marks=pytest.mark.slow),
+    pytest.param("data=2,fsdp=2", 1, 0.0, 0, "ipo", marks=pytest.mark.slow),
+    # ORPO: no reference at all; its NLL is a mean over each micro-batch, so one
+    # micro-batch on both sides
+    pytest.param("data=2", 1, 0.0, 0, "orpo", marks=pytest.mark.slow),
 ])
-def test_accumulated_and_sharded_steps_equal_one_device(mesh, accum, rpo, rank):
-    """Four pairs (IPO, with RPO on the meshes): 2 micro-batches give one micro-batch's
-    loss, metrics and gradients (pair losses are means over pairs); a mesh whose batch
-    axis splits the rows (each device holds whole pairs) gives one device's with the same
-    micro-batches (the RPO term is a mean over each micro-batch's chosen tokens, as TRL's
-    under gradient accumulation, so only the mesh case compares it)."""
+def test_accumulated_and_sharded_steps_equal_one_device(mesh, accum, rpo, rank, loss):
+    """Four pairs (IPO, with RPO on the meshes; ORPO once): 2 micro-batches give one
+    micro-batch's loss, metrics and gradients (pair losses are means over pairs); a mesh
+    whose batch axis splits the rows (each device holds whole pairs) gives one device's
+    with the same micro-batches (the RPO and ORPO NLL terms are means over each
+    micro-batch's tokens, as TRL's under gradient accumulation, so only the mesh cases
+    compare them)."""
     from tfllm.parallel import make_parallel
     from tfllm.train.state import build_train_state
     tokens, segments, mask = pair_batch(np.random.default_rng(3), 4, 128)
@@ -109,9 +113,11 @@ def test_accumulated_and_sharded_steps_equal_one_device(mesh, accum, rpo, rank):
     for axes, a in ((None, 1 if mesh is None else accum), (mesh, accum)):
         cfg = tiny_config("llama", axes or "data=1", **{
             **DPO, "train.global_batch_size": 4, "train.grad_accum_steps": a,
-            "dpo.loss": "ipo", "dpo.rpo_alpha": rpo, "lora.rank": rank})
+            "dpo.loss": loss, "dpo.rpo_alpha": rpo, "lora.rank": rank})
         parallel = None if axes is None else make_parallel(cfg.mesh, cfg.model, cfg.optimizer)
-        step = build_train_state(cfg, parallel, False, packing_mask=True).step
+        state = build_train_state(cfg, parallel, False, packing_mask=True)
+        step = state.step
+        assert (state.reference is None) == (rank > 0 or loss == "orpo")
         shape = (a, 8 // a, 17)
         batch = feed.to_device(parallel, tokens.reshape(shape), segments.reshape(shape),
                                mask.reshape(shape))

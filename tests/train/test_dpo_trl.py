@@ -149,7 +149,8 @@ def _tfllm(setup, records, tmp_path, full=False, **dpo):
     reference = None
     if full:  # the reference copy a full fine-tuning run builds, with the base's weights
         reference = build_train_state(config, None, False, optimizer=False).reference
-        Workdir(str(folder / "base_run")).restore_weights(reference, fp8_state=False)
+        if reference is not None:  # none for ORPO
+            Workdir(str(folder / "base_run")).restore_weights(reference, fp8_state=False)
     tokenizer = load_tokenizer(config.data, config.model.vocab_size, str(folder / "run"))
     # The validation split (data.eval_paths) reads the pairs in file order: pair p is
     # rows 2p (chosen) and 2p + 1 (rejected) of the one micro-batch.
@@ -245,3 +246,45 @@ def test_full_fine_tuning_s_frozen_reference_equals_trls_ref_model(setup, tmp_pa
     assert metrics["rewards/accuracies"] == theirs["eval_rewards/accuracies"]
     assert abs(metrics["rewards/margins"]) > 1e-3  # the policy is not the reference
     np.testing.assert_allclose(loss, theirs["eval_loss"], rtol=1e-5, atol=LOSS_ATOL)
+
+
+def test_orpo_equals_trls_orpo_trainer_on_the_same_tokens(setup, tmp_path):
+    """dpo.loss=orpo (reference-free) against TRL's ORPOTrainer.get_batch_loss_metrics on
+    the token rows tfllm built (TRL's ORPO still tokenizes with its older rules, adding
+    BOS and EOS around the chat template's text, so the batch is given to it): loss,
+    rewards, log-probs, NLL and log odds."""
+    import datasets
+    from trl.experimental.orpo import ORPOConfig, ORPOTrainer
+    torch, _ = ref.load_torch_transformers()
+    folder, tokenizer, _ = setup
+    records = _records("conversations")
+    loss, metrics, pairs = _tfllm(setup, records, tmp_path, full=True, loss="orpo")
+    args = ORPOConfig(output_dir=str(folder / "orpo"), report_to=[], use_cpu=True,
+                      bf16=False, beta=BETA, padding_value=0, max_length=SEQUENCE_LENGTH + 1)
+    trainer = ORPOTrainer(model=ref.load(folder / "merged"), args=args,
+                          train_dataset=datasets.Dataset.from_list(records),
+                          processing_class=tokenizer)
+    batch = {}
+    width = max(max(len(p.chosen), len(p.rejected)) for p in pairs)
+    for name in ("chosen", "rejected"):
+        ids = np.zeros((len(pairs), width), np.int64)
+        attention = np.zeros_like(ids)
+        labels = np.full_like(ids, -100)
+        for i, p in enumerate(pairs):
+            tokens, mask = getattr(p, name), getattr(p, f"{name}_mask")
+            ids[i, :len(tokens)], attention[i, :len(tokens)] = tokens, 1
+            labels[i, :len(tokens)] = np.where(mask == 1, tokens, -100)
+        batch.update({f"{name}_input_ids": torch.tensor(ids),
+                      f"{name}_attention_mask": torch.tensor(attention),
+                      f"{name}_labels": torch.tensor(labels)})
+    with torch.no_grad():
+        theirs_loss, theirs = trainer.get_batch_loss_metrics(trainer.model.eval(), batch,
+                                                             "train")
+    theirs = {k: float(v) for k, v in theirs.items()}
+    # per-token means (~5) and NLLs of float32 sums: rounding ~1e-6 (see the top)
+    for key in ("rewards/chosen", "rewards/rejected", "rewards/margins", "logps/chosen",
+                "logps/rejected", "nll_loss", "log_odds_ratio", "log_odds_chosen"):
+        np.testing.assert_allclose(metrics[key], theirs[key], rtol=1e-5, atol=1e-5,
+                                   err_msg=key)
+    assert metrics["rewards/accuracies"] == theirs["rewards/accuracies"]
+    np.testing.assert_allclose(loss, float(theirs_loss), rtol=1e-5, atol=LOSS_ATOL)

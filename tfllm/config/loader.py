@@ -368,12 +368,16 @@ def check_objective(cfg: schema.Config) -> None:
             f"train.objective={t.objective} with data.format={d.format}: preference pairs "
             "train with DPO and DPO trains on pairs; set both train.objective=dpo and "
             "data.format=preference, or neither.")
-    if t.objective == "dpo" and cfg.lora.rank == 0 and cfg.precision.policy == "fp8":
+    if (t.objective == "dpo" and cfg.lora.rank == 0 and cfg.dpo.loss != "orpo"
+            and cfg.precision.policy == "fp8"):
         raise ConfigError(
             "train.objective=dpo with lora.rank=0 and precision.policy=fp8: the frozen "
             "reference copy would keep its first FP8 scales for the whole run; use "
             "precision.policy=bfloat16, or LoRA (lora.rank > 0: the reference is the "
             "model with its adapters off).")
+    if cfg.dpo.rpo_alpha and cfg.dpo.loss == "orpo":
+        raise ConfigError(f"dpo.rpo_alpha={cfg.dpo.rpo_alpha} with dpo.loss=orpo: ORPO "
+                          "has its own NLL term (weight 1); set dpo.rpo_alpha to 0.")
     if cfg.dpo.label_smoothing and cfg.dpo.loss != "sigmoid":
         raise ConfigError(f"dpo.label_smoothing={cfg.dpo.label_smoothing} applies to "
                           f"dpo.loss=sigmoid only (it is {cfg.dpo.loss}); set it to 0.")

@@ -381,8 +381,11 @@ class DpoConfig:
                    "e: -(1 - e) log sigmoid(beta delta) - e log sigmoid(-beta delta), "
                    "conservative DPO); hinge: max(0, 1 - beta delta) (SLiC); ipo: (delta' - "
                    "1 / (2 beta))^2 with each log-ratio divided by its completion's token "
-                   "count (IPO, as TRL normalizes it).",
-                   choices=("sigmoid", "hinge", "ipo"))
+                   "count (IPO, as TRL normalizes it); orpo: reference-free, the chosen "
+                   "sequences' NLL minus beta log sigmoid of the log odds ratio of the mean "
+                   "token log-probabilities (ORPO, as TRL's ORPOTrainer; beta is its "
+                   "lambda).",
+                   choices=("sigmoid", "hinge", "ipo", "orpo"))
     beta: float = _f(0.1, "Temperature beta: how far the policy may move from the "
                      "reference (IPO: the regularization tau). Rewards are beta times the "
                      "log-ratios.", min=1e-6, max=1e6)

@@ -13,7 +13,13 @@ and, per pair (`dpo.loss`; the micro-batch's loss is the mean over its pairs):
     hinge:   max(0, 1 - beta delta)                                         (SLiC)
     ipo:     (delta' - 1 / (2 beta))^2, delta' with each log-ratio divided by its
              completion's token count                                      (IPO, as TRL)
-plus dpo.rpo_alpha times the chosen completions' mean token NLL (RPO).
+plus dpo.rpo_alpha times the chosen completions' mean token NLL (RPO). ORPO
+(dpo.loss=orpo, reference-free, as TRL's ORPOTrainer): with each completion's MEAN
+token log-probability l and log-odds l - log(1 - exp(l)),
+    orpo:    NLL(chosen) - beta log sigmoid(log-odds(y_w) - log-odds(y_l))
+where NLL(chosen) is the mean over every token of the chosen sequences, prompt
+included (TRL's), and beta is ORPO's lambda; its rewards are beta l and logps/ the mean
+token log-probabilities, as TRL logs them. No reference pass is run.
 
 Chosen and rejected run through ONE forward pass: a micro-batch's rows 2p and 2p + 1
 are pair p's two sequences, concatenated along the batch, so the rows split over the
@@ -45,8 +51,10 @@ METRICS = ("rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/
            "logps/chosen", "logps/rejected")
 
 
-def reference_summary(model, reference) -> str:
+def reference_summary(model, reference, loss: str = "sigmoid") -> str:
     """The line a DPO run prints: which reference, and what it costs."""
+    if loss == "orpo":
+        return "tfllm: ORPO: no reference model (no second forward pass)"
     if reference is None:
         return ("tfllm: DPO reference: the model with its LoRA adapters off (no copy; one "
                 "more forward pass per micro-batch, outside the gradient tape)")
@@ -89,6 +97,12 @@ def _mean(values, weights):
     return tf.reduce_sum(values * weights) / tf.maximum(tf.reduce_sum(weights), 1.0)
 
 
+def log1mexp(x):
+    """log(1 - exp(x)) for x < 0, stable at both ends (Maechler's switch at -log 2)."""
+    return tf.where(x > -0.6931471805599453, tf.math.log(-tf.math.expm1(x)),
+                    tf.math.log1p(-tf.exp(x)))
+
+
 def pair_losses(chosen_logratio, rejected_logratio, chosen_tokens, rejected_tokens, dpo):
     """The loss of each pair (P,) by dpo.loss, from the policy-minus-reference
     log-ratios (P,) and the completions' token counts (P,) float32 (IPO's normalization).
@@ -125,6 +139,8 @@ class DpoLoss:
         """(2P,) the reference's summed completion log-probabilities of each row, without
         gradients: the policy `model` with adapters off, or the frozen copy."""
         trained = tf.cast(micro[2][:, 1:], tf.float32)  # (2P, T)
+        if self.dpo.loss == "orpo":
+            return None  # reference-free
         if self.reference is not None:
             logits, targets, _ = forward(self.reference, micro)
         else:
@@ -150,6 +166,8 @@ class DpoLoss:
         with noise_seed(seed):  # the policy: adapters on, dropout in training
             logits, targets, _ = forward(model, micro)
         logps, nll = row_sums(logits, targets, trained)  # (2P,) each
+        if self.dpo.loss == "orpo":
+            return self._orpo(micro, logits, targets, trained, logps)
         ref_logps = (self.reference_logps(model, micro, forward)
                      if reference_logps is None else reference_logps)  # (2P,)
         chosen, rejected = pairs_of(logps)
@@ -177,5 +195,35 @@ class DpoLoss:
             "rewards/margins": _mean(chosen_reward - rejected_reward, real),
             "logps/chosen": _mean(tf.stop_gradient(chosen), real),
             "logps/rejected": _mean(tf.stop_gradient(rejected), real),
+        }
+        return loss, metrics
+
+    def _orpo(self, micro, logits, targets, trained, logps):
+        """ORPO's (loss, metrics): the chosen NLL over all its tokens minus beta times the
+        mean log sigmoid of the log odds ratio of mean token log-probabilities."""
+        real = real_pairs(micro)  # (P,)
+        counts = tf.maximum(tf.reduce_sum(trained, axis=1), 1.0)  # (2P,) completion targets
+        chosen, rejected = pairs_of(logps / counts)  # (P,) mean token log-probs
+        log_odds = (chosen - rejected) - (log1mexp(chosen) - log1mexp(rejected))  # (P,)
+        # every target inside a sequence (prompt included), as TRL's ORPO NLL
+        whole = tf.cast(micro[1][:, 1:] > 0, tf.float32)  # (2P, T)
+        _, whole_nll = row_sums(logits, targets, whole)
+        chosen_nll, _ = pairs_of(whole_nll)
+        chosen_targets, _ = pairs_of(tf.reduce_sum(whole, axis=1))
+        nll = tf.reduce_sum(chosen_nll) / tf.maximum(tf.reduce_sum(chosen_targets), 1.0)
+        loss = nll - self.dpo.beta * _mean(tf.math.log_sigmoid(log_odds), real)
+        chosen_reward = self.dpo.beta * tf.stop_gradient(chosen)
+        rejected_reward = self.dpo.beta * tf.stop_gradient(rejected)
+        metrics = {
+            "rewards/chosen": _mean(chosen_reward, real),
+            "rewards/rejected": _mean(rejected_reward, real),
+            "rewards/accuracies": _mean(
+                tf.cast(chosen_reward > rejected_reward, tf.float32), real),
+            "rewards/margins": _mean(chosen_reward - rejected_reward, real),
+            "logps/chosen": _mean(tf.stop_gradient(chosen), real),
+            "logps/rejected": _mean(tf.stop_gradient(rejected), real),
+            "nll_loss": tf.stop_gradient(nll),
+            "log_odds_ratio": _mean(tf.stop_gradient(tf.math.log_sigmoid(log_odds)), real),
+            "log_odds_chosen": _mean(tf.stop_gradient(log_odds), real),
         }
         return loss, metrics

@@ -267,7 +267,7 @@ def _announce(training: _Training) -> None:
     if config.lora.rank:
         progress.message(lora_summary(run.model, config.lora))
     if config.train.objective == "dpo":
-        progress.message(reference_summary(run.model, run.reference))
+        progress.message(reference_summary(run.model, run.reference, config.dpo.loss))
     feed = run.feed
     idle = feed.idle_batch_axes()
     if idle:

@@ -54,7 +54,7 @@ def build_train_state(config, parallel, jit_compile: bool, model_cls=None,
     model = build_model(config, parallel, model_cls=model_cls)
     reference = objective = None
     if config.train.objective == "dpo":
-        if config.lora.rank == 0:
+        if config.lora.rank == 0 and config.dpo.loss != "orpo":  # ORPO: reference-free
             # Full fine-tuning: a frozen copy in the model's layouts (no optimizer state,
             # no gradient), initialized as the model (the same seed); an imported run
             # loads the imported weights into it (`tfllm.train.loop`), and checkpoints
