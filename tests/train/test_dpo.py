@@ -262,3 +262,20 @@ def test_the_progress_line_and_loss_png_show_reward_accuracy(tmp_path):
     metrics.write_text("".join(json.dumps({**record, "step": s}) + "\n" for s in (1, 2, 3)))
     plot_loss(str(metrics), str(tmp_path / "loss.png"))
     assert (tmp_path / "loss.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_the_memory_estimate_counts_pairs_as_two_rows_and_the_reference_copy():
+    """tfllm.plan.fit: a pair's two sequences in the activations; full fine-tuning's
+    frozen reference copy in the state (LoRA's reference and ORPO cost no copy)."""
+    from tfllm.plan import fit
+    sft = tiny_config("llama", **{"train.global_batch_size": 4})
+    with_lora = tiny_config("llama", **{**DPO, "train.global_batch_size": 4})
+    full = tiny_config("llama", **{**DPO, "train.global_batch_size": 4, "lora.rank": 0})
+    orpo = tiny_config("llama", **{**DPO, "train.global_batch_size": 4, "lora.rank": 0,
+                                   "dpo.loss": "orpo"})
+    estimates = {name: fit.estimate(c, 1) for name, c in
+                 (("sft", sft), ("full", full), ("orpo", orpo), ("lora", with_lora))}
+    assert estimates["full"].activations == 2 * estimates["sft"].activations
+    weights = estimates["sft"].state // 3  # float32 weights and AdamW's two moments
+    assert estimates["full"].state == estimates["sft"].state + weights
+    assert estimates["orpo"].state == estimates["sft"].state

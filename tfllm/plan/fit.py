@@ -149,6 +149,8 @@ def activation_bytes(local, remat: Optional[str] = None) -> Tuple[int, Dict[str,
     remat = remat or m.remat
     c = _COMPUTE_BYTES.get(local.precision.policy, 4)
     rows = local.train.global_batch_size / local.train.grad_accum_steps
+    if local.train.objective == "dpo":  # a preference pair is two sequences
+        rows *= 2
     length = local.data.sequence_length
     tokens = rows * length
     rope = m.family != "gpt"
@@ -176,9 +178,14 @@ def activation_bytes(local, remat: Optional[str] = None) -> Tuple[int, Dict[str,
 
 def static_bytes(config, devices) -> Tuple[int, int, int]:
     """(state, float32 gradients, gather buffers) per device: what the precision policy
-    and the mesh decide, whatever the batch, remat or attention (built once per search)."""
+    and the mesh decide, whatever the batch, remat or attention (built once per search).
+    DPO without LoRA (and not ORPO) adds its frozen reference copy of the weights, laid
+    out as the model's, to the state."""
     shape = sharded.mesh_shape(config, devices)
     state, rows = sharded.state_bytes(config, shape)
+    if (config.train.objective == "dpo" and config.lora.rank == 0
+            and config.dpo.loss != "orpo"):
+        state += sum(r.bytes_per_device for r in rows)
     grads = sum(r.bytes_per_device * 4 // _dtype_bytes(r.dtype)
                 for r in rows if r.optimizer_bytes_per_device)
     return state, grads, sharded.gather_buffers(config, shape)["bytes"]
