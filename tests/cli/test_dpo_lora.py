@@ -55,6 +55,13 @@ def test_the_dpo_lora_recipe_trains_adapters_trl_evaluates_alike(tmp_path, capsy
              and not np.array_equal(first.whole(n), last.whole(n))]
     assert moved and all(n.endswith(("/lora_a", "/lora_b")) for n in moved), moved
 
+    # tfllm eval gives the numbers the run logged at its end
+    capsys.readouterr()
+    assert main(["eval", "--workdir", run, "--steps", "8"]) == 0
+    evaluated = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    for key in ("eval_loss", "eval_rewards/accuracies", "eval_logps/rejected"):
+        assert evaluated[key] == pytest.approx(evals[-1][key], rel=1e-6), key
+
     # TRL evaluates the exported adapter on the held-out pairs, the base as reference.
     assert main(["export", "--workdir", run, "--out", str(tmp_path / "adapter"),
                  "--format", "peft"]) == 0
