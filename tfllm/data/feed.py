@@ -172,8 +172,13 @@ class DeviceFeed:
         if self.rows_per_example == 2:
             # Pairs, not rows, must divide over the batch's mesh axis: every device then
             # holds whole pairs (an even block of rows), never one half of a pair.
-            rules_lib.batch_layout(t.global_batch_size, t.grad_accum_steps,
-                                   d.sequence_length, parallel.rules, parallel.shape)
+            try:
+                rules_lib.batch_layout(t.global_batch_size, t.grad_accum_steps,
+                                       d.sequence_length, parallel.rules, parallel.shape)
+            except ValueError as e:  # MeshError: the same line, for pairs
+                raise type(e)(f"{e} With data.format=preference these are preference "
+                              "pairs (two sequences each), and a device holds whole "
+                              "pairs.") from None
         layout = rules_lib.batch_layout(t.global_batch_size * self.rows_per_example,
                                         t.grad_accum_steps, d.sequence_length,
                                         parallel.rules, parallel.shape)
