@@ -289,3 +289,22 @@ def test_the_memory_estimate_counts_pairs_as_two_rows_and_the_reference_copy():
     weights = estimates["sft"].state // 3  # float32 weights and AdamW's two moments
     assert estimates["full"].state == estimates["sft"].state + weights
     assert estimates["orpo"].state == estimates["sft"].state
+
+
+def test_orpo_s_log_odds_are_finite_with_their_gradient_at_the_ends():
+    """log(1 - exp(x)) for mean log-probabilities from -80 to 0: finite values and
+    gradients (the branch not taken must not make 0 * inf = NaN), TRL's values inside."""
+    import tensorflow as tf
+
+    from tfllm.train.dpo import log1mexp
+    x = tf.constant([-80.0, -5.0, -0.7, -0.69, -1e-3, -1e-9, 0.0])
+    with tf.GradientTape() as tape:
+        tape.watch(x)
+        y = log1mexp(x)
+        total = tf.reduce_sum(y)
+    grad = tape.gradient(total, x).numpy()
+    assert np.isfinite(y.numpy()).all() and np.isfinite(grad).all()
+    inner = np.array([-80.0, -5.0, -0.7, -0.69, -1e-3], np.float64)
+    # float32 against float64: relative rounding
+    want = np.where(inner > -0.69, np.log(-np.expm1(inner)), np.log1p(-np.exp(inner)))
+    np.testing.assert_allclose(y.numpy()[:5], want, rtol=1e-5)

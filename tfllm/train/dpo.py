@@ -98,9 +98,14 @@ def _mean(values, weights):
 
 
 def log1mexp(x):
-    """log(1 - exp(x)) for x < 0, stable at both ends (Maechler's switch at -log 2)."""
-    return tf.where(x > -0.6931471805599453, tf.math.log(-tf.math.expm1(x)),
-                    tf.math.log1p(-tf.exp(x)))
+    """log(1 - exp(x)) for x < 0, stable at both ends (Maechler's switch at -log 2, as
+    TRL's). Each branch sees only inputs it is finite for, so the gradient of the branch
+    not taken is never 0 * inf = NaN (a mean log-probability of exactly 0 would be)."""
+    near = x > -0.6931471805599453
+    x = tf.minimum(x, -1e-7)  # a probability of 1 has infinite odds: kept just below
+    near_x, far_x = tf.where(near, x, -1.0), tf.where(near, -1.0, x)
+    return tf.where(near, tf.math.log(-tf.math.expm1(near_x)),
+                    tf.math.log1p(-tf.exp(far_x)))
 
 
 def pair_losses(chosen_logratio, rejected_logratio, chosen_tokens, rejected_tokens, dpo):
