@@ -308,3 +308,27 @@ def test_orpo_s_log_odds_are_finite_with_their_gradient_at_the_ends():
     # float32 against float64: relative rounding
     want = np.where(inner > -0.69, np.log(-np.expm1(inner)), np.log1p(-np.exp(inner)))
     np.testing.assert_allclose(y.numpy()[:5], want, rtol=1e-5)
+
+
+@pytest.mark.slow  # compiles the step through XLA on a mesh
+def test_the_xla_compiled_step_on_a_mesh_equals_one_device():
+    """jit_compile on data=2 (XLA clusters per device, the pair reshape inside them)
+    against one device without XLA: the same loss, metrics and gradients."""
+    from tfllm.parallel import make_parallel
+    from tfllm.train.state import build_train_state
+    tokens, segments, mask = pair_batch(np.random.default_rng(5), 4, 128)
+    out = []
+    for axes, jit in ((None, False), ("data=2", True)):
+        cfg = tiny_config("llama", axes or "data=1", **{**DPO, "train.global_batch_size": 4})
+        parallel = None if axes is None else make_parallel(cfg.mesh, cfg.model, cfg.optimizer)
+        step = build_train_state(cfg, parallel, jit, packing_mask=True).step
+        randomize_adapters(step.model, parallel=parallel)
+        out.append(step.loss_and_grads(feed.to_device(
+            parallel, tokens[None], segments[None], mask[None]), with_metrics=True))
+    (loss, grads, metrics), (xla_loss, xla_grads, xla_metrics) = out
+    # XLA fuses and reorders float32 sums: rounding only
+    assert xla_loss == pytest.approx(loss, rel=1e-5)
+    for key in metrics:
+        assert xla_metrics[key] == pytest.approx(metrics[key], rel=1e-5, abs=1e-6), key
+    for g, g0 in zip(xla_grads, grads):
+        np.testing.assert_allclose(g, g0, rtol=1e-4, atol=1e-6)
