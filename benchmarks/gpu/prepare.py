@@ -55,8 +55,9 @@ def prepare(name: str) -> str:
                              f"for step.jax):\n{r.stderr[-3000:]}")
         os.makedirs(out, exist_ok=True)
         shutil.copyfile(os.path.join(tmp, "step.json"), os.path.join(out, "step.json"))
-        # compressed: the constants TensorFlow folds into the program (causal masks,
-        # RoPE tables) are most of a 7B layer's bytes, and the masks compress ~100x
+        # compressed (StableHLO text-like bytecode compresses well; the RoPE tables and
+        # causal masks that once made most of a 7B layer's bytes are computed in the
+        # program since masks.row_positions)
         with open(os.path.join(tmp, "step.jax"), "rb") as f, \
                 gzip.open(os.path.join(out, "step.jax.gz"), "wb") as g:
             shutil.copyfileobj(f, g)
