@@ -164,9 +164,13 @@ class TrainStep:
             fp8_new = histories if fp8_new is None else [
                 b if a is None else a if b is None else tf.maximum(a, b)
                 for a, b in zip(fp8_new, histories)]
-        if amaxes:  # the histories no einsum gave a gradient were collected
-            collected = amaxes.new_histories(self.fp8_state)
-            fp8_new = [c if h is None else h for h, c in zip(fp8_new, collected)]
+        if amaxes:
+            # A collected history's "gradient" is None, or zeros where a recomputation
+            # (model.remat=full) asked its tape for every variable it read: its new value
+            # is the collector's, always.
+            collected = amaxes.amaxes(self.fp8_state)
+            fp8_new = [h if a is None else fp8.roll_history(tf.convert_to_tensor(v), a)
+                       for v, h, a in zip(self.fp8_state, fp8_new, collected)]
         divisor = accum * scale if scale is not None else accum
         grads = [g / divisor for g in total_grads]
         return (total_loss / accum, grads, fp8_new,
