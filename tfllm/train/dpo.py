@@ -97,6 +97,19 @@ def _mean(values, weights):
     return tf.reduce_sum(values * weights) / tf.maximum(tf.reduce_sum(weights), 1.0)
 
 
+def _pair_metrics(chosen_reward, rejected_reward, chosen_logps, rejected_logps, real):
+    """TRL's rewards/* and logps/* metrics of (P,) per-pair values, over the real pairs."""
+    return {
+        "rewards/chosen": _mean(chosen_reward, real),
+        "rewards/rejected": _mean(rejected_reward, real),
+        "rewards/accuracies": _mean(tf.cast(chosen_reward > rejected_reward, tf.float32),
+                                    real),
+        "rewards/margins": _mean(chosen_reward - rejected_reward, real),
+        "logps/chosen": _mean(tf.stop_gradient(chosen_logps), real),
+        "logps/rejected": _mean(tf.stop_gradient(rejected_logps), real),
+    }
+
+
 def log1mexp(x):
     """log(1 - exp(x)) for x < 0, stable at both ends (Maechler's switch at -log 2, as
     TRL's). Each branch sees only inputs it is finite for, so the gradient of the branch
@@ -190,18 +203,9 @@ class DpoLoss:
             chosen_targets, _ = pairs_of(tf.reduce_sum(trained, axis=1))
             loss = loss + self.dpo.rpo_alpha * (tf.reduce_sum(chosen_nll)
                                                 / tf.maximum(tf.reduce_sum(chosen_targets), 1.0))
-        chosen_reward = self.dpo.beta * tf.stop_gradient(chosen_ratio)  # (P,)
-        rejected_reward = self.dpo.beta * tf.stop_gradient(rejected_ratio)
-        metrics = {
-            "rewards/chosen": _mean(chosen_reward, real),
-            "rewards/rejected": _mean(rejected_reward, real),
-            "rewards/accuracies": _mean(
-                tf.cast(chosen_reward > rejected_reward, tf.float32), real),
-            "rewards/margins": _mean(chosen_reward - rejected_reward, real),
-            "logps/chosen": _mean(tf.stop_gradient(chosen), real),
-            "logps/rejected": _mean(tf.stop_gradient(rejected), real),
-        }
-        return loss, metrics
+        return loss, _pair_metrics(self.dpo.beta * tf.stop_gradient(chosen_ratio),
+                                   self.dpo.beta * tf.stop_gradient(rejected_ratio),
+                                   chosen, rejected, real)
 
     def _orpo(self, micro, logits, targets, trained, logps):
         """ORPO's (loss, metrics): the chosen NLL over all its tokens minus beta times the
@@ -217,16 +221,10 @@ class DpoLoss:
         chosen_targets, _ = pairs_of(tf.reduce_sum(whole, axis=1))
         nll = tf.reduce_sum(chosen_nll) / tf.maximum(tf.reduce_sum(chosen_targets), 1.0)
         loss = nll - self.dpo.beta * _mean(tf.math.log_sigmoid(log_odds), real)
-        chosen_reward = self.dpo.beta * tf.stop_gradient(chosen)
-        rejected_reward = self.dpo.beta * tf.stop_gradient(rejected)
         metrics = {
-            "rewards/chosen": _mean(chosen_reward, real),
-            "rewards/rejected": _mean(rejected_reward, real),
-            "rewards/accuracies": _mean(
-                tf.cast(chosen_reward > rejected_reward, tf.float32), real),
-            "rewards/margins": _mean(chosen_reward - rejected_reward, real),
-            "logps/chosen": _mean(tf.stop_gradient(chosen), real),
-            "logps/rejected": _mean(tf.stop_gradient(rejected), real),
+            **_pair_metrics(self.dpo.beta * tf.stop_gradient(chosen),
+                            self.dpo.beta * tf.stop_gradient(rejected), chosen, rejected,
+                            real),
             "nll_loss": tf.stop_gradient(nll),
             "log_odds_ratio": _mean(tf.stop_gradient(tf.math.log_sigmoid(log_odds)), real),
             "log_odds_chosen": _mean(tf.stop_gradient(log_odds), real),
