@@ -292,6 +292,18 @@ def held_out(record: Record, fraction: float) -> bool:
     return int.from_bytes(digest[:8], "little") % _HOLDOUT_BUCKETS < fraction * _HOLDOUT_BUCKETS
 
 
+def render_record(template, record, messages, generation_prompt: bool, what: str) -> str:
+    """`messages` of `record` (a chat sample or a preference pair, `what`) rendered
+    through `template`; a template's refusal is one DataError line naming the record."""
+    try:
+        return template.render(messages, add_generation_prompt=generation_prompt,
+                               tools=record.tools)
+    except jinja2.exceptions.TemplateError as e:
+        raise DataError(f"{record.where}: the chat template ({template.origin}) refused the "
+                        f"conversation ({e}); fix the {what} or use another template "
+                        "(data.chat_template).") from None
+
+
 def tokenizer_config(folder: Optional[str]) -> dict:
     """A tokenizer folder's tokenizer_config.json as a dict; {} when there is none or it is
     not a JSON object (the template's own read of the file names what is wrong with it)."""
@@ -386,13 +398,7 @@ class SampleEncoder:
         self.truncated = 0
 
     def _render(self, record: Record, messages, generation_prompt: bool = False) -> str:
-        try:
-            return self.template.render(messages, add_generation_prompt=generation_prompt,
-                                        tools=record.tools)
-        except jinja2.exceptions.TemplateError as e:
-            raise DataError(f"{record.where}: the chat template ({self.template.origin}) "
-                            f"refused the conversation ({e}); fix the sample or use another "
-                            "template (data.chat_template).") from None
+        return render_record(self.template, record, messages, generation_prompt, "sample")
 
     def _assistant_spans(self, record: Record) -> Tuple[str, List[Tuple[int, int]]]:
         messages = record.messages

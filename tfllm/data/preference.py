@@ -35,7 +35,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import List, Optional, Sequence, Tuple, Union
 
-import jinja2
 import numpy as np
 
 from tfllm.data import chat
@@ -169,13 +168,7 @@ class PairEncoder:
             raise DataError(f"{record.where}: a conversation needs a chat template; set "
                             "data.chat_template (e.g. tfllm/data/templates/chatml.jinja) "
                             "or use a tokenizer folder that has one.")
-        try:
-            return self.template.render(messages, add_generation_prompt=generation_prompt,
-                                        tools=record.tools)
-        except jinja2.exceptions.TemplateError as e:
-            raise DataError(f"{record.where}: the chat template ({self.template.origin}) "
-                            f"refused the conversation ({e}); fix the pair or use another "
-                            "template (data.chat_template).") from None
+        return chat.render_record(self.template, record, messages, generation_prompt, "pair")
 
     def ids(self, record: PreferenceRecord) -> Tuple[List[int], List[int], List[int]]:
         """(prompt, chosen, rejected) ids before any cut: TRL's prompt_ids, chosen_ids
