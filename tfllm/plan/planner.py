@@ -299,7 +299,9 @@ def _step_parts(p: dict) -> str:
     parts = [f"GEMMs {ms(t['gemm_s'])} at {t['factors']['gemm_efficiency']:.0%} of peak",
              f"other kernels {ms(t['other_s'])}", f"launch gaps {ms(t['launch_s'])}"]
     if t["dispatch_s"]:
-        parts.append(f"{t['factors']['clusters']:,} clusters {ms(t['dispatch_s'])}")
+        waited = t.get("exposed_dispatch_s", t["dispatch_s"])
+        parts.append(f"{t['factors']['clusters']:,} clusters {ms(waited)} of "
+                     f"{ms(t['dispatch_s'])} dispatch exposed")
     if t["collective_s"]:
         parts.append(f"{t['factors']['collectives']:,} collectives "
                      f"{ms(t['exposed_collective_s'])} of {ms(t['collective_s'])} exposed "

@@ -10,7 +10,9 @@ benchmarks/results/h100_plan.md):
   of launch and tail beyond its roofline time;
 * **DTensor clusters**: on a sharded mesh TensorFlow runs many XLA clusters per device,
   split at every collective (README, "XLA on a DTensor mesh"), each dispatched by
-  TensorFlow's executor;
+  TensorFlow's executor on the host. On a GPU the host runs ahead of the device
+  (`exposed_dispatch_seconds`): a cluster is enqueued on the stream and its op returns
+  before its kernels run, and only a collective makes the host wait for the device;
 * **NCCL by message size** (Hockney's alpha-beta model): each collective costs a latency
   plus its bytes at the link's bus bandwidth, so many small collectives cost more than
   one large one of the same bytes;
@@ -93,6 +95,47 @@ def exposed_collective_seconds(comm: float, compute: float, blocks: int,
     return c + (blocks - 1) * (c - hidden_each)
 
 
+def exposed_dispatch_seconds(dispatch: float, compute: float, comm: float, blocks: int,
+                             overlappable: bool, waits: int) -> float:
+    """The seconds of cluster dispatch the device waits for.
+
+    On a GPU, TensorFlow's `_XlaRun` enqueues a cluster's program on the device's stream
+    and returns (`RunAsync` in tensorflow/compiler/jit/kernels/xla_ops.cc; the host
+    blocks only for outputs of dynamic shape, which tfllm's steps do not have), so the
+    executor dispatches the next cluster while the device runs this one: the host runs
+    ahead. A collective is different: NCCL's done callback runs when its kernel has
+    finished (tensorflow/core/nccl/nccl_manager.cc), so the clusters that read its
+    result are dispatched only then.
+
+    * Prefetched blocks (`overlappable`): block i+1's clusters wait for its weights'
+      gather, which runs beside block i's compute; once it is done the host dispatches
+      them, still during block i. A block exposes what its gather plus its dispatch take
+      beyond one block's compute (less what the gather alone already exposes), and the
+      first block its whole dispatch (the device has nothing queued before it).
+    * Collectives on the critical path (tensor or sequence parallelism) or no blocks:
+      after each of the `waits` collectives the device waits for one cluster's dispatch,
+      and any host time beyond the compute is exposed too.
+
+    Assumes no device-to-host copy in the step between its clusters (one would drain
+    the stream like a collective).
+
+    Args:
+      dispatch: host seconds to dispatch the step's clusters.
+      compute: device compute seconds per step.
+      comm: collective seconds per step.
+      blocks: the model's blocks (num_layers).
+      overlappable: whether the mesh's collectives are the blocks' prefetched ones.
+      waits: collectives per step.
+    """
+    if dispatch <= 0:
+        return 0.0
+    if overlappable and blocks >= 2:
+        h, c, k = dispatch / blocks, comm / blocks, compute / blocks
+        beyond = max(0.0, c + h - k) - max(0.0, c - k)
+        return min(dispatch, h + (blocks - 1) * beyond)
+    return min(dispatch, waits * CLUSTER_DISPATCH_S + max(0.0, dispatch - compute))
+
+
 def step_time(result: dict, target, clusters: int = 1,
               collective_count: Optional[int] = None) -> dict:
     """The estimated step time of a plan and its parts (seconds).
@@ -118,12 +161,14 @@ def step_time(result: dict, target, clusters: int = 1,
     if c:
         comm = c["bytes_per_device"] / c["link_bandwidth"] + (collective_count or 0) * \
             NCCL_LATENCY_S
-    exposed = exposed_collective_seconds(comm, compute + launches, result.get("blocks", 0),
-                                         result.get("overlappable", False))
+    blocks, overlappable = result.get("blocks", 0), result.get("overlappable", False)
+    exposed = exposed_collective_seconds(comm, compute + launches, blocks, overlappable)
+    waited = exposed_dispatch_seconds(dispatch, compute + launches, comm, blocks,
+                                      overlappable, collective_count or 0)
     return {"compute_s": compute, "gemm_s": gemm / GEMM_EFFICIENCY, "other_s": other,
-            "launch_s": launches, "dispatch_s": dispatch, "collective_s": comm,
-            "exposed_collective_s": exposed,
-            "step_s": compute + launches + dispatch + exposed,
+            "launch_s": launches, "dispatch_s": dispatch, "exposed_dispatch_s": waited,
+            "collective_s": comm, "exposed_collective_s": exposed,
+            "step_s": compute + launches + waited + exposed,
             "factors": {"gemm_efficiency": GEMM_EFFICIENCY, "kernel_gap_s": KERNEL_GAP_S,
                         "cluster_dispatch_s": CLUSTER_DISPATCH_S,
                         "nccl_latency_s": NCCL_LATENCY_S, "overlap_loss": OVERLAP_LOSS,
