@@ -19,6 +19,7 @@ import tensorflow as tf
 
 from tests.pretrained.transformers_reference import load_torch_transformers
 from tfllm.models.common import noise
+from tfllm.models.common.remat import recompute
 from tfllm.models.common.moe import (MoeMLP, expert_capacity, load_balancing_loss,
                                      plan_dispatch, route, router_z_loss)
 
@@ -178,6 +179,35 @@ def test_xla_compiled_block_equals_eager(capacity_factor):
     for got, want in zip(tf.nest.flatten(compiled), tf.nest.flatten(eager)):
         scale = float(np.abs(want).max())
         np.testing.assert_allclose(got, want, rtol=RTOL, atol=RTOL * scale + ATOL)
+
+
+@pytest.mark.parametrize("traced", [False, True])
+def test_router_stats_survive_recomputation(traced):
+    """Under remat a decoder block runs inside tfllm's `recompute`: the statistics are
+    outputs of the recomputed function, so the aux and z losses' gradients reach the
+    router through it; selective remat (the activation recomputed) changes nothing."""
+    layer = _ours_from(_torch_block("qwen3_moe"), "qwen3_moe")
+    x = tf.constant(_tokens())
+
+    def gradients(forward, output_weight=1.0):
+        def run(x):
+            with tf.GradientTape() as tape:
+                y, stats = forward(x)
+                loss = (output_weight * tf.reduce_sum(y * y) + load_balancing_loss([stats])
+                        + router_z_loss([stats]))
+            return tape.gradient(loss, layer.trainable_variables,
+                                 unconnected_gradients=tf.UnconnectedGradients.ZERO)
+        return (tf.function(run) if traced else run)(x)
+
+    plain, plain_stats_only = gradients(layer), gradients(layer, 0.0)
+    assert np.abs(plain_stats_only[0]).max() > 1e-3  # the router's, from the stats alone
+    full, full_stats_only = gradients(recompute(layer)), gradients(recompute(layer), 0.0)
+    layer.recompute_activation = True
+    selective = gradients(layer)
+    # The same float32 operations run again: equal within the module's tolerances.
+    for got, want in ((full, plain), (selective, plain), (full_stats_only, plain_stats_only)):
+        for g, w in zip(got, want):
+            np.testing.assert_allclose(g, w, rtol=RTOL, atol=ATOL)
 
 
 def test_dispatch_plan_gives_first_choices_priority_and_drops_the_rest():

@@ -194,6 +194,22 @@ def _with_zero_row(x):
     return tf.concat([x, tf.zeros_like(x[:, :1])], axis=1)
 
 
+def dispatch_tokens(x, plan: DispatchPlan, num_experts: int):
+    """(B, T, D) -> (B, E, C, D): each expert slot's token (zeros when empty)."""
+    buffer = tf.gather(_with_zero_row(x), plan.slot_token, batch_dims=1)  # (B, E*C, D)
+    return tf.reshape(buffer, [-1, num_experts, plan.capacity, x.shape[-1]])
+
+
+def combine_outputs(out, plan: DispatchPlan, weights):
+    """(B, E, C, D) expert outputs -> (B, T, D): each token's k slot outputs (zeros when
+    dropped) weighted by `weights` (B, T, k) and summed."""
+    num_slots = out.shape[1] * out.shape[2]
+    flat = _with_zero_row(tf.reshape(out, [-1, num_slots, out.shape[-1]]))  # (B, E*C+1, D)
+    picked = tf.gather(flat, plan.assignment_slot, batch_dims=1)  # (B, k, T, D)
+    w = tf.cast(tf.transpose(weights, [0, 2, 1]), out.dtype)  # (B, k, T)
+    return tf.einsum("bktd,bkt->btd", picked, w)
+
+
 class MoeMLP(keras.layers.Layer):
     """Sparse mixture-of-experts MLP: `call(x)` -> `(y, RouterStats)`, y (B, T, D) like x.
 
@@ -295,7 +311,7 @@ class MoeMLP(keras.layers.Layer):
         capacity = expert_capacity(length, self.top_k, self.num_experts,
                                    self.capacity_factor)
         plan = plan_dispatch(experts, self.num_experts, capacity)
-        y = self._combine(self._experts(self._dispatch(x, plan)), plan, weights)
+        y = combine_outputs(self._experts(self._dispatch(x, plan)), plan, weights)
         if self.shared_expert is not None:
             gate = tf.sigmoid(self.shared_expert_gate(x))  # (B, T, 1)
             y = y + gate * self.shared_expert(x)
@@ -311,23 +327,12 @@ class MoeMLP(keras.layers.Layer):
         return tf.cast(u, x.dtype)
 
     def _dispatch(self, x, plan):
-        """(B, T, D) -> (B, E, C, D): each expert slot's token (zeros when empty)."""
-        buffer = tf.gather(_with_zero_row(x), plan.slot_token, batch_dims=1)  # (B, E*C, D)
-        buffer = tf.reshape(buffer, [-1, self.num_experts, plan.capacity, self.hidden_dim])
-        return constrain(buffer, _SLOTS_EMBED, self.name)
+        return constrain(dispatch_tokens(x, plan, self.num_experts), _SLOTS_EMBED, self.name)
 
     def _experts(self, buffer):
         """(B, E, C, D) -> (B, E, C, D): expert e's SwiGLU on its slots."""
         act = recompute(self.activation) if self.recompute_activation else self.activation
         return self.down(act(self.gate(buffer), self.up(buffer)))  # (B, E, C, F) inside
-
-    def _combine(self, out, plan, weights):
-        """Each token's k slot outputs (zeros when dropped), weighted and summed."""
-        flat = _with_zero_row(tf.reshape(out, [-1, self.num_experts * plan.capacity,
-                                               self.hidden_dim]))  # (B, E*C + 1, D)
-        picked = tf.gather(flat, plan.assignment_slot, batch_dims=1)  # (B, k, T, D)
-        w = tf.cast(tf.transpose(weights, [0, 2, 1]), out.dtype)  # (B, k, T)
-        return tf.einsum("bktd,bkt->btd", picked, w)
 
     def _stats(self, logits, experts, plan, token_mask):
         mask = (tf.ones(tf.shape(logits)[:2], tf.float32) if token_mask is None
