@@ -50,7 +50,12 @@ setup(
                  # (1.x: loss_type lists with loss_weights, the fused log-prob head)
                  "trl>=1.16,<2",
                  # tests/test_docs.py builds the documentation site in strict mode
-                 "mkdocs>=1.6,<2"],
+                 "mkdocs>=1.6,<2",
+                 # tests/train/test_trackers.py: the trackers themselves, offline
+                 "mlflow>=3,<4", "wandb>=0.21,<1"],
+        # Experiment trackers (tracking.loggers; tested with mlflow 3.17.2, wandb 0.31.0).
+        # wandb >= 0.21: wandb.init's reinit="create_new" (no other run of the process ended).
+        "trackers": ["mlflow>=3,<4", "wandb>=0.21,<1"],
         # The documentation site (mkdocs.yml): `mkdocs serve`, `mkdocs build --strict`.
         # 1.6: the first with anchor validation and docs-relative absolute links.
         "docs": ["mkdocs>=1.6,<2"],

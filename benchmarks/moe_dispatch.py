@@ -8,8 +8,10 @@ XLA-compiled forward and backward pass (loss sum(y^2), gradients of every weight
 * `moe_dropless`: MoeMLP dropless, C = T slots per expert and row (E/k x the active
   FLOPs: TensorFlow has no ragged grouped matmul);
 * `moe_capacity_1.25`: MoeMLP with capacity factor 1.25 (1.25 x the active FLOPs);
-* `dispatch_only`: router, top-k, sort, gather in and gather back of the dropless plan,
-  no expert matmuls: the dispatch's own cost.
+* `moe_grouped`: MoeMLP dropless by grouped matmul over expert tiles of 32 rows (the
+  active FLOPs plus the tiles' padding, at most E*31 rows per sequence);
+* `dispatch_only`: router, top-k, sort, gather in and gather back of the dropless slot
+  plan, no expert matmuls: the dispatch's own cost.
 
 Rounds interleave the variants (machine noise hits all alike); each figure is the median
 over rounds of one round's mean step time. Writes benchmarks/results/moe_dispatch.json.
@@ -34,8 +36,11 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
 
 from tfllm.models.common.mlp import GatedMLP  # noqa: E402
-from tfllm.models.common.moe import (MoeMLP, combine_outputs, dispatch_tokens,  # noqa: E402
-                                     expert_capacity, plan_dispatch, route)
+from tfllm.models.common.dispatch import (expert_capacity, gather_back,  # noqa: E402
+                                          gather_rows, num_tiles, plan_slots)
+from tfllm.models.common.moe import MoeMLP, route  # noqa: E402
+
+TILE = 32
 
 # (name, rows B, length T, hidden D, expert width F, experts E, top k)
 SHAPES = (("mixtral-like E=8 k=2", 4, 256, 256, 256, 8, 2),
@@ -58,19 +63,21 @@ def _variants(d, f, e, k):
     dense = GatedMLP(d, k * f, name="dense")
     dropless = MoeMLP(d, f, e, k, name="moe")
     capacity = MoeMLP(d, f, e, k, capacity_factor=1.25, name="moe_capacity")
+    grouped = MoeMLP(d, f, e, k, dispatch="grouped", tile=TILE, name="moe_grouped")
     router_only = MoeMLP(d, f, e, k, name="moe_dispatch")
 
     def dispatch_only(x):
         logits = tf.cast(router_only.router(x), tf.float32)
         weights, experts = route(logits, k, router_only.routing)
-        plan = plan_dispatch(experts, e, x.shape[1])
-        return combine_outputs(dispatch_tokens(x, plan, e), plan, weights)
+        plan = plan_slots(experts, e, x.shape[1])
+        return gather_back(gather_rows(x, plan), plan, weights)
 
-    for layer in (dense, dropless, capacity, router_only):
+    for layer in (dense, dropless, capacity, grouped, router_only):
         layer.build(None)
     return {"dense": (dense, dense.trainable_variables),
             "moe_dropless": (lambda x: dropless(x)[0], dropless.trainable_variables),
             "moe_capacity_1.25": (lambda x: capacity(x)[0], capacity.trainable_variables),
+            "moe_grouped": (lambda x: grouped(x)[0], grouped.trainable_variables),
             "dispatch_only": (dispatch_only, router_only.router.trainable_variables)}
 
 
@@ -112,7 +119,8 @@ def main():
             "over_dense": {v: round(s / medians["dense"], 2) for v, s in medians.items()},
             # FLOPs of the expert matmuls relative to the dense baseline's
             "flops_over_dense": {"moe_dropless": e / k, "moe_capacity_1.25": round(
-                e * expert_capacity(t, k, e, 1.25) / (k * t), 2)},
+                e * expert_capacity(t, k, e, 1.25) / (k * t), 2), "moe_grouped_at_most": round(
+                num_tiles(t, k, e, TILE) * TILE / (k * t), 2)},
             "runs_s": times,
         }
         print(name, json.dumps(summary[name]), flush=True)

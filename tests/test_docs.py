@@ -294,6 +294,14 @@ COMMANDS = {
         ("test", "tests/notebooks/test_notebooks.py::test_fresh_execution_matches_the_stored_outputs",
          "the notebooks' fresh executions (the full suite runs them)"),
     "kill %1 %2": ("not run", "shell"),
+    # experiment trackers (docs/training.md, README)
+    'pip install -e ".[trackers]"': ("not run", "installs packages"),
+    "tfllm train --workdir runs/x --set tracking.loggers=mlflow,wandb":
+        ("test", "tests/train/test_trackers.py::"
+                 "test_tfllm_train_with_a_tracker_that_cannot_start_exits_2_before_step_1",
+         "a tiny model and a store that cannot be opened; the module's fixture trains and "
+         "resumes with both trackers"),
+    "mlflow ui --backend-store-uri sqlite:///mlflow.db": ("not run", "interactive"),
 }
 
 

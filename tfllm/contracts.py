@@ -120,6 +120,11 @@ TOKENIZER_MODEL_FILE = "tokenizer.model"
 PRETRAINED_FILE = "pretrained.json"
 #: the run's copy of data.chat_template, read as it starts (`tfllm.data.chat_template`)
 CHAT_TEMPLATE_FILE = "chat_template.jinja"
+#: the tracker runs of `tracking.loggers` (their ids and stores), written as they start and
+#: read back on resume to continue them (`tfllm.train.trackers`)
+TRACKERS_FILE = "trackers.json"
+#: Weights & Biases' own folder of local runs (without WANDB_DIR): never cleared by tfllm
+WANDB_DIR = "wandb"
 #: `tfllm launch`'s client logs and the watchdog's heartbeats
 LOGS_DIR = "logs"
 #: the persistent XLA compile cache of `train.xla_cache=auto`, one folder per client
@@ -133,7 +138,7 @@ WRITER_RECORD = ".tfllm-writer"
 #: the files and folders a run writes: cleared when a dead run without checkpoints is
 #: reused (`tfllm.checkpoint.workdir`), the only top-level names tfllm deletes in a run
 RUN_OUTPUTS = (METRICS_FILE, TENSORBOARD_DIR, PLOT_FILE, CONFIG_FILE, COSTS_FILE,
-               TOKENIZER_DIR, PRETRAINED_FILE, CHAT_TEMPLATE_FILE)
+               TOKENIZER_DIR, PRETRAINED_FILE, CHAT_TEMPLATE_FILE, TRACKERS_FILE)
 
 
 #: the variables `tfllm launch` gives a worker for the readiness handshake

@@ -17,7 +17,7 @@ from tfllm.contracts import (CHAT_TEMPLATE_FILE, CHECKPOINTS_DIR, CONFIG_FILE, C
                              LOCKS_DIR, LOGS_DIR,
                              MARKER, METRICS_FILE, PLOT_FILE, PRETRAINED_FILE,
                              TENSORBOARD_DIR, TOKENIZER_DIR, TOKENIZER_MODEL_FILE,
-                             XLA_CACHE_DIR)
+                             TRACKERS_FILE, WANDB_DIR, XLA_CACHE_DIR)
 
 #: the name of a client's folder (XLA cache, traces) or file (log, lock) in a workdir
 CLIENT = "client_{}"
@@ -67,6 +67,17 @@ class RunPaths:
     @property
     def costs_file(self) -> str:
         return self.entry(COSTS_FILE)
+
+    @property
+    def trackers_file(self) -> str:
+        """WORKDIR/trackers.json: the ids of the run's tracker runs (`tfllm.train.trackers`)."""
+        return self.entry(TRACKERS_FILE)
+
+    @property
+    def wandb_dir(self) -> str:
+        """WORKDIR/wandb: W&B's local runs (offline ones until `wandb sync`), when WANDB_DIR
+        is not set."""
+        return self.entry(WANDB_DIR)
 
     @property
     def tokenizer_dir(self) -> str:

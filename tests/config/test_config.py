@@ -36,6 +36,8 @@ ALL_KEYS = {
     "checkpoint": ["every", "max_to_keep", "async_save", "on_corruption"],
     "lora": ["rank", "alpha", "dropout", "rslora", "targets"],
     "dpo": ["loss", "beta", "label_smoothing", "rpo_alpha"],
+    "tracking": ["loggers", "run_name", "mlflow_uri", "mlflow_experiment", "wandb_project",
+                 "wandb_entity", "wandb_mode"],
 }
 
 

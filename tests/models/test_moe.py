@@ -2,8 +2,10 @@
 
 Its output, auxiliary loss and gradients equal transformers' sparse MoE blocks (Mixtral,
 Qwen3-MoE with and without norm_topk_prob, Qwen2-MoE's shared expert) with the weights
-copied in; the XLA-compiled block equals eager; capacity mode drops exactly the
-assignments its docstring names; bfloat16 runs.
+copied in, for both dropless dispatches (slots, and grouped with tiles of 4 rows so that
+groups span several tiles and padding occurs); the XLA-compiled block equals eager;
+capacity mode drops exactly the assignments tfllm.models.common.dispatch names;
+bfloat16 runs.
 
 Tolerances (float32): both sides compute the same sums of at most D = 32 or F = 16
 products in different orders (torch's per-expert loop, our batched einsums), so they
@@ -20,8 +22,8 @@ import tensorflow as tf
 from tests.pretrained.transformers_reference import load_torch_transformers
 from tfllm.models.common import noise
 from tfllm.models.common.remat import recompute
-from tfllm.models.common.moe import (MoeMLP, expert_capacity, load_balancing_loss,
-                                     plan_dispatch, route, router_z_loss)
+from tfllm.models.common.dispatch import expert_capacity, plan_grouped, plan_slots
+from tfllm.models.common.moe import MoeMLP, load_balancing_loss, route, router_z_loss
 
 D, F, E, K, B, T = 32, 16, 8, 2, 2, 7
 RTOL, ATOL = 1e-5, 1e-6  # float32, same sums in another order (module docstring)
@@ -96,11 +98,15 @@ def _mask():
     return mask
 
 
+DISPATCH = {"slots": dict(dispatch="slots"), "grouped": dict(dispatch="grouped", tile=4)}
+
+
+@pytest.mark.parametrize("dispatch", sorted(DISPATCH))
 @pytest.mark.parametrize("variant", sorted(VARIANTS))
-def test_block_equals_transformers_with_its_aux_loss(variant):
+def test_block_equals_transformers_with_its_aux_loss(variant, dispatch):
     torch, transformers = load_torch_transformers()
     blocks = [_torch_block(variant, seed) for seed in (0, 1)]  # two layers for the aux loss
-    layers = [_ours_from(b, variant) for b in blocks]
+    layers = [_ours_from(b, variant, **DISPATCH[dispatch]) for b in blocks]
     x = _tokens()
     mask = _mask()
     stats, logits = [], []
@@ -132,12 +138,13 @@ def test_block_equals_transformers_with_its_aux_loss(variant):
     assert float(stats[0].dropped) == 0.0  # dropless
 
 
+@pytest.mark.parametrize("dispatch", sorted(DISPATCH))
 @pytest.mark.parametrize("variant", ["mixtral", "qwen3_moe", "qwen2_moe_shared"])
-def test_gradients_equal_torch_autograd(variant):
+def test_gradients_equal_torch_autograd(variant, dispatch):
     """d(sum(y * r) + 0.1 aux)/d(x, router, gate, up, down), ours against torch's."""
     torch, transformers = load_torch_transformers()
     block = _torch_block(variant)
-    layer = _ours_from(block, variant)
+    layer = _ours_from(block, variant, **DISPATCH[dispatch])
     x = _tokens()
     r = np.random.RandomState(2).normal(size=x.shape).astype("float32")
     xt = torch.from_numpy(x).requires_grad_(True)
@@ -161,9 +168,10 @@ def test_gradients_equal_torch_autograd(variant):
         np.testing.assert_allclose(g, w, rtol=GRAD_RTOL, atol=ATOL)
 
 
-@pytest.mark.parametrize("capacity_factor", [None, 1.0])
-def test_xla_compiled_block_equals_eager(capacity_factor):
-    layer = _ours_from(_torch_block("qwen3_moe"), "qwen3_moe", capacity_factor=capacity_factor)
+@pytest.mark.parametrize("options", [dict(), dict(capacity_factor=1.0), DISPATCH["grouped"]],
+                         ids=["dropless", "capacity", "grouped"])
+def test_xla_compiled_block_equals_eager(options):
+    layer = _ours_from(_torch_block("qwen3_moe"), "qwen3_moe", **options)
     x = tf.constant(_tokens())
 
     def step(x):
@@ -181,12 +189,13 @@ def test_xla_compiled_block_equals_eager(capacity_factor):
         np.testing.assert_allclose(got, want, rtol=RTOL, atol=RTOL * scale + ATOL)
 
 
+@pytest.mark.parametrize("dispatch", sorted(DISPATCH))
 @pytest.mark.parametrize("traced", [False, True])
-def test_router_stats_survive_recomputation(traced):
+def test_router_stats_survive_recomputation(traced, dispatch):
     """Under remat a decoder block runs inside tfllm's `recompute`: the statistics are
     outputs of the recomputed function, so the aux and z losses' gradients reach the
     router through it; selective remat (the activation recomputed) changes nothing."""
-    layer = _ours_from(_torch_block("qwen3_moe"), "qwen3_moe")
+    layer = _ours_from(_torch_block("qwen3_moe"), "qwen3_moe", **DISPATCH[dispatch])
     x = tf.constant(_tokens())
 
     def gradients(forward, output_weight=1.0):
@@ -210,22 +219,32 @@ def test_router_stats_survive_recomputation(traced):
             np.testing.assert_allclose(g, w, rtol=RTOL, atol=ATOL)
 
 
-def test_dispatch_plan_gives_first_choices_priority_and_drops_the_rest():
+def test_slot_plan_gives_first_choices_priority_and_drops_the_rest():
     # One row of 3 tokens, 2 experts, capacity 2. Choice-major order: the first choices
     # (t0 -> 0, t1 -> 0, t2 -> 1) claim slots before the second ones (t0 -> 1, t1 -> 1,
     # t2 -> 0): expert 0 keeps t0, t1 and drops t2's second choice; expert 1 keeps t2, t0
     # and drops t1's second choice.
-    plan = plan_dispatch(tf.constant([[[0, 1], [0, 1], [1, 0]]], tf.int32), 2, 2)
-    np.testing.assert_array_equal(plan.slot_token, [[0, 1, 2, 0]])  # (e0: t0 t1, e1: t2 t0)
+    plan = plan_slots(tf.constant([[[0, 1], [0, 1], [1, 0]]], tf.int32), 2, 2)
+    np.testing.assert_array_equal(plan.row_token, [[0, 1, 2, 0]])  # (e0: t0 t1, e1: t2 t0)
     dropped = 2 * 2  # E * C: the zero row
-    np.testing.assert_array_equal(plan.assignment_slot, [[[0, 1, 2], [3, dropped, dropped]]])
+    np.testing.assert_array_equal(plan.assignment_row, [[[0, 1, 2], [3, dropped, dropped]]])
     # All four tokens want expert 0 (k = 1); capacity 2 keeps the first two in order.
-    plan = plan_dispatch(tf.zeros((1, 4, 1), tf.int32), 2, 2)
-    np.testing.assert_array_equal(plan.slot_token, [[0, 1, 4, 4]])  # expert 1's slots empty
-    np.testing.assert_array_equal(plan.assignment_slot, [[[0, 1, 4, 4]]])
+    plan = plan_slots(tf.zeros((1, 4, 1), tf.int32), 2, 2)
+    np.testing.assert_array_equal(plan.row_token, [[0, 1, 4, 4]])  # expert 1's slots empty
+    np.testing.assert_array_equal(plan.assignment_row, [[[0, 1, 4, 4]]])
     assert expert_capacity(4, 1, 2, None) == 4  # dropless: T
     assert expert_capacity(8, 2, 4, 1.0) == 4  # ceil(1.0 * 8 * 2 / 4)
     assert expert_capacity(8, 2, 4, 0.01) == 1 and expert_capacity(8, 2, 4, 9.0) == 8
+
+
+def test_grouped_plan_pads_each_expert_to_whole_tiles():
+    # 5 tokens, k = 1, 3 experts, tiles of 2: expert 0 has t0 t2 t4 (2 tiles, one padded
+    # row), expert 1 none (no tile), expert 2 has t1 t3 (1 tile). Tile bound:
+    # ceil((5 + 3 * 1) / 2) = 4 tiles; the last is padding.
+    plan = plan_grouped(tf.constant([[[0], [2], [0], [2], [0]]], tf.int32), 3, 2)
+    np.testing.assert_array_equal(plan.tile_expert, [[0, 0, 2, 2]])
+    np.testing.assert_array_equal(plan.row_token, [[0, 2, 4, 5, 1, 3, 5, 5]])  # 5: zeros
+    np.testing.assert_array_equal(plan.assignment_row, [[[0, 4, 1, 5, 2]]])
 
 
 def test_capacity_mode_drops_exactly_the_documented_assignments():
@@ -270,10 +289,11 @@ def test_capacity_mode_drops_exactly_the_documented_assignments():
     assert np.all(np.abs(np.asarray(full) - np.asarray(y)).max(-1)[lost] > 10 * ATOL)
 
 
-def test_bfloat16_runs_and_stays_near_float32():
+@pytest.mark.parametrize("dispatch", sorted(DISPATCH))
+def test_bfloat16_runs_and_stays_near_float32(dispatch):
     block = _torch_block("qwen3_moe")
     full = _ours_from(block, "qwen3_moe")
-    half = _ours_from(block, "qwen3_moe", dtype="mixed_bfloat16")
+    half = _ours_from(block, "qwen3_moe", dtype="mixed_bfloat16", **DISPATCH[dispatch])
     x = tf.constant(_tokens())
     with tf.GradientTape() as tape:
         y, stats = half(x)
@@ -314,3 +334,5 @@ def test_refusals_name_the_setting():
         MoeMLP(D, F, E, 9)
     with pytest.raises(ValueError, match="capacity_factor=0"):
         MoeMLP(D, F, E, K, capacity_factor=0)
+    with pytest.raises(ValueError, match="grouped dispatch is dropless"):
+        MoeMLP(D, F, E, K, capacity_factor=1.0, dispatch="grouped")

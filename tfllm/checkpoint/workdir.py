@@ -50,7 +50,7 @@ from tfllm import files
 from tfllm.confined import open_regular, read_regular
 from tfllm.config.loader import ConfigError, read_config_file, save_config
 from tfllm.contracts import (CHECKPOINTS_DIR, LOCKS_DIR, LOGS_DIR, MARKER, RUN_OUTPUTS,
-                             XLA_CACHE_DIR)
+                             WANDB_DIR, XLA_CACHE_DIR)
 from tfllm.runpaths import RunPaths
 
 #: (section, key or None for the whole section) that define a run and must not change.
@@ -61,9 +61,10 @@ RUN_DEFINING = (("model", None), ("data", None), ("optimizer", None),
 
 #: tfllm's folders that are kept: checkpoints (the checkpointer removes interrupted saves
 #: itself), and those written before a run starts (`tfllm launch`'s logs, heartbeats and
-#: client logs; the XLA cache of `train.xla_cache=auto`), which may exist without a marker
+#: client logs; the XLA cache of `train.xla_cache=auto`), which may exist without a marker;
+#: and W&B's local runs (`tracking.loggers`: offline ones wait there for `wandb sync`)
 KEPT_DIRS = (CHECKPOINTS_DIR,)
-SHARED_DIRS = (LOGS_DIR, XLA_CACHE_DIR, LOCKS_DIR)
+SHARED_DIRS = (LOGS_DIR, XLA_CACHE_DIR, LOCKS_DIR, WANDB_DIR)
 
 #: suffixes of tfllm's atomic writes (a temporary name, then a rename): config.yaml.tmp,
 #: metrics.jsonl.tmp, costs.json.part, loss.png.tmp.png

@@ -158,9 +158,10 @@ def _coerce(key: str, fld: dataclasses.Field, value: Any) -> Any:
     else:  # pragma: no cover - a schema field of a type this loader does not know
         raise ConfigError(f"{key}: unsupported field type {hint}.")
     meta = fld.metadata
-    if "choices" in meta and out not in meta["choices"]:
-        raise ConfigError(f"{key}: {_shown(out)} is not one of {list(meta['choices'])}."
-                          + _closest(str(out)[:100], map(str, meta["choices"])))
+    for item in (out if isinstance(out, list) else [out]):  # a list's choices: each item's
+        if "choices" in meta and item not in meta["choices"]:
+            raise ConfigError(f"{key}: {_shown(item)} is not one of {list(meta['choices'])}."
+                              + _closest(str(item)[:100], map(str, meta["choices"])))
     if "min" in meta and out < meta["min"]:
         raise ConfigError(f"{key}: {_shown(out)} is below the minimum {meta['min']}.")
     if "max" in meta and out > meta["max"]:

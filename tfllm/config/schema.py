@@ -399,6 +399,37 @@ class DpoConfig:
 
 
 @dataclass
+class TrackingConfig:
+    """Experiment trackers (MLflow, W&B) beside metrics.jsonl and TensorBoard."""
+
+    loggers: List[str] = _f([], "Experiment trackers that also get the run, from client 0: "
+                            "mlflow, wandb (pip install 'tfllm[trackers]'). Each gets the "
+                            "records of metrics.jsonl (always written, with TensorBoard), the "
+                            "resolved config as parameters, and config.yaml, costs.json and "
+                            "loss.png as artefacts; a resumed run continues its tracker run "
+                            "(WORKDIR/trackers.json). A tracker that cannot start is one line "
+                            "and exit 2 before step 1; one that fails later, a warning.",
+                            choices=("mlflow", "wandb"))
+    run_name: str = _f("", "The tracker run's name; empty: the workdir's folder name.")
+    mlflow_uri: str = _f("", "MLflow tracking URI: a server (http://host:5000), a database "
+                         "(sqlite:///mlflow.db) or a folder (file:./mlruns; MLflow 3 wants "
+                         "MLFLOW_ALLOW_FILE_STORE=true for it). Empty: where a resumed run "
+                         "started, else MLFLOW_TRACKING_URI, else MLflow's own default, a local "
+                         "store in the current directory (sqlite:///mlflow.db in MLflow 3.17). "
+                         "A relative path is made absolute as the run starts.")
+    mlflow_experiment: str = _f("", "MLflow experiment of a new run; empty: "
+                                "MLFLOW_EXPERIMENT_NAME, else tfllm.")
+    wandb_project: str = _f("", "W&B project; empty: WANDB_PROJECT, else tfllm.")
+    wandb_entity: str = _f("", "W&B entity (user or team); empty: WANDB_ENTITY, else the "
+                           "login's default.")
+    wandb_mode: str = _f("auto", "online; offline (no network: the run is kept in "
+                         "WORKDIR/wandb, or WANDB_DIR, until wandb sync uploads it); auto: "
+                         "WANDB_MODE when set, else online when logged in (wandb login, "
+                         "WANDB_API_KEY), else offline with a note.",
+                         choices=("auto", "online", "offline"))
+
+
+@dataclass
 class Config:
     """The whole configuration of a tfllm run."""
 
@@ -411,6 +442,7 @@ class Config:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     lora: LoraConfig = field(default_factory=LoraConfig)
     dpo: DpoConfig = field(default_factory=DpoConfig)
+    tracking: TrackingConfig = field(default_factory=TrackingConfig)
 
 
 SECTIONS = tuple(f.name for f in dataclasses.fields(Config))

@@ -46,12 +46,14 @@ from tfllm.train.progress import Progress
 from tfllm.train.run import Run, sample_text
 from tfllm.train.schedule import Schedule
 from tfllm.train.tensorboard import TensorBoard
+from tfllm.train.trackers import Trackers, start_trackers
 
 __all__ = ["Run", "train"]
 
 
 class _Outputs:
-    """What client 0 writes: metrics.jsonl, TensorBoard, the progress display."""
+    """What client 0 writes: metrics.jsonl, TensorBoard, the progress display, and the
+    experiment trackers (tracking.loggers)."""
 
     def __init__(self, workdir: Workdir, primary: bool, progress: Progress):
         self.primary, self.progress = primary, progress
@@ -62,6 +64,7 @@ class _Outputs:
         # appended to, never through a link planted at the name
         self.file = (files.open_for_writing(workdir.path, self.metrics_path, "a", append=True)
                      if primary else None)
+        self.trackers = Trackers()  # none until `_announce` starts them (client 0 only)
 
     def record(self, record: dict, model) -> None:
         if self.file is not None:
@@ -74,6 +77,7 @@ class _Outputs:
                 raise OSError(e.errno, e.strerror, self.metrics_path) from None
         if self.tensorboard is not None:
             self.tensorboard.write(record["step"], record, model)
+        self.trackers.log(record)
 
     def close(self):
         if self.file is not None:
@@ -159,13 +163,14 @@ def _train(config, workdir, model_cls, out, signals, watchdog: list, checked) ->
     training = _prepare(config, workdir, model_cls, out, signals, watchdog, checked)
     _restore(training)
     _announce(training)
-    try:
-        tally = _steps(training, signals, watchdog)
-        _finish(training, tally)
-    finally:
-        training.profiler.stop()
-        training.outputs.close()
-    return _after(training, tally.last, tally.first_step_s)
+    with training.outputs.trackers:  # their runs end last: finished, or as the error says
+        try:
+            tally = _steps(training, signals, watchdog)
+            _finish(training, tally)
+        finally:
+            training.profiler.stop()
+            training.outputs.close()
+        return _after(training, tally.last, tally.first_step_s)
 
 
 def _prepare(config, workdir, model_cls, out, signals, watchdog: list,
@@ -282,6 +287,10 @@ def _announce(training: _Training) -> None:
         progress.message(f"tfllm: batch rows over '{feed.batch_axis}', sequence over "
                          f"'{feed.sequence_axis}' (attention gathers keys and values over "
                          f"'{feed.sequence_axis}')")
+    # last: a tracker that cannot start is one line before step 1 (exit 2)
+    training.outputs.trackers = start_trackers(
+        config.tracking, to_dict(config), training.workdir, training.start_step > 0,
+        progress.message)
 
 
 def _steps(training: _Training, signals, watchdog: list) -> _Tally:
@@ -410,6 +419,7 @@ def _after(training: _Training, last: dict, first_step_s: Optional[float]) -> di
     if training.primary:
         from tfllm.train.plots import plot_loss
         plot_loss(training.outputs.metrics_path, training.run_dir.plot_file)
+        training.outputs.trackers.artifact(training.run_dir.plot_file)
     if t.sample_tokens and run.tokenizer is not None:
         if config.data.format == "messages":  # a reply through the chat template
             from tfllm.generate.chat import chat_reply
@@ -439,7 +449,7 @@ def _report_first_step(training: _Training, first) -> None:
     for line in report.costs.lines():
         progress.message("tfllm: " + line)
     if training.primary:
-        training.run_dir.write_costs(report.costs.as_dict())
+        training.outputs.trackers.artifact(training.run_dir.write_costs(report.costs.as_dict()))
 
 
 def _step_or_peer_lost(run, step: int, limit: float, checkpointer, reader=None) -> dict:

@@ -10,7 +10,8 @@ loaded) and before step 1, `preflight` checks:
   holds text: an empty validation split is an error naming the settings and the fix
   (it would fail the first evaluation, or the final one after every step);
 - the tokenizer decodes every id it has and encodes the end-of-training sample's prompt,
-  and the prompt leaves room in `model.max_sequence_length` to generate.
+  and the prompt leaves room in `model.max_sequence_length` to generate;
+- the experiment trackers `tracking.loggers` names are installed (client 0).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from tfllm.config.loader import ConfigError
 from tfllm.data.errors import DataError
 from tfllm.data.sources import (documents, has_validation, no_validation_reason,
                                 validation_hint)
+from tfllm.train.trackers import check_installed
 
 __all__ = ["no_validation_reason", "preflight"]
 
@@ -34,6 +36,7 @@ def preflight(run) -> bool:
       (data.validation_fraction=0 and no separate validation data).
     """
     config = run.config
+    check_installed(config.tracking)
     evaluating = has_validation(config.data)
     if evaluating and config.data.source != "synthetic":
         _check_validation_text(run)

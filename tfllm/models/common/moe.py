@@ -14,31 +14,13 @@ Weights: one stacked kernel per projection, `gate`/`up` (E, hidden, intermediate
 `down` (E, intermediate, hidden), whose first logical axis is `experts`, so the rules
 table lays the experts out over a mesh axis without the model knowing which.
 
-Dispatch (`plan_dispatch`), in groups of one sequence each (GShard's groups: a row never
-sends tokens to another row's buffer, so under data parallelism the plan stays on each
-device, and expert parallelism is one relayout of the (B, E, C, D) buffer from rows to
-experts, the all-to-all):
-
-1. the row's T*k assignments, first choices of all tokens, then second choices, ... (so a
-   token's first choice claims capacity before anyone's second, as GShard and Switch do),
-   are sorted by expert with a stable sort; an assignment's position within its expert
-   is its rank in the sorted order minus the expert's start;
-2. each expert's C slots gather their tokens (an empty slot reads a zero row):
-   (B, T, D) -> (B, E, C, D), and the experts run as three batched einsums over E;
-3. each assignment gathers its slot's output back, weighted by its routing weight and
-   summed over k (a gather, not a scatter-add: deterministic on every device).
-
-Every shape is static (C is a Python int), so the block compiles under XLA. Dropless
-(`capacity_factor=None`): C = T, the exact bound, since the k experts of a token are
-distinct an expert receives at most T assignments of a row; nothing is ever dropped.
-The price: the einsums run over E*T slots per row where k*T hold tokens, E/k times the
-active FLOPs (TensorFlow has no ragged grouped matmul; see docs and
-benchmarks/moe_dispatch.py). Capacity mode (`capacity_factor=f`): C = min(T,
-max(1, ceil(f * T * k / E))); an assignment whose position within its expert is C or
-more is dropped, contributing zero (the token keeps its other experts' outputs with
-their weights unchanged, not renormalized; a token with every assignment dropped gets
-zero and passes through the block's residual). Padding tokens are routed like others
-and may take capacity; the token mask only excludes them from the statistics.
+Dispatch (`tfllm.models.common.dispatch`), per sequence, both dropless by default:
+`dispatch="slots"` fills C slots per expert (a (B, E, C, D) buffer, batched einsums over
+E; dropless C = T costs E/k times the active FLOPs; a `capacity_factor` drops the
+assignments past C, as GShard and Switch do: see that module for exactly which);
+`dispatch="grouped"` sorts the tokens into expert tiles for a grouped matmul
+(`tfllm.models.common.grouped`), the active FLOPs plus tile padding, one device or FSDP
+only. Slots are what expert parallelism relayouts (the all-to-all).
 
 The block returns `(y, RouterStats)`: the statistics `load_balancing_loss` combines over
 layers exactly as transformers' `load_balancing_loss_func` does, the router z-loss and
@@ -47,7 +29,6 @@ per-expert assignment counts for metrics.
 
 from __future__ import annotations
 
-import math
 import zlib
 from typing import NamedTuple, Optional, Sequence
 
@@ -55,18 +36,24 @@ import keras
 import tensorflow as tf
 
 from tfllm.models.common import noise
+from tfllm.models.common.dispatch import (expert_capacity, gather_back, gather_rows,
+                                          plan_grouped, plan_slots)
+from tfllm.models.common.grouped import grouped_matmul
 from tfllm.models.common.layers import Projection
 from tfllm.models.common.mlp import GATED_ACTIVATIONS, GatedMLP
 from tfllm.models.common.remat import recompute
-from tfllm.parallel.context import constrain
+from tfllm.parallel.context import constrain, weight_product
 
 ROUTINGS = ("topk_then_softmax", "softmax_then_topk")
+DISPATCHES = ("slots", "grouped")
 
 _EMBED = ("activation_batch", "activation_length", "activation_embed")
 _LOGITS = ("activation_batch", "activation_length", None)
 # The dispatched buffers (B, E, C, .): rows, experts, slots, features.
 _SLOTS_EMBED = ("activation_batch", "activation_experts", None, "activation_embed")
 _SLOTS_MLP = ("activation_batch", "activation_experts", None, "activation_mlp")
+# The grouped rows (B, R, .): sorted by expert, so no axis is the experts'.
+_ROWS_EMBED = ("activation_batch", None, "activation_embed")
 
 
 class RouterStats(NamedTuple):
@@ -131,85 +118,6 @@ def route(logits, top_k: int, routing: str, normalize_top_k: bool = True):
     return values, experts
 
 
-class DispatchPlan(NamedTuple):
-    """Where each token goes and where its outputs come back from (one row = one group).
-
-    Attributes:
-      slot_token: (B, E*C) int32, the token (position in its row) each expert slot reads;
-        T for an empty slot (a zero row appended to the tokens).
-      assignment_slot: (B, k, T) int32, the flat slot e*C + c whose output assignment
-        (token t's j-th choice) reads; E*C when dropped (a zero row appended).
-      capacity: C, slots per expert and row.
-    """
-    slot_token: tf.Tensor
-    assignment_slot: tf.Tensor
-    capacity: int
-
-
-def expert_capacity(length: int, top_k: int, num_experts: int,
-                    capacity_factor: Optional[float]) -> int:
-    """Slots per expert and row: T when dropless (the exact bound), else
-    min(T, max(1, ceil(capacity_factor * T * k / E)))."""
-    if capacity_factor is None:
-        return length
-    return min(length, max(1, math.ceil(capacity_factor * length * top_k / num_experts)))
-
-
-def plan_dispatch(experts, num_experts: int, capacity: int) -> DispatchPlan:
-    """Sorts each row's assignments by expert and gives each its slot (module docstring).
-
-    Args:
-      experts: (B, T, k) int32, the chosen experts of each token (distinct per token).
-      num_experts: E.
-      capacity: C, slots per expert and row (`expert_capacity`).
-    """
-    length, top_k = experts.shape[1], experts.shape[2]
-    rows = experts.shape[0] if experts.shape[0] is not None else tf.shape(experts)[0]
-    n = length * top_k
-    # (B, k*T): choice-major, so that every first choice precedes every second choice.
-    flat = tf.reshape(tf.transpose(experts, [0, 2, 1]), [-1, n])
-    order = tf.argsort(flat, axis=-1, stable=True)  # (B, A) assignments grouped by expert
-    row_offset = num_experts * tf.range(rows)[:, None]
-    counts = tf.reshape(tf.math.unsorted_segment_sum(tf.ones_like(flat), flat + row_offset,
-                                                     rows * num_experts),
-                        [-1, num_experts])  # (B, E)
-    starts = tf.cumsum(counts, axis=-1, exclusive=True)  # (B, E)
-    # Slot (e, c) holds the c-th assignment of expert e in sorted order, when it has one.
-    slots = tf.range(capacity)
-    source = tf.minimum(starts[:, :, None] + slots, n - 1)  # (B, E, C)
-    assignment = tf.gather(order, tf.reshape(source, [-1, num_experts * capacity]),
-                           batch_dims=1)  # (B, E*C)
-    filled = tf.reshape(slots < counts[:, :, None], [-1, num_experts * capacity])
-    slot_token = tf.where(filled, assignment % length, length)
-    # An assignment's position within its expert: its rank in the sort minus the start.
-    rank = tf.argsort(order, axis=-1, stable=True)  # (B, A) the inverse permutation
-    position = rank - tf.gather(starts, flat, batch_dims=1)
-    slot = tf.where(position < capacity, flat * capacity + position,
-                    num_experts * capacity)
-    return DispatchPlan(slot_token, tf.reshape(slot, [-1, top_k, length]), capacity)
-
-
-def _with_zero_row(x):
-    """(B, N, ...) -> (B, N + 1, ...): a zero row that empty and dropped slots read."""
-    return tf.concat([x, tf.zeros_like(x[:, :1])], axis=1)
-
-
-def dispatch_tokens(x, plan: DispatchPlan, num_experts: int):
-    """(B, T, D) -> (B, E, C, D): each expert slot's token (zeros when empty)."""
-    buffer = tf.gather(_with_zero_row(x), plan.slot_token, batch_dims=1)  # (B, E*C, D)
-    return tf.reshape(buffer, [-1, num_experts, plan.capacity, x.shape[-1]])
-
-
-def combine_outputs(out, plan: DispatchPlan, weights):
-    """(B, E, C, D) expert outputs -> (B, T, D): each token's k slot outputs (zeros when
-    dropped) weighted by `weights` (B, T, k) and summed."""
-    num_slots = out.shape[1] * out.shape[2]
-    flat = _with_zero_row(tf.reshape(out, [-1, num_slots, out.shape[-1]]))  # (B, E*C+1, D)
-    picked = tf.gather(flat, plan.assignment_slot, batch_dims=1)  # (B, k, T, D)
-    w = tf.cast(tf.transpose(weights, [0, 2, 1]), out.dtype)  # (B, k, T)
-    return tf.einsum("bktd,bkt->btd", picked, w)
-
-
 class MoeMLP(keras.layers.Layer):
     """Sparse mixture-of-experts MLP: `call(x)` -> `(y, RouterStats)`, y (B, T, D) like x.
 
@@ -224,8 +132,11 @@ class MoeMLP(keras.layers.Layer):
       routing: "topk_then_softmax" (Mixtral) or "softmax_then_topk" (Qwen2/3-MoE).
       normalize_top_k: renormalize the k probabilities (`norm_topk_prob`; with
         softmax_then_topk only).
-      capacity_factor: None for dropless dispatch, else the capacity factor (module
-        docstring: what is dropped).
+      capacity_factor: None for dropless dispatch, else the capacity factor
+        (`dispatch="slots"` only; `tfllm.models.common.dispatch`: what is dropped).
+      dispatch: "slots" (an (E, C) buffer per row) or "grouped" (expert tiles and a
+        grouped matmul; dropless only).
+      tile: rows per tile of the grouped dispatch.
       router_jitter: in training, multiply the tokens by U(1 - j, 1 + j) before routing
         and the experts (transformers' Mixtral `router_jitter_noise`; 0 = off).
       shared_intermediate_dim: width of Qwen2-MoE's shared expert, gated by
@@ -239,6 +150,7 @@ class MoeMLP(keras.layers.Layer):
     def __init__(self, hidden_dim: int, intermediate_dim: int, num_experts: int,
                  top_k: int, routing: str = "softmax_then_topk",
                  normalize_top_k: bool = True, capacity_factor: Optional[float] = None,
+                 dispatch: str = "slots", tile: int = 64,
                  router_jitter: float = 0.0, shared_intermediate_dim: Optional[int] = None,
                  activation: str = "silu", init_std: float = 0.02,
                  output_init_std: float = 0.02, fp8=None, **kwargs):
@@ -251,6 +163,11 @@ class MoeMLP(keras.layers.Layer):
         if capacity_factor is not None and capacity_factor <= 0:
             raise ValueError(f"{self.name}: capacity_factor={capacity_factor}; use a "
                              "positive factor, or None for dropless dispatch.")
+        if dispatch not in DISPATCHES:
+            raise ValueError(f"{self.name}: dispatch {dispatch!r}; use one of {DISPATCHES}.")
+        if dispatch == "grouped" and capacity_factor is not None:
+            raise ValueError(f"{self.name}: the grouped dispatch is dropless; set "
+                             "capacity_factor=None, or dispatch='slots' to drop.")
         if activation not in GATED_ACTIVATIONS:
             raise ValueError(f"{self.name}: activation {activation!r}; use one of "
                              f"{sorted(GATED_ACTIVATIONS)}.")
@@ -261,6 +178,7 @@ class MoeMLP(keras.layers.Layer):
         self.num_experts, self.top_k = num_experts, top_k
         self.routing, self.normalize_top_k = routing, normalize_top_k
         self.capacity_factor, self.router_jitter = capacity_factor, router_jitter
+        self.dispatch, self.tile = dispatch, tile
         self.activation = GATED_ACTIVATIONS[activation]
         self.recompute_activation = False  # set by the model's remat policy
         d, f, e = hidden_dim, intermediate_dim, num_experts
@@ -308,10 +226,14 @@ class MoeMLP(keras.layers.Layer):
             x = x * self._jitter(x)
         logits = tf.cast(self.router(x), tf.float32)  # (B, T, E)
         weights, experts = route(logits, self.top_k, self.routing, self.normalize_top_k)
-        capacity = expert_capacity(length, self.top_k, self.num_experts,
-                                   self.capacity_factor)
-        plan = plan_dispatch(experts, self.num_experts, capacity)
-        y = combine_outputs(self._experts(self._dispatch(x, plan)), plan, weights)
+        if self.dispatch == "grouped":
+            plan = plan_grouped(experts, self.num_experts, self.tile)
+            out = self._grouped_experts(constrain(gather_rows(x, plan), _ROWS_EMBED), plan)
+        else:
+            plan = plan_slots(experts, self.num_experts, expert_capacity(
+                length, self.top_k, self.num_experts, self.capacity_factor))
+            out = self._slot_experts(gather_rows(x, plan), plan)
+        y = gather_back(out, plan, weights)
         if self.shared_expert is not None:
             gate = tf.sigmoid(self.shared_expert_gate(x))  # (B, T, 1)
             y = y + gate * self.shared_expert(x)
@@ -326,13 +248,25 @@ class MoeMLP(keras.layers.Layer):
                                         1.0 + self.router_jitter)
         return tf.cast(u, x.dtype)
 
-    def _dispatch(self, x, plan):
-        return constrain(dispatch_tokens(x, plan, self.num_experts), _SLOTS_EMBED, self.name)
+    def _activation(self):
+        return recompute(self.activation) if self.recompute_activation else self.activation
 
-    def _experts(self, buffer):
-        """(B, E, C, D) -> (B, E, C, D): expert e's SwiGLU on its slots."""
-        act = recompute(self.activation) if self.recompute_activation else self.activation
-        return self.down(act(self.gate(buffer), self.up(buffer)))  # (B, E, C, F) inside
+    def _slot_experts(self, rows, plan):
+        """(B, E*C, D) -> (B, E*C, D): expert e's SwiGLU on its C slots."""
+        buffer = constrain(tf.reshape(rows, [-1, self.num_experts, plan.capacity,
+                                             self.hidden_dim]), _SLOTS_EMBED, self.name)
+        out = self.down(self._activation()(self.gate(buffer), self.up(buffer)))  # (B,E,C,D)
+        return tf.reshape(out, tf.shape(rows))
+
+    def _grouped_experts(self, rows, plan):
+        """(B, R, D) -> (B, R, D): each tile through its expert's SwiGLU."""
+        def product(projection, x):
+            return weight_product(
+                lambda x, w: grouped_matmul(x, w, plan.tile_expert, plan.tile), x,
+                projection.kernel, projection.kernel_axes, projection.name)
+
+        hidden = self._activation()(product(self.gate, rows), product(self.up, rows))
+        return product(self.down, hidden)
 
     def _stats(self, logits, experts, plan, token_mask):
         mask = (tf.ones(tf.shape(logits)[:2], tf.float32) if token_mask is None
@@ -342,7 +276,7 @@ class MoeMLP(keras.layers.Layer):
                                               self.num_experts)
         probs = tf.nn.softmax(logits, axis=-1)
         z = tf.square(tf.reduce_logsumexp(logits, axis=-1))  # (B, T)
-        dropped = tf.cast(plan.assignment_slot >= self.num_experts * plan.capacity,
+        dropped = tf.cast(plan.assignment_row >= plan.row_token.shape[1],
                           tf.float32)  # (B, k, T)
         return RouterStats(
             expert_counts=tf.stop_gradient(counts),
