@@ -125,6 +125,8 @@ CHAT_TEMPLATE_FILE = "chat_template.jinja"
 TRACKERS_FILE = "trackers.json"
 #: Weights & Biases' own folder of local runs (without WANDB_DIR): never cleared by tfllm
 WANDB_DIR = "wandb"
+#: `tfllm eval --tasks`: lm-eval's results JSON and samples (`tfllm.evals.benchmark`)
+EVAL_DIR = "eval"
 #: `tfllm launch`'s client logs and the watchdog's heartbeats
 LOGS_DIR = "logs"
 #: the persistent XLA compile cache of `train.xla_cache=auto`, one folder per client

@@ -14,7 +14,7 @@ from __future__ import annotations
 import os
 
 from tfllm.contracts import (CHAT_TEMPLATE_FILE, CHECKPOINTS_DIR, CONFIG_FILE, COSTS_FILE,
-                             LOCKS_DIR, LOGS_DIR,
+                             EVAL_DIR, LOCKS_DIR, LOGS_DIR,
                              MARKER, METRICS_FILE, PLOT_FILE, PRETRAINED_FILE,
                              TENSORBOARD_DIR, TOKENIZER_DIR, TOKENIZER_MODEL_FILE,
                              TRACKERS_FILE, WANDB_DIR, XLA_CACHE_DIR)
@@ -92,6 +92,11 @@ class RunPaths:
     def chat_template_file(self) -> str:
         """WORKDIR/chat_template.jinja: the run's copy of data.chat_template."""
         return self.entry(CHAT_TEMPLATE_FILE)
+
+    @property
+    def eval_dir(self) -> str:
+        """WORKDIR/eval: `tfllm eval --tasks`' results (lm-eval's results JSON, samples)."""
+        return self.entry(EVAL_DIR)
 
     @property
     def pretrained_file(self) -> str:
