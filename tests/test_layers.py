@@ -18,6 +18,7 @@ FLOORS = (
     ("parallel",),  # mesh, rules table, layouts, placement, the mesh context
     ("config", "compiler", "optim", "data"),  # schema; compiling; AdamW; corpora, tokenizers
     ("checkpoint", "precision"),  # workdir and checkpoints; dtype policies, FP8
+    ("families",),  # per model family: HF/keras-hub names, config fields, LoRA names
     ("models",),
     ("generate",),
     ("train",),

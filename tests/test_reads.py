@@ -116,7 +116,7 @@ def test_a_tokenizer_folder_that_is_a_link_out_of_the_run_is_refused(tmp_path, s
 
 def test_an_exported_run_s_keras_hub_tokenizer_is_checked_for_links(tmp_path, secret):
     from tfllm.pretrained.exporter import run_tokenizer_folder
-    from tfllm.pretrained.families import PretrainedError
+    from tfllm.families import PretrainedError
     config = Config()
     run = tmp_path / "run"
     (run / "tokenizer").mkdir(parents=True)
@@ -220,7 +220,7 @@ pathlib.Path(p).read_text(); p.read_bytes(); json.loads(s)
 # ---- the run's own small records, as a copied or crafted run may hold them ------------------
 @pytest.mark.parametrize("content", ["[1]", "[" * 100000, None])
 def test_a_crafted_pretrained_json_is_one_line_or_none(tmp_path, content):
-    from tfllm.pretrained.families import PretrainedError
+    from tfllm.families import PretrainedError
     from tfllm.pretrained.importer import read_origin
     if content is None:
         os.mkfifo(tmp_path / "pretrained.json")  # read, it would hang

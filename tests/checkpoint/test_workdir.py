@@ -18,7 +18,7 @@ from tfllm.checkpoint import Checkpointer, model_variables
 from tfllm.config.loader import to_dict
 from tfllm.data.tokenizer import ByteTokenizer, SentencePieceTokenizer, train_sentencepiece
 from tfllm.pretrained import import_preset
-from tfllm.pretrained.families import PretrainedError
+from tfllm.families import PretrainedError
 from tfllm.config.loader import config_from_dict
 from tfllm.checkpoint.workdir import (MARKER, RUN_OUTPUTS, Workdir, WorkdirError,
                                       check_tokenizer, check_workdir, read_marker,

@@ -287,7 +287,7 @@ def test_the_config_s_paths_expand_the_home_folder(tmp_path, monkeypatch):
 
 
 @pytest.mark.parametrize("module, name", [("tfllm.data.errors", "DataError"),
-                                          ("tfllm.pretrained.families", "PretrainedError"),
+                                          ("tfllm.families", "PretrainedError"),
                                           ("tfllm.checkpoint.shards", "CheckpointError"),
                                           ("tfllm.config.loader", "ConfigError")])
 def test_every_parsers_error_is_exit_2_in_one_line(module, name):

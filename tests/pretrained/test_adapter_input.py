@@ -12,7 +12,7 @@ import pytest
 from safetensors.numpy import save_file
 
 from tfllm.config import Config
-from tfllm.pretrained.families import PretrainedError
+from tfllm.families import PretrainedError
 from tfllm.pretrained.peft import check_adapter_shapes, read_adapter
 
 HIDDEN, Q, KV = 32, 32, 16  # 4 query heads and 2 key/value heads of 8

@@ -9,7 +9,7 @@ from tfllm.data import feed
 from tfllm.config import load_config
 from tfllm.parallel import make_parallel
 from tfllm.pretrained import FAMILIES, from_preset
-from tfllm.pretrained.families import PretrainedError
+from tfllm.families import PretrainedError
 from tests.pretrained import helpers
 
 # float32 on both sides; the only differences are summation orders (einsum vs keras-hub's
@@ -35,7 +35,7 @@ def test_keras_hub_preset_logits_equal_keras_hub(name, tmp_path):
 def test_gemma3_preset_whose_scaling_keras_hub_ignores_is_refused(tmp_path):
     # keras-hub 0.32's Gemma 3 layers scale scores by head_dim whatever
     # query_head_dim_normalize says: the preset's meaning is ambiguous, tfllm refuses.
-    from tfllm.pretrained.families import PretrainedError
+    from tfllm.families import PretrainedError
     cls, kwargs = helpers.BACKBONES["gemma3"]
     cls(**kwargs, query_head_dim_normalize=False).save_to_preset(str(tmp_path / "p"))
     with pytest.raises(PretrainedError, match="query_head_dim_normalize=False"):

@@ -203,7 +203,7 @@ def test_export_never_writes_into_an_existing_folder(tmp_path, capsys, fmt):
 def test_a_setting_keras_hub_would_drop_is_refused_naming_it(name, key, value, tmp_path):
     # keras-hub 0.32's converters read none of these: imported, each would compute other
     # logits than transformers without a word.
-    from tfllm.pretrained.families import PretrainedError
+    from tfllm.families import PretrainedError
     ref.save(name, tmp_path / "hf")
     path = tmp_path / "hf" / "config.json"
     config = json.loads(path.read_text())
@@ -214,7 +214,7 @@ def test_a_setting_keras_hub_would_drop_is_refused_naming_it(name, key, value, t
 
 
 def test_a_damaged_gemma3_config_is_one_error_naming_the_file(tmp_path):
-    from tfllm.pretrained.families import PretrainedError
+    from tfllm.families import PretrainedError
     ref.save("gemma3", tmp_path / "hf")
     path = tmp_path / "hf" / "config.json"
     config = json.loads(path.read_text())

@@ -293,11 +293,41 @@ def cmd_generate(args) -> int:
 
 
 def cmd_eval(args) -> int:
+    if args.tasks is not None:
+        return _eval_tasks(args)
     run, meta = _restored_run(args)
     if args.steps:
         run.config.train.eval_steps = args.steps
     result = run.evaluate()
     print(json.dumps({"step": int(meta["step"]), **result}))
+    return 0
+
+
+def _eval_tasks(args) -> int:
+    """`tfllm eval --tasks`: lm-eval's tasks on the run (`tfllm.evals.benchmark`)."""
+    from tfllm.train.saved_run import saved_config
+    config = saved_config(args.workdir, args.overrides)  # a folder that is no run: first
+    try:  # the optional extra, before the weights are read
+        from tfllm.evals.benchmark import evaluate_tasks, task_manager
+    except ImportError as e:
+        if (e.name or "").split(".")[0] != "lm_eval":
+            raise
+        raise InputError("--tasks needs the lm-evaluation-harness: pip install "
+                         "'tfllm[eval]'.") from None
+    names = [n.strip() for n in args.tasks.split(",") if n.strip()]
+    if not names:
+        raise InputError("--tasks: give task names, e.g. --tasks tfllm_tiny_mc,hellaswag.")
+    if config.data.source == "synthetic":
+        raise InputError(f"--workdir {args.workdir}: this run trained on data.source="
+                         "synthetic and has no tokenizer; lm-eval tasks are text.")
+    manager = task_manager(names, args.include_path)  # a missing task: before the weights
+    run, meta = _restored_run(args, config)
+    limit = args.limit if args.limit is None or args.limit < 1 else int(args.limit)
+    result = evaluate_tasks(run, names, args.num_fewshot, limit, args.batch_size,
+                            args.include_path, args.apply_chat_template, args.log_samples,
+                            args.add_bos_token, manager=manager, step=int(meta["step"]))
+    print(json.dumps({"step": int(meta["step"]), "results": result["results"],
+                      "files": result["files"]}))
     return 0
 
 
@@ -456,6 +486,27 @@ def build_parser() -> argparse.ArgumentParser:
                    metavar="SECTION.KEY=VALUE", help="Override a setting, e.g. mesh.axes.")
     p.add_argument("--steps", type=_whole(0), default=0,
                    help="Validation batches (0: train.eval_steps).")
+    p.add_argument("--tasks", default=None, metavar="T1,T2",
+                   help="Score lm-evaluation-harness tasks instead (names, globs or task "
+                        "YAML files; tfllm_tiny_mc, tfllm_tiny_gen, tfllm_tiny_ppl ship with "
+                        "tfllm); writes lm-eval's results JSON to WORKDIR/eval. Needs "
+                        "pip install 'tfllm[eval]'.")
+    p.add_argument("--num-fewshot", type=_whole(0), default=None,
+                   help="--tasks: few-shot examples per context (default: each task's).")
+    p.add_argument("--limit", type=_real(0.0, open_low=True), default=None,
+                   help="--tasks: documents per task (below 1: that fraction of them).")
+    p.add_argument("--batch-size", type=_whole(1), default=8,
+                   help="--tasks: requests per forward pass or generation batch.")
+    p.add_argument("--include-path", type=user_path, action="append", default=[],
+                   metavar="DIR", help="--tasks: a folder of task YAML files (repeatable).")
+    p.add_argument("--apply-chat-template", action="store_true",
+                   help="--tasks: render contexts with the run's chat template, few-shot "
+                        "examples as turns.")
+    p.add_argument("--log-samples", action="store_true",
+                   help="--tasks: also write each task's samples (JSON lines).")
+    p.add_argument("--add-bos-token", action="store_true",
+                   help="--tasks: put the tokenizer's BOS before every request (for models "
+                        "whose Hugging Face tokenizer adds one).")
     p.set_defaults(fn=cmd_eval)
     p = sub.add_parser("export", help="Write a single-device model (SavedModel + Keras "
                        "weights) from a run's latest checkpoint.")
@@ -584,7 +635,7 @@ INPUT_ERROR_CLASSES = (
     ("tfllm.data.errors", "DataError"),
     ("tfllm.checkpoint.shards", "CheckpointError"),
     ("tfllm.runtime.coordination", "ClientMismatchError"),
-    ("tfllm.pretrained.families", "PretrainedError"),
+    ("tfllm.families", "PretrainedError"),
 )
 
 

@@ -16,8 +16,8 @@ import numpy as np
 
 from tfllm import files
 from tfllm.confined import tree_within
-from tfllm.pretrained.families import (Permuted, PretrainedError, default_backbone,
-                                       family_for, keras_hub_path)
+from tfllm.families import (Permuted, PretrainedError, backbone_for, default_backbone,
+                            keras_hub_path)
 from tfllm.pretrained.importer import read_origin
 
 
@@ -71,8 +71,8 @@ def export_preset(config, workdir: str, out_dir: str) -> dict:
     out_dir = require_new_folder(out_dir, workdir)
     origin = read_origin(workdir) or {}
     name = origin.get("backbone") or default_backbone(config.model)
-    family = family_for(name, Workdir(workdir).pretrained_file)
-    if family.tfllm_family != config.model.family:
+    family = backbone_for(name, Workdir(workdir).pretrained_file)
+    if family.model_family != config.model.family:
         raise PretrainedError(f"{workdir}: a {config.model.family} model cannot be written "
                               f"as {name}.")
     kwargs = family.backbone_kwargs(config.model, origin.get("backbone_config", {}))

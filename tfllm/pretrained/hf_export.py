@@ -35,7 +35,7 @@ from tfllm import files, internals
 from tfllm.models import model_class
 from tfllm.models.llama.llama import is_local_layer
 from tfllm.pretrained import peft
-from tfllm.pretrained.families import PretrainedError, Tensor
+from tfllm.families import PretrainedError, Tensor
 
 #: --dtype -> safetensors dtype code
 DTYPES = {"float32": "F32", "bfloat16": "BF16"}

@@ -1,7 +1,7 @@
 """Pretrained weights into tfllm: `from_preset` (a model) and `import_preset` (a run).
 
 The model section of the config is derived from the preset (keras-hub's converter reads
-a Hugging Face config.json; `tfllm.pretrained.families` maps keras-hub's backbone config
+a Hugging Face config.json; `tfllm.families` maps keras-hub's backbone config
 onto tfllm's). The model is built in its DTensor layouts first, then every weight is
 filled block by block: each client reads, for each variable, only the blocks its own
 devices hold (see `tfllm.pretrained.sources` for what each format allows), so no host
@@ -23,7 +23,7 @@ from tfllm.checkpoint import model_variables
 from tfllm.checkpoint.workdir import Workdir, read_marker, write_marker
 from tfllm.contracts import MARKER
 from tfllm.parallel.placement import block_slices
-from tfllm.pretrained.families import Permuted, PretrainedError, keras_hub_path
+from tfllm.families import Permuted, PretrainedError, check_understood, keras_hub_path
 from tfllm.pretrained.sources import Source, open_source
 
 log = logging.getLogger("tfllm.pretrained")
@@ -37,17 +37,16 @@ FINE_TUNE_DEFAULTS = {"optimizer": {"learning_rate": 3e-5, "warmup_steps": 10,
 
 def preset_model_section(source: Source) -> dict:
     """tfllm's `model` section for the preset (config.json -> keras-hub -> tfllm)."""
-    from tfllm.pretrained.families import _check_understood
-    _check_understood(source.family, source.config, os.path.join(source.path, "config.json"))
-    if source.hf_config is not None and source.family.hf_fields is not None:
-        return source.family.hf_fields(source.hf_config, source.path)
+    check_understood(source.keras_hub, source.config, os.path.join(source.path, "config.json"))
+    if source.hf_config is not None and source.family.config_in is not None:
+        return source.family.config_in(source.hf_config, source.path)
     max_length = (source.hf_config or {}).get("max_position_embeddings")
     kh = source.config
-    if (source.format == "keras-hub" and source.family.tfllm_family == "llama"
+    if (source.format == "keras-hub" and source.family.model_family == "llama"
             and "tie_word_embeddings" not in source.stated and source.backbone != "MistralBackbone"):
         # Also builds the abstract backbone (h5 locations) tied, like the weights.
         kh["tie_word_embeddings"] = not source.stores_output_embedding()
-    return source.family.model_fields(kh, max_length)
+    return source.keras_hub.model_fields(kh, max_length)
 
 
 def preset_config(source: Source, overrides: Iterable[str] = (),
@@ -92,7 +91,7 @@ def load_weights(model, source: Source) -> dict:
        "largest_read": the largest single read in bytes}.
     """
     from tfllm.checkpoint.shards import assign_blocks, target_blocks, tf_variable
-    mapping = source.family.weight_map(model.config)
+    mapping = source.keras_hub.weight_map(model.config)
     prefix = model.name + "/"
     # LoRA adapters are no preset weights: they keep their init (or come from --adapter).
     ours = {v.path[len(prefix):] if v.path.startswith(prefix) else v.path: v
@@ -286,7 +285,7 @@ def import_preset(preset: str, workdir: str, overrides: Iterable[str] = (),
         adapter_arrays = None
         if adapter:
             from tfllm.pretrained.peft import read_adapter
-            family = source.family.tfllm_family
+            family = source.family.model_family
             settings, adapter_arrays = read_adapter(os.path.expanduser(adapter), family)
             overrides = [f"{k}={json.dumps(v)}" for k, v in settings.items()] + list(overrides)
         config = preset_config(source, overrides, Workdir(workdir).tokenizer_dir, recipe)

@@ -32,7 +32,7 @@ from typing import Dict, List, Optional, Tuple
 import numpy as np
 
 from tfllm.models.lora import LAYER_PREFIX, TARGETS, matches, scale, targeted
-from tfllm.pretrained.families import PretrainedError, Tensor
+from tfllm.families import PretrainedError, Tensor
 
 ADAPTER_CONFIG, ADAPTER_WEIGHTS = "adapter_config.json", "adapter_model.safetensors"
 #: the ranks vLLM's --max-lora-rank accepts (vllm/config/lora.py)

@@ -25,7 +25,9 @@ import numpy as np
 from tfllm.confined import inside, read_regular
 from tfllm.parallel.placement import block_slices
 from tfllm import internals
-from tfllm.pretrained.families import PretrainedError, family_for
+from tfllm.families import (FAMILIES, PretrainedError, backbone_for, family_of_backbone,
+                            supported)
+from tfllm.families.base import REFUSED_EVERYWHERE
 
 Block = Tuple[Tuple[int, ...], Tuple[int, ...]]  # (start, size)
 
@@ -72,6 +74,8 @@ class Source:
       format: "keras-hub" or "huggingface".
       backbone: the keras-hub backbone class name (e.g. "Llama3Backbone").
       backbone_cls: that class.
+      keras_hub: tfllm's mapping of that backbone (`tfllm.families.Backbone`).
+      family: the family holding it (`tfllm.families.Family`).
       config: the keras-hub backbone config (constructor arguments).
       hf_config: the Transformers config.json (Hugging Face folders), else None.
       variables: {keras-hub variable path: shape} of the backbone.
@@ -91,7 +95,9 @@ class Source:
         self.config = {**defaults, **config}
         self.stated = set(config)  # the keys the folder's config really names
         self.backbone = self.backbone_cls.__name__
-        self.family = family_for(self.backbone, os.path.join(path, "config.json"))
+        where = os.path.join(path, "config.json")
+        self.keras_hub = backbone_for(self.backbone, where)
+        self.family = family_of_backbone(self.backbone, where)
         self._abstract = None
 
     # Reading the configs touches no TensorFlow device; building the abstract backbone
@@ -331,8 +337,8 @@ class HuggingFaceSource(Source):
         if scaling and not any(k in config for k in _SCALING_KEYS):
             # keras-hub 0.32's Qwen2, Mistral and Llama 2 converters drop rope_scaling
             # (linear, dynamic, yarn): the model would import unscaled, silently. An
-            # architecture tfllm does not hold is named first (family_for).
-            family_for(converter.backbone_cls.__name__, os.path.join(self.path, "config.json"))
+            # architecture tfllm does not hold is named first (backbone_for).
+            backbone_for(converter.backbone_cls.__name__, os.path.join(self.path, "config.json"))
             raise PretrainedError(
                 f"{self.path}/config.json: rope_scaling={scaling!r} is not implemented "
                 f"for model_type {self.hf_config.get('model_type')!r} (keras-hub's "
@@ -389,46 +395,12 @@ class HuggingFaceSource(Source):
             self._reader = None
 
 
-def _heads_dim(c: dict) -> bool:
-    head_dim = c.get("head_dim")
-    return head_dim is None or head_dim * c["num_attention_heads"] == c["hidden_size"]
-
-
-#: config.json keys that change what a model computes but that keras-hub 0.32's converters
-#: do not read: (model_types, key, accepted(value, config), what tfllm computes). A value
-#: outside `accepted` is refused, naming the key and value, instead of being dropped.
-_COMPUTATION_KEYS = (
-    (("llama", "mistral", "qwen2", "qwen3"), "hidden_act",
-     lambda v, c: v in (None, "silu"), "a SiLU-gated MLP"),
-    (("llama", "qwen3"), "attention_bias", lambda v, c: not v,
-     "no attention biases (Qwen2 folders have q/k/v biases)"),
-    (("llama",), "mlp_bias", lambda v, c: not v, "no MLP biases"),
-    (("llama", "qwen2"), "head_dim", lambda v, c: _heads_dim(c),
-     "head_dim = hidden_size / num_attention_heads (Mistral folders may set another)"),
-    (("gpt2",), "activation_function",
-     lambda v, c: v in (None, "gelu_new", "gelu_pytorch_tanh"), "the tanh GELU"),
-    (("gpt2",), "layer_norm_epsilon", lambda v, c: v is None or abs(v - 1e-5) < 1e-12,
-     "LayerNorm epsilon 1e-5"),
-    (("gpt2",), "n_inner", lambda v, c: v is None or v == 4 * c["n_embd"],
-     "an MLP of 4 x n_embd"),
-    (("gpt2",), "scale_attn_by_inverse_layer_idx", lambda v, c: not v,
-     "the same attention scale in every layer"),
-    (("gpt2",), "scale_attn_weights", lambda v, c: v is None or v,
-     "attention scaled by 1/sqrt(head_dim)"),
-    (("gpt2",), "tie_word_embeddings", lambda v, c: v is None or v,
-     "the output layer tied to the token embedding"),
-    (None, "quantization_config", lambda v, c: v is None, "float weights"),
-    (None, "attn_logit_softcapping", lambda v, c: v is None, "no logit soft-capping"),
-    (None, "final_logit_softcapping", lambda v, c: v is None, "no logit soft-capping"),
-)
-
-
 def check_computation_keys(hf_config: dict, path: str) -> None:
-    """Refuses a config.json setting that keras-hub's converter would silently drop."""
+    """Refuses a config.json setting that keras-hub's converter would silently drop (its
+    family's `refused` keys, then those of every model_type)."""
     model_type = hf_config.get("model_type")
-    for types, key, accepted, computes in _COMPUTATION_KEYS:
-        if types is not None and model_type not in types:
-            continue
+    family = FAMILIES.get(model_type)
+    for key, accepted, computes in (family.refused if family else ()) + REFUSED_EVERYWHERE:
         value = hf_config.get(key)
         try:
             ok = accepted(value, hf_config)
@@ -499,7 +471,6 @@ class _NoNarrowing(np.ndarray):
 def open_source(path: str) -> Source:
     """The `Source` for a keras-hub preset or Hugging Face folder; PretrainedError when it
     is neither, or when its architecture is not one tfllm holds."""
-    from tfllm.pretrained.families import supported
     path = os.path.abspath(os.path.expanduser(path))
     if not os.path.isdir(path):
         raise PretrainedError(f"--preset {path}: no such directory; give a local keras-hub "

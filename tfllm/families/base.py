@@ -1,0 +1,232 @@
+"""What every model family declares, and the pieces families share.
+
+A `Family` is one Hugging Face `model_type` tfllm reads and writes (torchtitan keeps a
+state-dict adapter per model, keras-hub a converter per architecture): its config.json
+fields in and out, its tensors with their orientation, its LoRA module names, the
+keras-hub backbones it maps (`Backbone`) and its layer kinds. `tfllm.families` holds the
+registry; import, export, PEFT, LoRA and the FLOP count read only from it.
+
+No TensorFlow here, and no model code: a family names tfllm variable paths
+("block_0/attention/query/kernel", below the model's name) and model-section fields.
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass
+from typing import Callable, Dict, List, Optional, Tuple
+
+import numpy as np
+
+#: keras-hub config keys that change nothing tfllm computes (dropout is off at inference
+#: and tfllm trains without it; name/dtype/trainable are Keras bookkeeping).
+IGNORED = {"name", "trainable", "dtype", "dropout"}
+
+#: Context length assumed when a keras-hub preset (unlike a Hugging Face config) does not
+#: state one; `--set model.max_sequence_length=N` changes it.
+DEFAULT_MAX_LENGTH = 4096
+
+
+class PretrainedError(ValueError):
+    """A preset or checkpoint tfllm cannot import or export; the message names the file,
+    the tensor or setting, and the fix."""
+
+
+# ---- tensors ----------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Tensor:
+    """One tensor of a Hugging Face folder (a model's or an adapter's), made from tfllm
+    checkpoint variables (`tfllm.pretrained.hf_export`, `tfllm.pretrained.peft`)."""
+
+    key: str                          # the Hugging Face name
+    sources: Tuple[str, ...]          # tfllm variable paths below the model's name
+    shape: Tuple[int, ...]            # the Hugging Face shape
+    make: Callable[..., np.ndarray]   # (*source arrays) -> array of `shape`
+
+
+def same(x):
+    return x
+
+
+def linear(x):
+    """A kernel (in, ...) or (..., out) laid out as tfllm's einsum uses it -> a
+    torch nn.Linear weight (out, in)."""
+    return x.T
+
+
+@dataclass(frozen=True)
+class Permuted:
+    """A keras-hub weight-map value whose tensor is tfllm's with its axes permuted:
+    tfllm's = np.transpose(keras-hub's, perm)."""
+
+    path: str
+    perm: Tuple[int, ...]
+
+    def to_ours(self, theirs):
+        return np.transpose(theirs, self.perm)
+
+    def to_theirs(self, ours):
+        return np.transpose(ours, np.argsort(self.perm))
+
+
+def keras_hub_path(value) -> str:
+    """The keras-hub variable path of a weight-map value (a path or a `Permuted`)."""
+    return value.path if isinstance(value, Permuted) else value
+
+
+# ---- keras-hub --------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Backbone:
+    """How one keras-hub backbone class maps onto a tfllm model.
+
+    Attributes:
+      name: the keras-hub class name ("Llama3Backbone").
+      model_family: the tfllm model.family that computes it.
+      description: what it holds, for `supported()`.
+      model_fields: (keras-hub config, max_length=None) -> tfllm's model section.
+      backbone_kwargs: (model section, the imported keras-hub config or {}) -> the
+        backbone's arguments, for export (keys tfllm does not model, such as dropout,
+        come from the imported config).
+      weight_map: model section -> {tfllm variable path: keras-hub variable path, or a
+        `Permuted` where the axes differ}. Shapes are otherwise equal on both sides.
+      understood: the keras-hub config keys tfllm implements (others are refused).
+    """
+
+    name: str
+    model_family: str
+    description: str
+    model_fields: Callable[..., dict]
+    backbone_kwargs: Callable[[object, dict], dict]
+    weight_map: Callable[[object], Dict[str, object]]
+    understood: frozenset
+
+
+def check_understood(backbone: Backbone, kh: dict, source: str) -> None:
+    """Refuses a keras-hub config key the tfllm model does not implement."""
+    unknown = sorted(k for k in kh if k not in backbone.understood and k not in IGNORED)
+    if unknown:
+        raise PretrainedError(
+            f"{source}: the {backbone.name} config sets {unknown}, which tfllm's "
+            f"{backbone.model_family} model does not implement; supported settings: "
+            f"{sorted(backbone.understood)}.")
+
+
+# ---- LoRA -------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class LoraNames:
+    """How a family's Hugging Face modules are named for LoRA (peft's target_modules).
+
+    Attributes:
+      modules: {Hugging Face module name inside layer i: tfllm projection paths inside
+        block_i}; a fused module (GPT-2's attn.c_attn) is several tfllm projections.
+      layer_prefix: where layer i's modules live ("model.layers.{i}.").
+      fan_in_fan_out: the modules are Conv1D, weights (in, out) (peft's flag).
+      vllm_refusal: why vLLM refuses this family's adapters, or None.
+    """
+
+    modules: Dict[str, Tuple[str, ...]]
+    layer_prefix: str
+    fan_in_fan_out: bool = False
+    vllm_refusal: Optional[str] = None
+
+
+# ---- layer kinds ------------------------------------------------------------------------
+def is_local_layer(config, index: int) -> bool:
+    """Whether layer `index` of a model section attends within model.sliding_window: all
+    layers with a window, except every model.sliding_window_pattern-th (N-1, 2N-1, ...)."""
+    pattern = config.sliding_window_pattern
+    return bool(config.sliding_window) and not (pattern and (index + 1) % pattern == 0)
+
+
+def layer_kinds(config) -> List[str]:
+    """"local" (attends within model.sliding_window) or "global", for each layer."""
+    return ["local" if is_local_layer(config, i) else "global"
+            for i in range(config.num_layers)]
+
+
+# ---- the family -------------------------------------------------------------------------
+#: A config.json key keras-hub's converter does not read but which changes what a model
+#: computes: (key, accepted(value, config), what tfllm computes). A value outside
+#: `accepted` is refused, naming the key and value, instead of being dropped.
+Refused = Tuple[str, Callable[[object, dict], bool], str]
+
+#: refused for every model_type
+REFUSED_EVERYWHERE: Tuple[Refused, ...] = (
+    ("quantization_config", lambda v, c: v is None, "float weights"),
+    ("attn_logit_softcapping", lambda v, c: v is None, "no logit soft-capping"),
+    ("final_logit_softcapping", lambda v, c: v is None, "no logit soft-capping"),
+)
+
+
+@dataclass(frozen=True)
+class Family:
+    """One Hugging Face model_type tfllm imports and exports, and all it needs.
+
+    Model sections given to `writes`, `config_out` and `tensors` are `resolved` (null
+    tie_embeddings / use_bias / qkv_bias as the model class computes them).
+
+    Attributes:
+      model_type: transformers' model_type ("llama").
+      architecture: transformers' class in config.json's "architectures".
+      model_family: the tfllm model.family whose code computes it.
+      writes: (model section, the keras-hub backbone a run was imported from or None)
+        -> whether this family writes the section; exactly one family does, and one that
+        would but cannot express a setting raises a PretrainedError naming it.
+      config_out: (model section, the keys every config.json has) -> config.json.
+      tensors: model section -> every tensor of the folder, in the order written.
+      lora: its LoRA module names.
+      keras_hub: the keras-hub backbones that hold it (import through keras-hub's
+        converter, and `tfllm export --format keras-hub`).
+      default_backbone: raw model section -> the keras-hub class a run that was not
+        imported exports to, when this family is the one; else None.
+      refused: config.json keys keras-hub's converter would silently drop.
+      config_in: (config.json, folder) -> tfllm's model section, for a family whose
+        keras-hub backbone cannot express every setting transformers has (Gemma 3's layer
+        pattern and RoPE bases); None: through keras-hub's converter and `model_fields`.
+      layer_kinds: model section -> "local" / "global" for each layer.
+    """
+
+    model_type: str
+    architecture: str
+    model_family: str
+    writes: Callable[[object, Optional[str]], bool]
+    config_out: Callable[[object, dict], dict]
+    tensors: Callable[[object], List[Tensor]]
+    lora: LoraNames
+    keras_hub: Tuple[Backbone, ...]
+    default_backbone: Callable[[object], Optional[str]]
+    refused: Tuple[Refused, ...] = ()
+    config_in: Optional[Callable[[dict, str], dict]] = None
+    layer_kinds: Callable[[object], List[str]] = layer_kinds
+
+
+def resolved(m, defaults: dict):
+    """A copy of model section `m` with tie_embeddings, use_bias and qkv_bias resolved as
+    the model class does: null takes the class's `family_defaults` (qkv_bias: use_bias).
+    """
+    out = copy.copy(m)
+    tie = defaults["tie_embeddings"] if m.tie_embeddings is None else m.tie_embeddings
+    bias = defaults["use_bias"] if m.use_bias is None else m.use_bias
+    out.tie_embeddings, out.use_bias = bool(tie), bool(bias)
+    out.qkv_bias = bool(m.qkv_bias) if m.qkv_bias is not None else bool(bias)
+    return out
+
+
+def head_dim(m) -> int:
+    return m.head_dim or m.hidden_dim // m.num_query_heads
+
+
+def rope_parameters(m) -> dict:
+    """transformers 5's rope_parameters of a model section's (global) RoPE."""
+    rope = {"rope_type": "default", "rope_theta": float(m.rope_theta)}
+    if m.rope_scaling == "linear":
+        rope.update(rope_type="linear", factor=float(m.rope_scaling_factor))
+    elif m.rope_scaling == "llama3":
+        rope.update(rope_type="llama3", factor=float(m.rope_scaling_factor),
+                    low_freq_factor=float(m.rope_low_freq_factor),
+                    high_freq_factor=float(m.rope_high_freq_factor),
+                    original_max_position_embeddings=int(m.rope_original_max_length))
+    elif m.rope_scaling != "none":
+        raise PretrainedError(f"model.rope_scaling={m.rope_scaling!r} has no transformers "
+                              "counterpart tfllm writes (none, linear, llama3).")
+    return rope
