@@ -15,6 +15,8 @@ tokens more: rtol 1e-4, atol 1e-6. Routing is compared exactly first (the chosen
 are the same indices), so a tolerance never hides a different routing.
 """
 
+import re
+
 import numpy as np
 import pytest
 import tensorflow as tf
@@ -22,7 +24,9 @@ import tensorflow as tf
 from tests.pretrained.transformers_reference import load_torch_transformers
 from tfllm.models.common import noise
 from tfllm.models.common.remat import recompute
-from tfllm.models.common.dispatch import expert_capacity, plan_grouped, plan_slots
+from tfllm.models.common.dispatch import (expert_capacity, num_tiles, plan_grouped,
+                                          plan_slots)
+from tfllm.models.common.grouped import grouped_matmul
 from tfllm.models.common.moe import MoeMLP, load_balancing_loss, route, router_z_loss
 
 D, F, E, K, B, T = 32, 16, 8, 2, 2, 7
@@ -245,6 +249,35 @@ def test_grouped_plan_pads_each_expert_to_whole_tiles():
     np.testing.assert_array_equal(plan.tile_expert, [[0, 0, 2, 2]])
     np.testing.assert_array_equal(plan.row_token, [[0, 2, 4, 5, 1, 3, 5, 5]])  # 5: zeros
     np.testing.assert_array_equal(plan.assignment_row, [[[0, 4, 1, 5, 2]]])
+
+
+def test_grouped_backward_holds_no_kernel_slice_per_tile():
+    """Cost, not only value: the compiled gradient of `grouped_matmul` holds no array of
+    one kernel slice per tile ((J, B, I, O), what TensorFlow's own while-loop gradient
+    would stack) and no padded copy of its input (what a dynamic `tf.slice` made): its
+    largest float32 array is the kernel gradient (E, I, O) or an activation (B, J*tile, I)."""
+    tile = 4
+    plan = plan_grouped(tf.math.top_k(tf.random.stateless_normal((B, T, E), [0, 1]), K)[1],
+                        E, tile)
+    tiles = num_tiles(T, K, E, tile)
+    kernel = tf.Variable(tf.random.stateless_normal((E, D, F), [0, 2]))
+    x = tf.random.stateless_normal((B, tiles * tile, D), [0, 3])
+
+    @tf.function(jit_compile=True)
+    def kernel_gradient(x, tile_expert):
+        with tf.GradientTape() as tape:
+            y = grouped_matmul(x, kernel, tile_expert, tile)
+            loss = tf.reduce_sum(y * y)
+        return tape.gradient(loss, kernel)
+
+    hlo = kernel_gradient.experimental_get_compiler_ir(x, plan.tile_expert)(
+        stage="optimized_hlo")
+    sizes = {shape: int(np.prod([int(n) for n in shape.split(",")]))
+             for shape in re.findall(r"f32\[([0-9,]+)\]", hlo)}
+    bound = max(E * D * F, B * tiles * tile * D)
+    assert tiles * B * D * F > bound  # a stacked slice per tile would show
+    assert max(sizes.values()) <= bound, sorted(sizes.items(), key=lambda kv: -kv[1])[:3]
+    assert "while" in hlo  # the tiles are a loop, not unrolled
 
 
 def test_capacity_mode_drops_exactly_the_documented_assignments():

@@ -21,18 +21,22 @@ from __future__ import annotations
 import tensorflow as tf
 
 
-def _tile(t, j, tile: int):
-    """Rows j*tile .. (j+1)*tile of (B, P, ...) `t`; a dynamic slice of static size."""
-    begin = tf.stack([0, j * tile] + [0] * (t.shape.rank - 2))
-    return tf.slice(t, begin, [-1, tile] + [-1] * (t.shape.rank - 2))
+def _tiles(t, tile: int):
+    """(B, P, C) -> (B, P / tile, tile, C): the tiles as one axis, so that a loop reads
+    tile j with a gather of one index (XLA: a dynamic slice; a dynamic `tf.slice` of the
+    flat rows made tf2xla pad the whole operand to twice its size in every dimension)."""
+    return tf.reshape(t, [-1, t.shape[1] // tile, tile, t.shape[-1]])
 
 
-def _over_tiles(fn, tiles: int, tile: int, x):
-    """fn(j, tile j of x) -> (B, tile, O) for every tile, stacked back as (B, P, O)."""
+def _over_tiles(fn, tiled):
+    """fn(j, tile j) -> (B, tile, O) for every tile of `tiled` (B, J, tile, C), stacked
+    back as (B, J * tile, O)."""
+    tiles, tile = tiled.shape[1], tiled.shape[2]
+
     def body(j, out):
-        return j + 1, out.write(j, fn(j, _tile(x, j, tile)))
+        return j + 1, out.write(j, fn(j, tf.gather(tiled, j, axis=1)))
 
-    out = tf.TensorArray(x.dtype, size=tiles)
+    out = tf.TensorArray(tiled.dtype, size=tiles)
     _, out = tf.while_loop(lambda j, _: j < tiles, body, (tf.constant(0), out))
     stacked = out.stack()  # (J, B, tile, O)
     return tf.reshape(tf.transpose(stacked, [1, 0, 2, 3]),
@@ -52,22 +56,28 @@ def grouped_matmul(x, kernel, tile_expert, tile: int):
       (B, P, O).
     """
     tiles = x.shape[1] // tile
+    if tiles * tile != x.shape[1] or tile_expert.shape[1] != tiles:
+        raise ValueError(f"grouped_matmul: {x.shape[1]} rows are not the {tile_expert.shape[1]}"
+                         f" tiles of {tile} rows that tile_expert names; plan with "
+                         "dispatch.plan_grouped.")
 
     def expert_of(j):  # (B,) the expert of tile j of each row
         return tf.gather(tile_expert, j, axis=1)
 
     @tf.custom_gradient
     def product(x, k):
+        x_tiles = _tiles(x, tile)  # (B, J, tile, I)
         y = _over_tiles(lambda j, xt: tf.einsum("bni,bio->bno", xt,
-                                                tf.gather(k, expert_of(j))), tiles, tile, x)
+                                                tf.gather(k, expert_of(j))), x_tiles)
 
         def grad(dy):
+            dy_tiles = _tiles(dy, tile)  # (B, J, tile, O)
             dx = _over_tiles(lambda j, dyt: tf.einsum("bno,bio->bni", dyt,
-                                                      tf.gather(k, expert_of(j))),
-                             tiles, tile, dy)
+                                                      tf.gather(k, expert_of(j))), dy_tiles)
 
             def accumulate(j, dk):
-                piece = tf.einsum("bni,bno->bio", _tile(x, j, tile), _tile(dy, j, tile))
+                piece = tf.einsum("bni,bno->bio", tf.gather(x_tiles, j, axis=1),
+                                  tf.gather(dy_tiles, j, axis=1))  # (B, I, O)
                 return j + 1, tf.tensor_scatter_nd_add(dk, expert_of(j)[:, None], piece)
 
             _, dk = tf.while_loop(lambda j, _: j < tiles, accumulate,
