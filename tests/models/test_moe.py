@@ -251,6 +251,17 @@ def test_grouped_plan_pads_each_expert_to_whole_tiles():
     np.testing.assert_array_equal(plan.assignment_row, [[[0, 4, 1, 5, 2]]])
 
 
+@pytest.mark.parametrize("length", [1, 3])
+def test_short_sequences_and_decoding_agree_across_dispatches(length):
+    """One token per row (decoding) and rows shorter than a tile: the grouped dispatch
+    uses tiles of at most T rows and equals the slot dispatch."""
+    block = _torch_block("mixtral")
+    x = tf.constant(_tokens(4, length=length))
+    slots = _ours_from(block, "mixtral")(x)[0]
+    grouped = _ours_from(block, "mixtral", dispatch="grouped", tile=64)(x)[0]
+    np.testing.assert_allclose(grouped, slots, rtol=RTOL, atol=ATOL)
+
+
 def test_grouped_backward_holds_no_kernel_slice_per_tile():
     """Cost, not only value: the compiled gradient of `grouped_matmul` holds no array of
     one kernel slice per tile ((J, B, I, O), what TensorFlow's own while-loop gradient

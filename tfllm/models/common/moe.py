@@ -136,7 +136,7 @@ class MoeMLP(keras.layers.Layer):
         (`dispatch="slots"` only; `tfllm.models.common.dispatch`: what is dropped).
       dispatch: "slots" (an (E, C) buffer per row) or "grouped" (expert tiles and a
         grouped matmul; dropless only).
-      tile: rows per tile of the grouped dispatch.
+      tile: rows per tile of the grouped dispatch (at most T are used).
       router_jitter: in training, multiply the tokens by U(1 - j, 1 + j) before routing
         and the experts (transformers' Mixtral `router_jitter_noise`; 0 = off).
       shared_intermediate_dim: width of Qwen2-MoE's shared expert, gated by
@@ -227,7 +227,9 @@ class MoeMLP(keras.layers.Layer):
         logits = tf.cast(self.router(x), tf.float32)  # (B, T, E)
         weights, experts = route(logits, self.top_k, self.routing, self.normalize_top_k)
         if self.dispatch == "grouped":
-            plan = plan_grouped(experts, self.num_experts, self.tile)
+            # An expert holds at most T assignments of a row: a longer tile is padding
+            # only (decoding one token: k tiles of one row).
+            plan = plan_grouped(experts, self.num_experts, min(self.tile, length))
             out = self._grouped_experts(constrain(gather_rows(x, plan), _ROWS_EMBED), plan)
         else:
             plan = plan_slots(experts, self.num_experts, expert_capacity(
