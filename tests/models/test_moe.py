@@ -3,9 +3,10 @@
 Its output, auxiliary loss and gradients equal transformers' sparse MoE blocks (Mixtral,
 Qwen3-MoE with and without norm_topk_prob, Qwen2-MoE's shared expert) with the weights
 copied in, for both dropless dispatches (slots, and grouped with tiles of 4 rows so that
-groups span several tiles and padding occurs); the XLA-compiled block equals eager;
-capacity mode drops exactly the assignments tfllm.models.common.dispatch names;
-bfloat16 runs.
+groups span several tiles and padding occurs); the XLA-compiled block equals eager; the
+router statistics keep their gradients under remat; capacity mode drops exactly the
+assignments tfllm.models.common.dispatch names; the grouped matmul's compiled gradient
+holds nothing per tile (cost, read from the optimized HLO); bfloat16 runs.
 
 Tolerances (float32): both sides compute the same sums of at most D = 32 or F = 16
 products in different orders (torch's per-expert loop, our batched einsums), so they
@@ -23,11 +24,11 @@ import tensorflow as tf
 
 from tests.pretrained.transformers_reference import load_torch_transformers
 from tfllm.models.common import noise
-from tfllm.models.common.remat import recompute
 from tfllm.models.common.dispatch import (expert_capacity, num_tiles, plan_grouped,
                                           plan_slots)
 from tfllm.models.common.grouped import grouped_matmul
 from tfllm.models.common.moe import MoeMLP, load_balancing_loss, route, router_z_loss
+from tfllm.models.common.remat import recompute
 
 D, F, E, K, B, T = 32, 16, 8, 2, 2, 7
 RTOL, ATOL = 1e-5, 1e-6  # float32, same sums in another order (module docstring)
