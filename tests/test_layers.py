@@ -22,8 +22,7 @@ FLOORS = (
     ("models",),
     ("generate",),
     ("train",),
-    ("pretrained", "plan", "launch", "evals"),  # import/export; deviceless plans; the
-    # launcher; lm-eval benchmarks
+    ("pretrained", "plan", "launch"),  # import/export; deviceless plans; the launcher
     ("cli", "notebook"),  # entry points
 )
 FLOOR = {name: level for level, names in enumerate(FLOORS) for name in names}

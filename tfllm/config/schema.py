@@ -209,12 +209,14 @@ class DataConfig:
     source: str = _f("corpus", "Token source: corpus (the embedded default: text from this "
                      "Python's standard library, built offline), text (plain UTF-8 files "
                      "from data.paths), tfrecord (tf.train.Example files from data.paths, "
-                     "string feature data.text_key), tfds (a TensorFlow Datasets name) or "
+                     "string feature data.text_key), tfds (a TensorFlow Datasets name), hf "
+                     "(Hugging Face datasets: parquet, JSON, CSV or arrow files of "
+                     "data.paths, or data.hf_dataset; pip install 'tfllm[hf-data]') or "
                      "synthetic (deterministic learnable token sequences, no tokenizer).",
-                     choices=("corpus", "text", "tfrecord", "tfds", "synthetic"))
-    paths: List[str] = _f([], "text/tfrecord: file paths or glob patterns of the training "
+                     choices=("corpus", "text", "tfrecord", "tfds", "hf", "synthetic"))
+    paths: List[str] = _f([], "text/tfrecord/hf: file paths or glob patterns of the training "
                           "data.")
-    eval_paths: List[str] = _f([], "text/tfrecord: files or globs of the validation data; "
+    eval_paths: List[str] = _f([], "text/tfrecord/hf: files or globs of the validation data; "
                                "empty means hold out data.validation_fraction of the "
                                "documents of data.paths.")
     format: str = _f("text", "What one record of the data is: text (a document of plain "
@@ -225,13 +227,26 @@ class DataConfig:
                      "{\"prompt\", \"chosen\", \"rejected\"} in TRL's layouts, strings or "
                      "conversations, for train.objective=dpo: tfllm/data/preference.py). "
                      "messages, prompt_completion and preference read data.paths / "
-                     "data.eval_paths as JSONL files (source text).",
+                     "data.eval_paths as JSONL files (source text), or the same columns of "
+                     "a Hugging Face dataset (source hf).",
                      choices=("text", "messages", "prompt_completion", "preference"))
     chat_template: str = _f("", "messages: a Jinja chat template file (.jinja) to render "
                             "conversations; empty: the tokenizer's own "
                             "(chat_template.jinja, else tokenizer_config.json's "
                             "chat_template, in data.tokenizer_path).")
-    text_key: str = _f("text", "tfrecord/tfds: the feature holding each document's text.")
+    text_key: str = _f("text", "tfrecord/tfds/hf: the feature (hf: the column) holding each "
+                       "document's text.")
+    hf_dataset: str = _f("", "hf without data.paths: a folder save_to_disk wrote, or a hub "
+                         "dataset (user/name: from the Hugging Face cache, downloaded where "
+                         "the machine can; HF_HUB_OFFLINE=1 keeps to the cache).")
+    hf_config: str = _f("", "hf: the hub dataset's configuration (load_dataset's name).")
+    hf_split: str = _f("train", "hf: the split of data.hf_dataset used for training.")
+    hf_eval_split: str = _f("", "hf: the split of data.hf_dataset used for validation; "
+                            "empty: hold out data.validation_fraction of data.hf_split.")
+    hf_streaming: bool = _f(False, "hf: read rows as they are used (an IterableDataset: "
+                            "nothing is converted into the arrow cache first), for sets "
+                            "larger than the disk; the same batches as without, each row "
+                            "stream reading the whole set.")
     tfds_name: str = _f("", "tfds: dataset name, e.g. 'wikipedia/20230601.en' or "
                         "'lm1b'.")
     tfds_split: str = _f("train", "tfds: split used for training.")
@@ -396,13 +411,6 @@ class DpoConfig:
                           "next-token NLL (over their tokens in the micro-batch) to the loss "
                           "(RPO; TRL's loss_type [..., \"sft\"] with that weight); 0: none.",
                           min=0.0, max=1e6)
-    precompute_reference: bool = _f(
-        False, "Compute the reference's log-probabilities (each pair's chosen and rejected "
-        "sums) once, in one forward pass over the training and held-out pairs before the "
-        "first step, and store them with the run (WORKDIR/reference_logps.json; a resume "
-        "reads them back and refuses data that changed); the step then runs no reference "
-        "forward pass, and full fine-tuning (lora.rank=0) keeps no frozen copy of the "
-        "weights (TRL's precompute_ref_log_probs). Not with dpo.loss=orpo (no reference).")
 
 
 @dataclass

@@ -78,9 +78,10 @@ class Sample:
 
 def check_settings(data, loss_on: str) -> None:
     """data.format, data.source and train.loss_on go together; else one line with the fix."""
-    if data.format != "text" and data.source != "text":
-        raise DataError(f"data.format={data.format} reads JSONL files from data.paths: set "
-                        f"data.source=text (it is {data.source}).")
+    if data.format != "text" and data.source not in ("text", "hf"):
+        raise DataError(f"data.format={data.format} reads JSONL files from data.paths, or "
+                        f"the rows of a Hugging Face dataset: set data.source=text or hf "
+                        f"(it is {data.source}).")
     if loss_on not in LOSS_ON[data.format]:
         fix = {"text": "set data.format=messages or prompt_completion (chat data), or "
                        "train.loss_on=all",

@@ -6,24 +6,19 @@ stream by `tfllm.data.pipeline.Batches`; for DPO (data.format preference) the pa
 from __future__ import annotations
 
 import logging
-import os
-from typing import Dict, List, Sequence
+from typing import Dict, List
 
 from tfllm.data.chat import Sample, SampleEncoder, added_token_ids, check_settings
 from tfllm.data.chat_template import folder_of, load_chat_template
 from tfllm.data.errors import DataError
 from tfllm.data.preference import PairEncoder, PairSample, bos_prefix
-from tfllm.data.sources import split_files, split_records
+from tfllm.data.sources import split_key, split_records
 
 log = logging.getLogger("tfllm.data")
 
 
 # Samples of a split, kept per process: training and every evaluation ask for them.
 _PREPARED: Dict[tuple, List[Sample]] = {}
-
-
-def _files_key(files: Sequence[str]) -> tuple:
-    return tuple((path, os.path.getsize(path), os.stat(path).st_mtime_ns) for path in files)
 
 
 def prepare_samples(data, tokenizer, split: str, loss_on: str) -> List[Sample]:
@@ -41,7 +36,6 @@ def prepare_samples(data, tokenizer, split: str, loss_on: str) -> List[Sample]:
       loss_on: which target tokens are trained (`train.loss_on`).
     """
     check_settings(data, loss_on)
-    files = split_files(data, split)
     template = load_chat_template(data) if data.format == "messages" else None
     if data.format == "preference":
         try:  # a strings layout needs none: a conversation without one names its line
@@ -49,7 +43,7 @@ def prepare_samples(data, tokenizer, split: str, loss_on: str) -> List[Sample]:
         except DataError:
             template = None
     length = data.sequence_length + 1
-    cache_key = (_files_key(files), split, data.format, loss_on, bool(data.eval_paths),
+    cache_key = (split_key(data, split), split, data.format, loss_on, bool(data.eval_paths),
                  data.validation_fraction, template.source if template else None,
                  tokenizer.fingerprint(), length)
     if cache_key in _PREPARED:
@@ -75,8 +69,6 @@ def prepare_samples(data, tokenizer, split: str, loss_on: str) -> List[Sample]:
 
 def _pairs(records, encoder: PairEncoder, split: str, length: int) -> List[PairSample]:
     pairs = [p for p in map(encoder, records) if p is not None]
-    for index, pair in enumerate(pairs):  # its place in the split: its reference's key
-        pair.index = index
     if encoder.dropped:
         shown = ", ".join(encoder.dropped[:3]) + (", ..." if len(encoder.dropped) > 3 else "")
         log.warning(f"{split}: {len(encoder.dropped)} of {len(records)} preference pairs "

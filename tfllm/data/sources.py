@@ -8,11 +8,14 @@ What a document is, per source:
             its offset rather than a tf error mid-training.
   tfrecord: one tf.train.Example; its bytes feature data.text_key is the text.
   tfds:     one example of the dataset; its feature data.text_key is the text.
+  hf:       one row of a Hugging Face dataset; its column data.text_key is the text
+            (`tfllm.data.hf`: files of data.paths, or data.hf_dataset).
   (data.format messages / prompt_completion: one line of the JSONL files of data.paths,
-  held out by a hash of the line; `tfllm.data.samples` renders and tokenizes them.)
+  or one row of data.source=hf, held out by a hash of the line (a row: of its JSON);
+  `tfllm.data.samples` renders and tokenizes them.)
 
-Without separate validation data (data.eval_paths, or for tfds an empty
-data.tfds_eval_split), a document is held out when a hash of its text falls below
+Without separate validation data (data.eval_paths, for tfds data.tfds_eval_split, for
+hf data.eval_paths or data.hf_eval_split), a document is held out when a hash of its text falls below
 data.validation_fraction: the split never overlaps and does not depend on order. With
 data.validation_fraction=0 as well there is no validation data (`has_validation`): the
 run trains on everything and does not evaluate, as Keras' `validation_split=0`.
@@ -27,12 +30,12 @@ import codecs
 import difflib
 import glob
 import os
-from typing import Iterator, List
+from typing import Iterator, List, Optional, Tuple
 
 import tensorflow as tf
 
 from tfllm.confined import open_regular
-from tfllm.data import chat, preference
+from tfllm.data import chat, hf, preference
 from tfllm.data.errors import DataError
 
 SEPARATOR = "<|endoftext|>"
@@ -219,13 +222,25 @@ def has_validation(data) -> bool:
         return True
     if data.source in ("text", "tfrecord"):
         return bool(data.eval_paths)
+    if data.source == "hf":
+        return bool(data.eval_paths if data.paths else data.hf_eval_split)
     return data.source == "tfds" and bool(data.tfds_eval_split)
+
+
+def _separate_key(data) -> Optional[str]:
+    """The setting that names separate validation data for data.source."""
+    if data.source == "hf":
+        return "data.eval_paths" if data.paths else "data.hf_eval_split"
+    return {"text": "data.eval_paths", "tfrecord": "data.eval_paths",
+            "tfds": "data.tfds_eval_split"}.get(data.source)
 
 
 def no_validation_reason(data) -> str:
     """The settings that give no validation data, as the user would set them."""
     separate = {"text": "no data.eval_paths", "tfrecord": "no data.eval_paths",
                 "tfds": "an empty data.tfds_eval_split"}.get(data.source)
+    if data.source == "hf":
+        separate = "no data.eval_paths" if data.paths else "an empty data.hf_eval_split"
     return "data.validation_fraction=0" + (f" and {separate}" if separate else "")
 
 
@@ -237,13 +252,17 @@ def validation_hint(data) -> str:
     if data.source in ("text", "tfrecord") and data.eval_paths:
         return (f"data.eval_paths={data.eval_paths} give no documents: name files with "
                 f"text, {off}.")
+    if data.source == "hf" and (data.eval_paths if data.paths else data.hf_eval_split):
+        return (f"{_separate_key(data)} gives no documents: name data with text, {off}.")
     if data.source == "tfds" and data.tfds_eval_split:
         return (f"data.tfds_eval_split={data.tfds_eval_split} of {data.tfds_name} gives no "
                 f"documents: name a split with text (or none, to hold out "
                 f"data.validation_fraction of data.tfds_split), {off}.")
     separate = {"text": "name validation files (data.eval_paths), ",
                 "tfrecord": "name validation files (data.eval_paths), ",
-                "tfds": "name a validation split (data.tfds_eval_split), "
+                "tfds": "name a validation split (data.tfds_eval_split), ",
+                "hf": (f"name validation data ({_separate_key(data)}), "
+                       if data.source == "hf" else ""),
                 }.get(data.source, "")
     return (f"data.validation_fraction={data.validation_fraction:g} held out no document "
             "(each document is held out by a hash of its text, so few documents may give "
@@ -289,8 +308,7 @@ def documents(data, split: str, num_shards: int = 1, index: int = 0) -> tf.data.
     if split not in ("train", "validation"):
         raise DataError(f"split must be 'train' or 'validation', got {split!r}.")
     if split == "validation" and not has_validation(data):
-        separate = {"text": "data.eval_paths", "tfrecord": "data.eval_paths",
-                    "tfds": "data.tfds_eval_split"}.get(data.source)
+        separate = _separate_key(data)
         raise DataError(f"no validation data ({no_validation_reason(data)}); set "
                         + (f"{separate} or " if separate else "")
                         + "data.validation_fraction > 0.")
@@ -301,6 +319,8 @@ def documents(data, split: str, num_shards: int = 1, index: int = 0) -> tf.data.
         return _shard(docs, num_shards, index)
     if source == "tfds":
         return _tfds_documents(data, split, num_shards, index)
+    if source == "hf":
+        return _hf_documents(data, split, num_shards, index)
     if source == "corpus":
         from tfllm.data.corpus import build_corpus
 
@@ -310,7 +330,38 @@ def documents(data, split: str, num_shards: int = 1, index: int = 0) -> tf.data.
     if source in ("text", "tfrecord"):
         return _file_documents(data, split, num_shards, index)
     raise DataError(f"data.source={source} has no documents; use corpus, text, "
-                    "tfrecord or tfds.")
+                    "tfrecord, tfds or hf.")
+
+
+def hf_split(data, split: str) -> Tuple[hf.Split, Optional[bool]]:
+    """Where a split of data.source=hf is read (`tfllm.data.hf.Split`), and which of its
+    rows it keeps: True only those held out by data.validation_fraction, False all but
+    them, None all (separate validation data, or none)."""
+    if not data.paths and not data.hf_dataset:
+        raise DataError("data.source=hf reads data.paths (parquet, JSON, CSV or arrow "
+                        "files) or data.hf_dataset (a save_to_disk folder or a hub name): "
+                        "set one, e.g. --set 'data.paths=[\"data/*.parquet\"]'.")
+    separate = bool(data.eval_paths if data.paths else data.hf_eval_split)
+    holdout = None if separate or not data.validation_fraction else split == "validation"
+    common = dict(streaming=data.hf_streaming, config_name=data.hf_config)
+    if data.paths:
+        patterns, key = ((data.eval_paths, "data.eval_paths") if separate and
+                         split == "validation" else (data.paths, "data.paths"))
+        return hf.Split(files=tuple(resolve_files(patterns, key)), key=key, **common), holdout
+    name, key = ((data.hf_eval_split, "data.hf_eval_split") if separate and
+                 split == "validation" else (data.hf_split, "data.hf_split"))
+    return hf.Split(dataset=data.hf_dataset, name=name, key=key, **common), holdout
+
+
+def _hf_documents(data, split: str, num_shards: int, index) -> tf.data.Dataset:
+    # Sharded by row first (each stream reads only its rows of a memory-mapped set), then
+    # filtered: rows without text, and by the holdout's hash of the text.
+    where, holdout = hf_split(data, split)
+    docs = hf.texts(where, data.text_key, num_shards, index)
+    docs = docs.filter(lambda d: tf.strings.length(tf.strings.strip(d)) > 0)
+    if holdout is not None:
+        docs = _holdout(docs, data.validation_fraction, keep_validation=holdout)
+    return docs
 
 
 def split_files(data, split: str) -> List[str]:
@@ -321,15 +372,29 @@ def split_files(data, split: str) -> List[str]:
     return resolve_files(data.paths, "data.paths")
 
 
+def split_key(data, split: str) -> tuple:
+    """What a split's records depend on (the files' sizes and times): a cache key."""
+    if data.source == "hf":
+        return hf_split(data, split)[0].signature()
+    return tuple((path, os.path.getsize(path), os.stat(path).st_mtime_ns)
+                 for path in split_files(data, split))
+
+
 def split_records(data, split: str) -> list:
-    """A split's records: every line of its files, less (training) or only (validation)
-    the lines held out by data.validation_fraction when there are no data.eval_paths."""
-    parse = preference.parse_line if data.format == "preference" else None
-    records = chat.read_records(split_files(data, split), data.format, parse)
-    if not data.eval_paths and data.validation_fraction > 0:
-        validation = split == "validation"
+    """A split's records: every line of its files (data.source=hf: every row), less
+    (training) or only (validation) the lines held out by data.validation_fraction when
+    there is no separate validation data."""
+    parse = preference.parse_line if data.format == "preference" else chat.parse_line
+    if data.source == "hf":
+        where, holdout = hf_split(data, split)
+        records = hf.records(where, data.format, parse)
+    else:
+        records = chat.read_records(split_files(data, split), data.format, parse)
+        holdout = (None if data.eval_paths or not data.validation_fraction
+                   else split == "validation")
+    if holdout is not None:
         records = [r for r in records
-                   if chat.held_out(r, data.validation_fraction) == validation]
+                   if chat.held_out(r, data.validation_fraction) == holdout]
     return records
 
 
