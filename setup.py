@@ -11,7 +11,9 @@ setup(
     python_requires=">=3.11",  # keras >= 3.13.2 needs it
     packages=find_packages(include=["tfllm", "tfllm.*"]),
     # The default chat template and the example chat set (data.format=messages).
-    package_data={"tfllm.data": ["templates/*.jinja", "chat_example.jsonl"]},
+    package_data={"tfllm.data": ["templates/*.jinja", "chat_example.jsonl"],
+                  # the small local lm-eval tasks of `tfllm eval --tasks` and their data
+                  "tfllm.evals": ["tasks/*.yaml", "tasks/*.jsonl", "tasks/*.py"]},
     install_requires=[
         "tensorflow>=2.16,<2.22",
         # tfllm.internals fences the private APIs used; these bounds are the versions
@@ -49,6 +51,8 @@ setup(
                  # the reference of DPO (tests/train/test_dpo_trl.py): TRL's DPOTrainer
                  # (1.x: loss_type lists with loss_weights, the fused log-prob head)
                  "trl>=1.16,<2",
+                 # tests/evals: lm-eval (its Hugging Face backend is the judge of tfllm eval)
+                 "lm-eval>=0.4.13,<0.5",
                  # tests/test_docs.py builds the documentation site in strict mode
                  "mkdocs>=1.6,<2",
                  # tests/data/test_hf.py: data.source=hf on sets datasets itself writes
@@ -61,6 +65,9 @@ setup(
         # data.source=hf: Hugging Face datasets (parquet, JSON, CSV, arrow, save_to_disk
         # folders, the hub and its cache, streaming); tested with datasets 5.2.0.
         "hf-data": ["datasets>=4,<6"],
+        # `tfllm eval --tasks`: the lm-evaluation-harness (tested with lm-eval 0.4.13; its
+        # TaskManager.load dict API and TemplateLM hooks as tfllm.evals uses them).
+        "eval": ["lm-eval>=0.4.13,<0.5"],
         # The documentation site (mkdocs.yml): `mkdocs serve`, `mkdocs build --strict`.
         # 1.6: the first with anchor validation and docs-relative absolute links.
         "docs": ["mkdocs>=1.6,<2"],

@@ -167,6 +167,21 @@ COMMANDS = {
     "tfllm eval --workdir runs/default":
         ("test", "tests/train/test_outputs.py::test_eval_on_another_mesh_matches_training_eval",
          "a tiny run"),
+    "tfllm eval --workdir runs/default --tasks tfllm_tiny_mc,tfllm_tiny_gen":
+        ("test", "tests/evals/test_lm_eval.py::test_one_device_scores_as_lm_eval_s_hf_backend",
+         "a tiny imported Llama, judged by lm-eval's hf backend on its export"),
+    # benchmarks (lm-eval)
+    'pip install -e ".[eval]"': ("not run", "installs packages", "CI installs the test extra"),
+    "tfllm eval --workdir runs/l1b --tasks tfllm_tiny_mc,tfllm_tiny_gen --num-fewshot 1 "
+    "--limit 5":
+        ("test", "tests/evals/test_lm_eval.py::test_one_device_scores_as_lm_eval_s_hf_backend",
+         "a tiny imported Llama; the three shipped tasks"),
+    "tfllm eval --workdir runs/l1b --tasks tfllm_tiny_mc --set mesh.axes=data=2,model=4":
+        ("test", "tests/evals/test_lm_eval.py::test_a_mesh_scores_as_lm_eval_s_hf_backend",
+         "a tiny imported Llama; the three shipped tasks"),
+    "tfllm eval --workdir runs/l1b --include-path my_tasks/ --tasks my_qa":
+        ("test", "tests/evals/test_lm_eval.py::test_a_task_of_your_own_on_local_json_files",
+         "the task and its JSON lines written by the test"),
     "tfllm export --workdir runs/default --out exported/":
         ("test", "tests/test_docs.py::test_the_text_recipe_trains_and_its_run_exports",
          "the run the text recipe trained"),

@@ -22,7 +22,8 @@ FLOORS = (
     ("models",),
     ("generate",),
     ("train",),
-    ("pretrained", "plan", "launch"),  # import/export; deviceless plans; the launcher
+    ("pretrained", "plan", "launch", "evals"),  # import/export; deviceless plans; the
+    # launcher; lm-eval benchmarks
     ("cli", "notebook"),  # entry points
 )
 FLOOR = {name: level for level, names in enumerate(FLOORS) for name in names}

@@ -158,3 +158,30 @@ def test_requests_tokenize_as_transformers(folders, judge):
                 for text in texts:
                     if isinstance(text, str) and text:
                         assert ours.tok_encode(text) == hf.tok_encode(text)
+
+
+def test_a_task_of_your_own_on_local_json_files(folders, tmp_path):
+    """A task YAML as a user writes it (dataset_path: json, data_files) in --include-path;
+    --limit and --num-fewshot reach lm-eval."""
+    data = tmp_path / "data"
+    data.mkdir()
+    rows = [{"question": f"Is {n} even?", "choices": ["yes", "no"], "answer": n % 2}
+            for n in range(6)]
+    for split, part in (("test", rows[:4]), ("train", rows[4:])):
+        (data / f"{split}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in part))
+    tasks = tmp_path / "my_tasks"
+    tasks.mkdir()
+    (tasks / "my_qa.yaml").write_text(
+        "task: my_qa\ndataset_path: json\ndataset_kwargs:\n  data_files:\n"
+        f"    test: {data / 'test.jsonl'}\n    train: {data / 'train.jsonl'}\n"
+        "output_type: multiple_choice\ntest_split: test\nfewshot_split: train\n"
+        "doc_to_text: \"Question: {{question}}\\nAnswer:\"\ndoc_to_choice: \"{{choices}}\"\n"
+        "doc_to_target: answer\nmetric_list:\n  - metric: acc\n")
+    assert main(["eval", "--workdir", str(folders[0]), "--include-path", str(tasks),
+                 "--tasks", "my_qa", "--limit", "3", "--num-fewshot", "2"]) == 0
+    (path,) = sorted(glob.glob(os.path.join(folders[0], "eval", "results_*.json")))[-1:]
+    with open(path) as f:
+        written = json.load(f)
+    assert written["n-shot"]["my_qa"] == 2
+    assert written["n-samples"]["my_qa"] == {"original": 4, "effective": 3}
+    assert 0 <= written["results"]["my_qa"]["acc,none"] <= 1

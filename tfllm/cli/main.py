@@ -308,7 +308,7 @@ def _eval_tasks(args) -> int:
     from tfllm.train.saved_run import saved_config
     config = saved_config(args.workdir, args.overrides)  # a folder that is no run: first
     try:  # the optional extra, before the weights are read
-        from tfllm.evals.benchmark import evaluate_tasks, task_manager
+        from tfllm.evals.benchmark import evaluate_tasks, load_tasks, task_manager
     except ImportError as e:
         if (e.name or "").split(".")[0] != "lm_eval":
             raise
@@ -320,12 +320,13 @@ def _eval_tasks(args) -> int:
     if config.data.source == "synthetic":
         raise InputError(f"--workdir {args.workdir}: this run trained on data.source="
                          "synthetic and has no tokenizer; lm-eval tasks are text.")
-    manager = task_manager(names, args.include_path)  # a missing task: before the weights
+    # a missing task or unreadable task data: one line before the weights are read
+    loaded = load_tasks(task_manager(names, args.include_path), names)
     run, meta = _restored_run(args, config)
     limit = args.limit if args.limit is None or args.limit < 1 else int(args.limit)
     result = evaluate_tasks(run, names, args.num_fewshot, limit, args.batch_size,
                             args.include_path, args.apply_chat_template, args.log_samples,
-                            args.add_bos_token, manager=manager, step=int(meta["step"]))
+                            args.add_bos_token, loaded=loaded, step=int(meta["step"]))
     print(json.dumps({"step": int(meta["step"]), "results": result["results"],
                       "files": result["files"]}))
     return 0

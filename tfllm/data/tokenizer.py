@@ -35,8 +35,17 @@ class Tokenizer:
       name: short description for logs.
     """
 
+    #: the beginning-of-sequence id, when the tokenizer has one (encode never adds it)
+    bos_id: Optional[int] = None
+
     def __init__(self, vocab_size: int, eod_id: int, name: str):
         self.vocab_size, self.eod_id, self.name = vocab_size, eod_id, name
+
+    @property
+    def special_ids(self) -> frozenset:
+        """The ids of special tokens (BOS, EOS, ...): what Hugging Face's
+        decode(skip_special_tokens=True) leaves out of a text."""
+        return frozenset({self.eod_id} | ({self.bos_id} if self.bos_id is not None else set()))
 
     def encode(self, text: str) -> List[int]:
         """Token ids of `text` (no end-of-document id)."""
@@ -107,6 +116,12 @@ class SentencePieceTokenizer(Tokenizer):
                             "documents; train it with eos_id >= 0.")
         self._hub = keras_hub.tokenizers.SentencePieceTokenizer(proto=proto)
         super().__init__(self._sp.get_piece_size(), eod, name)
+        self.bos_id = self._sp.bos_id() if self._sp.bos_id() >= 0 else None
+
+    @property
+    def special_ids(self) -> frozenset:
+        return super().special_ids | {i for i in (self._sp.unk_id(), self._sp.pad_id())
+                                      if i >= 0}
 
     def encode(self, text: str) -> List[int]:
         return self._sp.encode(text)
@@ -140,6 +155,13 @@ class KerasHubTokenizer(Tokenizer):
                             "end_token_id to end documents; use a preset with an end token "
                             "or a SentencePiece .model file.")
         super().__init__(int(self._hub.vocabulary_size()), int(eod), f"keras-hub:{path}")
+        bos = getattr(self._hub, "start_token_id", None)
+        self.bos_id = int(bos) if bos is not None else None
+
+    @property
+    def special_ids(self) -> frozenset:
+        return super().special_ids | {int(i) for i in
+                                      getattr(self._hub, "special_token_ids", ()) or ()}
 
     def decode(self, ids: Iterable[int]) -> str:
         # Ids past the tokenizer's vocabulary (a model padded beyond it can emit them)
