@@ -185,3 +185,43 @@ def test_a_task_of_your_own_on_local_json_files(folders, tmp_path):
     assert written["n-shot"]["my_qa"] == 2
     assert written["n-samples"]["my_qa"] == {"original": 4, "effective": 3}
     assert 0 <= written["results"]["my_qa"]["acc,none"] <= 1
+
+
+def test_the_chat_template_renders_contexts_as_transformers(folders, tmp_path):
+    """--apply-chat-template: the run's chat template (ChatML, its own copy), few-shot
+    examples as turns, equals lm-eval's hf backend with apply_chat_template and
+    fewshot_as_multiturn on the export (which carries the template): the same rendered
+    contexts, log-likelihoods and generations."""
+    import lm_eval
+    from lm_eval.tasks import TaskManager
+    chatml = os.path.join(os.path.dirname(SHIPPED_TASKS), "..", "data", "templates",
+                          "chatml.jinja")
+    hf_folder = os.path.join(os.path.dirname(folders[0]), "hf")
+    run, exported = tmp_path / "run", tmp_path / "exp"
+    assert main(["import", "--preset", hf_folder, "--workdir", str(run), "--set",
+                 f"data.chat_template={os.path.abspath(chatml)}"]) == 0
+    assert main(["export", "--workdir", str(run), "--out", str(exported), "--format",
+                 "hf"]) == 0
+    tasks = ["tfllm_tiny_mc", "tfllm_tiny_gen"]
+    assert main(["eval", "--workdir", str(run), "--tasks", ",".join(tasks), "--num-fewshot",
+                 "1", "--limit", "3", "--log-samples", "--apply-chat-template"]) == 0
+    theirs = lm_eval.simple_evaluate(
+        model="hf", model_args={"pretrained": str(exported), "dtype": "float32",
+                                "device": "cpu"},
+        tasks=tasks, num_fewshot=1, limit=3, batch_size=4, log_samples=True,
+        bootstrap_iters=0, apply_chat_template=True, fewshot_as_multiturn=True,
+        task_manager=TaskManager(include_path=SHIPPED_TASKS, include_defaults=False))
+    for task in tasks:
+        (path,) = glob.glob(os.path.join(run, "eval", f"samples_{task}_*.jsonl"))
+        with open(path) as f:
+            ours = {s["doc_id"]: s for s in map(json.loads, f)}
+        for sample in theirs["samples"][task]:
+            mine = ours[sample["doc_id"]]
+            assert mine["arguments"] == json.loads(json.dumps(sample["arguments"]))
+            assert "<|im_start|>user" in mine["arguments"][0][0]  # rendered by ChatML
+            for a, b in zip(mine["resps"], sample["resps"]):
+                if task == "tfllm_tiny_gen":
+                    assert a[0] == b[0]
+                else:
+                    np.testing.assert_allclose(a[0][0], b[0][0], rtol=LOGLIK_RTOL,
+                                               atol=LOGLIK_ATOL)
