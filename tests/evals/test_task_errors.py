@@ -73,3 +73,8 @@ def test_an_include_path_that_is_no_folder_is_one_line(workdir, capsys, tmp_path
     err = _refused(capsys, "--workdir", str(workdir), "--include-path",
                    str(tmp_path / "nowhere"), "--tasks", "tfllm_tiny_mc")
     assert "--include-path" in err and "not a folder" in err
+
+
+def test_a_task_flag_without_tasks_is_one_line(workdir, capsys):
+    err = _refused(capsys, "--workdir", str(workdir), "--num-fewshot", "3")
+    assert "--num-fewshot goes with --tasks" in err

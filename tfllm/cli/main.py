@@ -295,6 +295,14 @@ def cmd_generate(args) -> int:
 def cmd_eval(args) -> int:
     if args.tasks is not None:
         return _eval_tasks(args)
+    alone = [flag for flag, given in (
+        ("--num-fewshot", args.num_fewshot is not None), ("--limit", args.limit is not None),
+        ("--include-path", args.include_path), ("--apply-chat-template",
+                                                 args.apply_chat_template),
+        ("--log-samples", args.log_samples), ("--add-bos-token", args.add_bos_token)) if given]
+    if alone:
+        raise InputError(f"{alone[0]} goes with --tasks (lm-eval tasks); without it "
+                         "tfllm eval reports the validation loss.")
     run, meta = _restored_run(args)
     if args.steps:
         run.config.train.eval_steps = args.steps
