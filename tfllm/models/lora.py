@@ -12,8 +12,9 @@ output-dimension layout (the rank is never split), so adapters shard as their ke
 do on data, FSDP and tensor-parallel meshes. A starts random (the variance of peft's
 Kaiming-uniform default), B at zero, so a fresh adapter leaves the model unchanged.
 
-`TARGETS` maps each family's Hugging Face module names (inside one layer) onto tfllm's
-projections; `tfllm.pretrained.peft` uses the same table to write and read adapters.
+Each family names its Hugging Face modules (inside one layer) and the tfllm projections
+they are (`tfllm.families.LoraNames`); `tfllm.pretrained.peft` writes and reads adapters
+with the same names.
 """
 
 from __future__ import annotations
@@ -24,22 +25,7 @@ from typing import Dict, List, Tuple
 
 from tfllm import internals
 from tfllm.config.loader import ConfigError
-
-#: Hugging Face module name inside layer i -> tfllm projection paths inside block_i.
-#: GPT-2's fused query/key/value (`attn.c_attn`) is three tfllm projections.
-_LLAMA = {
-    "self_attn.q_proj": ("attention/query",), "self_attn.k_proj": ("attention/key",),
-    "self_attn.v_proj": ("attention/value",), "self_attn.o_proj": ("attention/output",),
-    "mlp.gate_proj": ("mlp/gate",), "mlp.up_proj": ("mlp/up",), "mlp.down_proj": ("mlp/down",),
-}
-_GPT = {
-    "attn.c_attn": ("attention/query", "attention/key", "attention/value"),
-    "attn.c_proj": ("attention/output",), "mlp.c_fc": ("mlp/up",), "mlp.c_proj": ("mlp/down",),
-}
-TARGETS = {"llama": _LLAMA, "gemma3": _LLAMA, "gpt": _GPT}
-#: where layer i's modules live in the Hugging Face model
-LAYER_PREFIX = {"llama": "model.layers.{i}.", "gemma3": "model.layers.{i}.",
-                "gpt": "transformer.h.{i}."}
+from tfllm.families import lora_names
 
 
 class LoraError(ConfigError):
@@ -73,7 +59,7 @@ def targeted(family: str, targets: List[str]) -> Dict[str, Tuple[str, ...]]:
     Raises:
       LoraError: a target that names no projection of the family.
     """
-    table = TARGETS[family]
+    table = lora_names(family).modules
     if not targets:
         return dict(table)
     chosen = {}

@@ -32,287 +32,38 @@ from typing import Callable, List, Optional, Sequence, Tuple
 import numpy as np
 
 from tfllm import files, internals
+from tfllm.families import Family, PretrainedError, Tensor, resolved, writer
 from tfllm.models import model_class
-from tfllm.models.llama.llama import is_local_layer
 from tfllm.pretrained import peft
-from tfllm.families import PretrainedError, Tensor
 
 #: --dtype -> safetensors dtype code
 DTYPES = {"float32": "F32", "bfloat16": "BF16"}
 
 
-def _same(x):
-    return x
+# ---- the family and its config.json -------------------------------------------------------
+def resolved_section(m):
+    """Model section `m` with null tie_embeddings / use_bias / qkv_bias resolved as the
+    model class does (its family_defaults): what the families write."""
+    return resolved(m, model_class(m.family).family_defaults)
 
 
-def _linear(x):
-    """A kernel (in, ...) or (..., out) laid out as tfllm's einsum uses it -> a
-    torch nn.Linear weight (out, in)."""
-    return x.T
-
-
-# ---- the weight tables ------------------------------------------------------------------
-def _gemma3_tensors(m) -> List[Tensor]:
-    """Llama's tensors with Gemma 3's four norms per layer (its post_attention_layernorm
-    follows attention; the MLP's input norm is pre_feedforward_layernorm)."""
-    e = m.hidden_dim
-    out = []
-    for t in _llama_tensors(m, _tied(m), qk_norm=True):
-        if t.key.endswith(".post_attention_layernorm.weight"):  # tfllm's mlp_norm
-            layer, ours = t.key[: -len("post_attention_layernorm.weight")], t.sources[0]
-            block = ours[: -len("mlp_norm/scale")]
-            out += [Tensor(layer + "post_attention_layernorm.weight",
-                           (block + "attention_post_norm/scale",), (e,), _same),
-                    Tensor(layer + "pre_feedforward_layernorm.weight", (ours,), (e,), _same),
-                    Tensor(layer + "post_feedforward_layernorm.weight",
-                           (block + "mlp_post_norm/scale",), (e,), _same)]
-        else:
-            out.append(t)
-    return out
-
-
-def _llama_tensors(m, tie: bool, qk_norm: Optional[bool] = None) -> List[Tensor]:
-    h, kv = m.num_query_heads, m.num_key_value_heads or m.num_query_heads
-    hd = m.head_dim or m.hidden_dim // m.num_query_heads
-    e, i_dim = m.hidden_dim, m.intermediate_dim
-    out = [Tensor("model.embed_tokens.weight", ("token_embedding/embeddings",),
-                  (m.vocab_size, e), _same)]
-    for i in range(m.num_layers):
-        ours, theirs = f"block_{i}/", f"model.layers.{i}."
-        out += [
-            Tensor(theirs + "input_layernorm.weight", (ours + "attention_norm/scale",),
-                   (e,), _same),
-            Tensor(theirs + "post_attention_layernorm.weight", (ours + "mlp_norm/scale",),
-                   (e,), _same),
-            # (E, heads, head_dim) -> (heads * head_dim, E)
-            Tensor(theirs + "self_attn.q_proj.weight", (ours + "attention/query/kernel",),
-                   (h * hd, e), lambda x, n=h * hd: x.reshape(-1, n).T),
-            Tensor(theirs + "self_attn.k_proj.weight", (ours + "attention/key/kernel",),
-                   (kv * hd, e), lambda x, n=kv * hd: x.reshape(-1, n).T),
-            Tensor(theirs + "self_attn.v_proj.weight", (ours + "attention/value/kernel",),
-                   (kv * hd, e), lambda x, n=kv * hd: x.reshape(-1, n).T),
-            # (heads, head_dim, E) -> (E, heads * head_dim)
-            Tensor(theirs + "self_attn.o_proj.weight", (ours + "attention/output/kernel",),
-                   (e, h * hd), lambda x, n=h * hd: x.reshape(n, -1).T),
-            Tensor(theirs + "mlp.gate_proj.weight", (ours + "mlp/gate/kernel",),
-                   (i_dim, e), _linear),
-            Tensor(theirs + "mlp.up_proj.weight", (ours + "mlp/up/kernel",), (i_dim, e),
-                   _linear),
-            Tensor(theirs + "mlp.down_proj.weight", (ours + "mlp/down/kernel",),
-                   (e, i_dim), _linear),
-        ]
-        if m.qk_norm if qk_norm is None else qk_norm:
-            out += [Tensor(f"{theirs}self_attn.{n}_norm.weight",
-                           (f"{ours}attention/{a}_norm/scale",), (hd,), _same)
-                    for n, a in (("q", "query"), ("k", "key"))]
-        if _qkv_bias(m):
-            out += [Tensor(f"{theirs}self_attn.{n}_proj.bias", (f"{ours}attention/{a}/bias",),
-                           (heads * hd,), lambda x: x.reshape(-1))
-                    for n, a, heads in (("q", "query", h), ("k", "key", kv),
-                                        ("v", "value", kv))]
-    out.append(Tensor("model.norm.weight", ("final_norm/scale",), (e,), _same))
-    if not tie:
-        out.append(Tensor("lm_head.weight", ("lm_head/kernel",), (m.vocab_size, e), _linear))
-    return out
-
-
-def _gpt2_tensors(m) -> List[Tensor]:
-    e, i_dim = m.hidden_dim, m.intermediate_dim
-    out = [Tensor("transformer.wte.weight", ("token_embedding/embeddings",),
-                  (m.vocab_size, e), _same),
-           Tensor("transformer.wpe.weight", ("position_embedding/embeddings",),
-                  (m.max_sequence_length, e), _same)]
-
-    def fused(q, k, v):  # GPT-2's Conv1D c_attn: (E, 3E), q | k | v
-        return np.concatenate([t.reshape(e, -1) for t in (q, k, v)], axis=1)
-
-    def fused_bias(q, k, v):
-        return np.concatenate([t.reshape(-1) for t in (q, k, v)])
-
-    for i in range(m.num_layers):
-        ours, theirs = f"block_{i}/", f"transformer.h.{i}."
-        attn = [f"{ours}attention/{n}" for n in ("query", "key", "value")]
-        out += [
-            Tensor(theirs + "ln_1.weight", (ours + "attention_norm/scale",), (e,), _same),
-            Tensor(theirs + "ln_1.bias", (ours + "attention_norm/bias",), (e,), _same),
-            Tensor(theirs + "attn.c_attn.weight", tuple(a + "/kernel" for a in attn),
-                   (e, 3 * e), fused),
-            Tensor(theirs + "attn.c_attn.bias", tuple(a + "/bias" for a in attn),
-                   (3 * e,), fused_bias),
-            # Conv1D weights are (in, out), as tfllm's kernels are: no transpose.
-            Tensor(theirs + "attn.c_proj.weight", (ours + "attention/output/kernel",),
-                   (e, e), lambda x: x.reshape(e, e)),
-            Tensor(theirs + "attn.c_proj.bias", (ours + "attention/output/bias",), (e,),
-                   _same),
-            Tensor(theirs + "ln_2.weight", (ours + "mlp_norm/scale",), (e,), _same),
-            Tensor(theirs + "ln_2.bias", (ours + "mlp_norm/bias",), (e,), _same),
-            Tensor(theirs + "mlp.c_fc.weight", (ours + "mlp/up/kernel",), (e, i_dim), _same),
-            Tensor(theirs + "mlp.c_fc.bias", (ours + "mlp/up/bias",), (i_dim,), _same),
-            Tensor(theirs + "mlp.c_proj.weight", (ours + "mlp/down/kernel",), (i_dim, e),
-                   _same),
-            Tensor(theirs + "mlp.c_proj.bias", (ours + "mlp/down/bias",), (e,), _same),
-        ]
-    out += [Tensor("transformer.ln_f.weight", ("final_norm/scale",), (e,), _same),
-            Tensor("transformer.ln_f.bias", ("final_norm/bias",), (e,), _same)]
-    return out
-
-
-# ---- the config -------------------------------------------------------------------------
-def _resolved(m, field: str) -> bool:
-    """A config field left null, resolved as the model class does (its family_defaults)."""
-    value = getattr(m, field)
-    return bool(model_class(m.family).family_defaults[field] if value is None else value)
-
-
-def _tied(m) -> bool:
-    return _resolved(m, "tie_embeddings")
-
-
-def _qkv_bias(m) -> bool:
-    """q/k/v biases as `Attention` resolves them (null: the model's use_bias)."""
-    return bool(m.qkv_bias) if m.qkv_bias is not None else _resolved(m, "use_bias")
-
-
-def model_type_for(m, backbone: Optional[str]) -> str:
-    """The transformers model_type a tfllm model section is written as.
+def family_for(m, backbone: Optional[str]) -> Family:
+    """The family (transformers model_type) a tfllm model section is written as.
 
     An imported run keeps its architecture (pretrained.json's keras-hub backbone);
-    otherwise GPT-2 for `gpt`, Qwen2 for a Llama with q/k/v biases, else Llama.
+    otherwise `tfllm.families.writer` picks it (GPT-2 for `gpt`, Qwen2 for a Llama with
+    q/k/v biases, else Llama, ...).
     """
-    if m.family == "gpt":
-        return "gpt2"
-    if m.family == "gemma3":
-        return "gemma3_text"
-    head_dim = m.head_dim or m.hidden_dim // m.num_query_heads
-    if m.query_pre_attn_scalar and m.query_pre_attn_scalar != head_dim:
-        raise PretrainedError(f"model.query_pre_attn_scalar={m.query_pre_attn_scalar} (not "
-                              f"head_dim {head_dim}) exists in transformers only for Gemma "
-                              "3 (model.family=gemma3).")
-    if m.sliding_window:  # transformers' Mistral: one window in every layer
-        if (m.sliding_window_pattern or m.rope_local_theta or m.qk_norm or _qkv_bias(m)
-                or _tied(m) or m.query_pre_attn_scalar):
-            raise PretrainedError(
-                f"model.sliding_window={m.sliding_window} on the llama family is written as "
-                "Mistral, which has one window in every layer, untied embeddings and no "
-                "biases, query/key norms, local RoPE base or query_pre_attn_scalar; this "
-                "model has no transformers counterpart.")
-        return "mistral"
-    if m.qk_norm:
-        if _qkv_bias(m):
-            raise PretrainedError("a model with query/key norms (model.qk_norm, Qwen3) and "
-                                  "q/k/v biases has no transformers counterpart.")
-        return "qwen3"
-    if backbone == "MistralBackbone" and not _qkv_bias(m) and not _tied(m):
-        return "mistral"
-    return "qwen2" if _qkv_bias(m) else "llama"
+    return writer(resolved_section(m), backbone)
 
 
-def _rope_parameters(m) -> dict:
-    rope = {"rope_type": "default", "rope_theta": float(m.rope_theta)}
-    if m.rope_scaling == "linear":
-        rope.update(rope_type="linear", factor=float(m.rope_scaling_factor))
-    elif m.rope_scaling == "llama3":
-        rope.update(rope_type="llama3", factor=float(m.rope_scaling_factor),
-                    low_freq_factor=float(m.rope_low_freq_factor),
-                    high_freq_factor=float(m.rope_high_freq_factor),
-                    original_max_position_embeddings=int(m.rope_original_max_length))
-    elif m.rope_scaling != "none":
-        raise PretrainedError(f"model.rope_scaling={m.rope_scaling!r} has no transformers "
-                              "counterpart tfllm writes (none, linear, llama3).")
-    return rope
-
-
-def hf_config(m, model_type: str, dtype: str, bos: Optional[int],
+def hf_config(m, family: Family, dtype: str, bos: Optional[int],
               eos: Optional[int]) -> dict:
-    """config.json for tfllm's model section `m` as `model_type` (transformers 5 layout)."""
+    """config.json for tfllm's model section `m` as `family` (transformers 5 layout)."""
+    r = resolved_section(m)
     common = {"vocab_size": m.vocab_size, "bos_token_id": bos, "eos_token_id": eos,
-              "tie_word_embeddings": _tied(m), "dtype": dtype, "use_cache": True}
-    if model_type == "gpt2":
-        if not _resolved(m, "use_bias") or not _qkv_bias(m) or not _tied(m):
-            raise PretrainedError("GPT-2 has biases everywhere and tied embeddings; this "
-                                  "model (model.use_bias/qkv_bias/tie_embeddings) cannot be "
-                                  "written as gpt2.")
-        if (m.num_key_value_heads not in (0, m.num_query_heads)
-                or m.head_dim not in (0, m.hidden_dim // m.num_query_heads)):
-            raise PretrainedError("GPT-2 has no grouped-query heads and head_dim = "
-                                  "hidden_dim / num_query_heads; this model cannot be written "
-                                  "as gpt2.")
-        return {"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2",
-                "n_embd": m.hidden_dim, "n_layer": m.num_layers, "n_head": m.num_query_heads,
-                "n_inner": m.intermediate_dim, "n_positions": m.max_sequence_length,
-                "activation_function": "gelu_new",  # tfllm's gelu is the tanh form
-                "layer_norm_epsilon": float(m.norm_epsilon),
-                # tfllm trains without dropout; a model fine-tuned further in
-                # transformers gets none either unless it asks.
-                "attn_pdrop": 0.0, "embd_pdrop": 0.0, "resid_pdrop": 0.0,
-                "scale_attn_weights": True, "scale_attn_by_inverse_layer_idx": False,
-                "reorder_and_upcast_attn": False, **common}
-    if model_type == "gemma3_text":
-        return _gemma3_config(m, common)
-    if _resolved(m, "use_bias"):
-        raise PretrainedError("model.use_bias=true (biases on every projection) has no "
-                              "Llama/Mistral/Qwen2 counterpart in transformers; only q/k/v "
-                              "biases (model.qkv_bias, Qwen2) are written.")
-    names = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
-             "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
-    out = {"architectures": [names[model_type]], "model_type": model_type,
-           "hidden_size": m.hidden_dim, "intermediate_size": m.intermediate_dim,
-           "num_hidden_layers": m.num_layers, "num_attention_heads": m.num_query_heads,
-           "num_key_value_heads": m.num_key_value_heads or m.num_query_heads,
-           "head_dim": m.head_dim or m.hidden_dim // m.num_query_heads,
-           "hidden_act": "silu", "max_position_embeddings": m.max_sequence_length,
-           "rms_norm_eps": float(m.norm_epsilon), "rope_parameters": _rope_parameters(m),
-           "attention_dropout": 0.0, **common}
-    if model_type in ("llama", "qwen3"):
-        out.update(attention_bias=False)
-    if model_type == "llama":
-        out.update(mlp_bias=False, pretraining_tp=1)
-    elif model_type == "mistral":
-        out["sliding_window"] = m.sliding_window or None
-    else:  # qwen2, qwen3: full attention in every layer, as tfllm computes
-        out.update(use_sliding_window=False, sliding_window=None,
-                   max_window_layers=m.num_layers,
-                   layer_types=["full_attention"] * m.num_layers)
-    return out
-
-
-def _gemma3_config(m, common: dict) -> dict:
-    if _resolved(m, "use_bias") or _qkv_bias(m):
-        raise PretrainedError("Gemma 3 has no biases; this model (model.use_bias/qkv_bias) "
-                              "cannot be written as gemma3_text.")
-    head_dim = m.head_dim or m.hidden_dim // m.num_query_heads
-    scalar = float(m.query_pre_attn_scalar or head_dim)
-    if not scalar.is_integer():
-        raise PretrainedError(f"model.query_pre_attn_scalar={scalar}: transformers' "
-                              "Gemma3TextConfig takes a whole number.")
-    scalar = int(scalar)
-    local = ["sliding_attention" if is_local_layer(m, i) else "full_attention"
-             for i in range(m.num_layers)]
-    return {"architectures": ["Gemma3ForCausalLM"], "model_type": "gemma3_text",
-            "hidden_size": m.hidden_dim, "intermediate_size": m.intermediate_dim,
-            "num_hidden_layers": m.num_layers, "num_attention_heads": m.num_query_heads,
-            "num_key_value_heads": m.num_key_value_heads or m.num_query_heads,
-            "head_dim": head_dim, "hidden_activation": "gelu_pytorch_tanh",
-            "max_position_embeddings": m.max_sequence_length,
-            "rms_norm_eps": float(m.norm_epsilon),
-            "query_pre_attn_scalar": scalar,
-            "sliding_window": int(m.sliding_window) or None, "layer_types": local,
-            "rope_parameters": {
-                "full_attention": _rope_parameters(m),
-                "sliding_attention": {"rope_type": "default",
-                                      "rope_theta": float(m.rope_local_theta or m.rope_theta)}},
-            "attention_bias": False, "attention_dropout": 0.0,
-            "attn_logit_softcapping": None, "final_logit_softcapping": None,
-            "use_bidirectional_attention": False, "pad_token_id": None, **common}
-
-
-def tensors_for(m, model_type: str) -> List[Tensor]:
-    """Every tensor of the Hugging Face folder, in the order written."""
-    if model_type == "gpt2":
-        return _gpt2_tensors(m)
-    if model_type == "gemma3_text":
-        return _gemma3_tensors(m)
-    return _llama_tensors(m, _tied(m))
+              "tie_word_embeddings": r.tie_embeddings, "dtype": dtype, "use_cache": True}
+    return family.config_out(r, common)
 
 
 # ---- safetensors, one tensor at a time -----------------------------------------------------
@@ -452,7 +203,7 @@ def export_hf(config, workdir: str, out: str, dtype: str = "float32",
     out = require_new_folder(out, workdir)
     m = config.model
     origin = read_origin(workdir) or {}
-    model_type = model_type_for(m, origin.get("backbone"))
+    family = family_for(m, origin.get("backbone"))
     run_dir = Workdir(workdir)
     path = run_dir.latest_checkpoint()
     if path is None:
@@ -460,7 +211,7 @@ def export_hf(config, workdir: str, out: str, dtype: str = "float32",
                                 "checkpoint; train or import first.")
     reader = Reader(path)
     prefix = _model_prefix(reader.variables)
-    tensors = tensors_for(m, model_type)
+    tensors = family.tensors(resolved_section(m))
     for t in tensors:
         for s in t.sources:
             if prefix + s not in reader.variables:
@@ -485,7 +236,7 @@ def export_hf(config, workdir: str, out: str, dtype: str = "float32",
         # config names (a config.yaml anyone edited could name any file of the user's)
         export_template(config.data, tmp, run=workdir)
         with files.open_for_writing(tmp, "config.json") as f:
-            json.dump(hf_config(m, model_type, dtype, bos, eos), f, indent=2,
+            json.dump(hf_config(m, family, dtype, bos, eos), f, indent=2,
                       sort_keys=True)
         with files.open_for_writing(tmp, "generation_config.json") as f:
             json.dump({"bos_token_id": bos, "eos_token_id": eos}, f, indent=2)
@@ -504,7 +255,7 @@ def export_hf(config, workdir: str, out: str, dtype: str = "float32",
             with files.open_for_writing(tmp, "model.safetensors.index.json") as f:
                 json.dump({"metadata": {"total_size": total},
                            "weight_map": dict(sorted(weight_map.items()))}, f, indent=2)
-    summary = {"out": out, "step": reader.step, "model_type": model_type, "dtype": dtype,
+    summary = {"out": out, "step": reader.step, "model_type": family.model_type, "dtype": dtype,
                "files": names, "tensors": len(tensors), "bytes": total, "tokenizer": written}
     if not written:
         summary["tokenizer_note"] = why
@@ -542,8 +293,8 @@ def export_peft(config, workdir: str, out: str, dtype: str = "float32",
         raise PretrainedError(f"--dtype {dtype}: choose one of {sorted(DTYPES)}.")
     out = require_new_folder(out, workdir)
     origin = read_origin(workdir) or {}
-    model_type = model_type_for(config.model, origin.get("backbone"))
-    why = peft.vllm_refusal(model_type, lora) if vllm_check else None
+    family = family_for(config.model, origin.get("backbone"))
+    why = peft.vllm_refusal(family, lora) if vllm_check else None
     if why:
         raise PretrainedError(f"--format peft: {why}; or pass --skip-vllm-checks for an "
                               "adapter only peft loads.")
@@ -552,7 +303,7 @@ def export_peft(config, workdir: str, out: str, dtype: str = "float32",
         raise FileNotFoundError(f"{workdir}: no committed checkpoint; train first.")
     reader = Reader(path)
     prefix = _model_prefix(reader.variables)
-    tensors, patterns = peft.adapter_tensors(config.model, model_type, lora)
+    tensors, patterns = peft.adapter_tensors(config.model, family, lora)
     for t in tensors:
         for s in t.sources:
             if prefix + s not in reader.variables:
@@ -578,12 +329,12 @@ def export_peft(config, workdir: str, out: str, dtype: str = "float32",
             raise RuntimeError(f"{t.key}: made {array.shape}, expected {t.shape}")
         return array.astype(np_dtype)
 
-    config_json = peft.adapter_config(model_type, lora, patterns, origin.get("preset"))
+    config_json = peft.adapter_config(family, lora, patterns, origin.get("preset"))
     with files.written_atomically(out) as tmp:
         with files.open_for_writing(tmp, peft.ADAPTER_CONFIG) as f:
             json.dump(config_json, f, indent=2, sort_keys=True)
         _write_safetensors(tmp, peft.ADAPTER_WEIGHTS, tensors, DTYPES[dtype],
                            np_dtype.itemsize, produce)
-    return {"out": out, "step": reader.step, "model_type": model_type, "r": lora.rank,
+    return {"out": out, "step": reader.step, "model_type": family.model_type, "r": lora.rank,
             "tensors": len(tensors), "bytes": sum(_nbytes(t, np_dtype.itemsize)
                                                   for t in tensors)}

@@ -31,8 +31,8 @@ from typing import Dict, List, Optional, Tuple
 
 import numpy as np
 
-from tfllm.models.lora import LAYER_PREFIX, TARGETS, matches, scale, targeted
-from tfllm.families import PretrainedError, Tensor
+from tfllm.families import Family, LoraNames, PretrainedError, Tensor, lora_names
+from tfllm.models.lora import matches, scale, targeted
 
 ADAPTER_CONFIG, ADAPTER_WEIGHTS = "adapter_config.json", "adapter_model.safetensors"
 #: the ranks vLLM's --max-lora-rank accepts (vllm/config/lora.py)
@@ -40,15 +40,10 @@ VLLM_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
 _PEFT_PREFIX = "base_model.model."
 
 
-def _family_of(model_type: str) -> str:
-    return "gpt" if model_type == "gpt2" else ("gemma3" if model_type == "gemma3_text"
-                                               else "llama")
-
-
-def _target_names(family: str, modules: List[str]) -> List[str]:
+def _target_names(names: LoraNames, modules: List[str]) -> List[str]:
     """peft target_modules for these modules: the last part of a name where it names no
     other module of the family (q_proj), else the dotted name (attn.c_proj)."""
-    table = TARGETS[family]
+    table = names.modules
     out = []
     for m in modules:
         leaf = m.rsplit(".", 1)[-1]
@@ -66,20 +61,19 @@ def _flat_b(b):
     return b.reshape(b.shape[0], -1).T
 
 
-def adapter_tensors(m, model_type: str, lora) -> Tuple[List[Tensor], dict]:
+def adapter_tensors(m, family: Family, lora) -> Tuple[List[Tensor], dict]:
     """The adapter's tensors (from checkpoint variables) and its peft rank/alpha patterns.
 
     Args:
       m: the run's model config.
-      model_type: its Hugging Face model_type.
+      family: the family it is written as (`tfllm.pretrained.hf_export.family_for`).
       lora: the run's lora config (rank > 0).
     """
-    family = _family_of(model_type)
     r = lora.rank
-    modules = targeted(family, list(lora.targets))
+    modules = targeted(family.model_family, list(lora.targets))
     tensors, patterns = [], {"rank_pattern": {}, "alpha_pattern": {}}
     for i in range(m.num_layers):
-        prefix = _PEFT_PREFIX + LAYER_PREFIX[family].format(i=i)
+        prefix = _PEFT_PREFIX + family.lora.layer_prefix.format(i=i)
         for module, paths in modules.items():
             sources = [f"block_{i}/{p}" for p in paths]
             a_src = tuple(s + "/lora_a" for s in sources)
@@ -131,27 +125,26 @@ def _out_size(m, family, path) -> int:
             "mlp/gate": f, "mlp/up": f}.get(path, e)
 
 
-def vllm_refusal(model_type: str, lora) -> Optional[str]:
-    """Why vLLM would refuse or silently ignore this adapter, or None."""
-    if model_type == "gpt2":
-        return ("vLLM's GPT-2 takes no LoRA adapters: export merged weights (--format hf "
-                "--merge-lora)")
+def vllm_refusal(family: Family, lora) -> Optional[str]:
+    """Why vLLM would refuse or silently ignore this adapter of `family`, or None."""
+    if family.lora.vllm_refusal:
+        return family.lora.vllm_refusal
     if lora.rank not in VLLM_RANKS:
         return (f"lora.rank={lora.rank} is not a rank vLLM serves (--max-lora-rank takes "
                 f"{', '.join(map(str, VLLM_RANKS))}): train with one of them")
     return None
 
 
-def adapter_config(model_type: str, lora, patterns: dict, base: Optional[str]) -> dict:
+def adapter_config(family: Family, lora, patterns: dict, base: Optional[str]) -> dict:
     """adapter_config.json of the run's adapters (see the module docstring)."""
-    family = _family_of(model_type)
+    modules = targeted(family.model_family, list(lora.targets))
     return {
         "peft_type": "LORA", "task_type": "CAUSAL_LM", "r": lora.rank,
         "lora_alpha": lora.alpha, "use_rslora": bool(lora.rslora),
         "lora_dropout": float(lora.dropout),
-        "target_modules": _target_names(family, list(targeted(family, list(lora.targets)))),
+        "target_modules": _target_names(family.lora, list(modules)),
         "bias": "none", "use_dora": False, "modules_to_save": None,
-        "fan_in_fan_out": family == "gpt", "init_lora_weights": True,
+        "fan_in_fan_out": family.lora.fan_in_fan_out, "init_lora_weights": True,
         "inference_mode": True, "base_model_name_or_path": base,
         "layers_to_transform": None, "layers_pattern": None, "revision": None, **patterns,
     }
@@ -311,7 +304,8 @@ def read_adapter(path: str, family: str) -> Tuple[dict, Dict[str, np.ndarray]]:
     r = c["r"]
     alpha = float(c["lora_alpha"]) if c.get("lora_alpha") is not None else 8.0  # peft's
     rslora = bool(c.get("use_rslora"))
-    table = TARGETS[family]
+    names = lora_names(family)
+    table = names.modules
     modules = {}
     for t in c["target_modules"]:
         hit = [m for m in table if matches(m, t)]
@@ -324,7 +318,7 @@ def read_adapter(path: str, family: str) -> Tuple[dict, Dict[str, np.ndarray]]:
     stored = _load_weights(path)
     weights_path = os.path.join(path, ADAPTER_WEIGHTS)
     arrays, used = {}, set()
-    layer = LAYER_PREFIX[family]
+    layer = names.layer_prefix
     i = 0
     while any(k.startswith(_PEFT_PREFIX + layer.format(i=i)) for k in stored):
         for module, paths in modules.items():

@@ -30,7 +30,7 @@ from typing import Optional, Tuple
 import tensorflow as tf
 
 from tfllm.compiler.targets import TARGETS
-from tfllm.models.llama.llama import is_local_layer
+from tfllm.families import is_local_layer
 
 log = logging.getLogger("tfllm.train")
 

@@ -2,17 +2,11 @@
 
 from __future__ import annotations
 
+from tfllm.families import is_local_layer
 from tfllm.models.causal_lm import CausalLM
 from tfllm.models.common.attention import Attention, AttentionSettings, RopeScaling
 from tfllm.models.common.layers import RMSNorm
 from tfllm.models.common.mlp import GatedMLP
-
-
-def is_local_layer(config, index: int) -> bool:
-    """Whether layer `index` of a model section attends within model.sliding_window: all
-    layers with a window, except every model.sliding_window_pattern-th (N-1, 2N-1, ...)."""
-    pattern = config.sliding_window_pattern
-    return bool(config.sliding_window) and not (pattern and (index + 1) % pattern == 0)
 
 
 class Llama(CausalLM):
