@@ -161,6 +161,20 @@ COMMANDS = {
         ("not run", "downloads",
          "lm1b; tests/data/test_tfds.py reads a TFDS source through tfds.testing.mock_data, "
          "whose generator a run's checkpoint cannot save"),
+    "tfllm train --workdir runs/pq --set data.source=hf --set 'data.paths=[\"data/*.parquet\"]'":
+        ("test", "tests/cli/test_hf_input.py::"
+                 "test_the_hf_recipes_train_from_parquet_and_from_a_saved_folder",
+         "a parquet file datasets writes in the test, a tiny model"),
+    "tfllm train --workdir runs/saved --set data.source=hf --set data.hf_dataset=./my_set "
+    "--set data.hf_split=train --set data.hf_eval_split=test":
+        ("test", "tests/cli/test_hf_input.py::"
+                 "test_the_hf_recipes_train_from_parquet_and_from_a_saved_folder",
+         "a DatasetDict saved in the test, a tiny model"),
+    "tfllm train --workdir runs/wiki --set data.source=hf --set data.hf_dataset=user/name "
+    "--set data.hf_config=en --set data.hf_streaming=true --set data.text_key=text":
+        ("not run", "downloads",
+         "a hub dataset; tests/data/test_hf.py streams local files, and an uncached hub "
+         "name offline is one line"),
     'tfllm generate --workdir runs/default --prompt "def parse(" --max-new-tokens 64 '
     '--temperature 0.8 --top-k 40 --top-p 0.95 --seed 1':
         ("test", "tests/train/test_outputs.py::test_generate_cli_is_seeded", "a tiny run"),

@@ -61,3 +61,20 @@ def test_bad_hf_data_is_one_line_and_leaves_no_run(tmp_path, capsys, settings, s
     err = capsys.readouterr().err.strip().splitlines()
     assert code == 2 and len(err) == 1 and says.format(**names) in err[0], err
     assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.slow  # trains through the command line (in this process), twice: ~40 s
+def test_the_hf_recipes_train_from_parquet_and_from_a_saved_folder(tmp_path, capsys):
+    """docs/training.md's first two data.source=hf commands, on a tiny model: parquet
+    files of data.paths, and a save_to_disk folder with its train and test splits (the
+    test split evaluated)."""
+    rows = {"text": [f"def f{i}(x):\n    return {i} * x\n" for i in range(64)]}
+    datasets.Dataset.from_dict(rows).to_parquet(str(tmp_path / "d.parquet"))
+    split = datasets.Dataset.from_dict(rows).train_test_split(test_size=8, seed=0)
+    split.save_to_disk(str(tmp_path / "my_set"))
+    assert _train(tmp_path / "pq", "--set", f"data.paths=[{tmp_path / 'd.parquet'}]") == 0
+    assert (tmp_path / "pq" / "run" / "metrics.jsonl").exists()
+    assert _train(tmp_path / "saved", "--set", f"data.hf_dataset={tmp_path / 'my_set'}",
+                  "--set", "data.hf_split=train", "--set", "data.hf_eval_split=test") == 0
+    with open(tmp_path / "saved" / "run" / "metrics.jsonl") as f:
+        assert any("eval_loss" in line for line in f)

@@ -190,6 +190,20 @@ def test_prompt_completion_columns_give_the_jsonl_path_s_tokens(tmp_path):
     _equal(want, _take(chat_batches(config, "train"), 6))
 
 
+def test_preference_columns_give_the_jsonl_path_s_pairs(tmp_path):
+    """TRL's conversational preference layout (prompt, chosen, rejected) as parquet: the
+    JSONL path's rows, pair indices included."""
+    from tests.data.test_preference import EXAMPLE as PAIRS, pair_batches, pair_config
+    config = pair_config()
+    config.data.validation_fraction = 0.0
+    want = _take(pair_batches(config, "train"), 4)
+    rows = _jsonl_rows(PAIRS)
+    columns = {k: [r[k] for r in rows] for k in ("prompt", "chosen", "rejected")}
+    config.data = dataclasses.replace(config.data, source="hf",
+                                      **_save(columns, tmp_path, "parquet"))
+    _equal(want, _take(pair_batches(config, "train"), 4))
+
+
 # ---- bad input: one line naming the setting or file and the fix ------------------------------
 def _bad(tmp_path, **data):
     config = text_config(tmp_path, validation_fraction=0.0)

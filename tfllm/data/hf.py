@@ -347,8 +347,14 @@ def texts(split: Split, column: str, num_shards: int, index) -> tf.data.Dataset:
         found.set_shape([None])
         more.set_shape([])
         return found, more
-    return (tf.data.Dataset.range(blocks.num_blocks).map(read)
-            .take_while(lambda found, more: more).map(lambda found, more: found).unbatch())
+
+    def exists(found, more):
+        return more
+
+    def texts_of(found, more):
+        return found
+    return (tf.data.Dataset.range(blocks.num_blocks).map(read).take_while(exists)
+            .map(texts_of).unbatch())
 
 
 def _without_nulls(value):
