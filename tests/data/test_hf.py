@@ -234,6 +234,8 @@ def test_bad_input_is_one_line(tmp_path):
         _save({"text": ["x"]}, tmp_path, "csv", "other")["paths"][0]])
     assert "no such folder" in _bad(tmp_path, hf_dataset=str(tmp_path / "missing"))
     assert "reads data.paths" in _bad(tmp_path)
+    assert "data.hf_eval_split=test names a dataset or its split, but data.paths" in _bad(
+        tmp_path, hf_eval_split="test", **text)
     # a saved folder holding a link out of it
     os.symlink(tmp_path / "notes.txt", os.path.join(saved["hf_dataset"], "extra.json"))
     assert "outside" in _bad(tmp_path, **saved)

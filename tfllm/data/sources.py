@@ -341,6 +341,13 @@ def hf_split(data, split: str) -> Tuple[hf.Split, Optional[bool]]:
         raise DataError("data.source=hf reads data.paths (parquet, JSON, CSV or arrow "
                         "files) or data.hf_dataset (a save_to_disk folder or a hub name): "
                         "set one, e.g. --set 'data.paths=[\"data/*.parquet\"]'.")
+    if data.paths and (data.hf_dataset or data.hf_eval_split or data.hf_split != "train"):
+        named = next(f"data.{k}={getattr(data, k)}" for k in ("hf_dataset", "hf_eval_split",
+                                                              "hf_split")
+                     if getattr(data, k) and (k != "hf_split" or data.hf_split != "train"))
+        raise DataError(f"{named} names a dataset or its split, but data.paths names data "
+                        "files: set one of them (with data.paths, data.eval_paths names the "
+                        "validation files).")
     separate = bool(data.eval_paths if data.paths else data.hf_eval_split)
     holdout = None if separate or not data.validation_fraction else split == "validation"
     common = dict(streaming=data.hf_streaming, config_name=data.hf_config)
