@@ -1,9 +1,9 @@
 """Token sources and the device feed (floor 3: imports parallel and the floors below).
 
-Owns the data: embedded corpus, text/TFRecord/TFDS pipelines, tokenizers, synthetic
-tokens; and, in `feed`, everything about how token rows reach the devices (which rows a
-client reads, sharded device batches for training, evaluation and generation, the
-first-batch peek, the iterator's position as bytes).
+Owns the data: embedded corpus, text/TFRecord/TFDS/Hugging Face pipelines, tokenizers,
+synthetic tokens; and, in `feed`, everything about how token rows reach the devices
+(which rows a client reads, sharded device batches for training, evaluation and
+generation, the first-batch peek, the iterator's position as bytes).
 
 Entry points take the config's sections, not the whole config:
 `feed.DeviceFeed(config.data, config.train, vocab_size, parallel, tokenizer)` for a run's
