@@ -127,6 +127,9 @@ TRACKERS_FILE = "trackers.json"
 WANDB_DIR = "wandb"
 #: `tfllm eval --tasks`: lm-eval's results JSON and samples (`tfllm.evals.benchmark`)
 EVAL_DIR = "eval"
+#: DPO's precomputed reference log-probabilities (dpo.precompute_reference,
+#: `tfllm.train.reference`), written before the first step and read back on resume
+REFERENCE_FILE = "reference_logps.json"
 #: `tfllm launch`'s client logs and the watchdog's heartbeats
 LOGS_DIR = "logs"
 #: the persistent XLA compile cache of `train.xla_cache=auto`, one folder per client
@@ -140,7 +143,8 @@ WRITER_RECORD = ".tfllm-writer"
 #: the files and folders a run writes: cleared when a dead run without checkpoints is
 #: reused (`tfllm.checkpoint.workdir`), the only top-level names tfllm deletes in a run
 RUN_OUTPUTS = (METRICS_FILE, TENSORBOARD_DIR, PLOT_FILE, CONFIG_FILE, COSTS_FILE,
-               TOKENIZER_DIR, PRETRAINED_FILE, CHAT_TEMPLATE_FILE, TRACKERS_FILE)
+               TOKENIZER_DIR, PRETRAINED_FILE, CHAT_TEMPLATE_FILE, TRACKERS_FILE,
+               REFERENCE_FILE)
 
 
 #: the variables `tfllm launch` gives a worker for the readiness handshake

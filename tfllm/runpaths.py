@@ -15,7 +15,8 @@ import os
 
 from tfllm.contracts import (CHAT_TEMPLATE_FILE, CHECKPOINTS_DIR, CONFIG_FILE, COSTS_FILE,
                              EVAL_DIR, LOCKS_DIR, LOGS_DIR,
-                             MARKER, METRICS_FILE, PLOT_FILE, PRETRAINED_FILE,
+                             MARKER, REFERENCE_FILE, METRICS_FILE, PLOT_FILE,
+                             PRETRAINED_FILE,
                              TENSORBOARD_DIR, TOKENIZER_DIR, TOKENIZER_MODEL_FILE,
                              TRACKERS_FILE, WANDB_DIR, XLA_CACHE_DIR)
 
@@ -97,6 +98,12 @@ class RunPaths:
     def eval_dir(self) -> str:
         """WORKDIR/eval: `tfllm eval --tasks`' results (lm-eval's results JSON, samples)."""
         return self.entry(EVAL_DIR)
+
+    @property
+    def reference_file(self) -> str:
+        """WORKDIR/reference_logps.json: DPO's precomputed reference log-probabilities
+        (dpo.precompute_reference)."""
+        return self.entry(REFERENCE_FILE)
 
     @property
     def pretrained_file(self) -> str:

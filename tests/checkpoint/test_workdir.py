@@ -252,7 +252,7 @@ def test_the_workdir_names_every_file_a_run_keeps(tmp_path):
     paths = (run.checkpoints, run.config_file, run.metrics_file, run.tensorboard_dir,
              run.plot_file, run.costs_file, run.tokenizer_dir, run.pretrained_file,
              run.chat_template_file, run.trackers_file,
-             run.marker_file, run.logs_dir)
+             run.reference_file, run.marker_file, run.logs_dir)
     assert all(os.path.dirname(p) == str(tmp_path) for p in paths)
     names = {os.path.basename(p) for p in paths}
     assert set(RUN_OUTPUTS) | {MARKER, "checkpoints", "logs"} == names

@@ -159,7 +159,7 @@ def test_the_position_restores_exactly_and_validation_reads_once(tmp_path):
 
 @pytest.mark.parametrize("setting,says", [
     (dict(objective="sft"), "set both train.objective=dpo and data.format=preference"),
-    (dict(rank=0, policy="fp8"), "would keep its first FP8 scales"),
+    (dict(rank=0, policy="fp8"), "would use its first FP8 scales"),
     (dict(loss="hinge", label_smoothing=0.1), "applies to dpo.loss=sigmoid only"),
     (dict(loss="orpo", label_smoothing=0.0, rpo_alpha=0.5), "ORPO has its own NLL term"),
 ])

@@ -57,6 +57,43 @@ def _records(layout):
     return records
 
 
+def _gemma_tokenizer(folder):
+    """Replaces the tiny Gemma 3's tokenizer files in `folder` by a SentencePiece model
+    made as Gemma's own is: the identity normalizer (no NFKC, no dummy prefix, spaces
+    kept), "\n" and the turn markers as pieces, every character of the example pairs
+    covered (Gemma's byte fallback leaves no <unk> either).
+
+    The shared tiny proto (`ref.sentencepiece_proto("gemma")`) keeps SentencePiece's
+    default nmt_nfkc normalizer, which maps "\n" to a space, and has no byte fallback:
+    SentencePiece itself (the `sentencepiece` package, and keras-hub through it, which
+    tfllm loads) encodes "capital\nof" as 'l', '▁', 'o' (ids 178, 164, 172), while
+    transformers' GemmaConverter ignores the proto's normalizer (it hard-codes Gemma's:
+    spaces to "▁" only) and fuses unknown characters, so its ids were 178, 3 ('<unk>'),
+    172, and "user\nWhat" 171, 3 against 171, 164, 3: the "▁" kept apart. With Gemma's
+    own settings both give the same ids for every pair here, as plain text, through
+    ChatML and through Gemma's <start_of_turn> template (measured: the 64 sequences of
+    the example pairs, each in the three forms, 192 of 192)."""
+    import io
+
+    import keras_hub
+    import sentencepiece as spm
+    from keras_hub.src.utils.transformers.export.hf_exporter import export_tokenizer
+    texts = [m["content"] for line in open(EXAMPLE) for key, messages in
+             json.loads(line).items() if key in ("prompt", "chosen", "rejected")
+             for m in messages]
+    out = io.BytesIO()
+    spm.SentencePieceTrainer.train(
+        sentence_iterator=iter(texts), model_writer=out, vocab_size=288, model_type="bpe",
+        num_threads=1, minloglevel=2, pad_id=0, eos_id=1, bos_id=2, unk_id=3,
+        pad_piece="<pad>", eos_piece="<eos>", bos_piece="<bos>", unk_piece="<unk>",
+        normalization_rule_name="identity", add_dummy_prefix=False,
+        remove_extra_whitespaces=False, split_digits=True, allow_whitespace_only_pieces=True,
+        character_coverage=1.0, user_defined_symbols=["<start_of_turn>", "<end_of_turn>",
+                                                      "\n"])
+    export_tokenizer(keras_hub.models.Gemma3Tokenizer(proto=out.getvalue(),
+                                                      has_vision_tokens=False), str(folder))
+
+
 def _family(folder, name):
     """(folder, tokenizer, PeftModel) of transformers' tiny `name` with a random adapter,
     imported into folder/run (as `setup`, for another family)."""
@@ -64,6 +101,8 @@ def _family(folder, name):
     from transformers import AutoTokenizer
     torch, _ = ref.load_torch_transformers()
     ref.save(name, folder / "hf")
+    if name == "gemma3":
+        _gemma_tokenizer(folder / "hf")
     tokenizer = AutoTokenizer.from_pretrained(str(folder / "hf"))
     tokenizer.chat_template = open(CHATML).read()
     config = peft.LoraConfig(r=4, lora_alpha=8, target_modules=TARGETS,
@@ -84,13 +123,13 @@ def _family(folder, name):
     return folder, tokenizer, model.eval()
 
 
-# Gemma 3 is not here: its SentencePiece tokenizer, as tfllm loads it through keras-hub,
-# splits ChatML-rendered text differently from transformers' (a "▁" piece kept apart),
-# which is a tokenizer difference of SFT's chat path too, not of DPO.
-@pytest.mark.parametrize("name", ["qwen3"])
+# Gemma 3 with a tokenizer made as Gemma's (`_gemma_tokenizer`, which says why the
+# shared tiny one cannot be compared with transformers')
+@pytest.mark.parametrize("name", ["qwen3", "gemma3"])
 def test_other_families_tokenize_and_score_as_trl(name, tmp_path):
-    """Qwen3 (query/key norms, its own head_dim, a GPT-2 style BPE): TRL's token ids and
-    its sigmoid DPO loss, rewards and log-probs."""
+    """Qwen3 (query/key norms, its own head_dim, a GPT-2 style BPE) and Gemma 3 (local and
+    global layers, a SentencePiece BPE): TRL's token ids and its sigmoid DPO loss,
+    rewards and log-probs."""
     family = _family(tmp_path, name)
     records = _records("conversations")
     trainer = _trl(family, records, ["sigmoid"])
@@ -337,3 +376,54 @@ def test_orpo_equals_trls_orpo_trainer_on_the_same_tokens(setup, tmp_path):
                                    err_msg=key)
     assert metrics["rewards/accuracies"] == theirs["rewards/accuracies"]
     np.testing.assert_allclose(loss, float(theirs_loss), rtol=1e-5, atol=LOSS_ATOL)
+
+
+def test_precomputed_references_equal_trls_precompute_ref_log_probs(setup, tmp_path):
+    """dpo.precompute_reference against TRL's precompute_ref_log_probs=True in full
+    fine-tuning (no ref_model): both score every pair with the weights they start from
+    (the base) before training, then the policy (the merged weights) is evaluated
+    against those stored values: the same loss and metrics."""
+    import datasets
+    import trl
+    from tfllm.checkpoint.workdir import Workdir
+    from tfllm.config import load_config
+    from tfllm.train import reference
+    from tfllm.train.run import Run
+    torch, _ = ref.load_torch_transformers()
+    folder, tokenizer, _ = setup
+    records = _records("conversations")
+    dataset = datasets.Dataset.from_list(records)
+    args = trl.DPOConfig(output_dir=str(folder / "trl-pre"), report_to=[], use_cpu=True,
+                         bf16=False, max_length=SEQUENCE_LENGTH + 1, beta=BETA,
+                         per_device_eval_batch_size=len(records),
+                         precompute_ref_log_probs=True)
+    trainer = trl.DPOTrainer(model=ref.load(folder / "hf"), args=args,
+                             train_dataset=dataset, eval_dataset=dataset,
+                             processing_class=tokenizer)
+    assert trainer.ref_model is None  # scored at __init__, then the policy's weights
+    trainer.model.load_state_dict(ref.load(folder / "merged").state_dict())
+    theirs = trainer.evaluate()
+    path = tmp_path / "pairs.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    config = load_config(str(folder / "base_run" / "config.yaml"), [
+        "data.format=preference", "train.objective=dpo", "data.source=text",
+        f"data.paths=[{path}]", f"data.eval_paths=[{path}]", f"data.chat_template={CHATML}",
+        f"data.sequence_length={SEQUENCE_LENGTH}", "model.max_sequence_length=96",
+        f"dpo.beta={BETA}", "dpo.precompute_reference=true", "lora.rank=0",
+        "train.global_batch_size=2", "train.eval_steps=3", "mesh.axes=data=1"])
+    run = Run(config, workdir=str(folder / "base_run"))
+    Workdir(str(folder / "base_run")).restore_weights(run.model, run.parallel)
+    run.feed.references = reference.compute(run, str(tmp_path)).tables
+    Workdir(str(folder / "policy_run")).restore_weights(run.model, run.parallel)
+    ours = run.evaluate()
+    assert ours["eval_pairs"] == len(trainer.eval_dataset) == 6  # two prompts too long
+    for key in ("logps/chosen", "logps/rejected"):
+        np.testing.assert_allclose(ours[f"eval_{key}"], theirs[f"eval_{key}"],
+                                   rtol=LOGP_RTOL, atol=LOGP_ATOL, err_msg=key)
+    for key in ("rewards/chosen", "rewards/rejected", "rewards/margins"):
+        np.testing.assert_allclose(ours[f"eval_{key}"], theirs[f"eval_{key}"],
+                                   rtol=LOGP_RTOL, atol=BETA * LOGP_ATOL, err_msg=key)
+    assert ours["eval_rewards/accuracies"] == theirs["eval_rewards/accuracies"]
+    assert abs(ours["eval_rewards/margins"]) > 1e-3  # the policy is not the reference
+    np.testing.assert_allclose(ours["eval_loss"], theirs["eval_loss"], rtol=1e-5,
+                               atol=LOSS_ATOL)

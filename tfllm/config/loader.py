@@ -369,11 +369,16 @@ def check_objective(cfg: schema.Config) -> None:
             f"train.objective={t.objective} with data.format={d.format}: preference pairs "
             "train with DPO and DPO trains on pairs; set both train.objective=dpo and "
             "data.format=preference, or neither.")
+    if cfg.dpo.precompute_reference and cfg.dpo.loss == "orpo":
+        raise ConfigError("dpo.precompute_reference=true with dpo.loss=orpo: ORPO has no "
+                          "reference model to precompute; set dpo.precompute_reference "
+                          "to false.")
     if (t.objective == "dpo" and cfg.lora.rank == 0 and cfg.dpo.loss != "orpo"
             and cfg.precision.policy == "fp8"):
         raise ConfigError(
-            "train.objective=dpo with lora.rank=0 and precision.policy=fp8: the frozen "
-            "reference copy would keep its first FP8 scales for the whole run; use "
+            "train.objective=dpo with lora.rank=0 and precision.policy=fp8: the reference "
+            "(a frozen copy, or the precomputed pass) would use its first FP8 scales for "
+            "the whole run; use "
             "precision.policy=bfloat16, or LoRA (lora.rank > 0: the reference is the "
             "model with its adapters off).")
     if cfg.dpo.rpo_alpha and cfg.dpo.loss == "orpo":

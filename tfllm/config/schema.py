@@ -411,6 +411,13 @@ class DpoConfig:
                           "next-token NLL (over their tokens in the micro-batch) to the loss "
                           "(RPO; TRL's loss_type [..., \"sft\"] with that weight); 0: none.",
                           min=0.0, max=1e6)
+    precompute_reference: bool = _f(
+        False, "Compute the reference's log-probabilities (each pair's chosen and rejected "
+        "sums) once, in one forward pass over the training and held-out pairs before the "
+        "first step, and store them with the run (WORKDIR/reference_logps.json; a resume "
+        "reads them back and refuses data that changed); the step then runs no reference "
+        "forward pass, and full fine-tuning (lora.rank=0) keeps no frozen copy of the "
+        "weights (TRL's precompute_ref_log_probs). Not with dpo.loss=orpo (no reference).")
 
 
 @dataclass

@@ -70,26 +70,30 @@ def _put(parallel, array: np.ndarray, spec):
 
 
 def to_device(parallel, tokens: np.ndarray, segment_ids: Optional[np.ndarray] = None,
-              loss_mask: Optional[np.ndarray] = None):
+              loss_mask: Optional[np.ndarray] = None, reference: Optional[np.ndarray] = None):
     """A global (A, M, T+1) token array as a step's input: a tuple of A micro-batches
     (M, T+1), each sharded over the batch axis on a mesh. With `segment_ids` (same shape)
     each micro-batch is a (tokens, segment_ids) pair; with `loss_mask` as well (chat
     data: 1 where the token is a trained target) a (tokens, segment_ids, loss_mask)
-    triple, every part laid out as the tokens.
+    triple, every part laid out as the tokens; with `reference` (A, M) float32 as well
+    (DPO's stored reference log-probability of each row, dpo.precompute_reference) a
+    quadruple whose fourth part (M,) lies as the rows.
 
     Separate tensors, not one (A, M, T+1) DTensor: DTensor loses the layout of the
     micro-batch dimension when slicing out one micro-batch with a shrinking index.
     """
-    spec = batch_spec(parallel, tokens.shape[1:])  # one layout for every micro-batch
-    parts = [p for p in (tokens, segment_ids, loss_mask) if p is not None]
+    parts = [p for p in (tokens, segment_ids, loss_mask, reference) if p is not None]
+    specs = [batch_spec(parallel, p.shape[1:]) for p in parts]  # one per micro-batch
     if len(parts) == 1:
-        return tuple(_put(parallel, t, spec) for t in tokens)
-    return tuple(tuple(_put(parallel, p, spec) for p in micro) for micro in zip(*parts))
+        return tuple(_put(parallel, t, specs[0]) for t in tokens)
+    return tuple(tuple(_put(parallel, p, spec) for p, spec in zip(micro, specs))
+                 for micro in zip(*parts))
 
 
 def from_local(parallel, local_tokens: np.ndarray, rows: Sequence[int], micro_batch_rows: int,
                local_segments: Optional[np.ndarray] = None,
-               local_loss_mask: Optional[np.ndarray] = None):
+               local_loss_mask: Optional[np.ndarray] = None,
+               local_reference: Optional[np.ndarray] = None):
     """Like `to_device`, from only this client's rows of each micro-batch.
 
     Args:
@@ -99,19 +103,25 @@ def from_local(parallel, local_tokens: np.ndarray, rows: Sequence[int], micro_ba
       micro_batch_rows: M, the global micro-batch size.
       local_segments: segment ids of the same shape, or None.
       local_loss_mask: the loss mask of the same shape (chat data), or None.
+      local_reference: (A, len(rows)) float32, DPO's stored reference log-probability of
+        each row (dpo.precompute_reference), or None.
     """
     if parallel is None:
-        return to_device(None, local_tokens, local_segments, local_loss_mask)
-    shape = (micro_batch_rows,) + tuple(local_tokens.shape[2:])
-    spec = batch_spec(parallel, shape)
+        return to_device(None, local_tokens, local_segments, local_loss_mask,
+                         local_reference)
     position = {r: i for i, r in enumerate(rows)}
 
     def put(block_source):
+        shape = (micro_batch_rows,) + tuple(block_source.shape[1:])  # (M, ...)
+        spec = batch_spec(parallel, shape)
+
         def block(start, size):
             picked = [position[r] for r in range(start[0], start[0] + size[0])]
-            return tf.constant(block_source[picked][:, start[1]:start[1] + size[1]])
+            rest = tuple(slice(b, b + n) for b, n in zip(start[1:], size[1:]))
+            return tf.constant(block_source[picked][(slice(None),) + rest])
         return parallel.make_sharded(spec, shape, block)
-    parts = [p for p in (local_tokens, local_segments, local_loss_mask) if p is not None]
+    parts = [p for p in (local_tokens, local_segments, local_loss_mask, local_reference)
+             if p is not None]
     if len(parts) == 1:
         return tuple(put(t) for t in local_tokens)
     return tuple(tuple(put(p) for p in micro) for micro in zip(*parts))
@@ -192,6 +202,10 @@ class DeviceFeed:
         self._train = None
         self._peeked = None
         self._validation = None  # the validation Batches, once an evaluation built it
+        #: DPO's stored reference log-probabilities by split ("train", "validation"): (n,
+        #: 2) float32, pair i's chosen and rejected (dpo.precompute_reference); a split
+        #: here gives its micro-batches a fourth part, each row's value
+        self.references: Dict[str, np.ndarray] = {}
         if with_data:
             if d.source == "synthetic":
                 self._synthetic = SyntheticTokens(vocab_size, self.row_length, d.seed)
@@ -206,16 +220,36 @@ class DeviceFeed:
         return sorted(a for a in p.batch_mesh_axes if p.shape.get(a, 1) > 1
                       and a not in (self.batch_axis, self.sequence_axis))
 
-    def _batches(self, split: str, micro_batches: int, max_batches=None):
+    def _batches(self, split: str, micro_batches: int, max_batches=None,
+                 in_order: bool = False):
         from tfllm.data.pipeline import Batches  # tf.data only for text sources
         return Batches(self.data, self.tokenizer, split=split, rows=self.rows,
                        micro_batches=micro_batches, micro_batch_rows=self.micro_batch_rows,
                        max_batches=max_batches, loss_on=self.train.loss_on,
-                       vocab_size=self.vocab_size)
+                       vocab_size=self.vocab_size, in_order=in_order)
 
-    def _to_device(self, batch: dict):
+    def pair_batches(self, split: str):
+        """Every preference pair of `split` once, in order, in this run's layout
+        (`tfllm.data.pipeline.Batches`, `in_order`): for DPO's reference pass. Its
+        `all_pairs` are the split's pairs, the n-th batch's micro-batch a rows 2p, 2p + 1
+        pair a * P + p + n * A * P (A micro-batches of P pairs; beyond the last: padding).
+        """
+        if split == "train":
+            return self._batches("train", self.train.grad_accum_steps, in_order=True)
+        return self._batches("validation", 1)
+
+    def device_batch(self, batch: dict, split: Optional[str] = "train"):
+        """A `Batches` batch of this client's rows as the step's micro-batches, each row's
+        stored reference log-probability added when `split` has them (`references`)."""
+        reference = None
+        if split in self.references:  # each row's stored reference log-probability
+            table = self.references[split]  # (n, 2)
+            index = batch["pair_index"]  # (A, R), -1: padding
+            half = np.asarray(self.rows) % 2  # 0: chosen, 1: rejected
+            reference = np.where(index >= 0, table[np.maximum(index, 0), half],
+                                 0.0).astype(np.float32)  # (A, R)
         return from_local(self.parallel, batch["tokens"], self.rows, self.micro_batch_rows,
-                          batch.get("segment_ids"), batch.get("loss_mask"))
+                          batch.get("segment_ids"), batch.get("loss_mask"), reference)
 
     def train_batch(self, step: int):
         """The device micro-batches of training step `step` (0-based).
@@ -228,8 +262,8 @@ class DeviceFeed:
                 step, t.global_batch_size, t.grad_accum_steps))
         if self._peeked is not None:
             batch, self._peeked = self._peeked, None
-            return self._to_device(batch)
-        return self._to_device(next(self._train))
+            return self.device_batch(batch)
+        return self.device_batch(next(self._train))
 
     def eval_batches(self):
         """Device batches of the validation data, from its start (one micro-batch each)."""
@@ -245,7 +279,7 @@ class DeviceFeed:
         else:
             self._validation.rewind()
         for batch in self._validation:
-            yield self._to_device(batch)
+            yield self.device_batch(batch, "validation")
 
     # ---- the iterator's position, for checkpoints ----------------------------------------
     def state_files(self) -> Dict[str, bytes]:

@@ -20,7 +20,9 @@ With data.format messages or prompt_completion, whole samples are packed per row
                sample's first token and on padding.
 With data.format preference (DPO) rows 2p and 2p + 1 of each micro-batch are one pair's
 chosen and rejected sequences, one per row, padded (`tfllm.data.preference`); the loss
-mask marks their completions.
+mask marks their completions, and a fourth array,
+  pair_index:  (A, len(R)) the place of each row's pair in its split (-1: padding), which
+               names its stored reference log-probabilities (dpo.precompute_reference).
 
 Training streams repeat forever and reshuffle each epoch (deterministically: the order
 depends only on the seed and the epoch). Validation streams are unshuffled and read
@@ -94,13 +96,19 @@ class Batches:
       loss_on: which targets chat data trains on (train.loss_on; data.format messages
         and prompt_completion only).
       vocab_size: model.vocab_size, which data.source=synthetic draws tokens below.
+      in_order: preference pairs of the training split read as validation's are: each
+        stream's pairs in order, once, then padding (DPO's reference pass over every
+        training pair, `tfllm.train.reference`).
     """
 
     def __init__(self, data, tokenizer=None, split: str = "train",
                  rows: Optional[Iterable[int]] = None, *, micro_batches: int,
                  micro_batch_rows: int, max_batches: Optional[int] = None,
-                 loss_on: str = "all", vocab_size: Optional[int] = None):
+                 loss_on: str = "all", vocab_size: Optional[int] = None,
+                 in_order: bool = False):
         self.data, self.tokenizer, self.split = data, tokenizer, split
+        #: read once, in order (validation, or a reference pass over training pairs)
+        self.once = split != "train" or in_order
         self.loss_on = loss_on
         self.micro_batches, self.micro_batch_rows = micro_batches, micro_batch_rows
         self.rows = list(range(self.micro_batch_rows)) if rows is None else list(rows)
@@ -205,6 +213,8 @@ class Batches:
                             "pair (rows 2p and 2p + 1 are one pair's chosen and rejected); "
                             "give a client whole pairs.")
         pairs = prepare_samples(self.data, self.tokenizer, self.split, self.loss_on)
+        #: every pair of the split, in order (what stored reference log-probs are for)
+        self.all_pairs = pairs
         streams = self.micro_batches * pairs_per_micro
         train = self.split == "train"
         if train and len(pairs) < streams:
@@ -215,20 +225,26 @@ class Batches:
         for a in range(self.micro_batches):
             for p in sorted({r // 2 for r in self.rows}):
                 stream = a * pairs_per_micro + p
-                out[a, p] = PairStream(pairs[stream::streams],
-                                       stream_seed(self.data.seed, stream) if train else None)
+                seed = stream_seed(self.data.seed, stream) if not self.once else None
+                out[a, p] = PairStream(pairs[stream::streams], seed)
         return out
 
     def _next_pairs(self) -> Dict[str, np.ndarray]:
-        if (self.split != "train" and self.max_batches is None
+        if (self.once and self.max_batches is None
                 and all(s.exhausted() for s in self._pairs.values())):
             raise StopIteration
-        drawn = {key: pair_rows(next(stream), self.length)
-                 for key, stream in self._pairs.items()}
-        rows = [drawn[a, r // 2][r % 2] for a in range(self.micro_batches) for r in self.rows]
+        drawn = {}
+        for key, stream in self._pairs.items():
+            pair = next(stream)
+            drawn[key] = (pair_rows(pair, self.length), -1 if pair is None else pair.index)
+        keys = [(a, r // 2) for a in range(self.micro_batches) for r in self.rows]
+        rows = [drawn[key][0][r % 2] for key, r in zip(keys, self.rows * self.micro_batches)]
         shape = (self.micro_batches, len(self.rows), self.length)
-        return {name: np.stack([r[i] for r in rows]).reshape(shape)  # (A, R, T+1)
-                for i, name in enumerate(("tokens", "segment_ids", "loss_mask"))}
+        batch = {name: np.stack([r[i] for r in rows]).reshape(shape)  # (A, R, T+1)
+                 for i, name in enumerate(("tokens", "segment_ids", "loss_mask"))}
+        batch["pair_index"] = np.asarray([drawn[key][1] for key in keys],
+                                         np.int32).reshape(shape[:2])  # (A, R)
+        return batch
 
     def _next_packed(self) -> Dict[str, np.ndarray]:
         if (self.split != "train" and self.max_batches is None

@@ -32,6 +32,7 @@ device, `tfllm.data.feed`) never separates them.
 
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass
 from typing import List, Optional, Sequence, Tuple, Union
 
@@ -63,13 +64,27 @@ class PreferenceRecord:
 @dataclass
 class PairSample:
     """A tokenized pair: each of chosen / rejected is (tokens (n,) int32, mask (n,) int8,
-    1 on the completion's tokens, which are the trained targets)."""
+    1 on the completion's tokens, which are the trained targets); `index` is its place in
+    its split's pairs (`tfllm.data.samples.prepare_samples`), which names its stored
+    reference log-probabilities (dpo.precompute_reference)."""
 
     chosen: np.ndarray
     chosen_mask: np.ndarray
     rejected: np.ndarray
     rejected_mask: np.ndarray
     where: str
+    index: int = -1
+
+
+def pairs_digest(pairs: Sequence[PairSample]) -> str:
+    """The sha256 of a split's tokenized pairs, in order (their ids and completion masks,
+    each with its length): what stored reference log-probabilities were computed for."""
+    digest = hashlib.sha256(b"tfllm preference pairs 1")
+    for pair in pairs:
+        for part in (pair.chosen, pair.chosen_mask, pair.rejected, pair.rejected_mask):
+            part = np.ascontiguousarray(part)
+            digest.update(np.int64(part.size).tobytes() + part.tobytes())
+    return digest.hexdigest()
 
 
 def implicit_prompt(chosen, rejected) -> int:

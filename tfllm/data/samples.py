@@ -69,6 +69,8 @@ def prepare_samples(data, tokenizer, split: str, loss_on: str) -> List[Sample]:
 
 def _pairs(records, encoder: PairEncoder, split: str, length: int) -> List[PairSample]:
     pairs = [p for p in map(encoder, records) if p is not None]
+    for index, pair in enumerate(pairs):  # its place in the split: its reference's key
+        pair.index = index
     if encoder.dropped:
         shown = ", ".join(encoder.dropped[:3]) + (", ..." if len(encoder.dropped) > 3 else "")
         log.warning(f"{split}: {len(encoder.dropped)} of {len(records)} preference pairs "

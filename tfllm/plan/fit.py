@@ -180,11 +180,12 @@ def static_bytes(config, devices) -> Tuple[int, int, int]:
     """(state, float32 gradients, gather buffers) per device: what the precision policy
     and the mesh decide, whatever the batch, remat or attention (built once per search).
     DPO without LoRA (and not ORPO) adds its frozen reference copy of the weights, laid
-    out as the model's, to the state."""
+    out as the model's, to the state, unless its reference log-probs are precomputed
+    (dpo.precompute_reference: no copy)."""
     shape = sharded.mesh_shape(config, devices)
     state, rows = sharded.state_bytes(config, shape)
     if (config.train.objective == "dpo" and config.lora.rank == 0
-            and config.dpo.loss != "orpo"):
+            and config.dpo.loss != "orpo" and not config.dpo.precompute_reference):
         state += sum(r.bytes_per_device for r in rows)
     grads = sum(r.bytes_per_device * 4 // _dtype_bytes(r.dtype)
                 for r in rows if r.optimizer_bytes_per_device)

@@ -28,7 +28,10 @@ reference pi_ref is, with LoRA, the same weights with the adapters off (`adapter
 no second copy of the model); in full fine-tuning a frozen copy of the initial weights
 laid out by the same rules (`reference`: no optimizer state, no gradients). Either way
 one more forward pass of the same rows, which the step runs outside its gradient tape
-(`reference_logps`), so nothing of it is kept for the backward pass.
+(`reference_logps`), so nothing of it is kept for the backward pass. With
+dpo.precompute_reference that pass runs once over the data before training
+(`tfllm.train.reference`), and each micro-batch carries its rows' stored values as a
+fourth part: no reference forward pass in the step, and no frozen copy.
 
 Metrics carry TRL's names: rewards/chosen, rewards/rejected (beta times the
 log-ratios), rewards/accuracies (chosen reward > rejected), rewards/margins,
@@ -51,10 +54,18 @@ METRICS = ("rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/
            "logps/chosen", "logps/rejected")
 
 
-def reference_summary(model, reference, loss: str = "sigmoid") -> str:
-    """The line a DPO run prints: which reference, and what it costs."""
+def reference_summary(model, reference, loss: str = "sigmoid", stored=None) -> str:
+    """The line a DPO run prints: which reference, and what it costs.
+
+    Args:
+      model: the policy; reference: the frozen copy (full fine-tuning), or None.
+      loss: dpo.loss.
+      stored: the precomputed reference (`tfllm.train.reference.StoredReference`), or None.
+    """
     if loss == "orpo":
         return "tfllm: ORPO: no reference model (no second forward pass)"
+    if stored is not None:
+        return "tfllm: DPO reference: " + stored.summary()
     if reference is None:
         return ("tfllm: DPO reference: the model with its LoRA adapters off (no copy; one "
                 "more forward pass per micro-batch, outside the gradient tape)")
@@ -145,20 +156,37 @@ class DpoLoss:
     `tfllm.train.step.TrainStep`.
 
     Args:
-      dpo: the config's `DpoConfig` (loss, beta, label_smoothing, rpo_alpha).
+      dpo: the config's `DpoConfig` (loss, beta, label_smoothing, rpo_alpha,
+        precompute_reference).
       reference: the frozen reference model (full fine-tuning), or None: the policy with
-        its LoRA adapters off.
+        its LoRA adapters off (or, with dpo.precompute_reference, the values each
+        micro-batch carries).
     """
 
     def __init__(self, dpo, reference=None):
         self.dpo, self.reference = dpo, reference
+        #: the reference log-probs come with the micro-batches (dpo.precompute_reference)
+        self.stored = bool(getattr(dpo, "precompute_reference", False))
 
     def reference_logps(self, model, micro, forward):
         """(2P,) the reference's summed completion log-probabilities of each row, without
-        gradients: the policy `model` with adapters off, or the frozen copy."""
-        trained = tf.cast(micro[2][:, 1:], tf.float32)  # (2P, T)
+        gradients: the stored ones the micro-batch carries (dpo.precompute_reference),
+        else computed (`live_reference_logps`)."""
         if self.dpo.loss == "orpo":
             return None  # reference-free
+        if self.stored:
+            if len(micro) < 4:  # never the live model in their place: it is no reference
+                raise ValueError("dpo.precompute_reference=true, but this micro-batch "
+                                 "carries no stored reference log-probabilities; run the "
+                                 "reference pass first (tfllm.train.reference).")
+            return tf.stop_gradient(tf.cast(micro[3], tf.float32))
+        return self.live_reference_logps(model, micro, forward)
+
+    def live_reference_logps(self, model, micro, forward):
+        """(2P,) the reference's summed completion log-probabilities of each row, computed
+        without gradients: the policy `model` with adapters off (with no adapters: the
+        model itself, as the precomputing pass uses it), or the frozen copy."""
+        trained = tf.cast(micro[2][:, 1:], tf.float32)  # (2P, T)
         if self.reference is not None:
             logits, targets, _ = forward(self.reference, micro)
         else:

@@ -37,6 +37,7 @@ from tfllm.contracts import client_id, num_clients
 from tfllm.parallel.placement import to_numpy
 from tfllm.runtime.watchdog import PeerLost, PeerWatchdog, lost_message, peer_from_error
 from tfllm.precision import describe
+from tfllm.train import reference
 from tfllm.train.dpo import reference_summary
 from tfllm.train.metrics import Throughput, flops_per_token, mesh_peak
 from tfllm.train.preemption import NonFiniteError, Preempted, SignalWatcher
@@ -144,6 +145,8 @@ class _Training:
         self.tokens_per_step = t.global_batch_size * config.data.sequence_length
         #: set by `_restore` and `_announce`
         self.start_step, self.progress_note = 0, ""
+        #: DPO's precomputed reference log-probs (dpo.precompute_reference), by `_restore`
+        self.stored_reference = None
         self.progress: Optional[Progress] = None
         self.outputs: Optional[_Outputs] = None
 
@@ -237,6 +240,14 @@ def _restore(training: _Training) -> None:
         else:
             meta = checkpointer.restore_latest(run.state_variables(),
                                                client_files=run.feed.restore_state)
+    config = training.config
+    if config.train.objective == "dpo" and config.dpo.precompute_reference:
+        # after the weights (the reference's) and before the first step; a resumed run
+        # reads its values back, checked against the pairs it reads now (refused: before
+        # anything of the run was rewritten)
+        with _peer_lost_as_one_line(0, checkpointer):
+            training.stored_reference = reference.prepare(run, training.workdir,
+                                                          meta is not None, training.primary)
     if meta is not None:
         training.start_step = int(meta["step"])
         if training.primary:
@@ -272,7 +283,8 @@ def _announce(training: _Training) -> None:
     if config.lora.rank:
         progress.message(lora_summary(run.model, config.lora))
     if config.train.objective == "dpo":
-        progress.message(reference_summary(run.model, run.reference, config.dpo.loss))
+        progress.message(reference_summary(run.model, run.reference, config.dpo.loss,
+                                           training.stored_reference))
     feed = run.feed
     idle = feed.idle_batch_axes()
     if idle:

@@ -97,4 +97,13 @@ def restored_run(workdir: str, config) -> Tuple[object, dict]:
         run_dir.restore_weights(run.reference, run.parallel, config.checkpoint,
                                 step=meta["step"], fp8_state=False,
                                 prefix="model" if imported else "reference")
+    c = config
+    if c.train.objective == "dpo" and c.dpo.precompute_reference and c.dpo.loss != "orpo":
+        # the held-out pairs' stored reference log-probs (the model has moved since)
+        from tfllm.data.sources import has_validation  # tf.data: after the CLI's checks
+        from tfllm.train import reference
+        if has_validation(c.data):
+            stored = reference.load(workdir, {"validation":
+                                              run.feed.pair_batches("validation")})
+            run.feed.references = dict(stored.tables)
     return run, meta

@@ -25,7 +25,8 @@ class TrainState:
       loss_scale: a `DynamicLossScale` under float16, else None.
       step: the `TrainStep` over them (None: inference).
       objective: DPO's `DpoLoss` (train.objective=dpo), or None (SFT).
-      reference: DPO's frozen reference copy (full fine-tuning: lora.rank=0), or None.
+      reference: DPO's frozen reference copy (full fine-tuning: lora.rank=0, without
+        dpo.precompute_reference), or None.
     """
 
     model: object
@@ -54,7 +55,8 @@ def build_train_state(config, parallel, jit_compile: bool, model_cls=None,
     model = build_model(config, parallel, model_cls=model_cls)
     reference = objective = None
     if config.train.objective == "dpo":
-        if config.lora.rank == 0 and config.dpo.loss != "orpo":  # ORPO: reference-free
+        if (config.lora.rank == 0 and config.dpo.loss != "orpo"  # ORPO: reference-free
+                and not config.dpo.precompute_reference):  # stored values instead
             # Full fine-tuning: a frozen copy in the model's layouts (no optimizer state,
             # no gradient), initialized as the model (the same seed); an imported run
             # loads the imported weights into it (`tfllm.train.loop`), and checkpoints
