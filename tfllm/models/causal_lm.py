@@ -196,8 +196,9 @@ class CausalLM(keras.Model):
         if hasattr(self.final_norm, "recompute"):
             self.final_norm.recompute = selective
 
-    def _run_block(self, block, x, mask=None, positions=None, ahead=None):
-        """One block of the training forward; under remat=full, recomputed in backward.
+    def run_block(self, block, x, mask=None, positions=None, ahead=None):
+        """One block of the training forward; under remat=full, recomputed in backward
+        (`tfllm.plan.block_program` compiles one on its own).
 
         The block's weights move together (`block_weights`): gathered at once after
         `ahead`, the previous block's input, so they travel while that block computes and
@@ -248,7 +249,7 @@ class CausalLM(keras.Model):
             x = self.embed(token_ids)
         previous = None
         for block in self.blocks:
-            x, previous = self._run_block(block, x, mask, positions, ahead=previous), x
+            x, previous = self.run_block(block, x, mask, positions, ahead=previous), x
         # The final norm and an untied head move together like a block (the tied table
         # is the embedding's: gathered where it is used).
         head_layers = [self.final_norm] + ([] if self.tie_embeddings else [self.lm_head])

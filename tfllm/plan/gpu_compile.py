@@ -31,8 +31,19 @@ from tfllm import files, internals
 # * no autotuning (it would run kernels on a device);
 # * cuBLAS / cuBLASLt for GEMMs instead of Triton fusions, whose tiles are chosen by
 #   autotuning and otherwise default to small ones; this is also how FP8 dots become
-#   `__cublas$lt$matmul$f8` calls.
-PLAN_XLA_FLAGS = ("--xla_gpu_autotune_level=0", "--xla_gpu_enable_triton_gemm=false")
+#   `__cublas$lt$matmul$f8` calls;
+# * no Triton softmax rewriter. Where the compile's time goes (measured 2026-11-29 with
+#   TF_CPP_VMODULE=hlo_pass_pipeline=1 and gdb stack samples, jax 0.10.2): in
+#   priority-fusion, which searches Triton tilings (SymbolicTileAnalysis) for every
+#   producer or consumer next to the rewriter's Triton fusions (blocked attention's
+#   tiles are many such neighbours). llama-7b's
+#   preset layer at batch 1 x 4096: priority-fusion 462 of a 524 s compile with it, 4.5
+#   of 51 s without (load 3-16 on 2 cores); at the preset's 2 x 16 x 4096 per GPU it
+#   had not finished in 13 CPU-minutes, and takes 220 s without. The program barely moves
+#   (890 -> 901 kernels: the 5 Triton softmax fusions become 16 ordinary ones; HBM bytes
+#   -0.1%, roofline -0.1%, temporaries +1.5 KB of 1.9 GB); benchmarks/results/h100_plan.md.
+PLAN_XLA_FLAGS = ("--xla_gpu_autotune_level=0", "--xla_gpu_enable_triton_gemm=false",
+                  "--xla_disable_hlo_passes=triton-softmax-rewriter")
 
 def remove_copies(module) -> int:
     """Erases every `mhlo.copy` of an MLIR module (forwarding its operand); returns how many."""

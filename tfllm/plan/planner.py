@@ -16,14 +16,23 @@ a + b * num_layers, exact for parameters and kernel counts, close for temporarie
 Sharded meshes are planned per device from the per-device shapes (`tfllm.plan.sharded`);
 their collectives are measured on the executed CPU program of the same mesh at a tiny
 scale (`tfllm.plan.measured`), with the layout's formula beside them as the assumed
-figure. Every figure says where it comes from (`sources`): compiled, measured, assumed.
+figure. Where the mesh moves weights block by block, one block's program as a device
+runs it (its gathered weights and its prefetched neighbour's, the recomputation under
+remat, float32 weight gradients; `tfllm.plan.block_program`) is compiled too: the block
+buffers counted are XLA's, and its temporaries are printed beside the fit model's
+recomputed block. The fit model (`tfllm.plan.fit`, the arithmetic that `tfllm train`
+checks) is printed beside the compile as the cross-check. Every figure says where it
+comes from (`sources`): compiled, measured, assumed.
+
+The compile takes minutes, not hours, because the planner's flags turn off XLA's Triton
+softmax rewriter (`tfllm.plan.gpu_compile.PLAN_XLA_FLAGS`: its tiling search was 88% of
+a blocked-attention layer's compile and grew with the batch).
 """
 
 from __future__ import annotations
 
 import copy
 import ctypes
-import gc
 import json
 import math
 import os
@@ -94,24 +103,47 @@ def _param_bytes(params) -> int:
     return total
 
 
-def plan_program(config, target: Target, keep_dir: Optional[str] = None) -> dict:
-    """Compiles the config's one-device step for `target`; returns the raw figures.
-
-    Calls `keras.backend.clear_session()` after lowering the step (see below), which also
-    resets Keras's global settings such as the dtype policy.
-    """
-    import keras
-    from tfllm.plan.export_step import export_step
-    with files.temporary_folder("tfllm-plan-") as tmp:
-        work = keep_dir or tmp
+def _export(kind: str, config, work: str) -> dict:
+    """Runs in the export child (`export_in_child`): writes the step or the block."""
+    if kind == "step":
+        from tfllm.plan.export_step import export_step
         # No step.jax: the plan compiles step.hlo.pb itself (converting it twice for
         # nothing cost each plan a second MLIR pass over the whole step)
-        desc = export_step(config, work, portable=False)
-        # Keras keeps every model built in the process (its global state): without this
-        # each plan's variables stay (measured: +0.75 GB per gpt2-small 2-layer export;
-        # ten gpt2-small plans and llama-1b's were OOM-killed at 20 GB).
-        keras.backend.clear_session()
-        gc.collect()
+        return export_step(config, work, portable=False)
+    from tfllm.plan.block_program import export_block
+    return export_block(config, work)
+
+
+def export_in_child(kind: str, config, work: str) -> dict:
+    """Lowers the step ("step") or one block's program ("block") of `config` to HLO in
+    `work`, in a child process; returns its description.
+
+    A child, not this process: what an export allocates is not all given back when it
+    returns (measured: a 1-layer llama step of 83M parameters left 0.8 GB of its 0.9 GB
+    of variables and AdamW moments resident after `keras.backend.clear_session()`, a
+    collection and `malloc_trim`, nine of its tf.Variables still referenced), and
+    llama-7b's preset was killed for memory exporting its 2-layer step (12.8 GB resident
+    on a 23 GB host) while its 1-layer export was still held. A child's pages go back
+    when it ends.
+    """
+    import concurrent.futures
+    import multiprocessing
+    with concurrent.futures.ProcessPoolExecutor(
+            1, mp_context=multiprocessing.get_context("spawn")) as pool:
+        try:
+            return pool.submit(_export, kind, config, work).result()
+        except concurrent.futures.process.BrokenProcessPool:
+            raise PlanError(f"exporting the {kind} program for the plan ended its process "
+                            "(killed for memory? the export holds the model's variables "
+                            "and AdamW moments: 12 bytes per parameter of the exported "
+                            "layers, plus TensorFlow's own)") from None
+
+
+def plan_program(config, target: Target, keep_dir: Optional[str] = None) -> dict:
+    """Compiles the config's one-device step for `target`; returns the raw figures."""
+    with files.temporary_folder("tfllm-plan-") as tmp:
+        work = keep_dir or tmp
+        desc = export_in_child("step", config, work)
         compiled = compile_in_child(os.path.join(work, "step.hlo.pb"), target)
     stats = hlo_stats.summarize(compiled["optimized_hlo"], target)
     m = compiled["memory"]
@@ -131,6 +163,23 @@ def plan_program(config, target: Target, keep_dir: Optional[str] = None) -> dict
         "jax": compiled["jax"],
         **stats,
     }
+
+
+def plan_block(local, target: Target, keep_dir: Optional[str] = None) -> dict:
+    """Compiles one block's program as a mesh device runs it (`tfllm.plan.block_program`:
+    the gathered weights of the block and its prefetched neighbour, the recomputation
+    under remat, the float32 weight gradients) for `target`; returns its memory parts
+    (`block_memory`) with its compile time and kernel count."""
+    from tfllm.plan.block_program import block_memory
+    with files.temporary_folder("tfllm-plan-block-") as tmp:
+        work = keep_dir or tmp
+        desc = export_in_child("block", local, work)
+        compiled = compile_in_child(os.path.join(work, "block.hlo.pb"), target)
+    stats = hlo_stats.summarize(compiled["optimized_hlo"], target)
+    return dict(block_memory(desc, compiled["memory"]), compile_s=compiled["compile_s"],
+                kernels=stats["kernels"], flops=stats["flops"], bytes=stats["bytes"],
+                micro_rows=desc["micro_rows"],
+                remat=desc["remat"])
 
 
 _LINEAR = ("gemm_calls", "fp8_gemm_calls", "fusions", "kernels", "kernel_launches", "flops",
@@ -198,6 +247,10 @@ def plan(config, target_name: str = "h100", layers: str = "auto", devices=None,
     if collectives not in ("measured", "assumed"):
         raise ValueError(f"collectives must be measured or assumed, not {collectives!r}")
     shape = sharded.mesh_shape(config, devices)
+    block = None
+    if sharded.has_blocks(config, shape) and math.prod(shape.values()) > 1:
+        block = plan_block(local, target)
+        result["compile_s"] += block["compile_s"]
     measured_collectives = None
     if collectives == "measured" and math.prod(shape.values()) > 1:
         _return_freed_memory()  # the measuring child needs what the export freed
@@ -205,9 +258,20 @@ def plan(config, target_name: str = "h100", layers: str = "auto", devices=None,
         measured_collectives = measured.measure(config, shape,
                                                 sharded.LINK_BANDWIDTH[target.name])
     result = sharded.apply_mesh(config, local, result, target, mesh_note, devices,
-                                measured=measured_collectives)
+                                measured=measured_collectives, block=block)
+    result["fit"] = fit_cross_check(config, devices, target)
     result["sources"] = figure_sources(result)
     return finish(result, config, target, method)
+
+
+def fit_cross_check(config, devices, target: Target) -> dict:
+    """The fit model's arithmetic of the same config (`tfllm.plan.fit.estimate`, what
+    `tfllm train` and `tfllm doctor` check), printed beside the compile's figures."""
+    from tfllm.plan import fit
+    e = fit.estimate(config, devices, target.name)
+    return {"peak": e.peak, "state": e.state, "gradients": e.gradients,
+            "gather_buffers": e.gather_buffers, "activations": e.activations,
+            "workspace": fit.WORKSPACE_BYTES, "fits": e.fits, "detail": e.detail}
 
 
 def _return_freed_memory() -> None:
@@ -236,14 +300,21 @@ def figure_sources(result: dict) -> dict:
                            "overlap the blocks' prefetch allows" if sharded else "")
                         + " (tfllm.plan.timing)"}
     if sharded:
-        out["memory"] += ("; state: exact bytes of the layout; block buffers: modelled "
-                          "from the model's blocks (tfllm/parallel/blocks.py's schedule)")
+        compiled_blocks = "block_buffers" in result["memory"]
+        out["memory"] += ("; state: exact bytes of the layout; block buffers: " + (
+            "compiled: XLA's buffer assignment of one block's program as the mesh runs "
+            "it (tfllm.plan.block_program: gathered weights of the block and its "
+            "prefetched neighbour, float32 weight gradients; its recomputation's "
+            "temporaries beside them)" if compiled_blocks else
+            "modelled from the model's blocks (tfllm/parallel/blocks.py's schedule)"))
         out["collectives"] = result["collectives"]["basis"]
         out["optimizer update"] = ("modelled: AdamW's bytes of the device's shard of the "
                                    "layout, replacing the no-mesh program's full update")
         out["clusters"] = result.get("clusters_basis") or (
             "assumed: one XLA cluster per collective + 1 (DTensor splits the device's "
             "program at each)")
+    if "fit" in result:
+        out["fit model"] = "arithmetic: tfllm.plan.fit.estimate (the cross-check)"
     return out
 
 
@@ -309,6 +380,15 @@ def _step_parts(p: dict) -> str:
     return ", ".join(parts)
 
 
+def _fit_text(f: dict) -> str:
+    d = f["detail"]
+    return (f"{_gib(f['peak'])} ({'fits' if f['fits'] else 'does not fit'}; arithmetic, "
+            f"tfllm.plan.fit: state {_gib(f['state'])}, gradients {_gib(f['gradients'])}, "
+            f"block buffers {_gib(f['gather_buffers'])}, activations "
+            f"{_gib(f['activations'])} of which logits {_gib(d.get('logits', 0))} and "
+            f"recomputed block {_gib(d.get('recomputed_block', 0))})")
+
+
 def format_plan(p: dict) -> str:
     """The short human table of a plan."""
     m = p["memory"]
@@ -327,12 +407,22 @@ def format_plan(p: dict) -> str:
         ("  outputs", f"{_gib(m['outputs'])} ({_gib(m['alias'])} aliased to arguments)"),
         ("  temporaries", f"{_gib(m['temp'])} (activations and workspace, remat="
                           f"{p['model'].get('remat', 'none')})"),
+        *([("  block buffers", f"{_gib(m['block_buffers'])} (compiled: one block's "
+            f"program, {_gib(m['block_program']['weights'])} gathered weights of it and "
+            f"its neighbour + {_gib(m['block_program']['gradients'])} float32 "
+            f"gradients; modelled: {_gib(m['gather_buffers'])})"),
+           ("  one block's backward", f"{_gib(m['block_program']['recompute'])} of "
+            f"temporaries (compiled, remat={m['block_program']['remat']}, in the step's "
+            f"temporaries above; modelled: "
+            f"{_gib(p['fit']['detail'].get('recomputed_block', 0))} recomputed block)")]
+          if m.get("block_buffers") is not None and "fit" in p else []),
         *([("  block buffers", f"{_gib(m['gather_buffers'])} (modelled, at "
             f"{m['gather_detail']['unit']}: gathered 16-bit weights "
             f"{_gib(m['gather_detail']['gathered'])} + partial gradients "
             f"{_gib(m['gather_detail']['partials'])} + the float32 reduction buffer "
             f"{_gib(m['gather_detail']['gradient'])}, tfllm/parallel/blocks.py)")]
-          if m.get("gather_buffers") else []),
+          if m.get("gather_buffers") and m.get("block_buffers") is None else []),
+        *([("fit model", _fit_text(p["fit"]))] if "fit" in p else []),
         ("GEMMs", f"{p['gemm_calls']:.0f} cuBLAS calls, {p['fp8_gemm_calls']:.0f} FP8 "
                   f"({p['fp8_projections']:.0f} FP8 projections)"),
         ("kernels", f"{p['kernels']:.0f} ({p['fusions']:.0f} fusions)"),

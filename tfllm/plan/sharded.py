@@ -188,6 +188,13 @@ def weight_units(config, shape) -> List[dict]:
             + [unit("final_norm + head", head)])
 
 
+def has_blocks(config, shape) -> bool:
+    """Whether the mesh splits the batch (a data or fsdp axis above 1): then the model's
+    weights move block by block (`tfllm.parallel.blocks`)."""
+    rules = rules_lib.rules_from_config(config.mesh.rules)
+    return any(shape.get(a, 1) > 1 for a in rules_lib.activation_mesh_axes(rules))
+
+
 def gather_buffers(config, shape) -> dict:
     """Bytes of the weight and gradient buffers of `tfllm.parallel.blocks` on one
     device: a model of what the block schedule keeps alive, not a measurement.
@@ -211,8 +218,7 @@ def gather_buffers(config, shape) -> dict:
        "gradient": the float32 buffer at the peak, "partials": the compute-dtype partial
        gradients at the peak, "unit": the unit and phase of the peak, "units": the units}.
     """
-    rules = rules_lib.rules_from_config(config.mesh.rules)
-    if not any(shape.get(a, 1) > 1 for a in rules_lib.activation_mesh_axes(rules)):
+    if not has_blocks(config, shape):
         return {"bytes": 0, "gathered": 0, "gradient": 0, "partials": 0, "unit": None,
                 "units": []}
     c = _ACT_BYTES.get(config.precision.policy, 4)
@@ -230,13 +236,16 @@ def gather_buffers(config, shape) -> dict:
 
 
 def apply_mesh(config, local, result: dict, target, mesh_note: str, devices=None,
-               measured: Optional[dict] = None) -> dict:
+               measured: Optional[dict] = None, block: Optional[dict] = None) -> dict:
     """Turns the plan of `local`'s one-device program into the plan of one mesh device.
 
     Args:
       measured: the collectives measured on the executed CPU program
         (`tfllm.plan.measured.measure`); when given, they time the step and the
         layout's formula stays beside them as `collectives_assumed`.
+      block: the compiled block program's memory (`tfllm.plan.block_program.
+        block_memory`); when given, its block buffers are the ones counted and the
+        model's (`gather_buffers`) stays beside them.
     """
     shape = mesh_shape(config, devices)
     devices = math.prod(shape.values())
@@ -254,8 +263,13 @@ def apply_mesh(config, local, result: dict, target, mesh_note: str, devices=None
     buffers = gather_buffers(config, shape)
     mem["gather_buffers"] = buffers["bytes"]
     mem["gather_detail"] = {k: v for k, v in buffers.items() if k != "units"}
+    counted = buffers["bytes"]
+    if block is not None and buffers["bytes"]:
+        mem["block_buffers"] = block["block_buffers"]
+        mem["block_program"] = block
+        counted = block["block_buffers"]
     mem["total"] = (mem["arguments"] + mem["outputs"] - mem["alias"] + mem["temp"]
-                    + buffers["bytes"])
+                    + counted)
     # model_flops, flops and tokens_per_step stay those of the local program: one
     # device's share of the step; the devices that split the batch multiply the tokens
     result["batch_shards"] = ((config.train.global_batch_size * config.data.sequence_length)
