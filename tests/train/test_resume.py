@@ -64,15 +64,34 @@ def _interrupt(cmd, workdir, after_step, sig):
     return proc.returncode, out
 
 
+def _as_parquet(pattern, path, monkeypatch):
+    """The documents of the text files `pattern` as rows of a parquet file, read offline
+    with `datasets`' cache beside it (the runs inherit the environment)."""
+    import glob
+
+    datasets = pytest.importorskip("datasets")
+    docs = [doc for name in sorted(glob.glob(pattern))
+            for doc in open(name, encoding="utf-8").read().split("<|endoftext|>")]
+    datasets.Dataset.from_dict({"text": docs}).to_parquet(str(path))
+    for name in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE"):
+        monkeypatch.setenv(name, "1")
+    monkeypatch.setenv("HF_DATASETS_CACHE", str(path.parent / "hf-cache"))
+    return str(path)
+
+
 @pytest.mark.slow
 @pytest.mark.multiprocess
 # SIGTERM (what schedulers send) with text data, whose iterator state must resume
-# exactly; SIGINT takes the same handler (tests/train/test_preemption.py).
-@pytest.mark.parametrize("sig, source", [(signal.SIGTERM, "text")])
-def test_signal_saves_exits_75_and_resume_is_exact(tmp_path, sig, source):
+# exactly, and with the same documents as a parquet file (data.source=hf: its position
+# is a block of rows and the texts still buffered); SIGINT takes the same handler
+# (tests/train/test_preemption.py).
+@pytest.mark.parametrize("sig, source", [(signal.SIGTERM, "text"), (signal.SIGTERM, "hf")])
+def test_signal_saves_exits_75_and_resume_is_exact(tmp_path, sig, source, monkeypatch):
     extra = ["train.steps=30", f"data.source={source}"]
-    if source == "text":  # the data-iterator position must be restored too
+    if source in ("text", "hf"):  # the data-iterator position must be restored too
         pattern = write_text_corpus(tmp_path / "corpus")
+        if source == "hf":
+            pattern = _as_parquet(pattern, tmp_path / "corpus.parquet", monkeypatch)
         extra += [f"data.paths=[\"{pattern}\"]", "data.tokenizer=byte",
                   "model.vocab_size=260", "data.validation_fraction=0.2",
                   f"data.data_dir={tmp_path / 'cache'}"]
