@@ -33,9 +33,9 @@ def test_none_logical_axis_is_never_sharded():
 
 
 def test_missing_rule_is_an_error_naming_the_variable():
-    with pytest.raises(ShardingError, match=r"gpt/block_0/w: logical axis 'experts' "
+    with pytest.raises(ShardingError, match=r"gpt/block_0/w: logical axis 'stages' "
                                             r"\(dimension 1\) has no sharding rule"):
-        resolve_spec("gpt/block_0/w", (4, 4), ("embed", "experts"), DEFAULT_RULES, MESH)
+        resolve_spec("gpt/block_0/w", (4, 4), ("embed", "stages"), DEFAULT_RULES, MESH)
 
 
 def test_indivisible_dimension_is_an_error_naming_the_variable():

@@ -147,6 +147,16 @@ def _coerce(key: str, fld: dataclasses.Field, value: Any) -> Any:
         if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
             raise ConfigError(f"{key}: expected a list of strings, got {_shown(value)}.")
         out = list(value)
+    elif base == "List[int]":
+        if isinstance(value, str):
+            value = [v.strip() for v in value.strip("[]").split(",") if v.strip()]
+        try:
+            ok = isinstance(value, list) and not any(isinstance(v, bool) for v in value)
+            out = [int(v) for v in value] if ok else None
+        except (TypeError, ValueError):
+            out = None
+        if out is None:
+            raise ConfigError(f"{key}: expected a list of integers, got {_shown(value)}.")
     elif base == "List[List[str]]":
         ok = isinstance(value, list) and all(
             isinstance(v, (list, tuple)) and len(v) == 2 and isinstance(v[0], str)
@@ -307,6 +317,7 @@ def validate(cfg: schema.Config) -> None:
     if rope_only and m.family == "gpt":
         raise ConfigError(f"model.{rope_only[0]} is a setting of the llama and gemma3 "
                           "families; the gpt family has none: leave it 0.")
+    check_experts(m)
     if m.sliding_window_pattern and not m.sliding_window:
         raise ConfigError(f"model.sliding_window_pattern={m.sliding_window_pattern} needs "
                           "model.sliding_window (the local layers' window), e.g. 4096.")
@@ -359,6 +370,29 @@ def validate(cfg: schema.Config) -> None:
     except mesh_lib.MeshError as e:
         raise ConfigError(str(e)) from None
     check_objective(cfg)
+
+
+def check_experts(m: schema.ModelConfig) -> None:
+    """Refuses a mixture-of-experts model section tfllm cannot build."""
+    if not m.num_experts:
+        return
+    if m.family != "llama":
+        raise ConfigError(f"model.num_experts={m.num_experts}: mixtures of experts are "
+                          f"llama-family models (Qwen3-MoE, Mixtral); set model.family=llama "
+                          f"or model.num_experts=0.")
+    if m.num_experts_per_tok > m.num_experts:
+        raise ConfigError(f"model.num_experts_per_tok={m.num_experts_per_tok} exceeds "
+                          f"model.num_experts={m.num_experts}; route each token to at most "
+                          "every expert.")
+    if m.moe_capacity_factor and m.moe_dispatch != "slots":
+        raise ConfigError(f"model.moe_capacity_factor={m.moe_capacity_factor} with "
+                          f"model.moe_dispatch={m.moe_dispatch}, which is dropless; set "
+                          "model.moe_dispatch=slots, or model.moe_capacity_factor=0.")
+    outside = [i for i in m.mlp_only_layers if not 0 <= i < m.num_layers]
+    if outside:
+        raise ConfigError(f"model.mlp_only_layers={m.mlp_only_layers}: {outside} are not "
+                          f"layers of this {m.num_layers}-layer model (0 .. "
+                          f"{m.num_layers - 1}).")
 
 
 def check_objective(cfg: schema.Config) -> None:

@@ -114,6 +114,44 @@ class ModelConfig:
                     choices=("none", "full", "selective", "attention"))
     init_std: float = _f(0.02, "Standard deviation of the normal weight init; residual "
                          "output projections use init_std / sqrt(2 * num_layers).", min=0.0)
+    num_experts: int = _f(0, "Mixture of experts (llama family; Qwen3-MoE, Mixtral): the "
+                          "experts of each sparse layer's MLP (see decoder_sparse_step and "
+                          "mlp_only_layers); 0 means every MLP is dense.", min=0, max=_MAX_COUNT)
+    num_experts_per_tok: int = _f(2, "Mixture of experts: the experts each token is routed to "
+                                  "(k of num_experts).", min=1, max=_MAX_COUNT)
+    moe_intermediate_dim: int = _f(0, "Mixture of experts: each expert's MLP width "
+                                   "(transformers' moe_intermediate_size); 0 means "
+                                   "intermediate_dim.", min=0, max=_MAX_WIDTH)
+    moe_routing: str = _f("softmax_then_topk", "Mixture of experts: softmax_then_topk (the "
+                          "softmax over all experts, then the k largest: Qwen3-MoE) or "
+                          "topk_then_softmax (the softmax over the k largest logits: Mixtral).",
+                          choices=("softmax_then_topk", "topk_then_softmax"))
+    norm_topk_prob: bool = _f(True, "Mixture of experts, softmax_then_topk: renormalize the k "
+                              "routing weights to sum to one (Qwen3-MoE's norm_topk_prob).")
+    router_aux_loss_coef: float = _f(0.001, "Mixture of experts: the training loss adds this "
+                                     "times Switch's load-balancing loss over all sparse "
+                                     "layers (transformers' router_aux_loss_coef, as with "
+                                     "output_router_logits); 0: none.", min=0.0)
+    router_z_loss_coef: float = _f(0.0, "Mixture of experts: the training loss adds this times "
+                                   "ST-MoE's router z-loss (mean squared logsumexp of the "
+                                   "router logits; ST-MoE uses 0.001); 0: none.", min=0.0)
+    decoder_sparse_step: int = _f(1, "Mixture of experts: layer i is sparse when (i + 1) is a "
+                                  "multiple of this and i is not in mlp_only_layers "
+                                  "(Qwen3-MoE's rule; 1: every layer).", min=1,
+                                  max=_MAX_COUNT)
+    mlp_only_layers: List[int] = _f([], "Mixture of experts: layers whose MLP stays dense "
+                                    "(Qwen3-MoE's mlp_only_layers).")
+    moe_dispatch: str = _f("slots", "Mixture of experts: how tokens reach their experts "
+                           "(tfllm.models.common.dispatch): slots (a buffer of slots per "
+                           "expert and sequence, batched einsums: dropless costs num_experts "
+                           "/ k times the active FLOPs; the only dispatch with "
+                           "moe_capacity_factor) or grouped (tokens sorted into expert tiles "
+                           "for a grouped matmul: the active FLOPs plus tile padding; "
+                           "dropless).", choices=("slots", "grouped"))
+    moe_capacity_factor: float = _f(0.0, "Mixture of experts, slots dispatch: each expert takes "
+                                    "at most ceil(factor * T * k / num_experts) tokens of a "
+                                    "sequence and drops the rest (GShard, Switch); 0 means "
+                                    "dropless (no token is dropped).", min=0.0)
 
 
 @dataclass

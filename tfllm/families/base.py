@@ -138,6 +138,16 @@ def is_local_layer(config, index: int) -> bool:
     return bool(config.sliding_window) and not (pattern and (index + 1) % pattern == 0)
 
 
+def is_moe_layer(config, index: int) -> bool:
+    """Whether layer `index` of a model section has a mixture of experts for its MLP
+    (Qwen3-MoE's rule, which is Mixtral's with the defaults): model.num_experts > 0,
+    (index + 1) a multiple of model.decoder_sparse_step, index not in
+    model.mlp_only_layers."""
+    return (bool(getattr(config, "num_experts", 0))
+            and (index + 1) % config.decoder_sparse_step == 0
+            and index not in config.mlp_only_layers)
+
+
 def layer_kinds(config) -> List[str]:
     """"local" (attends within model.sliding_window) or "global", for each layer."""
     return ["local" if is_local_layer(config, i) else "global"

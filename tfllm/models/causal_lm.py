@@ -31,6 +31,7 @@ import keras
 import tensorflow as tf
 
 from tfllm.config.schema import ModelConfig
+from tfllm.models.common import moe
 from tfllm.models.common.layers import Projection, TokenEmbedding
 from tfllm.models.common.masks import (cache_mask_and_positions, row_positions,
                                        segment_mask_and_positions)
@@ -82,6 +83,9 @@ class Block(keras.layers.Layer):
             h = self.attention_post_norm(h)
         x = constrain(x + h, _EMBED)
         h = self.mlp(self.mlp_norm(x))
+        if isinstance(h, tuple):  # a mixture of experts: (y, RouterStats)
+            h, stats = h
+            moe.record([stats])
         if self.mlp_post_norm is not None:
             h = self.mlp_post_norm(h)
         x = constrain(x + h, _EMBED)
@@ -210,10 +214,30 @@ class CausalLM(keras.Model):
             # A recomputed block gathers its weights after its gradient arrives (x, in a
             # recomputation, waits for it): they are not kept from the forward pass.
             gate = (x,) if recomputing() or ahead is None else (ahead,)
-            with block_weights(block, x, gate, regather=not full):
-                return block(x, attention_mask=mask, positions=positions)
+            # A mixture of experts' router statistics leave the block as its outputs, so
+            # that under full remat the aux loss's gradient reaches the router through
+            # the recomputation (`tfllm.models.common.moe.collecting_router_stats`).
+            with block_weights(block, x, gate, regather=not full), \
+                    moe.collecting_router_stats() as stats:
+                y = block(x, attention_mask=mask, positions=positions)
+            return (y, stats) if stats else y
 
-        return recompute(run)(x, mask, positions) if full else run(x, mask, positions)
+        out = recompute(run)(x, mask, positions) if full else run(x, mask, positions)
+        if isinstance(out, tuple):
+            out, stats = out
+            moe.record(stats)
+        return out
+
+    def router_losses(self, stats):
+        """What the router statistics of a training forward pass add to its loss, and
+        their metrics (`tfllm.models.common.moe.router_losses` with model.
+        router_aux_loss_coef and router_z_loss_coef).
+
+        Args:
+          stats: the `RouterStats` collected over the forward pass (non-empty).
+        """
+        c = self.config
+        return moe.router_losses(stats, c.router_aux_loss_coef, c.router_z_loss_coef)
 
     def fp8_state_variables(self) -> list:
         """The FP8 amax histories: updated by the train step, never by the optimizer."""

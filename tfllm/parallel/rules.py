@@ -50,11 +50,18 @@ DEFAULT_RULES: Tuple[Tuple[str, Optional[str]], ...] = (
     ("activation_head_dim", None),
     ("activation_mlp", "model"),
     ("activation_vocab", "model"),
+    # Mixtures of experts: the experts dimension of the dispatched (B, E, C, .) buffers.
+    ("activation_experts", None),
     ("vocab", "model"),
     ("embed", "fsdp"),
     ("mlp", "model"),
     ("heads", "model"),
     ("kv_heads", "model"),
+    # The stacked expert kernels (E, D, F) keep every expert on every device of a model
+    # group: no expert parallelism yet. They are sharded like the dense MLP's, embed over
+    # fsdp and mlp over model, so FSDP gathers an MoE block's experts as it gathers an
+    # MLP, and each device computes every expert on its own tokens.
+    ("experts", None),
     ("head_dim", None),
     ("position", None),
     ("norm", None),

@@ -30,7 +30,7 @@ from typing import Optional, Tuple
 import tensorflow as tf
 
 from tfllm.compiler.targets import TARGETS
-from tfllm.families import is_local_layer
+from tfllm.families import is_local_layer, is_moe_layer
 
 log = logging.getLogger("tfllm.train")
 
@@ -67,7 +67,8 @@ def flops_per_token(model_config, sequence_length: int, lora_config=None) -> int
     input gradient), the adapters' 3x.
 
     Forward = 2 FLOPs per multiply-accumulate over every matmul weight (attention
-    projections, MLP, LM head; embedding lookups are free) plus, per layer, the score
+    projections, MLP, LM head; embedding lookups are free; a mixture of experts' layer
+    counts its router and the k experts a token uses) plus, per layer, the score
     (QK^T) and value (AV) matmuls, 2 + 2 FLOPs per head dimension for each (query, key)
     pair the mask lets through (`attention_pairs`: causal T^2/2, halved as MaxText
     counts it; sliding-window layers T*W - W^2/2), over the T tokens of a sequence.
@@ -78,10 +79,18 @@ def flops_per_token(model_config, sequence_length: int, lora_config=None) -> int
     head_dim = c.head_dim or c.hidden_dim // heads
     E, F, L, V, T = c.hidden_dim, c.intermediate_dim, c.num_layers, c.vocab_size, sequence_length
     mlp_matrices = 2 if c.family == "gpt" else 3
-    per_layer = E * heads * head_dim * 2 + E * kv * head_dim * 2 + mlp_matrices * E * F
+    attention_weights = E * heads * head_dim * 2 + E * kv * head_dim * 2
+    # A mixture of experts' layer computes its router and k of its experts per token:
+    # the active parameters (what the dispatch adds on top is its own cost, not the
+    # model's FLOPs, as MaxText and torchtitan count MFU).
+    moe = getattr(c, "num_experts", 0)
+    active = (E * moe + c.num_experts_per_tok * 3 * E * (c.moe_intermediate_dim or F)
+              if moe else 0)
+    layers = sum(attention_weights + (active if is_moe_layer(c, i) else mlp_matrices * E * F)
+                 for i in range(L))
     pairs = sum(attention_pairs(T, c.sliding_window if is_local_layer(c, i) else 0)
                 for i in range(L))
-    weights = 2 * (L * per_layer + E * V)
+    weights = 2 * (layers + E * V)
     attention = 2 * 2 * pairs * heads * head_dim / T
     if lora_config is None or lora_config.rank <= 0:
         return round(3 * (weights + attention))

@@ -16,6 +16,7 @@ from tfllm import internals
 from tfllm.compiler.jit import compile_fn
 from tfllm.data import feed
 from tfllm.models.loss import token_nll
+from tfllm.models.common.moe import collecting_router_stats
 from tfllm.models.common.noise import noise_seed
 from tfllm.optim.adamw import global_norm
 from tfllm.parallel.placement import Parallel, new_variable, to_numpy
@@ -108,19 +109,28 @@ class TrainStep:
         if self.objective is not None:
             return self.objective(self.model, micro, self._forward, seed,
                                   reference_logps=reference)
-        return self._sft_micro(micro, trained_tokens, seed), {}
+        return self._sft_micro(micro, trained_tokens, seed)
 
     def _sft_micro(self, micro, trained_tokens=None, seed=None):
-        with noise_seed(seed):  # a training forward pass: LoRA dropout acts (if any)
+        # A training forward pass: LoRA dropout acts (if any); mixtures of experts hand
+        # over their router statistics (the aux loss and router metrics).
+        with noise_seed(seed), collecting_router_stats() as router_stats:
             logits, targets, _ = lm_forward(self.model, micro, self.packing_mask)
         mask = trained_targets(micro)
         if mask is None:
-            return self.model.compute_lm_loss(logits, targets)
-        # Summed over this micro-batch's trained targets and divided by those of the whole
-        # global batch (times the number of micro-batches, which the caller divides by):
-        # the step's loss is the mean over every trained token, however they fall.
-        nll = token_nll(logits, targets)  # (M, T)
-        return tf.reduce_sum(nll * mask) / trained_tokens
+            loss = self.model.compute_lm_loss(logits, targets)
+        else:
+            # Summed over this micro-batch's trained targets and divided by those of the
+            # whole global batch (times the number of micro-batches, which the caller
+            # divides by): the step's loss is the mean over every trained token.
+            nll = token_nll(logits, targets)  # (M, T)
+            loss = tf.reduce_sum(nll * mask) / trained_tokens
+        if not router_stats:
+            return loss, {}
+        # Per micro-batch, as transformers adds it to each forward pass's loss; the step
+        # averages both over micro-batches.
+        router_loss, metrics = self.model.router_losses(router_stats)
+        return loss + router_loss, metrics
 
     def _loss_and_grads(self, micro_batches):
         """Mean loss, gradients, new FP8 histories and the objective's mean metrics over a

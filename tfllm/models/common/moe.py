@@ -29,8 +29,10 @@ per-expert assignment counts for metrics.
 
 from __future__ import annotations
 
+import contextlib
+import threading
 import zlib
-from typing import NamedTuple, Optional, Sequence
+from typing import List, NamedTuple, Optional, Sequence
 
 import keras
 import tensorflow as tf
@@ -72,6 +74,58 @@ class RouterStats(NamedTuple):
     num_tokens: tf.Tensor
     z_sum: tf.Tensor
     dropped: tf.Tensor
+
+
+_collector = threading.local()
+
+
+@contextlib.contextmanager
+def collecting_router_stats():
+    """Inside, every MoE block that runs appends its `RouterStats` (`record`) to the list
+    this yields: the train step collects a forward pass's, and a block recomputed under
+    full remat collects its own to return them as outputs of the recomputed function
+    (`CausalLM.run_block`). Outside, they are dropped (generation, evaluation)."""
+    previous = getattr(_collector, "stats", None)
+    _collector.stats = stats = []
+    try:
+        yield stats
+    finally:
+        _collector.stats = previous
+
+
+def record(stats: Sequence[RouterStats]) -> None:
+    """Hands `stats` to the innermost `collecting_router_stats`, if any."""
+    target: Optional[List[RouterStats]] = getattr(_collector, "stats", None)
+    if target is not None:
+        target.extend(stats)
+
+
+def router_losses(stats: Sequence[RouterStats], aux_loss_coef: float,
+                  z_loss_coef: float = 0.0):
+    """What a forward pass's routing adds to the loss, and its metrics.
+
+    Args:
+      stats: the `RouterStats` of every MoE block of the forward pass.
+      aux_loss_coef: times `load_balancing_loss` (`router_aux_loss_coef`).
+      z_loss_coef: times `router_z_loss`.
+
+    Returns:
+      (the float32 loss term, {name: float32 scalar}): `moe_aux_loss` (the unscaled
+      load-balancing loss: 1 when balanced, up to num_experts when one expert takes every
+      token), `moe_z_loss`, `moe_load_imbalance` (the most loaded expert's assignments
+      over the mean, in the most imbalanced layer: 1 when balanced) and
+      `moe_dropped_fraction` (assignments dropped for capacity over all assignments).
+    """
+    aux, z = load_balancing_loss(stats), router_z_loss(stats)
+    imbalance = tf.reduce_max(tf.stack([
+        tf.reduce_max(s.expert_counts) / tf.maximum(tf.reduce_mean(s.expert_counts), 1e-9)
+        for s in stats]))
+    assignments = tf.add_n([tf.reduce_sum(s.expert_counts) for s in stats])
+    dropped = tf.add_n([s.dropped for s in stats]) / tf.maximum(assignments, 1.0)
+    loss = aux_loss_coef * aux + (z_loss_coef * z if z_loss_coef else 0.0)
+    return loss, {"moe_aux_loss": aux, "moe_z_loss": z,
+                  "moe_load_imbalance": tf.stop_gradient(imbalance),
+                  "moe_dropped_fraction": tf.stop_gradient(dropped)}
 
 
 def load_balancing_loss(stats: Sequence[RouterStats]) -> tf.Tensor:

@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
-from tfllm.families import is_local_layer
+from tfllm.families import is_local_layer, is_moe_layer
 from tfllm.models.causal_lm import CausalLM
 from tfllm.models.common.attention import Attention, AttentionSettings, RopeScaling
 from tfllm.models.common.layers import RMSNorm
 from tfllm.models.common.mlp import GatedMLP
+from tfllm.models.common.moe import MoeMLP
 
 
 class Llama(CausalLM):
@@ -68,6 +69,16 @@ class Llama(CausalLM):
 
     def make_mlp(self, index):
         c = self.config
+        if is_moe_layer(c, index):  # Qwen3-MoE, Mixtral
+            return MoeMLP(c.hidden_dim, c.moe_intermediate_dim or c.intermediate_dim,
+                          c.num_experts, c.num_experts_per_tok, routing=c.moe_routing,
+                          normalize_top_k=c.norm_topk_prob,
+                          capacity_factor=c.moe_capacity_factor or None,
+                          dispatch=c.moe_dispatch, init_std=c.init_std,
+                          output_init_std=self.output_init_std,
+                          activation=self.mlp_activation,
+                          fp8=self.fp8.for_layer(f"block_{index}/mlp") if self.fp8 else None,
+                          name="mlp", dtype=self.dtype_policy)
         return GatedMLP(c.hidden_dim, c.intermediate_dim, use_bias=self.use_bias,
                         init_std=c.init_std, output_init_std=self.output_init_std,
                         fp8=self.fp8, fp8_path=f"block_{index}/mlp", name="mlp",
