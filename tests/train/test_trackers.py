@@ -11,13 +11,16 @@ import dataclasses
 import glob
 import json
 import os
+import signal
 import socket
 import struct
 import sys
 
 import pytest
 
-from tests.harness import metrics_records, tiny_config, tiny_overrides
+from tests.harness import (TF_HANG_S, finish, kill_group, metrics_records, signal_at_step,
+                           start_process, tfllm_command, tfllm_env, tiny_config,
+                           tiny_overrides)
 from tfllm.config import ConfigError, load_config
 from tfllm.train.loop import train
 from tfllm.train.trackers import TrackerError, Trackers, absolute_uri, start_trackers
@@ -144,6 +147,53 @@ def test_wandb_offline_folders_hold_one_run_with_the_metrics_config_and_files(tr
     for name in ("config.yaml", "costs.json", "loss.png"):
         copy = os.path.join(folders[-1], "files", name)
         assert open(copy, "rb").read() == (workdir / name).read_bytes(), name
+
+
+def _tracked_env(root):
+    """`_quiet_offline`'s environment for a tfllm process."""
+    with pytest.MonkeyPatch.context() as mp:
+        _quiet_offline(mp, root)
+        return tfllm_env(PYTHONUNBUFFERED="1")
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+def test_a_preempted_run_resumes_into_the_same_tracker_runs(tmp_path, monkeypatch):
+    """SIGTERM: the run saves, exits 75 and its tracker runs end killed; the same command
+    resumes them, and they end finished holding exactly the records of metrics.jsonl."""
+    workdir, uri = tmp_path / "run", (tmp_path / "mlruns").as_uri()
+    settings = tiny_overrides(**{"train.steps": 30, "train.log_every": 1,
+                                 "train.eval_every": 0, "train.eval_steps": 1,
+                                 "train.sample_tokens": 0, "checkpoint.every": 100,
+                                 "tracking.loggers": "mlflow,wandb",
+                                 "tracking.mlflow_uri": uri})
+    env = _tracked_env(tmp_path)
+    proc = start_process(tfllm_command("train", "--workdir", str(workdir),
+                                       *[a for s in settings for a in ("--set", s)]),
+                         env, merge_stderr=True)
+    watcher = signal_at_step(workdir / "metrics.jsonl", 3, signal.SIGTERM, proc.pid)
+    try:
+        rc, out, _ = finish(proc, TF_HANG_S)
+    finally:
+        kill_group(watcher)
+    assert rc == 75, out[-3000:]
+    ids = json.loads((workdir / "trackers.json").read_text())
+    monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")  # this process reads the store
+    client = mlflow.MlflowClient(uri)
+    assert client.get_run(ids["mlflow"]["run_id"]).info.status == "KILLED"
+    rc, out, _ = finish(start_process(tfllm_command("train", "--workdir", str(workdir)), env,
+                                      merge_stderr=True), TF_HANG_S)
+    assert rc == 0, out[-3000:]
+    assert json.loads((workdir / "trackers.json").read_text()) == ids
+    run = client.get_run(ids["mlflow"]["run_id"])
+    assert run.info.status == "FINISHED"
+    history = sorted(client.get_metric_history(run.info.run_id, "loss"), key=lambda m: m.step)
+    assert [(m.step, m.value) for m in history] == _pairs(metrics_records(workdir), "loss")
+    folders = sorted(glob.glob(str(workdir / "wandb" / f"offline-run-*-{ids['wandb']['id']}")))
+    exits = [r.exit.exit_code for f in folders
+             for r in _wandb_records(os.path.join(f, f"run-{ids['wandb']['id']}.wandb"))
+             if r.WhichOneof("record_type") == "exit"]
+    assert exits == [75, 0]
 
 
 # ---- starting: one line, or nothing logged at all ------------------------------------------
