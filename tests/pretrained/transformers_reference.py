@@ -66,6 +66,19 @@ MODELS = {
                                             "rope_theta": 1_000_000.0},
                          "sliding_attention": {"rope_type": "default",
                                                "rope_theta": 10_000.0}}), "gemma"),
+    # Qwen3-MoE: 4 experts, top 2 renormalized, a dense layer between two sparse ones
+    # (mlp_only_layers), the experts narrower than the dense MLP
+    "qwen3_moe": ("Qwen3MoeConfig", dict(_SMALL, num_hidden_layers=3, head_dim=8,
+                                         moe_intermediate_size=16, num_experts=4,
+                                         num_experts_per_tok=2, norm_topk_prob=True,
+                                         mlp_only_layers=[1], tie_word_embeddings=False),
+                  "gpt2"),
+    # Mixtral: experts in every layer, the softmax over the top 2 logits
+    "mixtral": ("MixtralConfig", dict(_SMALL, intermediate_size=16, num_local_experts=4,
+                                      num_experts_per_tok=2, router_jitter_noise=0.0,
+                                      rope_parameters={"rope_type": "default",
+                                                       "rope_theta": 10000.0}),
+                "sentencepiece"),
 }
 
 

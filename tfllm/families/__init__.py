@@ -1,6 +1,7 @@
 """The model families tfllm imports and exports: one module each, and their registry.
 
-A family module (`gpt2`, `llama`, `mistral`, `qwen2`, `qwen3`, `gemma3`) holds everything
+A family module (`gpt2`, `llama`, `mistral`, `qwen2`, `qwen3`, `gemma3`, and the
+mixtures of experts `qwen3_moe` and `mixtral`) holds everything
 tfllm knows of one Hugging Face model_type (`tfllm.families.base.Family`): its
 config.json fields in and out, its tensors and their orientation, its LoRA module names,
 the keras-hub backbones it maps, its layer kinds. Import, export, PEFT, LoRA and the FLOP
@@ -15,14 +16,15 @@ from __future__ import annotations
 
 from typing import Dict, Optional
 
-from tfllm.families import gemma3, gpt2, llama, mistral, qwen2, qwen3
+from tfllm.families import gemma3, gpt2, llama, mistral, mixtral, qwen2, qwen3, qwen3_moe
 from tfllm.families.base import (DEFAULT_MAX_LENGTH, Backbone, Family, LoraNames, Permuted,
                                  PretrainedError, Tensor, check_understood, is_local_layer,
                                  is_moe_layer, keras_hub_path, layer_kinds, resolved)
 
 #: transformers model_type -> its family, in the order `supported()` names them
 FAMILIES: Dict[str, Family] = {f.model_type: f for f in (
-    gpt2.FAMILY, llama.FAMILY, mistral.FAMILY, qwen2.FAMILY, qwen3.FAMILY, gemma3.FAMILY)}
+    gpt2.FAMILY, llama.FAMILY, mistral.FAMILY, qwen2.FAMILY, qwen3.FAMILY, gemma3.FAMILY,
+    qwen3_moe.FAMILY, mixtral.FAMILY)}
 
 #: keras-hub backbone class name -> its mapping (what `tfllm import` reads)
 BACKBONES: Dict[str, Backbone] = {b.name: b for f in FAMILIES.values() for b in f.keras_hub}

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import copy
 from dataclasses import dataclass
-from typing import Callable, Dict, List, Optional, Tuple
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
@@ -194,6 +194,10 @@ class Family:
         keras-hub backbone cannot express every setting transformers has (Gemma 3's layer
         pattern and RoPE bases); None: through keras-hub's converter and `model_fields`.
       layer_kinds: model section -> "local" / "global" for each layer.
+      tensors_in: (model section, the folder's tensor names) -> the `Tensor`s a Hugging
+        Face folder holds, which tfllm reads itself, each tfllm variable assembled from
+        the tensors naming it (`tfllm.pretrained.direct`; with `config_in`); None:
+        through keras-hub's converter (`keras_hub`).
     """
 
     model_type: str
@@ -208,6 +212,7 @@ class Family:
     refused: Tuple[Refused, ...] = ()
     config_in: Optional[Callable[[dict, str], dict]] = None
     layer_kinds: Callable[[object], List[str]] = layer_kinds
+    tensors_in: Optional[Callable[[object, Sequence[str]], List[Tensor]]] = None
 
 
 def resolved(m, defaults: dict):

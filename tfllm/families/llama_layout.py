@@ -224,7 +224,7 @@ def check_writable(m) -> None:
 def writes(chosen: Callable[[object, Optional[str]], bool]):
     """A `Family.writes` for a llama-family section that `chosen` picks."""
     def writes_(m, backbone):
-        if m.family != MODEL_FAMILY:
+        if m.family != MODEL_FAMILY or m.num_experts:  # experts: `moe_layout.writes`
             return False
         check_writable(m)
         return chosen(m, backbone)

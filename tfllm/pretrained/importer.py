@@ -24,7 +24,8 @@ from tfllm.checkpoint.workdir import Workdir, read_marker, write_marker
 from tfllm.contracts import MARKER
 from tfllm.parallel.placement import block_slices
 from tfllm.families import Permuted, PretrainedError, check_understood, keras_hub_path
-from tfllm.pretrained.sources import Source, open_source
+from tfllm.pretrained.direct import open_preset
+from tfllm.pretrained.sources import Source
 
 log = logging.getLogger("tfllm.pretrained")
 
@@ -37,7 +38,9 @@ FINE_TUNE_DEFAULTS = {"optimizer": {"learning_rate": 3e-5, "warmup_steps": 10,
 
 def preset_model_section(source: Source) -> dict:
     """tfllm's `model` section for the preset (config.json -> keras-hub -> tfllm)."""
-    check_understood(source.keras_hub, source.config, os.path.join(source.path, "config.json"))
+    if source.keras_hub is not None:  # else the family reads config.json (`config_in`)
+        check_understood(source.keras_hub, source.config,
+                         os.path.join(source.path, "config.json"))
     if source.hf_config is not None and source.family.config_in is not None:
         return source.family.config_in(source.hf_config, source.path)
     max_length = (source.hf_config or {}).get("max_position_embeddings")
@@ -91,7 +94,7 @@ def load_weights(model, source: Source) -> dict:
        "largest_read": the largest single read in bytes}.
     """
     from tfllm.checkpoint.shards import assign_blocks, target_blocks, tf_variable
-    mapping = source.keras_hub.weight_map(model.config)
+    mapping = source.weight_map(model.config)
     prefix = model.name + "/"
     # LoRA adapters are no preset weights: they keep their init (or come from --adapter).
     ours = {v.path[len(prefix):] if v.path.startswith(prefix) else v.path: v
@@ -160,7 +163,7 @@ def from_preset(preset: str, parallel=None, overrides: Iterable[str] = (), model
       whole config it was built from.
     """
     from tfllm.models import build_model
-    source = open_source(preset)
+    source = open_preset(preset)
     try:
         config = preset_config(source, overrides)
         model = build_model(config, parallel, model_cls=model_cls, zeros=True)
@@ -280,7 +283,7 @@ def import_preset(preset: str, workdir: str, overrides: Iterable[str] = (),
     primary = client_id() == 0
     if primary:  # before any client joins
         _remove_crashed_import(tmp)
-    source = open_source(preset)
+    source = open_preset(preset)
     try:
         adapter_arrays = None
         if adapter:

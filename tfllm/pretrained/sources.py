@@ -120,6 +120,11 @@ class Source:
     def _prepare(self) -> None:
         """Format-specific indexing once the abstract backbone exists."""
 
+    def weight_map(self, m) -> Dict[str, object]:
+        """{tfllm path: this source's variable name (or a `Permuted`)} for model section
+        `m`: keras-hub's backbone's (`Backbone.weight_map`)."""
+        return self.keras_hub.weight_map(m)
+
     def file(self, name, what: str) -> str:
         """The path of the folder's file `name` (named by `what`, e.g. a weight map): a plain
         file name whose resolved path, symlinks followed, is inside the folder."""

@@ -1,0 +1,189 @@
+"""What the mixture-of-experts families share (Qwen3-MoE, Mixtral).
+
+Their layers are Llama-shaped (`llama_layout`) with an experts group in place of the MLP
+on sparse layers (`tfllm.families.base.is_moe_layer`). tfllm holds each projection of
+a layer's experts as one stacked kernel (`tfllm.models.common.moe.MoeMLP`: gate and up
+(E, D, F), down (E, F, D)) and the router as (D, E).
+
+Hugging Face folders hold the experts in one of two layouts, both read:
+
+* per expert, what transformers 5's `save_pretrained` still writes (and every published
+  checkpoint holds): `{mlp}.experts.{j}.{gate,up,down}` nn.Linear weights (Qwen3-MoE:
+  `mlp.experts.{j}.gate_proj.weight`; Mixtral: `block_sparse_moe.experts.{j}.w1.weight`
+  (gate), `w3` (up), `w2` (down)) and the router `{mlp}.gate.weight` (E, D);
+* fused, transformers 5's parameters as they are in memory: `mlp.experts.gate_up_proj`
+  (E, 2F, D: the gate's F rows, then the up's) and `mlp.experts.down_proj` (E, D, F),
+  router `mlp.gate.weight`.
+
+tfllm writes the per-expert layout, which transformers loads (converting it to its fused
+parameters) as every other library does.
+
+These families do not go through keras-hub's converters: keras-hub 0.32's Qwen3-MoE
+converter reads `num_experts` where transformers 5 writes `num_local_experts`, and both
+converters assign the stacked experts outside their recorded weight map, so tfllm reads
+the folder itself (`Family.tensors_in`), its tensors by the same `Tensor` lists it
+writes (`tfllm.pretrained.direct`).
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Dict, List
+
+import numpy as np
+
+from tfllm.families import llama_layout as layout
+from tfllm.families.base import PretrainedError, Tensor, is_moe_layer, linear, same
+
+#: How a family names a sparse layer's tensors: the module holding router and experts,
+#: and the per-expert names of gate, up and down.
+Names = Dict[str, str]
+
+QWEN3_MOE_NAMES: Names = {"block": "mlp", "gate": "gate_proj", "up": "up_proj",
+                          "down": "down_proj"}
+MIXTRAL_NAMES: Names = {"block": "block_sparse_moe", "gate": "w1", "up": "w3", "down": "w2"}
+
+
+def _expert_width(m) -> int:
+    return m.moe_intermediate_dim or m.intermediate_dim
+
+
+def experts(names: Names) -> Callable:
+    """A layer group: the router and each expert's projections of a sparse layer (the
+    per-expert layout), or the dense MLP of a layer that is not sparse."""
+    def group(m, ours: str, theirs: str) -> List[Tensor]:
+        index = int(ours.split("_")[1].rstrip("/"))
+        if not is_moe_layer(m, index):
+            return layout.mlp(m, ours, theirs)
+        d, f, e = m.hidden_dim, _expert_width(m), m.num_experts
+        block = f"{theirs}{names['block']}."
+        out = [Tensor(block + "gate.weight", (ours + "mlp/router/kernel",), (e, d), linear)]
+        for j in range(e):
+            for part, shape in (("gate", (f, d)), ("up", (f, d)), ("down", (d, f))):
+                out.append(Tensor(f"{block}experts.{j}.{names[part]}.weight",
+                                  (f"{ours}mlp/{part}/kernel",), shape,
+                                  lambda x, j=j: x[j].T))
+        return out
+    return group
+
+
+def fused_experts(m, ours: str, theirs: str) -> List[Tensor]:
+    """transformers 5's fused parameters of a sparse layer (router under `mlp.gate`)."""
+    index = int(ours.split("_")[1].rstrip("/"))
+    if not is_moe_layer(m, index):
+        return layout.mlp(m, ours, theirs)
+    d, f, e = m.hidden_dim, _expert_width(m), m.num_experts
+    return [Tensor(theirs + "mlp.gate.weight", (ours + "mlp/router/kernel",), (e, d), linear),
+            # gate, up (E, D, F) each -> (E, 2F, D): the gate's rows first
+            Tensor(theirs + "mlp.experts.gate_up_proj",
+                   (ours + "mlp/gate/kernel", ours + "mlp/up/kernel"), (e, 2 * f, d),
+                   lambda g, u: np.concatenate([g.transpose(0, 2, 1), u.transpose(0, 2, 1)],
+                                               axis=1)),
+            Tensor(theirs + "mlp.experts.down_proj", (ours + "mlp/down/kernel",), (e, d, f),
+                   lambda x: x.transpose(0, 2, 1))]
+
+
+def groups(mlp_group: Callable, qk_norm: bool) -> tuple:
+    """`llama_layout.LAYER_GROUPS` with `mlp_group` for the MLP."""
+    out = (layout.layer_norms, layout.attention, mlp_group)
+    return out + ((layout.query_key_norms,) if qk_norm else ())
+
+
+def tensors_of(names: Names, qk_norm: bool):
+    """A `Family.tensors`: every tensor of the folder, experts per expert."""
+    return lambda m: layout.tensors(m, groups(experts(names), qk_norm))
+
+
+def tensors_in(names: Names, qk_norm: bool):
+    """A `Family.tensors_in`: the layout (per expert, or fused) a folder's keys use."""
+    def read(m, keys) -> List[Tensor]:
+        fused = any(k.endswith(".mlp.experts.gate_up_proj") for k in keys)
+        return layout.tensors(m, groups(fused_experts if fused else experts(names),
+                                        qk_norm))
+    return read
+
+
+def config_out(m, model_type: str, architecture: str, common: dict) -> dict:
+    """The config.json keys every MoE model_type here has (Llama-shaped ones included)."""
+    return {**layout.config_out(m, model_type, architecture, common),
+            "num_experts_per_tok": m.num_experts_per_tok,
+            "router_aux_loss_coef": float(m.router_aux_loss_coef),
+            "output_router_logits": False}
+
+
+def writes(model_type: str, chosen: Callable[[object], bool]):
+    """A `Family.writes` for a llama-family section with experts that `chosen` picks."""
+    def writes_(m, backbone):
+        if m.family != layout.MODEL_FAMILY or not m.num_experts:
+            return False
+        layout.check_writable(m)
+        if not chosen(m):
+            return False
+        if m.moe_capacity_factor:
+            raise PretrainedError(f"model.moe_capacity_factor={m.moe_capacity_factor}: "
+                                  f"transformers' {model_type} is dropless; export with "
+                                  "--set model.moe_capacity_factor=0.")
+        return True
+    return writes_
+
+
+def refuse(where: str, key: str, value, computes: str):
+    """Raises the PretrainedError of a config.json setting tfllm does not compute."""
+    raise PretrainedError(f"{where}: {key}={value!r} is not implemented (tfllm computes "
+                          f"{computes}); importing it would compute other logits.")
+
+
+def cannot(model_type: str, what: str):
+    """Raises the PretrainedError of a model section `model_type` cannot express."""
+    raise PretrainedError(f"transformers' {model_type} cannot express {what}; this mixture "
+                          "of experts has no transformers counterpart.")
+
+
+def common_in(c: dict, where: str) -> dict:
+    """The Llama-shaped part of tfllm's model section from a MoE config.json."""
+    rope = c.get("rope_parameters") or {"rope_type": "default",
+                                        "rope_theta": c.get("rope_theta", 10000.0)}
+    if not isinstance(rope, dict) or rope.get("rope_type", "default") != "default" \
+            or c.get("rope_scaling"):
+        raise PretrainedError(f"{where}: rope_parameters={rope!r}, rope_scaling="
+                              f"{c.get('rope_scaling')!r}: tfllm imports mixtures of experts "
+                              "with unscaled RoPE (rope_type default).")
+    for key, ok, what in (("hidden_act", lambda v: v in (None, "silu"), "a SiLU-gated MLP"),
+                          ("attention_bias", lambda v: not v, "no attention biases"),
+                          ("use_sliding_window", lambda v: not v, "full attention")):
+        if not ok(c.get(key)):
+            refuse(where, key, c.get(key), what)
+    heads = int(c["num_attention_heads"])
+    return {"family": layout.MODEL_FAMILY, "vocab_size": int(c["vocab_size"]),
+            "hidden_dim": int(c["hidden_size"]), "num_layers": int(c["num_hidden_layers"]),
+            "num_query_heads": heads,
+            "num_key_value_heads": int(c.get("num_key_value_heads") or heads),
+            "head_dim": int(c.get("head_dim") or 0),
+            "intermediate_dim": int(c["intermediate_size"]),
+            "norm_epsilon": float(c.get("rms_norm_eps", 1e-6)),
+            "rope_theta": float(rope.get("rope_theta", 10000.0)),
+            "tie_embeddings": bool(c.get("tie_word_embeddings", False)),
+            "use_bias": False, "qkv_bias": None,
+            "max_sequence_length": int(c.get("max_position_embeddings", 4096)),
+            "num_experts_per_tok": int(c["num_experts_per_tok"]),
+            "router_aux_loss_coef": float(c.get("router_aux_loss_coef", 0.001))}
+
+
+def config_in(read: Callable[[dict, str], dict]):
+    """A `Family.config_in` that turns a config.json's missing or ill-typed key into one
+    PretrainedError naming the file."""
+    def config_in_(c: dict, path: str) -> dict:
+        where = f"{path}/config.json"
+        try:
+            return read(c, where)
+        except (KeyError, TypeError, ValueError, AttributeError) as e:
+            if isinstance(e, PretrainedError):
+                raise
+            raise PretrainedError(f"{where}: not a {c.get('model_type')} config tfllm can "
+                                  f"read ({type(e).__name__}: {e}); the file is damaged or "
+                                  "incomplete.") from None
+    return config_in_
+
+
+#: LoRA names: the attention's projections and the dense layers' MLP (peft's target
+#: modules; expert projections are not LoRA targets in tfllm yet)
+LORA = layout.LORA
