@@ -39,7 +39,7 @@ ALL_KEYS = {
               "sample_tokens", "peer_timeout_s"],
     "checkpoint": ["every", "max_to_keep", "async_save", "on_corruption"],
     "lora": ["rank", "alpha", "dropout", "rslora", "targets"],
-    "dpo": ["loss", "beta", "label_smoothing", "rpo_alpha"],
+    "dpo": ["loss", "beta", "label_smoothing", "rpo_alpha", "precompute_reference"],
     "tracking": ["loggers", "run_name", "mlflow_uri", "mlflow_experiment", "wandb_project",
                  "wandb_entity", "wandb_mode"],
 }
