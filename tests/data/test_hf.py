@@ -6,6 +6,7 @@ per-client shards."""
 import dataclasses
 import json
 import os
+import sys
 
 import numpy as np
 import pytest
@@ -239,6 +240,13 @@ def test_bad_input_is_one_line(tmp_path):
     # a saved folder holding a link out of it
     os.symlink(tmp_path / "notes.txt", os.path.join(saved["hf_dataset"], "extra.json"))
     assert "outside" in _bad(tmp_path, **saved)
+
+
+def test_without_datasets_installed_the_line_names_the_extra(tmp_path, monkeypatch):
+    settings = _save({"text": make_docs(4)}, tmp_path, "parquet")
+    hf._LOADED.clear()
+    monkeypatch.setitem(sys.modules, "datasets", None)  # import fails
+    assert "pip install 'tfllm[hf-data]'" in _bad(tmp_path, **settings)
 
 
 def test_a_row_of_the_wrong_shape_names_its_row(tmp_path):

@@ -99,8 +99,8 @@ class Split:
         paths = self.files
         if not paths and os.path.isdir(os.path.expanduser(self.dataset)):
             folder = os.path.expanduser(self.dataset)
-            paths = tuple(os.path.join(d, n) for d, _, names in os.walk(folder)
-                          for n in sorted(names))
+            paths = tuple(sorted(os.path.join(d, n) for d, _, names in os.walk(folder)
+                                 for n in names))
         return (self, tuple((p, os.path.getsize(p), os.stat(p).st_mtime_ns) for p in paths))
 
 
