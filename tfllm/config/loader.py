@@ -317,7 +317,7 @@ def validate(cfg: schema.Config) -> None:
     if rope_only and m.family == "gpt":
         raise ConfigError(f"model.{rope_only[0]} is a setting of the llama and gemma3 "
                           "families; the gpt family has none: leave it 0.")
-    check_experts(m)
+    check_experts(m, cfg.lora)
     if m.sliding_window_pattern and not m.sliding_window:
         raise ConfigError(f"model.sliding_window_pattern={m.sliding_window_pattern} needs "
                           "model.sliding_window (the local layers' window), e.g. 4096.")
@@ -372,10 +372,17 @@ def validate(cfg: schema.Config) -> None:
     check_objective(cfg)
 
 
-def check_experts(m: schema.ModelConfig) -> None:
-    """Refuses a mixture-of-experts model section tfllm cannot build."""
+def check_experts(m: schema.ModelConfig, lora: schema.LoraConfig) -> None:
+    """Refuses a mixture-of-experts model section tfllm cannot build (or adapt)."""
     if not m.num_experts:
         return
+    mlp = ("gate_proj", "up_proj", "down_proj")
+    if lora.rank and (not lora.targets or any(t.split(".")[-1] in mlp
+                                              for t in lora.targets)):
+        raise ConfigError(f"lora.targets={lora.targets or '[] (every projection)'} with "
+                          f"model.num_experts={m.num_experts}: LoRA on the MLP projections "
+                          "of a mixture of experts is not implemented; adapt the attention: "
+                          "--set lora.targets=[q_proj,k_proj,v_proj,o_proj].")
     if m.family != "llama":
         raise ConfigError(f"model.num_experts={m.num_experts}: mixtures of experts are "
                           f"llama-family models (Qwen3-MoE, Mixtral); set model.family=llama "

@@ -7,6 +7,7 @@ above: it builds models).
 
 from __future__ import annotations
 
+import math
 from typing import Optional
 
 from tfllm.models.causal_lm import Block, CausalLM
@@ -23,6 +24,27 @@ def model_class(family: str):
     if family not in FAMILIES:
         raise ValueError(f"model.family: unknown family '{family}'; use one of {sorted(FAMILIES)}.")
     return FAMILIES[family]
+
+
+def check_experts_mesh(m, parallel) -> None:
+    """Refuses a mixture of experts on a mesh its dispatch cannot run on (ValueError).
+
+    The grouped dispatch's while loop carries a TensorList, which DTensor's SPMD
+    expansion cannot lay out. A sequence split over a mesh axis (data x fsdp: the rules'
+    activation_length) cannot be planned per sequence: DTensor fails to lay out the slot
+    buffers' gradient, and gathering the sequence first gave wrong gradients.
+    """
+    from tfllm.parallel.rules import sequence_axis
+    devices = math.prod(parallel.shape.values())
+    if devices > 1 and m.moe_dispatch == "grouped":
+        raise ValueError(f"model.moe_dispatch=grouped runs on one device only; on the mesh "
+                         f"{dict(parallel.shape)} use model.moe_dispatch=slots.")
+    axis = sequence_axis(devices, devices, parallel.rules, parallel.shape)
+    if axis is not None:
+        raise ValueError(f"mesh.axes {dict(parallel.shape)} splits each sequence over "
+                         f"'{axis}', which a mixture of experts' dispatch cannot plan; use "
+                         "data or fsdp alone for the batch (e.g. mesh.axes=fsdp=8 or "
+                         "data=2,model=4).")
 
 
 def build_model(config, parallel=None, seed: Optional[int] = None, model_cls=None,
@@ -52,6 +74,8 @@ def build_model(config, parallel=None, seed: Optional[int] = None, model_cls=Non
     if frozen:  # before the weights exist, as freeze_base
         for v in model.variables:
             v.trainable = False
+    if parallel is not None and config.model.num_experts:
+        check_experts_mesh(config.model, parallel)
     if parallel is not None:  # fail before allocating anything if a variable cannot be laid out
         try:
             for var in model.variables:

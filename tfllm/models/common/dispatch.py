@@ -154,14 +154,38 @@ def _with_zero_row(x):
     return tf.concat([x, tf.zeros_like(x[:, :1])], axis=1)
 
 
+# The two gathers' gradients are gathers too (written out below): TensorFlow's gradient of
+# a batch_dims gather is a scatter into the flattened (B * N) rows with offsets from the
+# tensor's shape, which on a batch-sharded DTensor is the global shape while the scatter
+# runs on each device's rows ("indices[511] = [1020] does not index into shape [128]"). A
+# gather by the plan's inverse map needs no offsets, and sums in a fixed order.
 def gather_rows(x, plan: Plan):
     """(B, T, D) -> (B, R, D): each computed row's token (zeros when empty)."""
-    return tf.gather(_with_zero_row(x), plan.row_token, batch_dims=1)
+    @tf.custom_gradient
+    def take(x):
+        def grad(dy):  # (B, R, D) -> (B, T, D): a token's rows are its k assignments'
+            picked = tf.gather(_with_zero_row(dy), plan.assignment_row, batch_dims=1)
+            return tf.reduce_sum(picked, axis=1)  # (B, k, T, D) -> (B, T, D)
+        return tf.gather(_with_zero_row(x), plan.row_token, batch_dims=1), grad
+    return take(x)
 
 
 def gather_back(out, plan: Plan, weights):
     """(B, R, D) computed rows -> (B, T, D): each token's k outputs (zeros when dropped)
     weighted by `weights` (B, T, k) and summed."""
-    picked = tf.gather(_with_zero_row(out), plan.assignment_row, batch_dims=1)  # (B,k,T,D)
+    @tf.custom_gradient
+    def take(out):
+        def grad(dy):  # (B, k, T, D) -> (B, R, D): row r holds assignment (t_r, j_r)
+            # For each row, its token's k gradients (B, k, R, D); the one whose assignment
+            # is this row is kept (an empty row's token is the zero row T: nothing).
+            at_token = tf.gather(_with_zero_row(tf.transpose(dy, [0, 2, 1, 3])),
+                                 plan.row_token, batch_dims=1)  # (B, R, k, D)
+            rows = tf.shape(plan.row_token)[1]
+            owner = tf.gather(_with_zero_row(tf.transpose(plan.assignment_row, [0, 2, 1])),
+                              plan.row_token, batch_dims=1)  # (B, R, k)
+            mine = tf.equal(owner, tf.range(rows)[None, :, None])
+            return tf.reduce_sum(at_token * tf.cast(mine, dy.dtype)[..., None], axis=2)
+        return tf.gather(_with_zero_row(out), plan.assignment_row, batch_dims=1), grad
+    picked = take(out)  # (B, k, T, D)
     w = tf.cast(tf.transpose(weights, [0, 2, 1]), out.dtype)  # (B, k, T)
     return tf.einsum("bktd,bkt->btd", picked, w)

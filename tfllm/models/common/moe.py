@@ -151,6 +151,16 @@ def router_z_loss(stats: Sequence[RouterStats]) -> tf.Tensor:
     return tf.add_n([s.z_sum / s.num_tokens for s in stats]) / len(stats)
 
 
+def _top_k(x, k: int):
+    """tf.math.top_k whose values differentiate by a one-hot product, not top_k's gradient:
+    that is a scatter into the flattened input with offsets from its shape, which on a
+    batch-sharded DTensor is the global shape while each device holds its own rows (out
+    of range). x * 1 + 0 * the others: the same values bit for bit."""
+    _, experts = tf.math.top_k(tf.stop_gradient(x), k)  # (..., k)
+    pick = tf.one_hot(experts, x.shape[-1], dtype=x.dtype)  # (..., k, E)
+    return tf.reduce_sum(pick * x[..., None, :], axis=-1), experts
+
+
 def route(logits, top_k: int, routing: str, normalize_top_k: bool = True):
     """Routing weights and experts of each token.
 
@@ -164,9 +174,9 @@ def route(logits, top_k: int, routing: str, normalize_top_k: bool = True):
       (weights (..., k) float32, experts (..., k) int32), largest weight first.
     """
     if routing == "topk_then_softmax":
-        values, experts = tf.math.top_k(logits, top_k)
+        values, experts = _top_k(logits, top_k)
         return tf.nn.softmax(values, axis=-1), experts
-    values, experts = tf.math.top_k(tf.nn.softmax(logits, axis=-1), top_k)
+    values, experts = _top_k(tf.nn.softmax(logits, axis=-1), top_k)
     if normalize_top_k:
         values = values / tf.reduce_sum(values, axis=-1, keepdims=True)
     return values, experts
