@@ -395,6 +395,9 @@ def check_host(config, gpus, clients: int):
         return "skipped", "memory: not checked (train.memory_check=false)"
     if not gpus:
         return "skipped", "memory: no GPU"
+    if config.model.num_experts:  # `estimate` counts a dense MLP
+        return "warning", ("memory: not checked: tfllm's memory model does not count "
+                           "mixtures of experts yet (model.num_experts)")
     target = target_for_gpu(gpus[0].name)
     if target is None:
         return "warning", (f"memory: tfllm has no memory model of {gpus[0].name}; "

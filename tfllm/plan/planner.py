@@ -224,6 +224,11 @@ def plan(config, target_name: str = "h100", layers: str = "auto", devices=None,
         process, about a minute on 2 cores); "assumed" uses the layout's formula only.
     """
     from tfllm.plan import sharded
+    if config.model.num_experts:
+        raise PlanError(f"model.num_experts={config.model.num_experts}: tfllm plan does not "
+                        "model mixtures of experts yet (its per-device shapes, memory and "
+                        "collectives count a dense MLP); train on a small mesh and read "
+                        "costs.json instead.")
     target = get_target(target_name)
     try:
         local, mesh_note = sharded.per_device_config(config, devices)
