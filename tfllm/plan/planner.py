@@ -415,7 +415,9 @@ def format_plan(p: dict) -> str:
         *([("  block buffers", f"{_gib(m['block_buffers'])} (compiled: one block's "
             f"program, {_gib(m['block_program']['weights'])} gathered weights of it and "
             f"its neighbour + {_gib(m['block_program']['gradients'])} float32 "
-            f"gradients; modelled: {_gib(m['gather_buffers'])})"),
+            f"gradients; modelled: {_gib(m['gather_buffers'])}"
+            + (f", at {m['gather_detail']['unit']}, larger than a block: counted)"
+               if "block_buffers_counted" in m else ")")),
            ("  one block's backward", f"{_gib(m['block_program']['recompute'])} of "
             f"temporaries (compiled, remat={m['block_program']['remat']}, in the step's "
             f"temporaries above; modelled: "
