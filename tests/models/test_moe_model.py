@@ -148,7 +148,7 @@ def test_experts_lay_out_like_the_dense_mlp_on_a_mesh():
     """Replicated over the experts axis (no expert parallelism yet), embed over fsdp and
     mlp over model, as the dense MLP's kernels."""
     from tfllm.parallel import make_parallel
-    cfg = _config(**{"mesh.axes": "data=2,fsdp=2,model=2"})
+    cfg = _config(**{"mesh.axes": "fsdp=4,model=2"})
     parallel = make_parallel(cfg.mesh, cfg.model, cfg.optimizer)
     model = build_model(cfg, parallel, allocate=False)
     specs = {v.path: parallel.variable_spec(v) for v in model.variables}
