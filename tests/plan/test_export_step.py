@@ -113,3 +113,35 @@ def test_the_gpu_script_times_every_prepared_step_in_one_command(tmp_path):
     assert (out / "tiny" / "step.optimized.cpu.hlo.txt").exists()
     assert any((out / "tiny" / "profile").rglob("*.xplane.pb"))
     assert "jax" in (out / "machine.txt").read_text()
+
+
+@pytest.mark.parametrize("lora,precompute", [(0, False), (4, False), (0, True)])
+def test_a_dpo_step_is_exported_as_tfllm_train_runs_it(tmp_path, lora, precompute):
+    """train.objective=dpo: each micro-batch is its pairs' 2M rows (tokens, segment ids,
+    loss mask; the stored reference log-probabilities too under precompute_reference),
+    and full fine-tuning's frozen reference copy is a read-only parameter of the
+    program (what `tfllm plan` then counts in the memory), never an updated one."""
+    cfg = tiny_config("llama", **{"train.objective": "dpo", "data.format": "preference",
+                                  "lora.rank": lora, "dpo.precompute_reference": precompute})
+    desc = export_step(cfg, str(tmp_path))
+    batch = [p for p in desc["params"] if p["role"] == "batch"]
+    rows = 2 * cfg.train.global_batch_size // cfg.train.grad_accum_steps
+    shape = [rows, cfg.data.sequence_length + 1]
+    parts = 4 if precompute else 3
+    assert len(batch) == parts * cfg.train.grad_accum_steps
+    assert [p["shape"] for p in batch] == ([shape] * 3 + [[rows]] * (parts - 3)) * \
+        cfg.train.grad_accum_steps
+    reference = [p for p in desc["params"] if p["role"] == "reference"]
+    weights = [p for p in desc["params"] if p["role"] == "weight"]
+    if lora or precompute:  # adapters off, or the stored values: no copy
+        assert reference == []
+    else:
+        assert sorted(p["shape"] for p in reference) == sorted(p["shape"] for p in weights)
+        assert all(p["name"].startswith("reference/") for p in reference)
+    frozen = [p for p in desc["params"] if p["role"] == "frozen_weight"]
+    assert bool(frozen) == bool(lora)  # LoRA's base weights, read only
+    updated = {o["param"] for o in desc["outputs"] if o["role"] == "update"}
+    assert not updated & {i for i, p in enumerate(desc["params"])
+                          if p["role"] in ("reference", "frozen_weight")}
+    assert desc["tokens_per_step"] == 2 * cfg.train.global_batch_size * \
+        cfg.data.sequence_length

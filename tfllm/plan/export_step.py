@@ -41,6 +41,24 @@ def _entry_signature(hlo_text: str):
     return types(params_text), types(out_text)
 
 
+def synthetic_batch(config, data: SyntheticTokens):
+    """A step's input of the config's shapes from synthetic tokens: (A, M, T+1) tokens, or
+    for `train.objective=dpo` each micro-batch's (tokens, segment ids, loss mask) of its
+    2M rows (pair p in rows 2p and 2p+1, the second half of every row trained), with the
+    stored reference log-probabilities as a fourth part under
+    `dpo.precompute_reference` (the step `tfllm train` compiles for preference data)."""
+    t = config.train
+    if t.objective != "dpo":
+        return feed.to_device(None, data.batch(0, t.global_batch_size, t.grad_accum_steps))
+    tokens = data.batch(0, 2 * t.global_batch_size, t.grad_accum_steps)
+    segments = np.ones_like(tokens)
+    mask = np.zeros_like(tokens)
+    mask[..., tokens.shape[-1] // 2:] = 1
+    reference = (np.zeros(tokens.shape[:2], np.float32)
+                 if config.dpo.precompute_reference else None)
+    return feed.to_device(None, tokens, segments, mask, reference)
+
+
 def export_step(config, out_dir: str, check: bool = False, portable: bool = True) -> dict:
     """Writes the step's HLO and description to `out_dir` (the root of these writes: made
     when missing); returns the description. `portable`: also write step.jax (where the
@@ -52,7 +70,8 @@ def export_step(config, out_dir: str, check: bool = False, portable: bool = True
     t = config.train
     data = SyntheticTokens(config.model.vocab_size, config.data.sequence_length + 1,
                            config.data.seed)
-    batch = feed.to_device(None, data.batch(0, t.global_batch_size, t.grad_accum_steps))
+    batch = synthetic_batch(config, data)
+    flat = tf.nest.flatten(batch)  # a micro-batch is one tensor, or a tuple of its parts
     limit = feed.place(None, np.float32(float("inf")), ())
     ir = step.compiled.experimental_get_compiler_ir(batch, limit)
     hlo_bytes, hlo_text = ir(stage="hlo_serialized"), ir(stage="hlo")
@@ -60,20 +79,24 @@ def export_step(config, out_dir: str, check: bool = False, portable: bool = True
 
     # The names a checkpoint gives the same variables; the role says what each one is.
     ref = lambda var: tf_variable(var).handle.ref()  # noqa: E731
-    roles = {ref(v): "weight" for v in model.trainable_variables}
+    # LoRA's base weights: read, never updated
+    roles = {ref(v): "frozen_weight" for v in model.non_trainable_variables}
+    roles.update({ref(v): "weight" for v in model.trainable_variables})
     roles.update({ref(v): "fp8_state" for v in model.fp8_state_variables()})
     roles[ref(optimizer.iterations)] = "step"
     roles[ref(step.skipped)] = "counter"
     for _, m, s in optimizer.states:
         roles[ref(m)] = roles[ref(s)] = "optimizer_state"
+    if state.reference is not None:  # DPO's frozen copy (full fine-tuning): read only
+        roles.update({ref(v): "reference" for v in state.reference.weights})
     by_handle = {}
     for name, var in run_state_variables(model, optimizer, state.loss_scale,
-                                         step.skipped).items():
+                                         step.skipped, reference=state.reference).items():
         if ref(var) in roles:
             by_handle[ref(var)] = (roles[ref(var)], name, tf_variable(var, name))
 
     params = [{"role": "batch", "name": f"tokens/{i}", "shape": list(b.shape),
-               "dtype": b.dtype.name} for i, b in enumerate(batch)]
+               "dtype": b.dtype.name} for i, b in enumerate(flat)]
     params.append({"role": "loss_limit", "name": "loss_limit", "shape": [],
                    "dtype": "float32"})
     written, captured = [], []
@@ -86,7 +109,8 @@ def export_step(config, out_dir: str, check: bool = False, portable: bool = True
         captured.append(var)
         params.append({"role": role, "name": name, "shape": list(var.shape),
                        "dtype": var.dtype.name})
-        written.append(len(params) - 1)
+        if role not in ("reference", "frozen_weight"):  # read only; the rest updated
+            written.append(len(params) - 1)
     hlo_params, hlo_outputs = _entry_signature(hlo_text)
     if len(hlo_params) != len(params):
         raise RuntimeError(f"export-step: HLO has {len(hlo_params)} parameters, the step "
@@ -97,7 +121,9 @@ def export_step(config, out_dir: str, check: bool = False, portable: bool = True
     if len(hlo_outputs) != len(outputs):
         raise RuntimeError(f"export-step: HLO returns {len(hlo_outputs)} values, expected "
                            f"{len(outputs)} (metrics + updated variables).")
-    tokens_per_step = t.global_batch_size * config.data.sequence_length
+    # rows the step trains on: a preference pair is two (chosen, rejected)
+    rows = t.global_batch_size * (2 if t.objective == "dpo" else 1)
+    tokens_per_step = rows * config.data.sequence_length
     description = {
         "config": {"family": config.model.family, "policy": config.precision.policy,
                    "global_batch_size": t.global_batch_size,
@@ -126,12 +152,12 @@ def export_step(config, out_dir: str, check: bool = False, portable: bool = True
         files.write_atomically(out_dir, "step.jax", artefact)
     files.write_atomically(out_dir, "step.json", json.dumps(description, indent=1))
     if check:  # one step's inputs and TensorFlow's results, for the runner to match
-        inputs = ([b.numpy() for b in batch] + [limit.numpy()]
+        inputs = ([b.numpy() for b in flat] + [limit.numpy()]
                   + [var.numpy() for var in captured])
         result = step.compiled(batch, limit)
         arrays = {f"input/{i}": x for i, x in enumerate(inputs)}
         arrays.update({f"metric/{k}": np.asarray(v) for k, v in result.items()})
-        arrays.update({f"update/{i}": captured[i - len(batch) - 1].numpy() for i in written})
+        arrays.update({f"update/{i}": captured[i - len(flat) - 1].numpy() for i in written})
         archive = io.BytesIO()
         np.savez(archive, **arrays)
         files.write_atomically(out_dir, "check.npz", archive.getvalue())
