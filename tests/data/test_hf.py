@@ -157,6 +157,47 @@ def test_a_hub_dataset_is_read_from_the_cache_offline(tmp_path, monkeypatch):
     assert "\n" not in str(e.value)
 
 
+def _cache_as_hub_dataset(tmp_path, docs, name):
+    """`docs` in `datasets`' own cache (the fixture's HF_DATASETS_CACHE) as the hub
+    dataset `name` ("user/set"), as an earlier online `load_dataset(name)` leaves it:
+    prepared by the parquet builder, then stored under the hub name's folder
+    (`user___set/default/0.0.0/<hash>`, arrow files named after the set), which is where
+    datasets' offline cache module looks (datasets 5.2)."""
+    import glob
+    import shutil
+    cache = datasets.config.HF_DATASETS_CACHE
+    path = str(tmp_path / "upload.parquet")
+    datasets.Dataset.from_dict({"text": docs}).to_parquet(path)
+    datasets.load_dataset("parquet", data_files={"train": path}, cache_dir=cache)
+    built = [p for p in glob.glob(os.path.join(cache, "parquet", "*", "*", "*"))
+             if os.path.isdir(p)]
+    assert len(built) == 1
+    user, dataset = name.split("/")
+    target = os.path.join(cache, f"{user}___{dataset}", "default", "0.0.0",
+                          os.path.basename(built[0]))
+    shutil.copytree(built[0], target)
+    for arrow in glob.glob(os.path.join(target, "parquet-*")):
+        os.rename(arrow, arrow.replace("parquet-", f"{dataset}-"))
+    with open(os.path.join(target, "dataset_info.json")) as f:
+        info = json.load(f)
+    info.update(dataset_name=dataset, config_name="default")
+    with open(os.path.join(target, "dataset_info.json"), "w") as f:
+        json.dump(info, f)
+
+
+def test_a_cached_hub_dataset_reads_offline_as_its_files_do(tmp_path):
+    """data.hf_dataset=user/set, offline, from what an earlier download left in the cache:
+    the same batches, token for token, as the set's rows given as a parquet file."""
+    config = text_config(tmp_path, validation_fraction=0.0)
+    docs = make_docs(24)
+    _cache_as_hub_dataset(tmp_path, docs, "someone/tiny-set")
+    hub = dataclasses.replace(config.data, source="hf", paths=[], eval_paths=[],
+                              hf_dataset="someone/tiny-set")
+    files = _hf(config, tmp_path, "parquet", docs)
+    kw = dict(micro_batches=2, micro_batch_rows=2)
+    _equal(_take(Batches(files, BYTES, **kw), 12), _take(Batches(hub, BYTES, **kw), 12))
+
+
 # ---- chat and prompt-completion columns: the JSONL path's tokens ------------------------------
 def _jsonl_rows(path):
     with open(path) as f:
