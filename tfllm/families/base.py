@@ -245,3 +245,20 @@ def rope_parameters(m) -> dict:
         raise PretrainedError(f"model.rope_scaling={m.rope_scaling!r} has no transformers "
                               "counterpart tfllm writes (none, linear, llama3).")
     return rope
+
+
+def config_reader(read: Callable[[dict, str], dict], kind: Optional[str] = None):
+    """A `Family.config_in` from `read(config, where)` (where: the config.json's path):
+    a missing or ill-typed key becomes one PretrainedError naming the file; `kind` names
+    the config in it (default: its model_type)."""
+    def config_in(c: dict, path: str) -> dict:
+        where = f"{path}/config.json"
+        try:
+            return read(c, where)
+        except (KeyError, TypeError, ValueError, AttributeError) as e:
+            if isinstance(e, PretrainedError):
+                raise
+            raise PretrainedError(f"{where}: not a {kind or c.get('model_type')} config "
+                                  f"tfllm can read ({type(e).__name__}: {e}); the file is "
+                                  "damaged or incomplete.") from None
+    return config_in

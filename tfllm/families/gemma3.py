@@ -15,7 +15,7 @@ from typing import Dict, List, Optional
 from tfllm.families import llama_layout as layout
 from tfllm.families.base import (DEFAULT_MAX_LENGTH, Backbone, Family, Permuted,
                                  PretrainedError, Tensor, head_dim, layer_kinds,
-                                 rope_parameters, same)
+                                 config_reader, rope_parameters, same)
 
 MODEL_TYPE = "gemma3_text"
 MODEL_FAMILY = "gemma3"
@@ -54,23 +54,11 @@ def _rope_global(rope: dict, path: str, key: str, shown) -> dict:
                   "and llama3 on global layers")
 
 
-def _config_in(c: dict, path: str) -> dict:
+def _config_in_of(c: dict, where: str) -> dict:
     """tfllm's model section of a transformers Gemma 3 text config.json, in the
     transformers 5 layout (rope_parameters per layer type, layer_types) or the
     transformers 4 one (rope_theta, rope_local_base_freq, rope_scaling,
     sliding_window_pattern)."""
-    try:
-        return _config_in_of(c, path)
-    except (KeyError, TypeError, ValueError, AttributeError) as e:
-        if isinstance(e, PretrainedError):
-            raise
-        raise PretrainedError(f"{path}/config.json: not a Gemma 3 text config tfllm can "
-                              f"read ({type(e).__name__}: {e}); the file is damaged or "
-                              "incomplete.") from None
-
-
-def _config_in_of(c: dict, path: str) -> dict:
-    where = f"{path}/config.json"
     if c.get("model_type") != "gemma3_text":
         raise PretrainedError(f"{where}: model_type {c.get('model_type')!r} (Gemma 3 with its "
                               "vision tower); tfllm imports Gemma 3 text models "
@@ -329,4 +317,4 @@ FAMILY = Family(
                         "of 4B+: local/global layers, query/key norms, GeGLU)", _fields,
                         _kwargs, _weight_map, _KEYS),),
     default_backbone=lambda m: BACKBONE if m.family == MODEL_FAMILY else None,
-    config_in=_config_in)
+    config_in=config_reader(_config_in_of, "Gemma 3 text"))

@@ -168,20 +168,6 @@ def common_in(c: dict, where: str) -> dict:
             "router_aux_loss_coef": float(c.get("router_aux_loss_coef", 0.001))}
 
 
-def config_in(read: Callable[[dict, str], dict]):
-    """A `Family.config_in` that turns a config.json's missing or ill-typed key into one
-    PretrainedError naming the file."""
-    def config_in_(c: dict, path: str) -> dict:
-        where = f"{path}/config.json"
-        try:
-            return read(c, where)
-        except (KeyError, TypeError, ValueError, AttributeError) as e:
-            if isinstance(e, PretrainedError):
-                raise
-            raise PretrainedError(f"{where}: not a {c.get('model_type')} config tfllm can "
-                                  f"read ({type(e).__name__}: {e}); the file is damaged or "
-                                  "incomplete.") from None
-    return config_in_
 
 
 #: LoRA names: the attention's projections and the dense layers' MLP (peft's target

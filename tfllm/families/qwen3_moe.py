@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from tfllm.families import llama_layout as layout
 from tfllm.families import moe_layout as moe
-from tfllm.families.base import Family
+from tfllm.families.base import Family, config_reader
 
 MODEL_TYPE = "qwen3_moe"
 ARCHITECTURE = "Qwen3MoeForCausalLM"
@@ -53,5 +53,5 @@ FAMILY = Family(
     writes=moe.writes(MODEL_TYPE, _chosen), config_out=_config_out,
     tensors=moe.tensors_of(moe.QWEN3_MOE_NAMES, qk_norm=True), lora=moe.LORA,
     keras_hub=(), default_backbone=lambda m: None,
-    config_in=moe.config_in(_read),
+    config_in=config_reader(_read),
     tensors_in=moe.tensors_in(moe.QWEN3_MOE_NAMES, qk_norm=True))
