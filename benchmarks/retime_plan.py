@@ -11,6 +11,7 @@ it prints one line per plan (before -> after).
 """
 
 import argparse
+import copy
 import datetime
 import json
 import os
@@ -19,23 +20,12 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from tfllm.compiler.targets import get_target  # noqa: E402
-from tfllm.plan import timing  # noqa: E402
+from tfllm.plan import planner  # noqa: E402
 
 
 def retime(plan: dict) -> dict:
-    """The plan with today's step time, MFU and tokens/s."""
-    target = get_target(plan["target"])
-    out = dict(plan)
-    t = timing.step_time(plan, target, plan.get("clusters", 1), plan.get("collective_count"))
-    out["step_time"] = t
-    out["roofline_step_s"] = plan["roofline_s"] + timing.exposed_collective_seconds(
-        plan.get("collective_s", 0.0), plan["roofline_s"], plan.get("blocks", 0),
-        plan.get("overlappable", False))
-    out["estimated_step_s"] = t["step_s"]
-    out["estimated_tokens_per_s"] = (plan["tokens_per_step"] * plan.get("batch_shards", 1)
-                                     / t["step_s"])
-    out["estimated_mfu"] = plan["model_flops"] / (t["step_s"] * target.bf16_flops)
-    return out
+    """The plan with today's step time, roofline lower bound, MFU and tokens/s."""
+    return planner.estimate_time(copy.deepcopy(plan), get_target(plan["target"]))
 
 
 def main(argv=None) -> int:

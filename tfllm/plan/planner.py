@@ -323,15 +323,10 @@ def figure_sources(result: dict) -> dict:
     return out
 
 
-def finish(result: dict, config, target: Target, method: str) -> dict:
-    """Adds the device's fit, the roofline estimate and identification."""
-    mem = result["memory"]
-    mem["device"] = target.device_memory_bytes
-    # TensorFlow leaves mesh.gpu_memory_reserve_mb outside its pool (NCCL, cuBLAS)
-    mem["reserve"] = config.mesh.gpu_memory_reserve_mb * 2 ** 20
-    mem["usable"] = mem["device"] - mem["reserve"]
-    mem["margin"] = mem["usable"] - mem["total"]
-    mem["fits"] = mem["margin"] >= 0
+def estimate_time(result: dict, target: Target) -> dict:
+    """Sets the plan's roofline lower bound, step-time estimate, tokens/s and MFU from
+    what it compiled and measured (pure arithmetic: `benchmarks/retime_plan.py` re-times
+    stored plans with it); returns `result`."""
     # the roofline lower bound as before, then the estimate with named factors
     # (the collectives the blocks' prefetch cannot hide behind even the roofline compute)
     result["roofline_step_s"] = result["roofline_s"] + timing.exposed_collective_seconds(
@@ -346,6 +341,19 @@ def finish(result: dict, config, target: Target, method: str) -> dict:
     result["estimated_tokens_per_s"] = (result["tokens_per_step"]
                                         * result.get("batch_shards", 1) / step_s)
     result["estimated_mfu"] = result["model_flops"] / (step_s * target.bf16_flops)
+    return result
+
+
+def finish(result: dict, config, target: Target, method: str) -> dict:
+    """Adds the device's fit, the roofline estimate and identification."""
+    mem = result["memory"]
+    mem["device"] = target.device_memory_bytes
+    # TensorFlow leaves mesh.gpu_memory_reserve_mb outside its pool (NCCL, cuBLAS)
+    mem["reserve"] = config.mesh.gpu_memory_reserve_mb * 2 ** 20
+    mem["usable"] = mem["device"] - mem["reserve"]
+    mem["margin"] = mem["usable"] - mem["total"]
+    mem["fits"] = mem["margin"] >= 0
+    estimate_time(result, target)
     result.update({
         "target": target.name, "device": target.description,
         "peaks": {"bf16_flops": target.bf16_flops, "fp8_flops": target.fp8_flops,
