@@ -22,7 +22,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import sys
 import tempfile
 import time
@@ -35,6 +34,7 @@ from tfllm.compiler.targets import get_target
 from tfllm.models.common.attention import Attention, AttentionSettings
 from tfllm.models.common.flash import blocks
 from tfllm.plan.planner import compile_in_child
+from host_info import cpu_name  # noqa: E402  (benchmarks/host_info.py)
 
 LENGTH, HEADS, HEAD_DIM = 4096, 32, 128
 # key/value heads:tile (0: standard attention)[:p (masks from positions)]
@@ -109,15 +109,6 @@ def measure(kv_heads: int, block: int, target, work: str, positions: bool = Fals
             "top_kernels": sliced["top_kernels"][:5]}
 
 
-def cpu_name() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown"
 
 
 def table(rows) -> list:

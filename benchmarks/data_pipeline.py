@@ -21,6 +21,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+from host_info import cpu_name  # noqa: E402  (benchmarks/host_info.py)
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
@@ -56,15 +57,6 @@ def _one_run(corpus, rows, mode):
                       "first_batch_s": first_at - built, "next_20_s": done - first_at}))
 
 
-def _cpu_name():
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
 
 
 def _write_corpus(folder, files):
@@ -111,7 +103,7 @@ def main():
     import tensorflow as tf
     result = {"benchmark": "benchmarks/data_pipeline.py",
               "date": datetime.date.today().isoformat(), "rounds": args.rounds,
-              "files": args.files, "cpu": _cpu_name(),
+              "files": args.files, "cpu": cpu_name(),
               "cores": os.cpu_count(), "python": platform.python_version(),
               "tensorflow": tf.__version__, "medians": table}
     for row in table:

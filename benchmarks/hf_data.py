@@ -26,6 +26,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+from host_info import cpu_name  # noqa: E402  (benchmarks/host_info.py)
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
@@ -72,15 +73,6 @@ def _one_run(corpus, source, args):
                           first["tokens"].tobytes()).hexdigest()}))
 
 
-def _cpu_name():
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
 
 
 def _write_corpus(folder, docs):
@@ -148,7 +140,7 @@ def main():
               "date": datetime.date.today().isoformat(), "rounds": args.rounds,
               "docs": args.docs, "text_bytes": text_bytes, "rows": args.rows,
               "sequence_length": args.sequence_length, "batches": args.batches,
-              "tokenizer": args.tokenizer, "cpu": _cpu_name(), "cores": os.cpu_count(),
+              "tokenizer": args.tokenizer, "cpu": cpu_name(), "cores": os.cpu_count(),
               "python": platform.python_version(), "tensorflow": tf.__version__,
               "datasets": datasets.__version__, "medians": medians}
     for source, m in medians.items():

@@ -22,7 +22,6 @@ Usage: python benchmarks/moe_dispatch.py [--rounds 3] [--steps 3]  (about 2 minu
 import argparse
 import json
 import os
-import platform
 import statistics
 import sys
 import time
@@ -39,6 +38,7 @@ from tfllm.models.common.mlp import GatedMLP  # noqa: E402
 from tfllm.models.common.dispatch import (expert_capacity, gather_back,  # noqa: E402
                                           gather_rows, num_tiles, plan_slots)
 from tfllm.models.common.moe import MoeMLP, route  # noqa: E402
+from host_info import cpu_name  # noqa: E402  (benchmarks/host_info.py)
 
 TILE = 32
 
@@ -47,15 +47,6 @@ SHAPES = (("mixtral-like E=8 k=2", 4, 256, 256, 256, 8, 2),
           ("qwen3-moe-like E=32 k=4", 4, 256, 256, 128, 32, 4))
 
 
-def _cpu_name():
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown"
 
 
 def _variants(d, f, e, k):
@@ -124,7 +115,7 @@ def main():
             "runs_s": times,
         }
         print(name, json.dumps(summary[name]), flush=True)
-    summary["_meta"] = {"rounds": args.rounds, "steps": args.steps, "cpu": _cpu_name(),
+    summary["_meta"] = {"rounds": args.rounds, "steps": args.steps, "cpu": cpu_name(),
                         "cores": os.cpu_count(), "tensorflow": tf.__version__,
                         "date": time.strftime("%Y-%m-%d")}
     os.makedirs(os.path.join(HERE, "results"), exist_ok=True)
