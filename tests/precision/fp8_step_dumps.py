@@ -3,7 +3,8 @@
     XLA_FLAGS="--xla_dump_to=DIR/all --xla_dump_hlo_as_text" \
         python -m tests.precision.fp8_step_dumps DIR CASES_JSON
 
-CASES_JSON maps a case name to [mesh axes or null (no mesh), recipe, remat]. XLA writes
+CASES_JSON maps a case name to [mesh axes or null (no mesh), recipe, remat] and, optionally,
+more config settings (a mixture of experts' model section). XLA writes
 every module it compiles into one directory per process; after each case's step the
 modules written since the previous case are moved into DIR/<case>. DIR/cases.json then
 gives, per case, the devices that compiled the step and the model's FP8 projections.
@@ -23,12 +24,12 @@ from tfllm.parallel import make_parallel
 from tfllm.train.state import build_train_state
 
 
-def run_case(axes, recipe, remat) -> dict:
+def run_case(axes, recipe, remat, extra=None) -> dict:
     # One block: 7 FP8 projections are enough to see every kind of GEMM, at half the
     # compile time of the usual two.
     cfg = tiny_config("llama", axes or "data=1", **{
         "precision.policy": "fp8", "precision.fp8_recipe": recipe, "model.remat": remat,
-        "model.num_layers": 1, "train.jit_compile": "true"})
+        "model.num_layers": 1, "train.jit_compile": "true", **(extra or {})})
     parallel = make_parallel(cfg.mesh, cfg.model, cfg.optimizer) if axes else None
     step = build_train_state(cfg, parallel, jit_compile=True).step
     data = SyntheticTokens(cfg.model.vocab_size, cfg.data.sequence_length + 1, seed=3)
@@ -42,8 +43,8 @@ def run_case(axes, recipe, remat) -> dict:
 def main(out_dir: str, cases_json: str) -> None:
     dump = os.path.join(out_dir, "all")
     summary = {}
-    for name, (axes, recipe, remat) in json.loads(cases_json).items():
-        summary[name] = run_case(axes, recipe, remat)
+    for name, case in json.loads(cases_json).items():
+        summary[name] = run_case(*case)
         os.makedirs(os.path.join(out_dir, name))
         for path in glob.glob(os.path.join(dump, "*")):
             shutil.move(path, os.path.join(out_dir, name))

@@ -22,7 +22,7 @@ from tfllm.compiler.fp8_hlo import dump_fp8_dot_counts
 from tests.harness import LONG_TF_HANG_S, ROOT
 
 E4M3, E5M2 = "f8e4m3fn", "f8e5m2"
-# name: (mesh axes, None without a mesh; recipe; remat)
+# name: (mesh axes, None without a mesh; recipe; remat[; more settings])
 CASES = {
     "no_mesh": (None, "delayed", "none"),
     "data2_model2_delayed": ("data=2,model=2", "delayed", "none"),
@@ -34,6 +34,12 @@ CASES = {
     # CSE works inside each device's cluster, whatever the device count: fsdp=2 shows it
     # as fsdp=8 did, for 52 CPU seconds of compilation instead of 148.
     "fsdp2_current_remat_full": ("fsdp=2", "current", "full"),
+    # One sparse block (4 experts, top 2): its gate, up and down are batched einsums over
+    # the experts' slots (E, C); on an FSDP mesh their kernels are gathered as E4M3 bytes
+    # like a dense MLP's. The router's dot stays bf16 (not an FP8 projection).
+    "moe_fsdp2_delayed": ("fsdp=2", "delayed", "none", {
+        "model.num_experts": 4, "model.num_experts_per_tok": 2,
+        "model.moe_intermediate_dim": 32, "model.mlp_only_layers": "[]"}),
 }
 TIMEOUT_S = LONG_TF_HANG_S  # bounds a hang only: one process, three cases (83 s under -n 2)
 # CPU code generation at LLVM -O0: the HLO read here is XLA's input, which this does not
@@ -61,7 +67,8 @@ def dumps(tmp_path_factory):
 def test_each_fp8_projection_has_three_fp8_gemms_per_device(dumps, case):
     out, cases = dumps
     projections, devices = cases[case]["projections"], cases[case]["devices"]
-    assert projections == 7  # q, k, v, output, gate, up, down of the one block
+    # q, k, v, output, gate, up, down of the one block (the experts' for the MoE case)
+    assert projections == 7
     counts = dump_fp8_dot_counts(str(out / case), devices=devices)
     assert counts["modules"] >= devices, counts  # XLA really compiled the step
     forward = counts["pairs"].get(f"{E4M3} x {E4M3}", 0)

@@ -317,7 +317,7 @@ def validate(cfg: schema.Config) -> None:
     if rope_only and m.family == "gpt":
         raise ConfigError(f"model.{rope_only[0]} is a setting of the llama and gemma3 "
                           "families; the gpt family has none: leave it 0.")
-    check_experts(m, cfg.lora)
+    check_experts(m, cfg.lora, cfg.precision)
     if m.sliding_window_pattern and not m.sliding_window:
         raise ConfigError(f"model.sliding_window_pattern={m.sliding_window_pattern} needs "
                           "model.sliding_window (the local layers' window), e.g. 4096.")
@@ -372,10 +372,21 @@ def validate(cfg: schema.Config) -> None:
     check_objective(cfg)
 
 
-def check_experts(m: schema.ModelConfig, lora: schema.LoraConfig) -> None:
+def check_experts(m: schema.ModelConfig, lora: schema.LoraConfig,
+                  precision: Optional[schema.PrecisionConfig] = None) -> None:
     """Refuses a mixture-of-experts model section tfllm cannot build (or adapt)."""
     if not m.num_experts:
         return
+    if precision is not None and precision.policy == "fp8" and m.moe_dispatch == "grouped":
+        # the expert kernels of the sparse layers (the rule of families.base.is_moe_layer)
+        paths = [f"block_{i}/mlp/{name}" for i in range(m.num_layers)
+                 if (i + 1) % m.decoder_sparse_step == 0 and i not in m.mlp_only_layers
+                 for name in ("gate", "up", "down")]
+        if any(not any(e in p for e in precision.fp8_exclude) for p in paths):
+            raise ConfigError("precision.policy=fp8 with model.moe_dispatch=grouped: FP8 "
+                              "expert GEMMs need the slots dispatch (the grouped matmul has "
+                              "no FP8 form); set model.moe_dispatch=slots, or keep the MLPs "
+                              "in bf16 with precision.fp8_exclude=[mlp].")
     mlp = ("gate_proj", "up_proj", "down_proj")
     if lora.rank and (not lora.targets or any(t.split(".")[-1] in mlp
                                               for t in lora.targets)):

@@ -208,7 +208,11 @@ class MoeMLP(keras.layers.Layer):
       activation: the experts' gated activation (see `GATED_ACTIVATIONS`).
       init_std: init of the router, gate and up.
       output_init_std: init of down (scaled for depth).
-      fp8: FP8 expert GEMMs are not implemented; must be None.
+      fp8: `Fp8Settings` to run the expert GEMMs (gate, up, down; and the shared
+        expert's) in FP8 with `dispatch="slots"`, or None. The router stays in the
+        compute dtype: its k-of-E choice is a comparison of logits that FP8's 3
+        mantissa bits would flip for near ties.
+      fp8_path: this layer's path for `fp8.exclude` (e.g. "block_1/mlp").
     """
 
     def __init__(self, hidden_dim: int, intermediate_dim: int, num_experts: int,
@@ -217,7 +221,8 @@ class MoeMLP(keras.layers.Layer):
                  dispatch: str = "slots", tile: int = 64,
                  router_jitter: float = 0.0, shared_intermediate_dim: Optional[int] = None,
                  activation: str = "silu", init_std: float = 0.02,
-                 output_init_std: float = 0.02, fp8=None, **kwargs):
+                 output_init_std: float = 0.02, fp8=None, fp8_path: str = "mlp",
+                 **kwargs):
         super().__init__(**kwargs)
         if routing not in ROUTINGS:
             raise ValueError(f"{self.name}: routing {routing!r}; use one of {ROUTINGS}.")
@@ -235,9 +240,11 @@ class MoeMLP(keras.layers.Layer):
         if activation not in GATED_ACTIVATIONS:
             raise ValueError(f"{self.name}: activation {activation!r}; use one of "
                              f"{sorted(GATED_ACTIVATIONS)}.")
-        if fp8 is not None:
-            raise ValueError(f"{self.name}: FP8 expert projections are not implemented; "
-                             "exclude the MoE blocks from fp8 (fp8.exclude).")
+        fp8_for = lambda name: fp8.for_layer(f"{fp8_path}/{name}") if fp8 else None  # noqa: E731
+        if dispatch == "grouped" and any(fp8_for(n) for n in ("gate", "up", "down")):
+            raise ValueError(f"{self.name}: FP8 expert GEMMs need dispatch='slots' (the "
+                             "grouped matmul has no FP8 form); set model.moe_dispatch=slots "
+                             "or exclude the MoE blocks from FP8 (precision.fp8_exclude).")
         self.hidden_dim, self.intermediate_dim = hidden_dim, intermediate_dim
         self.num_experts, self.top_k = num_experts, top_k
         self.routing, self.normalize_top_k = routing, normalize_top_k
@@ -250,19 +257,23 @@ class MoeMLP(keras.layers.Layer):
         # The router is small and every token needs all of its E columns: never sharded.
         self.router = Projection("btd,de->bte", (d, e), ("embed", None), init_std=init_std,
                                  output_axes=_LOGITS, name="router", dtype=policy)
+        # Each expert projection is one batched einsum over E: with FP8 one GEMM per
+        # projection, its operands scaled per tensor (all experts' tokens share the
+        # input's scale, all experts' kernels the weight's), as for a dense projection.
         kw = dict(init_std=init_std, output_axes=_SLOTS_MLP, dtype=policy)
         self.gate = Projection("becd,edf->becf", (e, d, f), ("experts", "embed", "mlp"),
-                               name="gate", **kw)
+                               name="gate", fp8=fp8_for("gate"), **kw)
         self.up = Projection("becd,edf->becf", (e, d, f), ("experts", "embed", "mlp"),
-                             name="up", **kw)
+                             name="up", fp8=fp8_for("up"), **kw)
         self.down = Projection("becf,efd->becd", (e, f, d), ("experts", "mlp", "embed"),
                                init_std=output_init_std, output_axes=_SLOTS_EMBED,
-                               name="down", dtype=policy)
+                               name="down", fp8=fp8_for("down"), dtype=policy)
         self.shared_expert = self.shared_expert_gate = None
         if shared_intermediate_dim is not None:
             self.shared_expert = GatedMLP(d, shared_intermediate_dim, init_std=init_std,
                                           output_init_std=output_init_std,
                                           activation=activation, name="shared_expert",
+                                          fp8=fp8, fp8_path=f"{fp8_path}/shared_expert",
                                           dtype=policy)
             self.shared_expert_gate = Projection("btd,do->bto", (d, 1), ("embed", None),
                                                  init_std=init_std, name="shared_expert_gate",

@@ -77,8 +77,7 @@ class Llama(CausalLM):
                           dispatch=c.moe_dispatch, init_std=c.init_std,
                           output_init_std=self.output_init_std,
                           activation=self.mlp_activation,
-                          fp8=self.fp8.for_layer(f"block_{index}/mlp") if self.fp8 else None,
-                          name="mlp", dtype=self.dtype_policy)
+                          fp8=self.fp8, fp8_path=f"block_{index}/mlp", name="mlp", dtype=self.dtype_policy)
         return GatedMLP(c.hidden_dim, c.intermediate_dim, use_bias=self.use_bias,
                         init_std=c.init_std, output_init_std=self.output_init_std,
                         fp8=self.fp8, fp8_path=f"block_{index}/mlp", name="mlp",
