@@ -24,6 +24,7 @@ FLOORS = (
     ("train",),
     ("pretrained", "plan", "launch", "evals"),  # import/export; deviceless plans; the
     # launcher; lm-eval benchmarks
+    ("doctor",),  # `tfllm doctor`: the host's and the job's checks, a run's memory fit
     ("cli", "notebook"),  # entry points
 )
 FLOOR = {name: level for level, names in enumerate(FLOORS) for name in names}
@@ -75,6 +76,39 @@ def test_imports_only_look_down():
                 upward.append(f"{path.relative_to(ROOT.parent)}:{line}: {here} "
                               f"(floor {FLOOR[here]}) imports {target} (floor {FLOOR[target]})")
     assert not upward, "\n".join(upward)
+
+
+def test_every_page_numbers_the_floors_as_this_table():
+    """One numbering of the floors: the architecture page, the README's tour and each
+    package's docstring say the floor FLOORS gives it."""
+    import re
+    repo = ROOT.parent
+    said = []  # (where, package, floor it says)
+    floor = None
+    for line in (repo / "docs" / "architecture.md").read_text().splitlines():
+        m = re.match(r"floor (\d+)\s+tfllm/(\w+)", line)
+        if m:
+            floor = int(m.group(1))
+        if floor is not None and line.startswith(("floor", "   ")):
+            said += [("docs/architecture.md", name, floor)
+                     for name in re.findall(r"tfllm/(\w+)", line) if name in FLOOR]
+        if line.startswith("floor 13"):
+            floor = None
+    tour = (repo / "README.md").read_text().split("## A tour of the code", 1)[1]
+    for line in tour.split("```")[1].splitlines():
+        m = re.match(r"(\d+)\s+([\w, ]+?)\s{2,}", line)
+        if m:
+            said += [("README.md", name.strip(), int(m.group(1)))
+                     for name in m.group(2).split(",")]
+    for init in ROOT.glob("*/__init__.py"):
+        m = re.search(r"\b[Ff]loor (\d+)", init.read_text().split('"""')[1])
+        if m:
+            said.append((str(init.relative_to(repo)), init.parent.name, int(m.group(1))))
+    assert {name for where, name, _ in said if where == "README.md"} == set(FLOOR)
+    assert {name for where, name, _ in said if where.startswith("docs")} == set(FLOOR)
+    wrong = [f"{where}: {name} on floor {n}, FLOORS says {FLOOR[name]}"
+             for where, name, n in said if FLOOR.get(name) != n]
+    assert not wrong, "\n".join(wrong)
 
 
 def test_tests_import_no_private_names():

@@ -151,3 +151,40 @@ class RunPaths:
     def lock_holder(self, client: int) -> str:
         """WORKDIR/.tfllm-locks/client_N.holder: who holds the client's lock."""
         return os.path.join(self.locks_dir, CLIENT.format(client) + HOLDER_SUFFIX)
+
+
+#: a rank's files in the launcher's log folder (`tfllm launch --log-dir`, default
+#: WORKDIR/logs): its output, its readiness file and its recorded exit
+RANK_LOG, READY, EXIT_RECORD = "rank_{}.log", "ready.{}", "exit.{}"
+#: the process ids the launcher started, in its log folder
+PIDS = "pids"
+#: a rank's report in `tfllm doctor --report-dir DIR`
+DOCTOR_REPORT = "doctor.rank_{}.json"
+
+
+class LaunchLogs:
+    """The paths of what `tfllm launch` keeps in its log folder (none need exist).
+
+    Args:
+      path: the log folder (`--log-dir`, shared by the job's hosts where it spans several).
+    """
+
+    def __init__(self, path: str):
+        self.path = path
+
+    def rank_log(self, rank: int) -> str:
+        """LOG_DIR/rank_N.log: rank N's output, every attempt appended."""
+        return os.path.join(self.path, RANK_LOG.format(rank))
+
+    def ready(self, rank: int) -> str:
+        """LOG_DIR/ready.N: created by rank N's worker once its mesh is up."""
+        return os.path.join(self.path, READY.format(rank))
+
+    def exit_record(self, rank: int) -> str:
+        """LOG_DIR/exit.N: rank N's key, exit code and whether it was signalled."""
+        return os.path.join(self.path, EXIT_RECORD.format(rank))
+
+    @property
+    def pids(self) -> str:
+        """LOG_DIR/pids: the process groups the launcher started on this host."""
+        return os.path.join(self.path, PIDS)

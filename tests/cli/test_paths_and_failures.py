@@ -104,8 +104,8 @@ def test_a_doctor_report_that_is_no_report_is_named_not_waited_for(tmp_path, con
     # Another rank's report is checked field by field (what the job's comparison reads)
     # before it is used: a list, a truncated object, a missing or mistyped field was a
     # traceback on rank 0 or a rank waited for until --wait-s ran out.
-    from tfllm.launch import doctor
-    from tfllm.launch.findings import compare
+    from tfllm.doctor import job as doctor
+    from tfllm.doctor.findings import compare
     (tmp_path / doctor.REPORT.format(1)).write_text(content)
     (tmp_path / doctor.REPORT.format(0)).write_text(json.dumps(_doctor_report(0)))
     invalid = {}
@@ -118,7 +118,7 @@ def test_a_doctor_report_that_is_no_report_is_named_not_waited_for(tmp_path, con
 
 
 def test_a_well_formed_doctor_report_passes_the_check():
-    from tfllm.launch import doctor
+    from tfllm.doctor import job as doctor
     assert doctor.report_problem(_doctor_report(3)) is None
 
 

@@ -1,4 +1,4 @@
-"""The doctor for many nodes (tfllm.launch.doctor): each rank writes its node's findings,
+"""The doctor for many nodes (tfllm.doctor.job): each rank writes its node's findings,
 rank 0 prints one report for the job: versions, GPUs, ports and NCCL settings compared
 across nodes, missing ranks named, every rank's ports reached from client 0 (real
 processes on localhost), and the all-reduce bandwidth test's code run on CPUs."""
@@ -9,7 +9,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from tfllm.launch import allreduce, doctor
+from tfllm.doctor import allreduce, job as doctor
 from tests.harness import (PY, TF_HANG_S, finish, free_ports, start_process, tfllm_command,
                            tfllm_env)
 from tests.launch.helpers import assert_no_leftovers, run as run_launcher

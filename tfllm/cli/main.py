@@ -402,33 +402,19 @@ def cmd_bench(args) -> int:
 
 def cmd_doctor(args) -> int:
     """Prints every GPU start-up check of this host; exit 2 when one fails."""
-    from tfllm.runtime import gpu_checks
+    from tfllm.doctor.diagnose import JobOptionError, JobOptions, diagnose
+    from tfllm.runtime.gpu_checks import first_error
     config = _load(args)
-    facts = gpu_checks.gather()
-    findings = gpu_checks.check(facts, config.precision.policy, config.mesh.device_type)
-    if args.config is not None:  # a run's config: will its step fit the GPUs' memory?
-        from tfllm.contracts import num_clients
-        from tfllm.plan.fit import doctor_finding, host_gpus
-        level, message = doctor_finding(config, host_gpus(facts.driver_gpus, facts.environ),
-                                        num_clients())
-        findings.append(gpu_checks.Finding(level, message))
+    job = None
     if args.report_dir is not None:
-        findings = _job_findings(args, facts, findings)
+        job = JobOptions(args.report_dir, args.rank, args.world_size, args.ports, args.wait_s)
+    try:
+        findings = diagnose(config, args.config is not None, job)
+    except JobOptionError as e:
+        raise InputError(f"{e} (--rank, --world-size, --ports P1,P2,... of whole numbers)")
     for f in findings:
         print(f"{f.level}: {f.message}")
-    return BAD_INPUT_EXIT_CODE if gpu_checks.first_error(findings) else 0
-
-
-def _job_findings(args, facts, findings):
-    """`tfllm doctor --report-dir`: this rank's part of the job's doctor
-    (`tfllm.launch.doctor.run`); on rank 0 the job's findings."""
-    from tfllm.launch import doctor
-    try:
-        rank, size = doctor.rank_and_size(os.environ, args.rank, args.world_size)
-        ports = doctor.node_ports(os.environ, rank, args.ports)
-    except ValueError as e:
-        raise InputError(f"{e} (--rank, --world-size, --ports P1,P2,... of whole numbers)")
-    return doctor.run(args.report_dir, facts, findings, rank, size, ports, args.wait_s)
+    return BAD_INPUT_EXIT_CODE if first_error(findings) else 0
 
 
 def cmd_plan(args) -> int:
@@ -587,7 +573,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--report-dir", type=user_path, default=None, metavar="DIR",
                    help="A folder the job's nodes share: each rank writes its node's "
                         "findings there and rank 0 prints one report for the job "
-                        "(tfllm.launch.doctor).")
+                        "(tfllm.doctor.job).")
     p.add_argument("--rank", type=_whole(0), default=None,
                    help="--report-dir: this process's rank (default: SLURM_PROCID, "
                         "JOB_COMPLETION_INDEX or OMPI_COMM_WORLD_RANK).")

@@ -1,4 +1,4 @@
-"""Token sources and the device feed (floor 3: imports parallel and the floors below).
+"""Token sources and the device feed (floor 5: imports parallel and the floors below).
 
 Owns the data: embedded corpus, text/TFRecord/TFDS/Hugging Face pipelines, tokenizers,
 synthetic tokens; and, in `feed`, everything about how token rows reach the devices

@@ -1,6 +1,6 @@
 """Text generation: a KV-cached, XLA-compiled decode loop with greedy and sampled decoding.
 
-Floor 6: computes on models; its inputs come from `tfllm.data.feed`, its compiled
+Floor 9: computes on models; its inputs come from `tfllm.data.feed`, its compiled
 functions from `tfllm.compiler.jit`.
 """
 

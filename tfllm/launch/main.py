@@ -29,7 +29,7 @@ from tfllm.launch import topology as topo
 # a port the launcher holds (`Ports`)
 from tfllm.launch.ports import REUSE_PORT_ENV, port_free
 from tfllm.launch.topology import LaunchError
-from tfllm.runpaths import RunPaths
+from tfllm.runpaths import LaunchLogs, RunPaths
 
 USAGE = """\
 Usage: {prog} --mode MODE [options] -- COMMAND [ARGS...]
@@ -415,7 +415,8 @@ def plan_specs(plan: Plan, attempt: int, ports: Ports, environ) -> List[topo.Wor
         modes whose workers run here.
     """
     t = plan.topology
-    ready = {r: os.path.join(os.path.abspath(plan.log_dir), f"ready.{r}") for r in t.own_ranks}
+    logs = LaunchLogs(os.path.abspath(plan.log_dir))
+    ready = {r: logs.ready(r) for r in t.own_ranks}
     keys = {r: secrets.token_hex(8) for r in t.own_ranks} if t.mode == "hostfile" else None
     specs = topo.worker_specs(t, ports.numbers, plan.job_name, plan.device, plan.per_gpu,
                               attempt, environ.get("CUDA_VISIBLE_DEVICES"), ready, keys,

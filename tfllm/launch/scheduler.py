@@ -19,6 +19,7 @@ from typing import Callable, Mapping, Optional, Tuple
 
 from tfllm import files
 from tfllm.contracts import PEER_LOST_EXIT_CODE
+from tfllm.runpaths import LaunchLogs
 
 #: how long a consequence waits for the failing rank's record to appear
 CAUSE_GRACE_S = 3.0
@@ -38,13 +39,13 @@ def is_consequence(code: int, signalled: bool) -> bool:
 
 
 def record(log_dir: str, rank: int, key: str, code: int, signalled: bool) -> None:
-    path = os.path.join(log_dir, f"exit.{rank}")
+    path = LaunchLogs(log_dir).exit_record(rank)
     files.write_atomically(log_dir, path, f"{key} {code} {int(signalled)}\n")
 
 
 def _read(log_dir: str, rank: int, key: str) -> Optional[Tuple[int, bool]]:
     try:
-        words = open(os.path.join(log_dir, f"exit.{rank}")).read().split()
+        words = open(LaunchLogs(log_dir).exit_record(rank)).read().split()
     except OSError:
         return None
     if len(words) != 3 or words[0] != key:  # an earlier job's record

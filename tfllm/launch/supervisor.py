@@ -28,6 +28,7 @@ from tfllm.contracts import (BAD_INPUT_EXIT_CODE, IO_ERROR_EXIT_CODE, PEER_LOST_
                               PREEMPTED_EXIT_CODE, STARTUP_TIMEOUT_EXIT_CODE)
 from tfllm.contracts import READY_LINE
 from tfllm.launch.topology import WorkerSpec
+from tfllm.runpaths import LaunchLogs
 
 _POLL_S = 0.2
 #: how long a lost-peer exit (76) waits for the rank that really failed to show
@@ -100,7 +101,7 @@ class Supervisor:
 
     # ---- one attempt -------------------------------------------------------------------------
     def ready_file(self, rank: int) -> str:
-        return os.path.join(self.log_dir, f"ready.{rank}")
+        return LaunchLogs(self.log_dir).ready(rank)
 
     def start(self, spec: WorkerSpec, argv: Sequence[str], attempt: int,
               remote: bool = False, stdin_data: bytes = b"") -> None:
@@ -113,7 +114,7 @@ class Supervisor:
             open so that the remote watcher stops the worker when ssh is stopped.
           stdin_data: (remote) what the remote script reads first: its secrets.
         """
-        log_path = os.path.join(self.log_dir, f"rank_{spec.rank}.log")
+        log_path = LaunchLogs(self.log_dir).rank_log(spec.rank)
         ready = self.ready_file(spec.rank)
         files.remove(self.log_dir, ready)  # the previous attempt's (tfllm's name: ready.N)
         with files.open_for_writing(self.log_dir, log_path, "a", append=True) as log:
@@ -138,7 +139,7 @@ class Supervisor:
         reader.start()
         self.workers[spec.rank] = Worker(spec, process, reader, ready, matched, ready_line,
                                          remote=remote)
-        with files.open_for_writing(self.log_dir, "pids", "a", append=True) as f:
+        with files.open_for_writing(self.log_dir, LaunchLogs(self.log_dir).pids, "a", append=True) as f:
             f.write(f"{spec.rank} {process.pid}\n")
 
     def _read(self, rank: int, process, log_path: str, matched: threading.Event,
@@ -165,7 +166,7 @@ class Supervisor:
     def run_attempt(self, start_all: Callable[[], None]) -> int:
         """Starts the workers (`start_all`) and watches them; the attempt's exit code."""
         self.workers = {}
-        files.open_for_writing(self.log_dir, "pids").close()
+        files.open_for_writing(self.log_dir, LaunchLogs(self.log_dir).pids).close()
         start_all()
         started, ready, told = time.monotonic(), False, False
         while True:
@@ -185,7 +186,7 @@ class Supervisor:
             if failed:
                 rank, code = self._first_cause(failed)
                 self.say(f"rank {rank} exited with code {code}; stopping the other "
-                         f"workers (log: {os.path.join(self.log_dir, f'rank_{rank}.log')})")
+                         f"workers (log: {LaunchLogs(self.log_dir).rank_log(rank)})")
                 self.stop_all()
                 return code
             if not alive:

@@ -1,4 +1,4 @@
-"""Model families on the `CausalLM` base, and `build_model` (floor 5).
+"""Model families on the `CausalLM` base, and `build_model` (floor 8).
 
 Model code names logical axes only; the mesh is `tfllm.parallel`'s, precision
 `tfllm.precision`'s. Loading pretrained weights is `tfllm.pretrained.from_preset` (a floor

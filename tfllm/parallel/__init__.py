@@ -1,6 +1,6 @@
 """Meshes, sharding rules, layouts and variable placement (the Keras 3 <-> DTensor bridge).
 
-Floor 2 (imports the runtime and the ground floor). Owns the rules table (`rules`: which
+Floor 4 (imports the runtime and the floors below it). Owns the rules table (`rules`: which
 mesh axis each logical axis takes, and a batch's layout, `batch_layout`), the meshes laid
 over the devices the runtime set up (`mesh`; `tfllm.runtime.devices`), the mesh context
 model code sees (`context`) and how weights are placed and gathered (`placement`, `fsdp`).

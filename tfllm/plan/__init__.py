@@ -1,5 +1,5 @@
 """Planning GPU runs without a GPU: compile the train step for a GPU target and read
-memory, kernels and a roofline estimate from the compiled program (floor 8). `export_step`
+memory, kernels and a roofline estimate from the compiled program (floor 11). `export_step`
 writes the one-device step's HLO that `tfllm plan` compiles and `benchmarks/gpu/` runs.
 
 The package imports neither TensorFlow nor jax at import time: `gpu_compile` runs with jax

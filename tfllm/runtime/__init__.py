@@ -1,7 +1,7 @@
 """The host and the processes: what a run needs of its machine before any sharding.
 
-Floor 1 (imports only the ground floor and `tfllm.files`). `tfllm.parallel` builds meshes
-and lays out tensors on what this floor has set up:
+Floor 3 (imports only the floors below: the ground floor, `tfllm.runpaths`, `tfllm.files`).
+`tfllm.parallel` builds meshes and lays out tensors on what this floor has set up:
 
 * `devices`: which devices a run uses (`device_type`), the GPU gate every GPU run passes
   first (`check_gpus`), the NCCL choice, the host's CPU split into logical devices, and

@@ -1,4 +1,4 @@
-"""The job's findings from every rank's doctor report (`tfllm.launch.doctor`): what
+"""The job's findings from every rank's doctor report (`tfllm.doctor.job`): what
 differs between nodes, what client 0 cannot reach, XLA's files, the all-reduce's
 bandwidth and NCCL's transports. Pure functions of the reports, so every rule is tested
 with reports written by hand.
@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 from typing import Dict, List, Mapping, Optional, Sequence
 
-from tfllm.launch import nccl_log, xla_files
+from tfllm.doctor import nccl_log, xla_files
 from tfllm.runtime.gpu_checks import Finding
 
 #: the NCCL variables that decide the transport, listed even when unset
@@ -56,7 +56,7 @@ def _has_gpu(r: Mapping) -> bool:
 def compare(reports: Dict[int, dict], size: int, waited_s: float,
             probed: Sequence[dict] = (), plan: Optional[dict] = None,
             results: Optional[Dict[int, dict]] = None, invalid=()) -> List[Finding]:
-    """The job's findings (see `tfllm.launch.doctor`).
+    """The job's findings (see `tfllm.doctor.job`).
 
     Args:
       reports: rank -> its report.

@@ -21,13 +21,13 @@ prints one report:
   entry, else the host name) and port; an unreachable one is named with the likely cause;
 * the NCCL settings each node has (`NCCL_SOCKET_IFNAME`, `NCCL_IB_HCA`, the P2P/SHM/NVLS
   switches and every other `NCCL_*`), a warning where nodes differ;
-* XLA's `ptxas` and libdevice (`tfllm.launch.xla_files`): an error on a GPU node without
+* XLA's `ptxas` and libdevice (`tfllm.doctor.xla_files`): an error on a GPU node without
   libdevice, a note on CPU nodes;
 * on GPU nodes, once every port answered, a short all-reduce over every GPU of the job
-  (`tfllm.launch.allreduce`: DTensor with NCCL, as a run) with its algorithm and bus
+  (`tfllm.doctor.allreduce`: DTensor with NCCL, as a run) with its algorithm and bus
   bandwidth, and the transport NCCL picked on each node read from NCCL's log, with a
   warning where it is sockets or shared memory though NVLink or InfiniBand exist
-  (`tfllm.launch.nccl_log`). Without GPUs it is skipped and the report says so.
+  (`tfllm.doctor.nccl_log`). Without GPUs it is skipped and the report says so.
 
 The driver version is read through NVIDIA's management library (libnvidia-ml) where it
 loads, else from nvidia-smi; `TFLLM_DRIVER_VERSION` overrides both (a CUDA
@@ -53,12 +53,14 @@ from typing import Dict, List, Mapping, Optional, Sequence, Tuple
 
 from tfllm import files
 from tfllm.confined import read_regular
-from tfllm.launch import allreduce, nccl_log, ports as job_ports, xla_files
-from tfllm.launch.findings import NCCL_SETTINGS, compare  # noqa: F401  (the doctor's API)
+from tfllm.doctor import allreduce, nccl_log, xla_files
+from tfllm.doctor.findings import NCCL_SETTINGS, compare  # noqa: F401  (the doctor's API)
+from tfllm.launch import ports as job_ports
 from tfllm.launch.topology import DEFAULT_PORT, LaunchError, slurm_topology
+from tfllm.runpaths import DOCTOR_REPORT
 from tfllm.runtime.gpu_checks import Finding, HostFacts
 
-REPORT = "doctor.rank_{}.json"
+REPORT = DOCTOR_REPORT
 GO = "doctor.go.json"
 #: the most a rank's report (or go file, bandwidth result) may hold: a few KiB is usual
 MAX_RECORD_BYTES = 1 << 20

@@ -1,7 +1,7 @@
 """The doctor's node checks as pure functions, on fake directory trees and on NCCL log text
 written in the format NCCL prints: where XLA finds libdevice and ptxas, why client 0
 cannot reach a port, which transport NCCL picked and when to warn about it, and the
-job findings built from them (tfllm.launch.xla_files, ports, nccl_log, findings)."""
+job findings built from them (tfllm.doctor.xla_files, ports, nccl_log, findings)."""
 
 import errno
 import os
@@ -9,7 +9,8 @@ import socket
 
 import pytest
 
-from tfllm.launch import allreduce, doctor, nccl_log, ports, xla_files
+from tfllm.doctor import allreduce, job as doctor, nccl_log, xla_files
+from tfllm.launch import ports
 
 
 # ---- libdevice and ptxas, where XLA looks ----------------------------------------------------

@@ -1,7 +1,7 @@
 """A short all-reduce over every device of a multi-client job, timed: the doctor's
-bandwidth test (`tfllm doctor --report-dir` runs it on GPU nodes, `tfllm.launch.doctor`).
+bandwidth test (`tfllm doctor --report-dir` runs it on GPU nodes, `tfllm.doctor.job`).
 
-`python -m tfllm.launch.allreduce --device GPU` runs once per client with DTensor's
+`python -m tfllm.doctor.allreduce --device GPU` runs once per client with DTensor's
 multi-client environment (`DTENSOR_JOBS`, `DTENSOR_CLIENT_ID`, `DTENSOR_JOB_NAME`, as
 the launcher gives a worker). It builds the mesh the way a run does
 (`tfllm.parallel.mesh.build_mesh`, one axis over every device of every client: on GPUs
@@ -29,7 +29,7 @@ import sys
 import time
 from typing import List, Mapping, Sequence
 
-from tfllm.launch import nccl_log
+from tfllm.doctor import nccl_log
 
 #: the sizes per device the doctor times (nccl-tests' range, cut short: a few seconds)
 DEFAULT_SIZES_MB = (8, 32, 128, 256)
@@ -108,7 +108,7 @@ def run_client(jobs: str, rank: int, environ: Mapping[str, str], timeout_s: floa
       sizes_mb, iterations: as `main`'s options.
 
     Returns:
-      `measure`'s JSON plus "transports" and "network" (`tfllm.launch.nccl_log`), or
+      `measure`'s JSON plus "transports" and "network" (`tfllm.doctor.nccl_log`), or
       {"error": why} when the process failed or timed out.
     """
     env = dict(environ, DTENSOR_JOBS=jobs, DTENSOR_CLIENT_ID=str(rank),
@@ -120,7 +120,7 @@ def run_client(jobs: str, rank: int, environ: Mapping[str, str], timeout_s: floa
         __file__))))
     env["PYTHONPATH"] = os.pathsep.join(p for p in (package_root, env.get("PYTHONPATH"))
                                         if p)
-    cmd = [sys.executable, "-m", "tfllm.launch.allreduce", "--device", device,
+    cmd = [sys.executable, "-m", "tfllm.doctor.allreduce", "--device", device,
            "--sizes-mb", ",".join(map(str, sizes_mb)), "--iterations", str(iterations)]
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True, start_new_session=True)
@@ -150,7 +150,7 @@ def _links(log: str) -> dict:
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m tfllm.launch.allreduce",
+    parser = argparse.ArgumentParser(prog="python -m tfllm.doctor.allreduce",
                                      description=__doc__.splitlines()[0])
     parser.add_argument("--device", choices=("GPU", "CPU"), default="GPU")
     parser.add_argument("--sizes-mb", default=",".join(map(str, DEFAULT_SIZES_MB)),
