@@ -67,11 +67,14 @@ class Block(keras.layers.Layer):
             if layer is not None:
                 layer.build(None)
 
-    def call(self, x, attention_mask=None, positions=None, cache=None, cache_index=None):
+    def call(self, x, attention_mask=None, positions=None, cache=None, cache_index=None,
+             token_mask=None):
         """x (B, T, E) -> (B, T, E); with a cache, ((B, T, E), the attention's new cache).
 
         The optional arguments go to the attention (see `Attention.call`) only when given,
-        so an attention layer of a subclass needs them only for packing or decoding.
+        so an attention layer of a subclass needs them only for packing or decoding;
+        `token_mask` (B, T) to a mixture of experts' router statistics (padding is not
+        counted, as transformers' aux loss skips attention_mask's zeros).
         """
         extra = {k: v for k, v in (("attention_mask", attention_mask),
                                    ("positions", positions), ("cache", cache),
@@ -82,7 +85,9 @@ class Block(keras.layers.Layer):
         if self.attention_post_norm is not None:
             h = self.attention_post_norm(h)
         x = constrain(x + h, _EMBED)
-        h = self.mlp(self.mlp_norm(x))
+        sparse = token_mask is not None and isinstance(self.mlp, moe.MoeMLP)
+        h = (self.mlp(self.mlp_norm(x), token_mask=token_mask) if sparse
+             else self.mlp(self.mlp_norm(x)))
         if isinstance(h, tuple):  # a mixture of experts: (y, RouterStats)
             h, stats = h
             moe.record([stats])
@@ -200,7 +205,7 @@ class CausalLM(keras.Model):
         if hasattr(self.final_norm, "recompute"):
             self.final_norm.recompute = selective
 
-    def run_block(self, block, x, mask=None, positions=None, ahead=None):
+    def run_block(self, block, x, mask=None, positions=None, ahead=None, token_mask=None):
         """One block of the training forward; under remat=full, recomputed in backward
         (`tfllm.plan.block_program` compiles one on its own).
 
@@ -210,7 +215,7 @@ class CausalLM(keras.Model):
         """
         full = self.remat == "full"
 
-        def run(x, mask, positions):
+        def run(x, mask, positions, token_mask):
             # A recomputed block gathers its weights after its gradient arrives (x, in a
             # recomputation, waits for it): they are not kept from the forward pass.
             gate = (x,) if recomputing() or ahead is None else (ahead,)
@@ -219,10 +224,12 @@ class CausalLM(keras.Model):
             # the recomputation (`tfllm.models.common.moe.collecting_router_stats`).
             with block_weights(block, x, gate, regather=not full), \
                     moe.collecting_router_stats() as stats:
-                y = block(x, attention_mask=mask, positions=positions)
+                y = block(x, attention_mask=mask, positions=positions,
+                          token_mask=token_mask)
             return (y, stats) if stats else y
 
-        out = recompute(run)(x, mask, positions) if full else run(x, mask, positions)
+        args = (x, mask, positions, token_mask)
+        out = recompute(run)(*args) if full else run(*args)
         if isinstance(out, tuple):
             out, stats = out
             moe.record(stats)
@@ -262,9 +269,12 @@ class CausalLM(keras.Model):
             attention stays within each document and positions restart at 0 at each
             document's start; None is plain causal attention over the whole row.
         """
+        token_mask = None
         if segment_ids is not None:
             mask, positions = segment_mask_and_positions(segment_ids)
             x = self.embed(token_ids, positions=positions)
+            if self.config.num_experts:  # padding (segment 0) routes but is not counted
+                token_mask = segment_ids > 0  # bool: no gradient under recompute
         else:
             # 0 .. T-1, computed in the program (`row_positions`): the blocks' RoPE
             # tables and causal masks are then no folded constants. The embedding keeps
@@ -273,7 +283,8 @@ class CausalLM(keras.Model):
             x = self.embed(token_ids)
         previous = None
         for block in self.blocks:
-            x, previous = self.run_block(block, x, mask, positions, ahead=previous), x
+            x, previous = self.run_block(block, x, mask, positions, ahead=previous,
+                                         token_mask=token_mask), x
         # The final norm and an untied head move together like a block (the tied table
         # is the embedding's: gathered where it is used).
         head_layers = [self.final_norm] + ([] if self.tie_embeddings else [self.lm_head])

@@ -33,6 +33,14 @@ dpo.precompute_reference that pass runs once over the data before training
 (`tfllm.train.reference`), and each micro-batch carries its rows' stored values as a
 fourth part: no reference forward pass in the step, and no frozen copy.
 
+A mixture of experts adds model.router_aux_loss_coef times the load-balancing loss of
+the policy pass (and model.router_z_loss_coef times its z-loss), as TRL's DPOTrainer
+and ORPOTrainer add `router_aux_loss_coef * outputs.aux_loss` when the model config has
+`output_router_logits`: one forward pass over chosen and rejected rows together, padding
+not counted (TRL passes the attention mask), the reference pass adding nothing (TRL
+drops output_router_logits from it). The router metrics (moe_aux_loss, ...) join the
+step's as in SFT.
+
 Metrics carry TRL's names: rewards/chosen, rewards/rejected (beta times the
 log-ratios), rewards/accuracies (chosen reward > rejected), rewards/margins,
 logps/chosen, logps/rejected (policy log-probabilities), each a mean over pairs.
@@ -46,6 +54,7 @@ import numpy as np
 import tensorflow as tf
 
 from tfllm.models.common.adapters import adapters_off
+from tfllm.models.common.moe import collecting_router_stats
 from tfllm.models.common.noise import noise_seed
 from tfllm.models.loss import token_nll
 
@@ -209,8 +218,18 @@ class DpoLoss:
             outside its gradient tape; None: computed here.
         """
         trained = tf.cast(micro[2][:, 1:], tf.float32)  # (2P, T): completion targets
-        with noise_seed(seed):  # the policy: adapters on, dropout in training
+        # the policy: adapters on, dropout in training; a mixture of experts' statistics
+        with noise_seed(seed), collecting_router_stats() as router_stats:
             logits, targets, _ = forward(model, micro)
+        loss, metrics = self._pair_loss(model, micro, forward, logits, targets, trained,
+                                        reference_logps)
+        if router_stats:
+            router_loss, router_metrics = model.router_losses(router_stats)
+            loss, metrics = loss + router_loss, {**metrics, **router_metrics}
+        return loss, metrics
+
+    def _pair_loss(self, model, micro, forward, logits, targets, trained, reference_logps):
+        """(loss, metrics) of the pairs from the policy's logits (no router terms)."""
         logps, nll = row_sums(logits, targets, trained)  # (2P,) each
         if self.dpo.loss == "orpo":
             return self._orpo(micro, logits, targets, trained, logps)
