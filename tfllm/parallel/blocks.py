@@ -430,17 +430,26 @@ class Block:
         return grads
 
     def _buckets(self, members):
-        buckets, current, size = [], [], 0
-        for i in members:
-            nbytes = 4 * int(np.prod(self.variables[i].shape))
-            if current and size + nbytes > self.bucket_bytes:
-                buckets.append(current)
-                current, size = [], 0
-            current.append(i)
-            size += nbytes
-        if current:
-            buckets.append(current)
-        return buckets
+        return fill_in_order(members, lambda i: 4 * int(np.prod(self.variables[i].shape)),
+                             self.bucket_bytes)
+
+
+def fill_in_order(items, size_of, limit):
+    """`items` in order, cut into runs where the next item would take a run's summed
+    `size_of` past `limit` (an item larger than the limit gets a run of its own): FSDP's
+    reduction buckets, and the shards of a Hugging Face export (as transformers cuts them).
+    """
+    runs, current, size = [], [], 0
+    for item in items:
+        n = size_of(item)
+        if current and size + n > limit:
+            runs.append(current)
+            current, size = [], 0
+        current.append(item)
+        size += n
+    if current:
+        runs.append(current)
+    return runs
 
 
 def piece_letters(equation: str, count: int) -> str:

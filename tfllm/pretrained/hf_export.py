@@ -34,6 +34,7 @@ import numpy as np
 from tfllm import files, internals
 from tfllm.families import Family, PretrainedError, Tensor, resolved, writer
 from tfllm.models import model_class
+from tfllm.parallel.blocks import fill_in_order
 from tfllm.pretrained import peft
 
 #: --dtype -> safetensors dtype code
@@ -92,17 +93,7 @@ def plan_shards(tensors: Sequence[Tensor], itemsize: int,
                 max_bytes: int) -> List[List[Tensor]]:
     """Tensors in order, split where the next one would exceed `max_bytes` (a tensor
     larger than the limit gets a shard of its own, as in transformers)."""
-    shards, current, size = [], [], 0
-    for t in tensors:
-        n = _nbytes(t, itemsize)
-        if current and size + n > max_bytes:
-            shards.append(current)
-            current, size = [], 0
-        current.append(t)
-        size += n
-    if current:
-        shards.append(current)
-    return shards
+    return fill_in_order(tensors, lambda t: _nbytes(t, itemsize), max_bytes)
 
 
 def _write_safetensors(root: str, path: str, tensors: Sequence[Tensor], code: str,
