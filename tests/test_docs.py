@@ -574,3 +574,26 @@ def test_every_figure_quoted_as_measured_names_its_benchmark_and_date(page):
     assert unsourced == [], (
         "a paragraph quotes a figure as measured without naming the benchmark, test or "
         "command that measured it and the date (YYYY-MM-DD)")
+
+
+def test_the_api_page_describes_exactly_the_public_names_with_their_signatures():
+    import inspect
+
+    import tfllm
+    with open(os.path.join(ROOT, "docs", "api.md")) as f:
+        page = f.read()
+    described = re.findall(r"^### `tfllm\.(\w+)`$", page, re.M)
+    assert sorted(described) == tfllm.__all__, "docs/api.md and tfllm.__all__ differ"
+    stale = [f"tfllm.{name}{inspect.signature(getattr(tfllm, name))}" for name in described
+             if f"\ntfllm.{name}{inspect.signature(getattr(tfllm, name))}\n" not in page]
+    assert stale == [], f"docs/api.md shows other signatures than these: {stale}"
+
+
+def test_importing_tfllm_loads_no_subpackage():
+    # The CLI and the launcher import tfllm without TensorFlow: the public names load on
+    # first use (tfllm.__getattr__), so tfllm/__init__.py imports nothing of tfllm.
+    with open(os.path.join(ROOT, "tfllm", "__init__.py")) as f:
+        tree = ast.parse(f.read())
+    imported = {a.name for n in tree.body if isinstance(n, ast.Import) for a in n.names}
+    imported |= {n.module for n in tree.body if isinstance(n, ast.ImportFrom)}
+    assert imported <= {"importlib", "os"}, imported

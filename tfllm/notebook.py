@@ -1,7 +1,7 @@
 """The first cell of every tfllm notebook: its needs checked, the CPU mesh pinned.
 
-    from tfllm.notebook import start
-    print(start(devices=8, needs=["plan"]))
+    from tfllm import start_notebook   # this module's `start`
+    print(start_notebook(devices=8, needs=["plan"]))
 
 A notebook teaches the same thing on any machine: a laptop, a Mac without the `plan`
 extra, a host with one GPU (where `mesh.device_type=auto` would pick the GPU and refuse
