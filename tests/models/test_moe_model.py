@@ -144,14 +144,32 @@ def test_mlp_only_layers_parse_as_integers():
         load_config(None, ["model.mlp_only_layers=[a]"])
 
 
-def test_experts_lay_out_like_the_dense_mlp_on_a_mesh():
-    """Replicated over the experts axis (no expert parallelism yet), embed over fsdp and
-    mlp over model, as the dense MLP's kernels."""
+def test_experts_split_over_the_batch_axis_on_a_mesh():
+    """Expert parallelism: the experts over the batch's axis (fsdp here), mlp over model;
+    embed stays whole (fsdp is taken); the router replicated over its experts."""
     from tfllm.parallel import make_parallel
     cfg = _config(**{"mesh.axes": "fsdp=4,model=2"})
     parallel = make_parallel(cfg.mesh, cfg.model, cfg.optimizer)
     model = build_model(cfg, parallel, allocate=False)
     specs = {v.path: parallel.variable_spec(v) for v in model.variables}
+    assert specs["llama/block_1/mlp/gate/kernel"] == ("fsdp", None, "model")
+    assert specs["llama/block_1/mlp/down/kernel"] == ("fsdp", "model", None)
+    assert specs["llama/block_1/mlp/router/kernel"] == ("fsdp", None)
+
+
+def test_experts_stay_whole_when_the_rules_say_so():
+    """`["experts", null]` first: every expert on every device, sharded as the dense MLP
+    (embed over fsdp, mlp over model), and no expert parallelism to check."""
+    import json
+
+    from tfllm.parallel import make_parallel
+    from tfllm.parallel.rules import DEFAULT_RULES, expert_axis
+    rules = [["experts", None], ["activation_experts", None]] + [list(r) for r in DEFAULT_RULES]
+    cfg = _config(**{"mesh.axes": "fsdp=4,model=2", "mesh.rules": json.dumps(rules)})
+    parallel = make_parallel(cfg.mesh, cfg.model, cfg.optimizer)
+    model = build_model(cfg, parallel, allocate=False)
+    specs = {v.path: parallel.variable_spec(v) for v in model.variables}
     assert specs["llama/block_1/mlp/gate/kernel"] == (None, "fsdp", "model")
     assert specs["llama/block_1/mlp/down/kernel"] == (None, "model", "fsdp")
-    assert specs["llama/block_1/mlp/router/kernel"] == ("fsdp", None)
+    assert expert_axis(cfg.model.num_experts, parallel.rules, parallel.shape) is None
+    assert not any(parallel.expert_parallel(v) for v in model.variables)

@@ -1,26 +1,32 @@
-"""Training a mixture of experts sharded equals one device.
+"""Training a mixture of experts sharded equals one device, and what expert parallelism
+moves.
 
-The tiny llama of the parity harness with experts in both layers (4 experts, top 2,
+The tiny llama of the parity harness with experts in both layers (8 experts, top 2,
 the aux loss at 0.01 so its gradients are not negligible): the loss, the gathered
 gradients of one batch, then 3 AdamW steps (losses, gradient norms, every weight)
 on 8 logical CPU devices against the single-device float32 reference, with the
 harness's tolerances (tests/harness.py: LOSS_RTOL .. WEIGHT_ATOL, derived there for
-reordered float32 sums; the experts add sums of the same kind). The experts are
-replicated over the experts dimension and sharded as the dense MLP (embed over fsdp):
-FSDP gathers them like any block's weights and model parallelism splits each expert's
-width (tfllm.parallel.rules). Refused in one line (tfllm.models.check_experts_mesh): the
-grouped dispatch on a mesh, and a mesh whose rules split the sequence (data x fsdp).
-The routing must
-agree exactly on both sides for the tolerances to hold: a flipped top-k choice would
-move the loss by far more (the routing margins of random routers at init are ~1e-2,
-rounding differences ~1e-7).
+reordered float32 sums; the experts add sums of the same kind, and the all-to-alls only
+move values). The experts split over the axis of the batch's rows (expert parallelism,
+tfllm.parallel.rules): fsdp=8 (one expert per device, the dense parts FSDP),
+data=2,model=4 (two experts per data group, each expert's width over model) and
+fsdp=4,model=2 (the same over fsdp). Refused in one line: the grouped dispatch on a
+mesh, a mesh whose rules split the sequence (data x fsdp), experts that do not divide
+over their axis. The routing must agree exactly on both sides for the tolerances to
+hold: a flipped top-k choice would move the loss by far more (the routing margins of
+random routers at init are ~1e-2, rounding differences ~1e-7).
+
+The executed program of a bfloat16 step on fsdp=8 (`costs.json`'s collectives): per
+MoE layer four all-to-alls (the buffer to the experts and back, forward and backward),
+each float16 (bfloat16 bits) of exactly the capacity buffer's share of a device, and no
+gather or reduction of an expert kernel.
 """
 
 import pytest
 
 from tests.harness import assert_parity, parity_reference, parity_run
 
-EXPERTS = (("model.num_experts", 4), ("model.num_experts_per_tok", 2),
+EXPERTS = (("model.num_experts", 8), ("model.num_experts_per_tok", 2),
            ("model.moe_intermediate_dim", 32), ("model.router_aux_loss_coef", 0.01))
 
 
@@ -37,14 +43,53 @@ def test_moe_training_on_a_mesh_matches_one_device(axes):
                                                           rel=1e-6)
 
 
-@pytest.mark.parametrize("axes,dispatch,message", [
-    ("fsdp=8", "grouped", "moe_dispatch=grouped runs on one device only"),
-    ("data=2,fsdp=4", "slots", "splits each sequence over 'fsdp'")])
-def test_meshes_the_dispatch_cannot_run_on_are_refused(axes, dispatch, message):
+@pytest.mark.parametrize("axes,extra,message", [
+    ("fsdp=8", (("model.moe_dispatch", "grouped"),),
+     "moe_dispatch=grouped runs on one device only .*all-to-all"),
+    ("data=2,fsdp=4", (), "splits each sequence over 'fsdp'"),
+    ("fsdp=8", (("model.num_experts", 4),),
+     r"model.num_experts \(4\) does not divide over mesh axis 'fsdp' \(size 8\)"),
+    ("data=2,model=4", (("mesh.rules", '[["activation_batch", "data"], '
+                         '["activation_experts", "data"], ["experts", "model"], '
+                         '["embed", null], ["mlp", null], ["heads", "model"], '
+                         '["kv_heads", "model"], ["vocab", "model"], ["head_dim", null], '
+                         '["position", null], ["norm", null], ["activation_embed", null], '
+                         '["activation_length", null], ["activation_heads", "model"], '
+                         '["activation_kv_heads", "model"], ["activation_mlp", "model"], '
+                         '["activation_head_dim", null], ["activation_vocab", "model"]]'),),
+     "the experts split over 'model' but the batch's rows over 'data'")])
+def test_meshes_the_dispatch_cannot_run_on_are_refused(axes, extra, message):
     from tests.harness import parity_config
     from tfllm.models import build_model
     from tfllm.parallel import make_parallel
-    cfg = parity_config("llama", axes, EXPERTS + (("model.moe_dispatch", dispatch),))
+    cfg = parity_config("llama", axes, EXPERTS + extra)
     parallel = make_parallel(cfg.mesh, cfg.model, cfg.optimizer)
     with pytest.raises(ValueError, match=message):
         build_model(cfg, parallel, allocate=False)
+
+
+@pytest.mark.slow
+def test_expert_parallelism_moves_the_capacity_buffers_in_16_bits():
+    from tests.harness import first_step_costs, tiny_config
+    layers = 2
+    extra = {k: v for k, v in EXPERTS}
+    report, _ = first_step_costs("fsdp=8", layers, "bfloat16", "llama", **extra)
+    cfg = tiny_config("llama", "fsdp=8", **extra)
+    m, batch, length = cfg.model, cfg.train.global_batch_size, cfg.data.sequence_length
+    # Dropless: C = T slots per expert and row. A device holds B/n rows of all E experts
+    # on the tokens' side and all B rows of E/n experts on the experts' side: either way
+    # B * E * C * D / n elements, what each all-to-all exchanges.
+    share = batch * m.num_experts * length * m.hidden_dim // 8
+    moved = [c for c in report.collectives if c.kind == "all-to-all"]
+    assert len(moved) == 4 * layers, [c.describe() for c in report.collectives]
+    for c in moved:
+        assert (c.dtype, c.elements, c.group_size) == ("float16", share, 8), c.describe()
+    # The expert kernels are neither gathered nor reduced: each device computes and
+    # updates its own experts. Every other collective of the step is the dense parts'
+    # (block gathers and reductions named per block), the embedding's, scalars, the
+    # router statistics (float32 (E,) sums, int32 routing plans), none of an expert
+    # kernel's size in the MoE layers.
+    kernel = m.num_experts * m.hidden_dim * m.moe_intermediate_dim
+    for c in report.collectives:
+        if c.kind != "all-to-all" and "/mlp" in c.name:
+            assert (c.elements or 0) < kernel // 8, c.describe()

@@ -30,15 +30,21 @@ def check_experts_mesh(m, parallel) -> None:
     """Refuses a mixture of experts on a mesh its dispatch cannot run on (ValueError).
 
     The grouped dispatch's while loop carries a TensorList, which DTensor's SPMD
-    expansion cannot lay out. A sequence split over a mesh axis (data x fsdp: the rules'
+    expansion cannot lay out; and expert parallelism exchanges fixed-size buffers (an
+    all-to-all of static shape), while the grouped tiles' rows per expert follow the
+    routing. A sequence split over a mesh axis (data x fsdp: the rules'
     activation_length) cannot be planned per sequence: DTensor fails to lay out the slot
-    buffers' gradient, and gathering the sequence first gave wrong gradients.
+    buffers' gradient, and gathering the sequence first gave wrong gradients. The experts
+    must divide over the axis that splits them (`tfllm.parallel.rules.expert_axis`).
     """
-    from tfllm.parallel.rules import sequence_axis
+    from tfllm.parallel.rules import expert_axis, sequence_axis
     devices = math.prod(parallel.shape.values())
     if devices > 1 and m.moe_dispatch == "grouped":
-        raise ValueError(f"model.moe_dispatch=grouped runs on one device only; on the mesh "
+        raise ValueError(f"model.moe_dispatch=grouped runs on one device only (DTensor cannot "
+                         "lay out its loop, and expert parallelism's all-to-all needs the "
+                         "static capacity buffers); on the mesh "
                          f"{dict(parallel.shape)} use model.moe_dispatch=slots.")
+    expert_axis(m.num_experts, parallel.rules, parallel.shape)
     axis = sequence_axis(devices, devices, parallel.rules, parallel.shape)
     if axis is not None:
         raise ValueError(f"mesh.axes {dict(parallel.shape)} splits each sequence over "

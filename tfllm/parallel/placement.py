@@ -75,6 +75,12 @@ class Parallel:
         and fsdp by default): weights sharded over them are gathered before use."""
         return rules_lib.activation_mesh_axes(self.rules)
 
+    def expert_parallel(self, var) -> bool:
+        """Whether `var` (a stacked expert kernel) has its experts split over a batch axis."""
+        axes = getattr(var, "logical_axes", ())
+        return "experts" in axes and self.variable_spec(var)[
+            list(axes).index("experts")] in self.batch_mesh_axes
+
     def for_decoding(self) -> "Parallel":
         """This setup with the sequence never split: decoding feeds one token at a time
         and prompts of any length. Weights keep their layouts (the rules for weights are
@@ -89,7 +95,7 @@ class Parallel:
         """(shard layout, compute layout) of a weight, or None when nothing is gathered:
         dimensions sharded over a batch axis (FSDP) are gathered for the computation."""
         spec = self.spec(name, list(w.shape), logical_axes)
-        compute = tuple(None if m in self.batch_mesh_axes else m for m in spec)
+        compute = rules_lib.compute_spec(spec, logical_axes, self.batch_mesh_axes)
         if compute == spec:
             return None
         return self.layout(spec), self.layout(compute)
@@ -135,6 +141,11 @@ class Parallel:
         """A `tfllm.parallel.blocks.Block` of these variables for input x, entered; None
         when the batch is not split (nothing to reduce per block)."""
         pieces = self.pieces(x.shape.as_list())
+        # Expert-parallel kernels stay out of the block: nothing gathers them (each device
+        # computes its own experts) and their gradient needs no reduction (each expert's
+        # tokens all reach its device), while a block runs its products per batch piece
+        # and reduces over the batch axes, the very axis the experts are split over.
+        variables = [v for v in variables if not self.expert_parallel(v)]
         if not pieces.splits or not variables:
             return None
         previous = blocks.last() if regather else None

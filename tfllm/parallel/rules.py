@@ -50,18 +50,30 @@ DEFAULT_RULES: Tuple[Tuple[str, Optional[str]], ...] = (
     ("activation_head_dim", None),
     ("activation_mlp", "model"),
     ("activation_vocab", "model"),
-    # Mixtures of experts: the experts dimension of the dispatched (B, E, C, .) buffers.
-    ("activation_experts", None),
+    # Mixtures of experts: the experts dimension of the dispatched capacity buffers. On
+    # the token side (B, E, C, .) the batch's rows come first and take the batch axis,
+    # so the experts stay whole; on the expert side (E, B, C, .) the experts come first
+    # and take it: the relayout between the two is expert parallelism's all-to-all.
+    ("activation_experts", "data"),
+    ("activation_experts", "fsdp"),
     ("vocab", "model"),
     ("embed", "fsdp"),
     ("mlp", "model"),
     ("heads", "model"),
     ("kv_heads", "model"),
-    # The stacked expert kernels (E, D, F) keep every expert on every device of a model
-    # group: no expert parallelism yet. They are sharded like the dense MLP's, embed over
-    # fsdp and mlp over model, so FSDP gathers an MoE block's experts as it gathers an
-    # MLP, and each device computes every expert on its own tokens.
-    ("experts", None),
+    # Expert parallelism: the stacked expert kernels (E, D, F) split their experts over
+    # the mesh axis that carries the batch's rows (data, else fsdp), as torchtitan
+    # derives EP from its data-parallel shard dimensions, and not over an `expert` axis of
+    # their own as MaxText does: DTensor splits the batch dimension over one mesh axis
+    # only, so tokens spread over an `expert` axis beside data or fsdp would have to split
+    # the sequence (which a per-sequence dispatch cannot plan), or be replicated over it
+    # (every expert device redoing the dense parts). On the batch's own axis the
+    # relayout of the dispatched buffers from rows to experts is one all-to-all that
+    # moves each token to its experts' device and back. The rest of an expert kernel
+    # takes what is left (mlp over model; embed over fsdp only when the experts did not
+    # take fsdp); expert-sharded dimensions are never gathered (`compute_spec`).
+    ("experts", "data"),
+    ("experts", "fsdp"),
     ("head_dim", None),
     ("position", None),
     ("norm", None),
@@ -181,6 +193,43 @@ def check_batch(global_batch: int, grad_accum: int, spec_axis: Optional[str], sh
             f"'{sequence_axis}' (size {shape[sequence_axis]}), which splits the sequence "
             f"because the batch's rows take '{spec_axis}'; use a multiple of "
             f"{shape[sequence_axis]}, or a mesh without both axes.")
+
+
+def compute_spec(spec: Spec, logical_axes: Sequence[Optional[str]], batch_axes) -> Spec:
+    """The layout a weight computes in: dimensions sharded over a batch axis are gathered
+    (FSDP), except the experts of an expert-parallel kernel, which each device computes
+    on its own tokens' and everyone else's (after the all-to-all)."""
+    return tuple(None if m in batch_axes and name != "experts" else m
+                 for m, name in zip(spec, logical_axes))
+
+
+def expert_axis(num_experts: int, rules: Rules, mesh_shape: Mapping[str, int]) -> Optional[str]:
+    """The mesh axis the experts split over (expert parallelism), or None; refuses in one
+    line a table or mesh it cannot work with.
+
+    Raises:
+      MeshError: the experts do not divide over their axis, or their axis is not the one
+        that carries the batch's rows (the all-to-all exchanges tokens over that axis).
+    """
+    axis = candidate_axis("experts", rules, mesh_shape)
+    if axis is None:
+        return None
+    rows = candidate_axis("activation_batch", rules, mesh_shape)
+    if axis != rows or candidate_axis("activation_experts", rules, mesh_shape) != axis:
+        raise MeshError(
+            f"mesh.rules: the experts split over '{axis}' but the batch's rows over "
+            f"'{rows}' and the dispatched buffers' experts over "
+            f"'{candidate_axis('activation_experts', rules, mesh_shape)}'; expert "
+            "parallelism exchanges tokens over the rows' axis: map 'experts' and "
+            "'activation_experts' to it, or 'experts' to null (replicated experts).")
+    if num_experts % mesh_shape[axis]:
+        raise MeshError(
+            f"model.num_experts ({num_experts}) does not divide over mesh axis '{axis}' "
+            f"(size {mesh_shape[axis]}), which splits the experts (expert parallelism); "
+            f"use a multiple of {mesh_shape[axis]} experts, a mesh whose '{axis}' size "
+            "divides them, or mesh.rules starting with ['experts', null] and "
+            "['activation_experts', null] to replicate them.")
+    return axis
 
 
 def activation_mesh_axes(rules: Rules):

@@ -51,9 +51,15 @@ DISPATCHES = ("slots", "grouped")
 
 _EMBED = ("activation_batch", "activation_length", "activation_embed")
 _LOGITS = ("activation_batch", "activation_length", None)
-# The dispatched buffers (B, E, C, .): rows, experts, slots, features.
+# The dispatched buffers on the tokens' side (B, E, C, .): rows, experts, slots, features;
+# the batch's rows come first and take the batch's mesh axis.
 _SLOTS_EMBED = ("activation_batch", "activation_experts", None, "activation_embed")
-_SLOTS_MLP = ("activation_batch", "activation_experts", None, "activation_mlp")
+# The same buffers on the experts' side (E, B, C, .): the experts come first and take
+# that axis when the rules split the experts over it (expert parallelism), so the
+# relayout between the two sides is one all-to-all each way; else both sides lie alike
+# and the transposes between them are local.
+_EXPERTS_EMBED = ("activation_experts", "activation_batch", None, "activation_embed")
+_EXPERTS_MLP = ("activation_experts", "activation_batch", None, "activation_mlp")
 # The grouped rows (B, R, .): sorted by expert, so no axis is the experts'.
 _ROWS_EMBED = ("activation_batch", None, "activation_embed")
 
@@ -260,13 +266,14 @@ class MoeMLP(keras.layers.Layer):
         # Each expert projection is one batched einsum over E: with FP8 one GEMM per
         # projection, its operands scaled per tensor (all experts' tokens share the
         # input's scale, all experts' kernels the weight's), as for a dense projection.
-        kw = dict(init_std=init_std, output_axes=_SLOTS_MLP, dtype=policy)
-        self.gate = Projection("becd,edf->becf", (e, d, f), ("experts", "embed", "mlp"),
+        # Experts-major (E, B, C, .) operands: see `_slot_experts`.
+        kw = dict(init_std=init_std, output_axes=_EXPERTS_MLP, dtype=policy)
+        self.gate = Projection("ebcd,edf->ebcf", (e, d, f), ("experts", "embed", "mlp"),
                                name="gate", fp8=fp8_for("gate"), **kw)
-        self.up = Projection("becd,edf->becf", (e, d, f), ("experts", "embed", "mlp"),
+        self.up = Projection("ebcd,edf->ebcf", (e, d, f), ("experts", "embed", "mlp"),
                              name="up", fp8=fp8_for("up"), **kw)
-        self.down = Projection("becf,efd->becd", (e, f, d), ("experts", "mlp", "embed"),
-                               init_std=output_init_std, output_axes=_SLOTS_EMBED,
+        self.down = Projection("ebcf,efd->ebcd", (e, f, d), ("experts", "mlp", "embed"),
+                               init_std=output_init_std, output_axes=_EXPERTS_EMBED,
                                name="down", fp8=fp8_for("down"), dtype=policy)
         self.shared_expert = self.shared_expert_gate = None
         if shared_intermediate_dim is not None:
@@ -329,11 +336,25 @@ class MoeMLP(keras.layers.Layer):
         return recompute(self.activation) if self.recompute_activation else self.activation
 
     def _slot_experts(self, rows, plan):
-        """(B, E*C, D) -> (B, E*C, D): expert e's SwiGLU on its C slots."""
+        """(B, E*C, D) -> (B, E*C, D): expert e's SwiGLU on its C slots.
+
+        Expert parallelism is the two relayouts: the buffer, laid out by its rows on the
+        tokens' side, is laid out by its experts for the products (an all-to-all over
+        the batch's mesh axis: each device sends every other device the slots of that
+        device's experts, B/n x E/n x C x D elements, and receives its experts' slots of
+        every row), and the outputs come back the same way. Both move the compute dtype
+        (a bfloat16 buffer as float16 bits: `constrain`); their gradients are the same
+        all-to-alls backwards. Without expert parallelism both sides lie alike.
+        """
         buffer = constrain(tf.reshape(rows, [-1, self.num_experts, plan.capacity,
                                              self.hidden_dim]), _SLOTS_EMBED, self.name)
-        out = self.down(self._activation()(self.gate(buffer), self.up(buffer)))  # (B,E,C,D)
-        return tf.reshape(out, tf.shape(rows))
+        at_experts = constrain(tf.transpose(buffer, [1, 0, 2, 3]), _EXPERTS_EMBED,
+                               self.name)  # (E, B, C, D): the all-to-all
+        hidden = self._activation()(self.gate(at_experts), self.up(at_experts))
+        out = self.down(hidden)  # (E, B, C, D)
+        back = constrain(tf.transpose(out, [1, 0, 2, 3]), _SLOTS_EMBED,
+                         self.name)  # (B, E, C, D): the all-to-all back
+        return tf.reshape(back, tf.shape(rows))
 
     def _grouped_experts(self, rows, plan):
         """(B, R, D) -> (B, R, D): each tile through its expert's SwiGLU."""
