@@ -35,8 +35,10 @@ CASES = {
     # as fsdp=8 did, for 52 CPU seconds of compilation instead of 148.
     "fsdp2_current_remat_full": ("fsdp=2", "current", "full"),
     # One sparse block (4 experts, top 2): its gate, up and down are batched einsums over
-    # the experts' slots (E, C); on an FSDP mesh their kernels are gathered as E4M3 bytes
-    # like a dense MLP's. The router's dot stays bf16 (not an FP8 projection).
+    # the experts' slots (E, C); on fsdp=2 the experts split over fsdp (expert
+    # parallelism: each device's GEMMs take its own experts' kernels, never gathered, and
+    # the tokens' slots arrive by all-to-all). The router's dot stays bf16 (not an FP8
+    # projection).
     "moe_fsdp2_delayed": ("fsdp=2", "delayed", "none", {
         "model.num_experts": 4, "model.num_experts_per_tok": 2,
         "model.moe_intermediate_dim": 32, "model.mlp_only_layers": "[]"}),
