@@ -8,30 +8,13 @@ import os
 import pytest
 
 from tests.data import chat_templates as T
-from tests.pretrained import transformers_reference as ref
+from tests.cli.chat_runs import EXAMPLE, imported_llama
 from tfllm.cli.main import main
-from tfllm.config import load_config
 from tfllm.data.chat import Record, SampleEncoder, added_token_ids
 from tfllm.data.chat_template import load_chat_template
 from tfllm.data.tokenizer import from_file
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-EXAMPLE = os.path.join(ROOT, "tfllm", "data", "chat_example.jsonl")
 MESSAGES = T.PLAIN[1:]  # Llama 3's format puts the system turn first anyway
-
-
-def imported_llama(tmp_path, *import_args):
-    """A tiny Llama 3 folder written by transformers, with a Llama 3 style template in its
-    tokenizer_config.json, imported as a run."""
-    ref.save("llama3", tmp_path / "hf")
-    config_path = tmp_path / "hf" / "tokenizer_config.json"
-    config = json.loads(config_path.read_text())
-    config.update(chat_template=T.LLAMA3, bos_token="<|begin_of_text|>",
-                  eos_token="<|eot_id|>")
-    config_path.write_text(json.dumps(config))
-    assert main(["import", "--preset", str(tmp_path / "hf"), "--workdir",
-                 str(tmp_path / "run"), *import_args]) == 0
-    return load_config(str(tmp_path / "run" / "config.yaml"))
 
 
 def test_import_keeps_the_template_and_export_writes_it_back(tmp_path):

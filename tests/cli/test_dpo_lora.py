@@ -9,7 +9,7 @@ import os
 import numpy as np
 import pytest
 
-from tests.cli.test_chat_cli import ROOT, imported_llama
+from tests.cli.chat_runs import ROOT, imported_llama
 from tests.pretrained import transformers_reference as ref
 from tfllm.cli.main import main
 

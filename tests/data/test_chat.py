@@ -1,45 +1,18 @@
 """Chat SFT data: JSONL readers, the loss mask of train.loss_on, packing, batches."""
 
 import json
-import os
 
 import numpy as np
 import pytest
 
 from tests.data import chat_templates as T
-from tfllm.config import Config
+from tests.data.datasets import CHATML, EXAMPLE, chat_batches, chat_config
 from tfllm.data import DataError
 from tfllm.data.chat import Record, SampleEncoder, parse_line, read_records
 from tfllm.data.chat_template import ChatTemplate
 from tfllm.data.packing import PackedStream, best_fit
-from tfllm.data.pipeline import Batches
 from tfllm.data.samples import prepare_samples
 from tfllm.data.tokenizer import ByteTokenizer
-
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-EXAMPLE = os.path.join(ROOT, "tfllm", "data", "chat_example.jsonl")
-CHATML = os.path.join(ROOT, "tfllm", "data", "templates", "chatml.jinja")
-
-
-def chat_config(loss_on="assistant", fmt="messages", paths=(EXAMPLE,), length=256, rows=4,
-                accum=1, template=CHATML):
-    config = Config()
-    d = config.data
-    d.source, d.format, d.paths, d.tokenizer = "text", fmt, list(paths), "byte"
-    d.chat_template, d.sequence_length, d.validation_fraction = template, length, 0.1
-    config.model.vocab_size, config.model.max_sequence_length = 257, length
-    config.train.loss_on, config.train.global_batch_size = loss_on, rows
-    config.train.grad_accum_steps = accum
-    return config
-
-
-def chat_batches(config, split, **kwargs):
-    """`Batches` of a `chat_config`, in a run's geometry: all its rows, byte tokens."""
-    t = config.train
-    return Batches(config.data, ByteTokenizer(), split, micro_batches=t.grad_accum_steps,
-                   micro_batch_rows=t.global_batch_size // t.grad_accum_steps,
-                   loss_on=t.loss_on, **kwargs)
-
 
 def trained_runs(tokens, mask):
     """The trained text of a byte-tokenized sample, one string per run of trained tokens."""

@@ -12,7 +12,7 @@ from tfllm.data.chat import SampleEncoder, parse_line, read_records
 from tfllm.data.chat_template import ChatTemplate
 from tfllm.data.tokenizer import ByteTokenizer
 from tests.data import chat_templates as T
-from tests.data.test_chat import CHATML
+from tests.data.datasets import CHATML
 
 GOOD = {"messages": [
     {"role": "system", "content": "be brief"},

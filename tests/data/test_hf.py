@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from tests.data.conftest import make_docs, text_config
-from tests.data.test_chat import EXAMPLE, chat_batches, chat_config
+from tests.data.datasets import EXAMPLE, PAIRS, chat_batches, chat_config, pair_batches, pair_config
 from tfllm.data import DataError
 from tfllm.data import hf
 from tfllm.data.pipeline import Batches
@@ -235,7 +235,6 @@ def test_prompt_completion_columns_give_the_jsonl_path_s_tokens(tmp_path):
 def test_preference_columns_give_the_jsonl_path_s_pairs(tmp_path):
     """TRL's conversational preference layout (prompt, chosen, rejected) as parquet: the
     JSONL path's rows, pair indices included."""
-    from tests.data.test_preference import EXAMPLE as PAIRS, pair_batches, pair_config
     config = pair_config()
     config.data.validation_fraction = 0.0
     want = _take(pair_batches(config, "train"), 4)

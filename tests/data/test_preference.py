@@ -3,44 +3,19 @@ the rows of a batch. Token ids against TRL's own preprocessing: tests/train/test
 """
 
 import json
-import os
 
 import numpy as np
 import pytest
 
-from tfllm.config import Config, ConfigError
+from tests.data.datasets import CHATML, PAIRS as EXAMPLE, pair_batches, pair_config
+from tfllm.config import ConfigError
 from tfllm.config.loader import check_objective
 from tfllm.data import DataError
 from tfllm.data.chat import read_records
 from tfllm.data.chat_template import ChatTemplate
-from tfllm.data.pipeline import Batches
 from tfllm.data.preference import PairEncoder, PairStream, parse_line
 from tfllm.data.samples import prepare_samples
 from tfllm.data.tokenizer import ByteTokenizer
-
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-EXAMPLE = os.path.join(ROOT, "tfllm", "data", "preference_example.jsonl")
-CHATML = os.path.join(ROOT, "tfllm", "data", "templates", "chatml.jinja")
-
-
-def pair_config(paths=(EXAMPLE,), length=192, pairs=4, accum=1):
-    config = Config()
-    d = config.data
-    d.source, d.format, d.paths, d.tokenizer = "text", "preference", list(paths), "byte"
-    d.chat_template, d.sequence_length, d.validation_fraction = CHATML, length, 0.1
-    config.model.vocab_size, config.model.max_sequence_length = 257, length
-    config.train.objective, config.lora.rank = "dpo", 4
-    config.train.global_batch_size, config.train.grad_accum_steps = pairs, accum
-    return config
-
-
-def pair_batches(config, split, rows=None, **kwargs):
-    """`Batches` in a DPO run's geometry: two rows per pair (`tfllm.data.feed`)."""
-    t = config.train
-    return Batches(config.data, ByteTokenizer(), split, rows, micro_batches=t.grad_accum_steps,
-                   micro_batch_rows=2 * t.global_batch_size // t.grad_accum_steps,
-                   loss_on=t.loss_on, **kwargs)
-
 
 def completion(tokens, mask):
     return bytes(np.asarray(tokens)[np.asarray(mask) == 1].tolist()).decode()

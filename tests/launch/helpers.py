@@ -3,6 +3,7 @@
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import time
 
@@ -151,3 +152,42 @@ def fake_gpu_host(directory, gpus=None):
             f.write(FAKE_NVIDIA_SMI.format(gpus=gpus))
         os.chmod(path, 0o755)
     return bin_dir, os.path.join(bin_dir, "nvidia-smi.calls")
+
+
+#: the real Slurm's and sshd's runs (test_real_slurm, test_real_ssh): steps and settings;
+#: deterministic, so a resumed run repeats the losses
+STEPS = 24
+TRAIN = ("--set", f"train.steps={STEPS}", "--set", "train.log_every=1",
+         "--set", "data.source=synthetic", "--set", "train.deterministic=true",
+         "--set", "train.eval_steps=1", "--set", "checkpoint.every=1000")
+
+
+def free_port_pair():
+    """A port P with P+1 also free (--port-per-rank: rank r listens on P+r)."""
+    for _ in range(50):
+        with socket.socket() as a, socket.socket() as b:
+            a.bind(("", 0))
+            port = a.getsockname()[1]
+            try:
+                b.bind(("", port + 1))
+            except OSError:
+                continue
+        return port
+    raise RuntimeError("no two consecutive free ports")
+
+
+def reference_losses(tmp_path_factory):
+    """One process, the mesh of the real-cluster jobs on two CPU devices (`TRAIN`): the
+    losses every run of those jobs must give."""
+    import numpy as np
+
+    from tests.harness import TF_HANG_S, metrics_records, tfllm_command
+    workdir = tmp_path_factory.mktemp("reference") / "run"
+    result = subprocess.run(tfllm_command("train", "--config", "configs/tiny.yaml",
+                                          "--workdir", str(workdir), "--set",
+                                          "mesh.axes=data=2", "--set",
+                                          "mesh.num_cpu_devices=2", *TRAIN),
+                            cwd=ROOT, env=launcher_env(), capture_output=True, text=True,
+                            timeout=TF_HANG_S)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return np.array([r["loss"] for r in metrics_records(workdir) if "loss" in r])

@@ -7,41 +7,22 @@ the workers save (75), and the resubmitted job resumes to the same losses.
 
 import os
 import re
-import socket
 import subprocess
 import time
 
 import numpy as np
 import pytest
 
-from tests.harness import TF_HANG_S, metrics_records, tfllm_command
-from tests.launch.helpers import ROOT, launcher_env, wait_for_step
+from tests.harness import TF_HANG_S, metrics_records
+from tests.launch.helpers import (ROOT, STEPS, TRAIN, free_port_pair, launcher_env,
+                                  reference_losses, wait_for_step)
 
 TIMEOUT_S = TF_HANG_S  # bounds a hang only
-STEPS = 24
-#: the train settings of every run here; deterministic, so a resumed run repeats the losses
-TRAIN = ("--set", f"train.steps={STEPS}", "--set", "train.log_every=1",
-         "--set", "data.source=synthetic", "--set", "train.deterministic=true",
-         "--set", "train.eval_steps=1", "--set", "checkpoint.every=1000")
 #: two nodes, one task each, one CPU; the template's GPU request overridden for CPU nodes
 SBATCH_NODES = ("-N2", "-n2", "--ntasks-per-node=1", "--gpus-per-node=0", "--cpus-per-task=1")
 
 # per test: the fixture's apt-get (up to 2 x 600 s) and the runs' hang bounds fit
 pytestmark = [pytest.mark.slow, pytest.mark.multiprocess, pytest.mark.timeout(1800)]
-
-
-def free_port_pair():
-    """A port P with P+1 also free (--port-per-rank: rank r listens on P+r)."""
-    for _ in range(50):
-        with socket.socket() as a, socket.socket() as b:
-            a.bind(("", 0))
-            port = a.getsockname()[1]
-            try:
-                b.bind(("", port + 1))
-            except OSError:
-                continue
-        return port
-    raise RuntimeError("no two consecutive free ports")
 
 
 def _env(cluster, **extra):
@@ -86,16 +67,7 @@ def _no_job_left(cluster, tmp_path):
 
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory):
-    """One process, the same mesh on two CPU devices: the losses every run must give."""
-    workdir = tmp_path_factory.mktemp("reference") / "run"
-    result = subprocess.run(tfllm_command("train", "--config", "configs/tiny.yaml",
-                                          "--workdir", str(workdir), "--set",
-                                          "mesh.axes=data=2", "--set",
-                                          "mesh.num_cpu_devices=2", *TRAIN),
-                            cwd=ROOT, env=launcher_env(), capture_output=True, text=True,
-                            timeout=TIMEOUT_S)
-    assert result.returncode == 0, result.stderr[-3000:]
-    return _losses(workdir)
+    return reference_losses(tmp_path_factory)
 
 
 def test_sbatch_template_trains_like_one_process(real_slurm, reference, tmp_path):

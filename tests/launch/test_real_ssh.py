@@ -15,8 +15,16 @@ import numpy as np
 import pytest
 
 from tests.harness import TF_HANG_S, metrics_records
-from tests.launch.helpers import PY, launcher_env, start, wait_for_step
-from tests.launch.test_real_slurm import STEPS, TRAIN, free_port_pair, reference  # noqa: F401
+from tests.launch.helpers import (PY, TRAIN, free_port_pair, launcher_env, reference_losses,
+                                  start, wait_for_step)
+
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    """The losses of test_real_slurm's reference: the same settings, one process."""
+    return reference_losses(tmp_path_factory)
+
 
 TIMEOUT_S = TF_HANG_S  # bounds a hang only (and --startup-timeout, which must not fire)
 SECRET = "tfllm-test-key-" + "5" * 24
