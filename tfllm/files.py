@@ -494,6 +494,24 @@ def remove_empty_folder(path: str) -> bool:
     return True
 
 
+def missing_folders(path: str) -> list:
+    """`path` and its ancestors that do not exist yet, deepest first: what a command is
+    about to create, to undo with `remove_empty_folders` if it then fails."""
+    missing, path = [], os.path.abspath(path)
+    while not os.path.exists(path) and os.path.dirname(path) != path:
+        missing.append(path)
+        path = os.path.dirname(path)
+    return missing
+
+
+def remove_empty_folders(folders: list) -> None:
+    """Removes `folders` (deepest first) up to the first that is not empty, is gone, or
+    was not made by this process (`remove_empty_folder`). Never raises."""
+    for path in folders:
+        if not remove_empty_folder(path):
+            return
+
+
 # ---- new output folders (every `tfllm export` format) ---------------------------------------
 def require_new_folder(out: str, error=ValueError, keep=()) -> str:
     """`out` as an absolute path for a new output folder: it must not exist or be an empty

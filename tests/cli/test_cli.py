@@ -137,3 +137,15 @@ def test_bench_prints_one_json_line():
     # No MFU on CPU, and the reason in its place.
     assert out["mfu"] is None and out["peak_source"].startswith("none: no MFU on CPU")
     assert out["tokens_per_s"] > 0
+
+
+def test_export_offers_the_formats_the_library_dispatches():
+    from tfllm.cli.main import build_parser
+    from tfllm.pretrained.formats import FORMATS, export_run
+    sub = next(a for a in build_parser()._actions if a.dest == "command")
+    offered = next(a for a in sub.choices["export"]._actions if a.dest == "format").choices
+    assert tuple(offered) == tuple(FORMATS)
+    with pytest.raises(ValueError, match="export format 'onnx'; use one of saved-model"):
+        export_run("onnx", None, "run", "out")
+    with pytest.raises(ValueError, match="merge_lora goes with the hf format"):
+        export_run("peft", None, "run", "out", merge_lora=True)

@@ -132,7 +132,7 @@ def _persist_compiles(args, config, workdir) -> None:
     from tfllm.contracts import client_id
     directory = environment.xla_cache_dir(config.train.xla_cache, workdir, client_id())
     if directory:
-        args.created = _missing_folders(os.path.join(directory, "autotune"))
+        args.created = files.missing_folders(os.path.join(directory, "autotune"))
     try:
         environment.xla_cache(directory)
     except OSError as e:
@@ -141,23 +141,6 @@ def _persist_compiles(args, config, workdir) -> None:
         # Reading a run needs no cache: a read-only or full workdir still serves it.
         print(f"tfllm {args.command}: warning: no XLA compile cache ({_one_line(e)}); "
               "compiling without it.", file=sys.stderr)
-
-
-def _missing_folders(path: str) -> list:
-    """`path` and its ancestors that do not exist yet, deepest first."""
-    missing, path = [], os.path.abspath(path)
-    while not os.path.exists(path) and os.path.dirname(path) != path:
-        missing.append(path)
-        path = os.path.dirname(path)
-    return missing
-
-
-def _remove_empty(folders: list) -> None:
-    """Removes `folders` (deepest first) up to the first that is not empty, is gone, or
-    was not made by this process (`tfllm.files.remove_empty_folder`)."""
-    for path in folders:
-        if not files.remove_empty_folder(path):
-            return
 
 
 def cmd_train(args) -> int:
@@ -279,15 +262,13 @@ def cmd_generate(args) -> int:
                          temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
                          seed=args.seed))
         return 0
-    limit = config.model.max_sequence_length
-    prompt_tokens = len(run.tokenizer.encode(args.prompt))
-    if not 0 < prompt_tokens < limit:
-        raise InputError(f"--prompt is {prompt_tokens} tokens; the model takes 1 to "
-                         f"{limit - 1} (model.max_sequence_length {limit} minus at least "
-                         "one new token): shorten the prompt.")
-    from tfllm.train.run import sample_text
-    text = sample_text(run, args.prompt, args.max_new_tokens, temperature=args.temperature,
-                       top_k=args.top_k, top_p=args.top_p, seed=args.seed)
+    from tfllm.train.run import PromptError, sample_text
+    try:
+        text = sample_text(run, args.prompt, args.max_new_tokens, prompt_name="--prompt",
+                           temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
+                           seed=args.seed)
+    except PromptError as e:
+        raise InputError(str(e)) from None
     print(text)
     return 0
 
@@ -304,9 +285,7 @@ def cmd_eval(args) -> int:
         raise InputError(f"{alone[0]} goes with --tasks (lm-eval tasks); without it "
                          "tfllm eval reports the validation loss.")
     run, meta = _restored_run(args)
-    if args.steps:
-        run.config.train.eval_steps = args.steps
-    result = run.evaluate()
+    result = run.evaluate(args.steps or None)
     print(json.dumps({"step": int(meta["step"]), **result}))
     return 0
 
@@ -346,22 +325,10 @@ def cmd_export(args) -> int:
     config = saved_config(args.workdir, args.overrides)
     if args.merge_lora and args.format != "hf":
         raise InputError("--merge-lora goes with --format hf.")
-    if args.format == "hf":
-        from tfllm.pretrained.hf_export import export_hf
-        print(json.dumps(export_hf(config, args.workdir, args.out, args.dtype,
-                                   args.max_shard_size, args.merge_lora)))
-        return 0
-    if args.format == "peft":
-        from tfllm.pretrained.hf_export import export_peft
-        print(json.dumps(export_peft(config, args.workdir, args.out, args.dtype,
-                                     not args.skip_vllm_checks)))
-        return 0
-    if args.format == "keras-hub":
-        from tfllm.pretrained.exporter import export_preset
-        print(json.dumps(export_preset(config, args.workdir, args.out)))
-        return 0
-    from tfllm.train.export import export_model
-    print(json.dumps(export_model(config, args.workdir, args.out)))
+    from tfllm.pretrained.formats import export_run
+    print(json.dumps(export_run(args.format, config, args.workdir, args.out, args.dtype,
+                                args.max_shard_size, args.merge_lora,
+                                vllm_check=not args.skip_vllm_checks)))
     return 0
 
 
@@ -511,7 +478,7 @@ def build_parser() -> argparse.ArgumentParser:
                    metavar="SECTION.KEY=VALUE", help="Override a setting.")
     p.add_argument("--out", type=user_path, required=True, help="Output directory.")
     p.add_argument("--format", default="saved-model",
-                   choices=("saved-model", "keras-hub", "hf", "peft"),
+                   choices=("saved-model", "keras-hub", "hf", "peft"),  # formats.FORMATS
                    help="saved-model (SavedModel + Keras weights), keras-hub (a preset "
                         "that keras_hub.models.CausalLM.from_preset loads), hf (a "
                         "folder that transformers' from_pretrained loads and vLLM serves) "
@@ -734,7 +701,7 @@ def main(argv=None) -> int:
         print(f"tfllm {args.command}: interrupted", file=sys.stderr)
         return HARD_STOP_EXIT_CODE
     except Exception as error:
-        _remove_empty(getattr(args, "created", []))  # nothing written after all
+        files.remove_empty_folders(getattr(args, "created", []))  # nothing written after all
         failure = _failure(error, args)
         if failure is None:
             raise  # a bug: Python's traceback is the report

@@ -88,8 +88,11 @@ class Run:
                   flush=True)
         announce_ready(os.environ)
 
-    def evaluate(self) -> dict:
-        return self.evaluator(self.feed.eval_batches(), self.config.train.eval_steps)
+    def evaluate(self, steps: Optional[int] = None) -> dict:
+        """The validation loss and perplexity over `steps` batches (default
+        `train.eval_steps`)."""
+        return self.evaluator(self.feed.eval_batches(),
+                              self.config.train.eval_steps if steps is None else steps)
 
     # ---- state --------------------------------------------------------------------------
     def state_variables(self) -> dict:
@@ -99,16 +102,33 @@ class Run:
                                    self.reference)
 
 
-def sample_text(run: Run, prompt: str, max_new_tokens: int, **sampling) -> str:
-    """Generates a continuation of `prompt` with the run's model and tokenizer."""
+class PromptError(ValueError):
+    """A prompt the model cannot continue (empty, or no room for one new token)."""
+
+
+def check_prompt(tokens: int, limit: int, name: str = "the prompt") -> None:
+    """Raises `PromptError` unless a prompt of `tokens` leaves room for a new token within
+    `limit` (model.max_sequence_length); `name` is how the message calls the prompt."""
+    if not 0 < tokens < limit:
+        raise PromptError(f"{name} is {tokens} tokens; the model takes 1 to {limit - 1} "
+                          f"(model.max_sequence_length {limit} minus at least one new "
+                          "token): shorten the prompt.")
+
+
+def sample_text(run: Run, prompt: str, max_new_tokens: int, prompt_name: str = "the prompt",
+                **sampling) -> str:
+    """Generates a continuation of `prompt` with the run's model and tokenizer.
+
+    Raises:
+      ValueError: a run without a tokenizer; `PromptError` (`check_prompt`, the prompt
+        called `prompt_name`) for a prompt it cannot continue.
+    """
     if run.tokenizer is None:
         raise ValueError("this run has no tokenizer (data.source=synthetic); there is no "
                          "text to generate.")
     ids = run.tokenizer.encode(prompt)
     limit = run.config.model.max_sequence_length
-    if len(ids) >= limit:
-        raise ValueError(f"the prompt is {len(ids)} tokens; model.max_sequence_length is "
-                         f"{limit}: shorten the prompt.")
+    check_prompt(len(ids), limit, prompt_name)
     max_new_tokens = min(max_new_tokens, limit - len(ids))
     generator = Generator(run.model, run.parallel, jit_compile=run.jit_compile)
     new = generator.generate(ids, max_new_tokens, eos_id=run.tokenizer.eod_id, **sampling)
