@@ -124,7 +124,7 @@ def test_flops_count_the_active_parameters():
     ({"model.moe_dispatch": "grouped", "model.moe_capacity_factor": 1.25},
      "model.moe_dispatch=grouped, which is dropless"),
     ({"model.mlp_only_layers": "[3]"}, r"\[3\] are not layers of this 3-layer model"),
-    ({"lora.rank": 4}, "LoRA on the MLP projections of a mixture of experts"),
+    ({"lora.rank": 4}, "LoRA on the expert projections is not implemented"),
     ({"lora.rank": 4, "lora.targets": "[q_proj,up_proj]"}, "is not implemented"),
 ])
 def test_config_refuses_what_cannot_be_built(overrides, message):

@@ -127,3 +127,28 @@ def test_dpo_adds_the_policy_pass_s_aux_loss():
     # float32, the same terms: rounding only
     np.testing.assert_allclose(loss, base + 0.5 * aux, rtol=1e-6)
     assert metrics["rewards/margins"] == pytest.approx(base_metrics["rewards/margins"])
+
+
+def test_chat_sft_with_lora_on_the_attention_trains_a_mixture_of_experts(tmp_path):
+    """Conversations (the chat example, ChatML, loss on the assistant turns) through an MoE
+    model with LoRA on q/k/v/o: the masked loss plus the aux loss goes down, the router
+    metrics are reported, and only the adapters move."""
+    from tests.data.test_chat import CHATML, EXAMPLE
+    from tfllm.train.loop import Run
+    cfg = tiny_config("llama", **{
+        **MOE, "data.source": "text", "data.format": "messages", "data.paths": f"[{EXAMPLE}]",
+        "data.tokenizer": "byte", "data.chat_template": CHATML, "model.vocab_size": 257,
+        "data.sequence_length": 256, "model.max_sequence_length": 256,
+        "train.loss_on": "assistant", "train.global_batch_size": 4, "train.steps": 6,
+        "lora.rank": 8, "lora.targets": "[q_proj,k_proj,v_proj,o_proj]",
+        "optimizer.learning_rate": 3e-2})
+    run = Run(cfg)
+    frozen = {v.path: v.numpy().copy() for v in run.model.variables if "lora_" not in v.path}
+    outs = [run.step(run.feed.train_batch(i)) for i in range(6)]
+    losses = [float(o["loss"]) for o in outs]
+    assert all(np.isfinite(losses)) and losses[-1] < losses[0], losses
+    assert all(o["moe_aux_loss"] >= 1.0 for o in outs)  # 1 exactly when balanced
+    assert all("lora_" in v.path for v in run.model.trainable_variables)
+    for v in run.model.variables:
+        if v.path in frozen:  # the experts, the router and the base attention stay
+            np.testing.assert_array_equal(v.numpy(), frozen[v.path], err_msg=v.path)

@@ -29,7 +29,8 @@ def preset(name, *sets):
 
 def test_every_model_preset_is_listed():
     # a new preset joins the parametrized tests below by itself; this guards the glob
-    assert MODELS == ["gpt2-medium", "gpt2-small", "llama-1b", "llama-70b", "llama-7b"]
+    assert MODELS == ["gpt2-medium", "gpt2-small", "llama-1b", "llama-70b", "llama-7b",
+                      "qwen3-30b-a3b"]
 
 
 def _chosen(config):

@@ -49,7 +49,7 @@ def _adapter(name, base_dir, out, rank=8, alpha=16.0, rslora=False, seed=3):
 
 def _import(tmp_path, name, *extra):
     tokenizer = []
-    if name in ("qwen2", "qwen3"):  # see ref.MODELS
+    if name in ("qwen2", "qwen3", "qwen3_moe", "mixtral"):  # see ref.MODELS
         ref.keras_hub_tokenizer(ref.MODELS[name][2]).save_to_preset(str(tmp_path / "tok"))
         tokenizer = ["--tokenizer", str(tmp_path / "tok")]
     assert main(["import", "--preset", str(tmp_path / "hf"), "--workdir",
@@ -230,3 +230,35 @@ def test_a_bfloat16_peft_export_imports_back(tmp_path):
     # bfloat16 keeps the top 16 bits, rounded to nearest even
     rounded = ((rounded + 0x7FFF + ((rounded >> 16) & 1)) >> 16 << 16).view(np.float32)
     assert np.array_equal(back, rounded)
+
+
+@pytest.mark.slow  # two imports, an export and peft's loads: ~20 s each under load
+@pytest.mark.parametrize("name", ["qwen3_moe", "mixtral"])
+def test_a_mixture_of_experts_attention_adapter_round_trips_through_peft(name, tmp_path):
+    """LoRA on the attention of an MoE model: peft's adapter imports with peft's logits,
+    and tfllm's export loads in peft with them (the experts stay frozen)."""
+    ref.save(name, tmp_path / "hf")
+    torch, _ = ref.load_torch_transformers()
+    peft = _peft()
+    config = peft.LoraConfig(r=8, lora_alpha=16.0, init_lora_weights=False,
+                             target_modules=["q_proj", "k_proj", "v_proj", "o_proj"],
+                             task_type="CAUSAL_LM")
+    torch.manual_seed(3)
+    adapted = peft.get_peft_model(ref.load(tmp_path / "hf"), config)
+    with torch.no_grad():  # A and B of std 0.3: the adapter moves every logit
+        for n, p in adapted.named_parameters():
+            if "lora_" in n:
+                p.copy_(torch.randn(p.shape) * 0.3)
+    adapted.save_pretrained(str(tmp_path / "adapter"))
+    ids = helpers.token_ids()
+    theirs = ref.logits(adapted.eval(), ids)
+    _import(tmp_path, name, "--adapter", str(tmp_path / "adapter"))
+    ref.assert_same_model(_tfllm_logits(tmp_path / "run", ids), theirs)
+    assert main(["export", "--workdir", str(tmp_path / "run"), "--out",
+                 str(tmp_path / "out"), "--format", "peft"]) == 0
+    mine, source = ref.safetensors_of(tmp_path / "out"), ref.safetensors_of(tmp_path / "adapter")
+    assert sorted(mine) == sorted(source)
+    for key in source:
+        np.testing.assert_array_equal(mine[key], source[key], err_msg=key)
+    reloaded = peft.PeftModel.from_pretrained(ref.load(tmp_path / "hf"), str(tmp_path / "out"))
+    ref.assert_same_model(ref.logits(reloaded.eval(), ids), theirs)

@@ -391,8 +391,11 @@ def check_experts(m: schema.ModelConfig, lora: schema.LoraConfig,
     if lora.rank and (not lora.targets or any(t.split(".")[-1] in mlp
                                               for t in lora.targets)):
         raise ConfigError(f"lora.targets={lora.targets or '[] (every projection)'} with "
-                          f"model.num_experts={m.num_experts}: LoRA on the MLP projections "
-                          "of a mixture of experts is not implemented; adapt the attention: "
+                          f"model.num_experts={m.num_experts}: LoRA on the expert "
+                          "projections is not implemented (peft adapts transformers' fused "
+                          "expert parameters gate_up_proj/down_proj only via "
+                          "target_parameters, one A per expert shared by gate and up, which "
+                          "tfllm neither trains nor exports); adapt the attention: "
                           "--set lora.targets=[q_proj,k_proj,v_proj,o_proj].")
     if m.family != "llama":
         raise ConfigError(f"model.num_experts={m.num_experts}: mixtures of experts are "

@@ -37,6 +37,8 @@ from typing import Dict, List, Optional, Tuple
 
 from tfllm.compiler.targets import Target, get_target
 from tfllm.contracts import InputError
+from tfllm.families import is_moe_layer
+from tfllm.models.common.dispatch import expert_capacity, num_tiles
 from tfllm.parallel import rules as rules_lib
 from tfllm.plan import sharded
 
@@ -106,8 +108,25 @@ class Estimate:
                 f"per device and micro-batch)")
 
 
-def _layer_elements(m, remat: str, rope: bool) -> float:
-    """Elements per token that one layer keeps for its backward pass (see ACTIVATION_TERMS)."""
+def dispatched_rows(m, length: int) -> float:
+    """Rows of a mixture of experts' dispatched buffer per token (`tfllm.models.common.
+    dispatch`): E x C / T for the slots dispatch (C = T dropless: E rows per token), k plus
+    the tiles' padding for the grouped one."""
+    if m.moe_dispatch == "grouped":
+        tile = min(64, length)  # MoeMLP's tile
+        return num_tiles(length, m.num_experts_per_tok, m.num_experts, tile) * tile / length
+    return m.num_experts * expert_capacity(length, m.num_experts_per_tok, m.num_experts,
+                                           m.moe_capacity_factor or None) / length
+
+
+def _layer_elements(m, remat: str, rope: bool, length: int = 1,
+                    sparse: bool = False) -> float:
+    """Elements per token that one layer keeps for its backward pass (see ACTIVATION_TERMS).
+
+    Args:
+      length: the sequence length (a sparse layer's capacity depends on it).
+      sparse: the layer's MLP is a mixture of experts (`is_moe_layer`).
+    """
     h, hd = m.hidden_dim, m.head_dim or m.hidden_dim // max(m.num_query_heads, 1)
     q = m.num_query_heads * hd
     kv = (m.num_key_value_heads or m.num_query_heads) * hd
@@ -115,14 +134,23 @@ def _layer_elements(m, remat: str, rope: bool) -> float:
     width = m.intermediate_dim
     if remat == "full":
         return h  # the block's input; the block is recomputed in the backward pass
+    if sparse:
+        # S dispatched rows per token, each expert of width F': the router's logits, the
+        # dispatched input (S x h), gate and up (2 S F'), down (S x h) and the combined
+        # output; the activation and gate x up product (2 S F') are the rest
+        rows, f = dispatched_rows(m, length), m.moe_intermediate_dim or width
+        mlp_matmuls, mlp_rest = m.num_experts + rows * (2 * h + 2 * f) + h, 2 * rows * f
+    else:
+        mlp_matmuls = (2 * width if gated else width) + h
+        mlp_rest = 2 * width if gated else width
     # matmul outputs: q, k, v, attention output (P V), o_proj and the MLP's input and
     # output projections (gate and up for gated MLPs)
-    matmuls = q + 2 * kv + q + h + (2 * width if gated else width) + h
+    matmuls = q + 2 * kv + q + h + mlp_matmuls
     if remat == "selective":
         return matmuls
     # the rest: both norms' inputs and outputs, rotated queries and keys, the MLP's
     # activation (and the gate x up product)
-    rest = 4 * h + ((q + kv) if rope else 0) + (2 * width if gated else width)
+    rest = 4 * h + ((q + kv) if rope else 0) + mlp_rest
     return matmuls + rest
 
 
@@ -135,7 +163,10 @@ ACTIVATION_TERMS = (
     "its probabilities, heads x T keys per token in the compute dtype plus the float32 "
     "softmax (tfllm keeps softmax in float32); remat=full keeps only each block's input "
     "plus one block recomputed; the logits block: bf16 logits, their float32 copy and "
-    "float32 gradient per token and vocabulary entry")
+    "float32 gradient per token and vocabulary entry; a mixture of experts' layer keeps, "
+    "in place of the MLP's, its router logits and its dispatched buffers: S rows per token "
+    "(E x capacity / T with model.moe_dispatch=slots, E when dropless; k plus tile "
+    "padding when grouped) of the input, gate, up, activation and down")
 
 
 def activation_bytes(local, remat: Optional[str] = None) -> Tuple[int, Dict[str, int]]:
@@ -154,8 +185,8 @@ def activation_bytes(local, remat: Optional[str] = None) -> Tuple[int, Dict[str,
     length = local.data.sequence_length
     tokens = rows * length
     rope = m.family != "gpt"
-    per_layer = _layer_elements(m, remat, rope) * c * tokens
-    layers = per_layer * m.num_layers
+    sparse = [is_moe_layer(m, i) for i in range(m.num_layers)]
+    layers = sum(_layer_elements(m, remat, rope, length, s) for s in sparse) * c * tokens
     standard = not (m.attention_chunk and length > m.attention_chunk)
     probs = 0.0
     if standard and remat == "none":
@@ -165,7 +196,7 @@ def activation_bytes(local, remat: Optional[str] = None) -> Tuple[int, Dict[str,
         probs = m.num_query_heads * length * 2 * c * tokens * m.num_layers
     one_block = 0.0
     if remat == "full":  # the one block being recomputed holds all of its activations
-        one_block = _layer_elements(m, "none", rope) * c * tokens
+        one_block = _layer_elements(m, "none", rope, length, any(sparse)) * c * tokens
         if standard:
             one_block += m.num_query_heads * length * 2 * c * tokens
     elif remat in ("attention", "selective") and standard:
@@ -395,9 +426,6 @@ def check_host(config, gpus, clients: int):
         return "skipped", "memory: not checked (train.memory_check=false)"
     if not gpus:
         return "skipped", "memory: no GPU"
-    if config.model.num_experts:  # `estimate` counts a dense MLP
-        return "warning", ("memory: not checked: tfllm's memory model does not count "
-                           "mixtures of experts yet (model.num_experts)")
     target = target_for_gpu(gpus[0].name)
     if target is None:
         return "warning", (f"memory: tfllm has no memory model of {gpus[0].name}; "

@@ -38,7 +38,7 @@ import math
 import os
 import subprocess
 import sys
-from typing import Optional
+from typing import Optional, Tuple
 
 from tfllm import files
 from tfllm.parallel.mesh import MeshError
@@ -203,9 +203,59 @@ def _extrapolate(one: dict, two: dict, layers: int) -> dict:
     return out
 
 
-def _with_layers(config, layers: int):
+def _combine(fn, *plans) -> dict:
+    """A plan whose every extrapolated figure is fn(the plans' figures) (`_LINEAR`, memory,
+    GEMM targets, roofline by kind); the rest as the last plan's, compile times summed."""
+    out = copy.deepcopy(plans[-1])
+    for key in _LINEAR:
+        out[key] = fn(*(p[key] for p in plans))
+    for key in ("arguments", "outputs", "alias", "temp", "total"):
+        out["memory"][key] = int(fn(*(p["memory"][key] for p in plans)))
+    for group in ("gemm_targets", "roofline_by_kind_s"):
+        keys = set().union(*(p[group] for p in plans))
+        out[group] = {k: fn(*(p[group].get(k, 0) for p in plans)) for k in keys}
+    out["gemm_targets"] = {k: int(v) for k, v in out["gemm_targets"].items()}
+    out["compile_s"] = sum(p["compile_s"] for p in plans)
+    return out
+
+
+def expert_points(m) -> Optional[Tuple[int, int]]:
+    """The expert counts a mixture of experts is compiled with when it is extrapolated
+    (`plan`): (E1, 2 E1), E1 = max(k, 8); None when every layer is not sparse (a 1-layer
+    program would then hold no experts) or E is not above 2 E1."""
+    if not m.num_experts or m.decoder_sparse_step != 1 or m.mlp_only_layers:
+        return None
+    e1 = max(m.num_experts_per_tok, 8)
+    return (e1, 2 * e1) if m.num_experts > 2 * e1 else None
+
+
+def _extrapolate_experts(local, target: Target, n_layers: int) -> dict:
+    """A mixture of experts too large to export even one layer of (Qwen3-30B-A3B's
+    layer and 151936-entry embeddings: 1.2B parameters, 15 GB of variables and AdamW
+    moments on the host) from three small compiles: 1 and 2 layers of E1 experts, 1
+    layer of E2. A layer's figures (memory, FLOPs, bytes, kernels) are linear in E: its
+    expert weights, their gradients and moments, the router's E columns and the grouped
+    dispatch's padding tiles; the embeddings and head do not depend on E. So the
+    1-layer figures are taken on the line through E1 and E2 at E, the 2-layer ones
+    moved by twice that change (two layers of experts), then the line through 1 and 2
+    layers at the model's depth, as dense presets are."""
+    m = local.model
+    e1, e2 = expert_points(m)
+    one, two, wide = (plan_program(_with_layers(local, n, e), target)
+                      for n, e in ((1, e1), (2, e1), (1, e2)))
+    at = (m.num_experts - e1) / (e2 - e1)
+    one_e = _combine(lambda a, b: a + (b - a) * at, one, wide)
+    two_e = _combine(lambda a, a_e, b: b + 2 * (a_e - a), one, one_e, two)
+    result = _combine(lambda a, b: a + (b - a) * (n_layers - 1), one_e, two_e)
+    result["compile_s"] = one["compile_s"] + two["compile_s"] + wide["compile_s"]
+    return result
+
+
+def _with_layers(config, layers: int, experts: Optional[int] = None):
     c = copy.deepcopy(config)
     c.model.num_layers = layers
+    if experts is not None:
+        c.model.num_experts = experts
     return c
 
 
@@ -224,11 +274,6 @@ def plan(config, target_name: str = "h100", layers: str = "auto", devices=None,
         process, about a minute on 2 cores); "assumed" uses the layout's formula only.
     """
     from tfllm.plan import sharded
-    if config.model.num_experts:
-        raise PlanError(f"model.num_experts={config.model.num_experts}: tfllm plan does not "
-                        "model mixtures of experts yet (its per-device shapes, memory and "
-                        "collectives count a dense MLP); train on a small mesh and read "
-                        "costs.json instead.")
     target = get_target(target_name)
     try:
         local, mesh_note = sharded.per_device_config(config, devices)
@@ -241,7 +286,12 @@ def plan(config, target_name: str = "h100", layers: str = "auto", devices=None,
         raise ValueError(f"--layers must be auto, full or extrapolate, not {layers!r}")
     extrapolate = (layers == "extrapolate" or layers == "auto"
                    and host_need > 0.5 * _host_memory()) and n_layers > 2
-    if extrapolate:
+    if extrapolate and expert_points(local.model):
+        result = _extrapolate_experts(local, target, n_layers)
+        e1, e2 = expert_points(local.model)
+        method = (f"extrapolated from 1- and 2-layer compiles of {e1} experts and a 1-layer "
+                  f"compile of {e2} to {n_layers} layers of {local.model.num_experts}")
+    elif extrapolate:
         one = plan_program(_with_layers(local, 1), target)
         two = plan_program(_with_layers(local, 2), target)
         result = _extrapolate(one, two, n_layers)

@@ -108,6 +108,7 @@ def per_device_config(config, devices=None) -> Tuple[object, str]:
         lm.num_query_heads = m.num_query_heads // tp
         lm.num_key_value_heads = (m.num_key_value_heads or m.num_query_heads) // tp
         lm.intermediate_dim = m.intermediate_dim // tp
+        lm.moe_intermediate_dim = m.moe_intermediate_dim // tp  # experts' mlp axis too
         lm.vocab_size = m.vocab_size // tp
     desc = ", ".join(f"{k}={v}" for k, v in shape.items())
     return local, f"{desc} ({devices} devices), per device"

@@ -1,0 +1,94 @@
+"""`tfllm plan` of a mixture of experts, without compiling: the fit model's arithmetic
+(all E experts' state, the dispatched buffers' activations) and the extrapolation over
+layers and experts (`planner._extrapolate_experts`) on figures of a known form."""
+
+import dataclasses
+
+import pytest
+
+from tests.harness import tiny_config
+from tfllm.config import load_config
+from tfllm.plan import fit, planner, sharded
+
+QWEN3_30B = "configs/qwen3-30b-a3b.yaml"
+
+
+def test_the_qwen3_30b_a3b_config_has_the_models_shapes_and_fits_a_node():
+    from tfllm.train.metrics import flops_per_token
+    cfg = load_config(QWEN3_30B, ["mesh.axes=fsdp=8"])
+    # the model card: 30.5B parameters, 3.3B activated (embeddings excluded there; the
+    # active parameters here count the untied head's and the router's matmuls)
+    assert sharded.param_count(cfg) == pytest.approx(30.53e9, rel=1e-3)
+    active = flops_per_token(cfg.model, cfg.data.sequence_length) / 6
+    assert 3.3e9 < active < 3.6e9  # + attention's score FLOPs (the 6N rule counts them)
+    e = fit.estimate(cfg, 8, "h100")
+    # every expert's weight (4 bytes) and AdamW moments (8) sharded 8 ways
+    assert e.state == pytest.approx(30.53e9 * 12 / 8, rel=0.01)
+    assert e.fits, e.summary()
+
+
+def _moe(**model):
+    cfg = tiny_config("llama", **{"model.num_experts": 16, "model.num_experts_per_tok": 2,
+                                  "model.moe_intermediate_dim": 32,
+                                  "model.mlp_only_layers": "[]", **model})
+    return cfg
+
+
+@pytest.mark.parametrize("dispatch, rows_per_token", [
+    ("slots", 16),  # dropless: C = T slots for each of the E experts
+    # the static buffer: ceil((T k + E (tile - 1)) / tile) tiles of 16 rows (tile = T =
+    # 16): ceil((32 + 240) / 16) = 17 tiles, 17 rows per token (every expert may end a
+    # tile part full)
+    ("grouped", 17),
+])
+def test_a_sparse_layer_keeps_its_dispatched_buffers(dispatch, rows_per_token):
+    cfg = _moe(**{"model.moe_dispatch": dispatch})
+    m, length = cfg.model, cfg.data.sequence_length
+    assert fit.dispatched_rows(m, length) == rows_per_token
+    dense = fit._layer_elements(m, "none", True, length, sparse=False)
+    sparse = fit._layer_elements(m, "none", True, length, sparse=True)
+    h, f, e = m.hidden_dim, m.moe_intermediate_dim, m.num_experts
+    gated = 2 * m.intermediate_dim + m.hidden_dim + 2 * m.intermediate_dim
+    assert sparse - dense == (e + rows_per_token * (2 * h + 4 * f) + h) - gated
+    # remat=full keeps the block's input only, sparse or not
+    assert fit._layer_elements(m, "full", True, length, sparse=True) == h
+
+
+def test_the_capacity_factor_bounds_the_slots():
+    cfg = _moe(**{"model.moe_capacity_factor": 1.0})
+    # ceil(1.0 * 16 tokens * 2 / 16 experts) = 2 slots per expert: 16 x 2 / 16 = 2 rows
+    assert fit.dispatched_rows(cfg.model, 16) == 2
+
+
+def test_extrapolation_over_layers_and_experts_recovers_a_bilinear_figure(monkeypatch):
+    """Every figure of the form a + L (b + c E) is recovered exactly at (48, 128) from the
+    three compiles (1, 8), (2, 8), (1, 16)."""
+    def figure(layers, experts, a, b, c):
+        return a + layers * (b + c * experts)
+
+    def fake_plan(local, target):
+        L, E = local.model.num_layers, local.model.num_experts
+        f = lambda *abc: figure(L, E, *abc)  # noqa: E731
+        plan = {key: f(3.0, 5.0, 0.25) for key in planner._LINEAR}
+        plan["memory"] = {key: f(1e9, 2e8, 1e6) for key in
+                          ("arguments", "outputs", "alias", "temp", "total")}
+        plan["gemm_targets"] = {"cublas": f(10, 4, 1)}
+        plan["roofline_by_kind_s"] = {"gemm": f(0.5, 0.25, 0.125)}
+        plan["compile_s"] = 1.0
+        calls.append((L, E))
+        return plan
+
+    calls = []
+    monkeypatch.setattr(planner, "plan_program", fake_plan)
+    local = load_config(QWEN3_30B, [])
+    assert planner.expert_points(local.model) == (8, 16)
+    out = planner._extrapolate_experts(local, None, 48)
+    assert sorted(calls) == [(1, 8), (1, 16), (2, 8)]
+    for key in planner._LINEAR:
+        assert out[key] == pytest.approx(figure(48, 128, 3.0, 5.0, 0.25)), key
+    assert out["memory"]["temp"] == pytest.approx(figure(48, 128, 1e9, 2e8, 1e6), rel=1e-12)
+    assert out["gemm_targets"]["cublas"] == figure(48, 128, 10, 4, 1)
+    assert out["compile_s"] == 3.0
+    # layers that are not all sparse compile the real expert count instead
+    mixed = dataclasses.replace(local.model, mlp_only_layers=[0])
+    assert planner.expert_points(mixed) is None
