@@ -10,15 +10,16 @@ reordered float32 sums; the experts add sums of the same kind, and the all-to-al
 move values). The experts split over the axis of the batch's rows (expert parallelism,
 tfllm.parallel.rules): fsdp=8 (one expert per device, the dense parts FSDP),
 data=2,model=4 (two experts per data group, each expert's width over model) and
-fsdp=4,model=2 (the same over fsdp). Refused in one line: the grouped dispatch on a
+fsdp=4,model=2 (the same over fsdp), and fsdp=8 again with full remat and 2 micro-batches.
+Refused in one line: the grouped dispatch on a
 mesh, a mesh whose rules split the sequence (data x fsdp), experts that do not divide
 over their axis. The routing must agree exactly on both sides for the tolerances to
 hold: a flipped top-k choice would move the loss by far more (the routing margins of
 random routers at init are ~1e-2, rounding differences ~1e-7).
 
 The executed program of a bfloat16 step on fsdp=8 (`costs.json`'s collectives): per
-MoE layer four all-to-alls (the buffer to the experts and back, forward and backward),
-each float16 (bfloat16 bits) of exactly the capacity buffer's share of a device, and no
+MoE layer four all-to-alls (the buffer to the experts and back, forward and backward;
+six under model.remat=full, which runs the forward's again), each float16 (bfloat16 bits) of exactly the capacity buffer's share of a device, and no
 gather or reduction of an expert kernel.
 """
 
@@ -31,9 +32,14 @@ EXPERTS = (("model.num_experts", 8), ("model.num_experts_per_tok", 2),
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("axes", ["fsdp=8", "data=2,model=4", "fsdp=4,model=2"])
-def test_moe_training_on_a_mesh_matches_one_device(axes):
-    extra = EXPERTS
+@pytest.mark.parametrize("axes,more", [
+    ("fsdp=8", ()), ("data=2,model=4", ()), ("fsdp=4,model=2", ()),
+    # The all-to-alls inside a recomputed block, and gradients of expert kernels summed
+    # over micro-batches on the device that owns them.
+    ("fsdp=8", (("model.remat", "full"), ("train.grad_accum_steps", 2)))],
+    ids=["fsdp=8", "data=2,model=4", "fsdp=4,model=2", "fsdp=8,remat,accumulation"])
+def test_moe_training_on_a_mesh_matches_one_device(axes, more):
+    extra = EXPERTS + more
     run = parity_run("llama", axes, False, extra)
     ref = parity_reference("llama", False, extra)
     assert_parity(run, ref)
@@ -69,10 +75,14 @@ def test_meshes_the_dispatch_cannot_run_on_are_refused(axes, extra, message):
 
 
 @pytest.mark.slow
-def test_expert_parallelism_moves_the_capacity_buffers_in_16_bits():
+@pytest.mark.parametrize("remat,per_layer", [
+    ("none", 4),
+    # the whole block recomputed in the backward pass: its forward's two once more
+    ("full", 6)])
+def test_expert_parallelism_moves_the_capacity_buffers_in_16_bits(remat, per_layer):
     from tests.harness import first_step_costs, tiny_config
     layers = 2
-    extra = {k: v for k, v in EXPERTS}
+    extra = {k: v for k, v in EXPERTS + (("model.remat", remat),)}
     report, _ = first_step_costs("fsdp=8", layers, "bfloat16", "llama", **extra)
     cfg = tiny_config("llama", "fsdp=8", **extra)
     m, batch, length = cfg.model, cfg.train.global_batch_size, cfg.data.sequence_length
@@ -81,7 +91,7 @@ def test_expert_parallelism_moves_the_capacity_buffers_in_16_bits():
     # B * E * C * D / n elements, what each all-to-all exchanges.
     share = batch * m.num_experts * length * m.hidden_dim // 8
     moved = [c for c in report.collectives if c.kind == "all-to-all"]
-    assert len(moved) == 4 * layers, [c.describe() for c in report.collectives]
+    assert len(moved) == per_layer * layers, [c.describe() for c in report.collectives]
     for c in moved:
         assert (c.dtype, c.elements, c.group_size) == ("float16", share, 8), c.describe()
     # The expert kernels are neither gathered nor reduced: each device computes and
