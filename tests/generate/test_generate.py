@@ -132,3 +132,20 @@ def test_compiled_decoding_on_a_mesh_runs_every_token_inside_xla():
     # A stop at eos inside a check interval: the rows end where the loop's rows end.
     eos = tokens[0][3]
     assert gen.generate(PROMPTS, NEW, eos_id=eos) == single.generate(PROMPTS, NEW, eos_id=eos)
+
+
+@pytest.mark.slow
+def test_an_expert_parallel_model_generates_the_same_tokens():
+    # 8 experts split over data (2 per device), each expert's width over model: every
+    # decoded token's capacity buffer (C = 1) goes to its experts' devices and back by
+    # all-to-all, inside the KV-cache loop. Greedy tokens equal one device's.
+    moe = {"model.num_experts": 8, "model.num_experts_per_tok": 2,
+           "model.moe_intermediate_dim": 32, **INIT}
+    made = []
+    for axes in ("data=2,model=4", None):
+        cfg = tiny_config("llama", axes or "data=1", **moe)
+        parallel = make_parallel(cfg.mesh, cfg.model, cfg.optimizer) if axes else None
+        made.append(Generator(build_model(cfg, parallel), parallel,
+                              jit_compile=axes is None))
+    prompts = PROMPTS + [[9]]
+    assert made[0].generate(prompts, NEW) == made[1].generate(prompts, NEW)
