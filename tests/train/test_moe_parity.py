@@ -17,15 +17,18 @@ over their axis. The routing must agree exactly on both sides for the tolerances
 hold: a flipped top-k choice would move the loss by far more (the routing margins of
 random routers at init are ~1e-2, rounding differences ~1e-7).
 
-The executed program of a bfloat16 step on fsdp=8 (`costs.json`'s collectives): per
-MoE layer four all-to-alls (the buffer to the experts and back, forward and backward;
-six under model.remat=full, which runs the forward's again), each float16 (bfloat16 bits) of exactly the capacity buffer's share of a device, and no
-gather or reduction of an expert kernel.
+The executed program of a bfloat16 step on fsdp=8 and data=2,model=4 (`costs.json`'s
+collectives): per MoE layer four all-to-alls (the buffer to the experts and back, forward
+and backward; six under model.remat=full, which runs the forward's again), each float16
+(bfloat16 bits) of exactly the capacity buffer's share of a device; with model > 1 one
+tensor-parallel all-reduce of down's output per layer; no gather or reduction of an
+expert kernel.
 """
 
 import pytest
 
 from tests.harness import assert_parity, parity_reference, parity_run
+from tfllm.parallel.mesh import parse_axes
 
 EXPERTS = (("model.num_experts", 8), ("model.num_experts_per_tok", 2),
            ("model.moe_intermediate_dim", 32), ("model.router_aux_loss_coef", 0.01))
@@ -75,31 +78,43 @@ def test_meshes_the_dispatch_cannot_run_on_are_refused(axes, extra, message):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("remat,per_layer", [
-    ("none", 4),
+@pytest.mark.parametrize("axes,remat,per_layer", [
+    ("fsdp=8", "none", 4),
     # the whole block recomputed in the backward pass: its forward's two once more
-    ("full", 6)])
-def test_expert_parallelism_moves_the_capacity_buffers_in_16_bits(remat, per_layer):
+    ("fsdp=8", "full", 6),
+    # the all-to-alls within each data group (2 devices), and tensor parallelism's
+    ("data=2,model=4", "none", 4)])
+def test_expert_parallelism_moves_the_capacity_buffers_in_16_bits(axes, remat, per_layer):
     from tests.harness import first_step_costs, tiny_config
     layers = 2
     extra = {k: v for k, v in EXPERTS + (("model.remat", remat),)}
-    report, _ = first_step_costs("fsdp=8", layers, "bfloat16", "llama", **extra)
-    cfg = tiny_config("llama", "fsdp=8", **extra)
+    report, _ = first_step_costs(axes, layers, "bfloat16", "llama", **extra)
+    cfg = tiny_config("llama", axes, **extra)
+    shape = dict(parse_axes(axes))
+    n, model = shape.get("data", shape.get("fsdp")), shape.get("model", 1)
     m, batch, length = cfg.model, cfg.train.global_batch_size, cfg.data.sequence_length
     # Dropless: C = T slots per expert and row. A device holds B/n rows of all E experts
     # on the tokens' side and all B rows of E/n experts on the experts' side: either way
-    # B * E * C * D / n elements, what each all-to-all exchanges.
-    share = batch * m.num_experts * length * m.hidden_dim // 8
+    # B * E * C * D / n elements, what each all-to-all exchanges (D is not split over
+    # model: each model rank of a data group exchanges the same buffer).
+    share = batch * m.num_experts * length * m.hidden_dim // n
     moved = [c for c in report.collectives if c.kind == "all-to-all"]
     assert len(moved) == per_layer * layers, [c.describe() for c in report.collectives]
     for c in moved:
-        assert (c.dtype, c.elements, c.group_size) == ("float16", share, 8), c.describe()
+        assert (c.dtype, c.elements, c.group_size) == ("float16", share, n), c.describe()
+    # Tensor parallelism: down's partial sums all-reduced over model, once per layer in
+    # the forward, on the experts' side of the buffer (E/n x B x C x D, float32 as for
+    # the dense MLP's down).
+    down = [c for c in report.collectives if "/down_1/einsum" in c.name]
+    assert len(down) == (layers if model > 1 else 0), [c.describe() for c in down]
+    assert all((c.kind, c.elements, c.group_size) == ("all-reduce", share, model)
+               for c in down), [c.describe() for c in down]
     # The expert kernels are neither gathered nor reduced: each device computes and
     # updates its own experts. Every other collective of the step is the dense parts'
     # (block gathers and reductions named per block), the embedding's, scalars, the
     # router statistics (float32 (E,) sums, int32 routing plans), none of an expert
-    # kernel's size in the MoE layers.
-    kernel = m.num_experts * m.hidden_dim * m.moe_intermediate_dim
+    # kernel's per-device size in the MoE layers.
+    kernel = m.num_experts * m.hidden_dim * m.moe_intermediate_dim // (n * model)
     for c in report.collectives:
-        if c.kind != "all-to-all" and "/mlp" in c.name:
-            assert (c.elements or 0) < kernel // 8, c.describe()
+        if c.kind != "all-to-all" and "/mlp" in c.name and c not in down:
+            assert (c.elements or 0) < kernel, c.describe()
