@@ -87,3 +87,55 @@ def test_measured_clusters_replace_the_assumed_count():
     assert figure_sources(p)["clusters"].startswith("measured")
     # the block buffers are in the memory (modelled from the model's blocks)
     assert p["memory"]["gather_buffers"] > 0 and "units" not in p["memory"]["gather_detail"]
+
+
+def _memory(axes, accum, temp=10 ** 9, **extra):
+    config = tiny(axes, **{"precision.policy": "bfloat16", "train.grad_accum_steps": accum},
+                  **extra)
+    local, note = per_device_config(config)
+    compiled = {"memory": {"arguments": 0, "outputs": 0, "alias": 0, "temp": temp}}
+    return apply_mesh(config, local, compiled, get_target("h100"), note)["memory"]
+
+
+# The tiny llama's trainable weights, by hand: embedding 128 x 64 = 8,192; per block two
+# 64-wide norms, q 64 x 64, k and v 64 x 32 (8 key-value heads of 4), o 64 x 64, gate, up
+# and down 64 x 128 each: 36,992; 2 blocks; the final norm 64 and the head 64 x 128.
+_TINY_PARAMS = 8192 + 2 * 36992 + 64 + 8192
+# On fsdp=8 every weight is split 8 ways but the five 64-wide norms (replicated).
+_TINY_FSDP8 = (_TINY_PARAMS - 5 * 64) // 8 + 5 * 64
+
+
+def _uncorrected(m):
+    # the layout's state replaced the program's in arguments and outputs (apply_mesh)
+    return m["arguments"] + m["outputs"] - m["alias"] + m["temp"] + m["gather_buffers"]
+
+
+def test_fsdp_gradients_are_the_shards_not_the_compiled_whole_set():
+    m = _memory("fsdp=8", 2)
+    g = m["gradients"]
+    # the no-mesh program computes every float32 gradient whole; a device keeps shards
+    assert g["program"] == 4 * _TINY_PARAMS == 361_728
+    assert g["device"] == 4 * _TINY_FSDP8 == 46_336
+    # under accumulation the whole running sum is alive at the compiled peak: the
+    # difference comes off the total, byte for byte
+    assert g["excess"] == g["subtracted"] == 361_728 - 46_336
+    assert m["total"] == _uncorrected(m) - g["excess"]
+    assert "total_low" not in m
+
+
+def test_one_micro_batch_keeps_the_compiled_total_and_prints_its_lower_bound():
+    m = _memory("fsdp=8", 1)
+    g = m["gradients"]
+    assert g["excess"] == 361_728 - 46_336 and g["subtracted"] == 0
+    assert m["total"] == _uncorrected(m)
+    assert m["total_low"] == m["total"] - g["excess"]
+
+
+def test_data_parallel_devices_keep_whole_gradients():
+    # data=8 replicates every weight, so its gradients: nothing differs from the program
+    g = _memory("data=8", 2)["gradients"]
+    assert g["program"] == g["device"] == 4 * _TINY_PARAMS and g["subtracted"] == 0
+    # data=2,fsdp=4: split 4 ways (the data axis replicates), norms whole
+    g = _memory("data=2,fsdp=4", 2)["gradients"]
+    assert g["device"] == 4 * ((_TINY_PARAMS - 5 * 64) // 4 + 5 * 64)
+    assert g["subtracted"] == g["program"] - g["device"]

@@ -356,7 +356,9 @@ def figure_sources(result: dict) -> dict:
                         + " (tfllm.plan.timing)"}
     if sharded:
         compiled_blocks = "block_buffers" in result["memory"]
-        out["memory"] += ("; state: exact bytes of the layout; block buffers: " + (
+        out["memory"] += ("; state: exact bytes of the layout; float32 gradients: the "
+                          "mesh device's shards in place of the program's whole set "
+                          "(tfllm.plan.sharded.gradient_bytes); block buffers: " + (
             "compiled: XLA's buffer assignment of one block's program as the mesh runs "
             "it (tfllm.plan.block_program: gathered weights of the block and its "
             "prefetched neighbour, float32 weight gradients; its recomputation's "
@@ -452,6 +454,17 @@ def _fit_text(f: dict) -> str:
             f"recomputed block {_gib(d.get('recomputed_block', 0))})")
 
 
+def _gradients_text(m: dict) -> str:
+    g = m["gradients"]
+    held = (f"the program's float32 gradients are {_gib(g['program'])}, a mesh device "
+            f"keeps its shards, {_gib(g['device'])}")
+    if g["subtracted"]:
+        return (f"-{_gib(g['subtracted'])} from the total ({held}; under accumulation "
+                "the whole set is alive at the compiled peak)")
+    return (f"not subtracted ({held}; with one micro-batch the compile does not say how "
+            f"many were alive at its peak): {_gib(m['total_low'])} at least")
+
+
 def format_plan(p: dict) -> str:
     """The short human table of a plan."""
     m = p["memory"]
@@ -470,6 +483,8 @@ def format_plan(p: dict) -> str:
         ("  outputs", f"{_gib(m['outputs'])} ({_gib(m['alias'])} aliased to arguments)"),
         ("  temporaries", f"{_gib(m['temp'])} (activations and workspace, remat="
                           f"{p['model'].get('remat', 'none')})"),
+        *([("  gradients", _gradients_text(m))] if m.get("gradients", {}).get("excess")
+          else []),
         *([("  block buffers", f"{_gib(m['block_buffers'])} (compiled: one block's "
             f"program, {_gib(m['block_program']['weights'])} gathered weights of it and "
             f"its neighbour + {_gib(m['block_program']['gradients'])} float32 "

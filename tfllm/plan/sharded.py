@@ -41,6 +41,7 @@ from tfllm.plan.timing import adamw_seconds
 LINK_BANDWIDTH = {"h100": 450e9, "h200": 450e9, "b200": 900e9, "a100": 300e9}
 
 _ACT_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "fp8": 2}
+_DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "int32": 4, "int64": 8}
 
 
 
@@ -236,6 +237,54 @@ def gather_buffers(config, shape) -> dict:
                 units=units)
 
 
+def _trainable_gradient_bytes(rows) -> int:
+    """Float32 gradient bytes of the trainable variables of layout rows (a variable's
+    gradient is laid out as the variable: float32, its shard on a sharded mesh)."""
+    out = 0
+    for r in rows:
+        if r.optimizer_bytes_per_device:  # trainable: AdamW keeps moments for it
+            out += r.bytes_per_device * 4 // _DTYPE_BYTES.get(r.dtype, 4)
+    return out
+
+
+def gradient_bytes(config, local, shape) -> dict:
+    """The float32 gradients of the no-mesh program against a mesh device's.
+
+    The plan compiles the one-device step at one device's shapes (`per_device_config`):
+    its weights are whole over fsdp, so its gradients are too, and the step keeps them
+    (`tfllm.train.step`: a running sum over the micro-batches, then the global-norm clip
+    and the update). A mesh device keeps each gradient in its variable's layout: the
+    shard its block's reduce-scatter yields (1/fsdp of it; a data axis keeps it whole).
+    The difference is the compile's excess.
+
+    Under gradient accumulation it comes off the compiled total: every micro-batch
+    after the first runs with the earlier ones' gradients alive (for each variable its
+    running sum, or the gradients it will sum: at least one whole float32 set), so at
+    each of its points the program holds at least the excess more than a mesh device;
+    and a point of the first micro-batch holds on the device no more than the same
+    point of the next (the same activations, fewer gradients). The device's peak is
+    then at most the compiled total less the excess: exact where one set is alive at
+    the compiled peak, an upper bound where XLA keeps more (fused sums over several
+    micro-batches keep each one's gradients: the compiled H100 step of the tests' tiny
+    llama keeps 0.995 of a set more temporaries with 4 micro-batches than with 2,
+    benchmarks/results/h100_plan.md, 2026-11-29). With one
+    micro-batch the gradients grow while the backward pass frees activations, and the
+    compile's total does not say how many were alive at its peak: nothing is subtracted
+    (the total is an upper bound) and `total_low`, all of the excess subtracted, is its
+    lower bound.
+
+    Returns:
+      {"program": float32 gradient bytes of the compiled program's trainable variables,
+       "device": a mesh device's (in their layouts), "excess": program - device,
+       "subtracted": the excess taken off the total (0 with one micro-batch)}.
+    """
+    program = _trainable_gradient_bytes(state_bytes(local, {"data": 1})[1])
+    device = _trainable_gradient_bytes(state_bytes(config, shape)[1])
+    excess = max(program - device, 0)
+    return {"program": program, "device": device, "excess": excess,
+            "subtracted": excess if config.train.grad_accum_steps > 1 else 0}
+
+
 def apply_mesh(config, local, result: dict, target, mesh_note: str, devices=None,
                measured: Optional[dict] = None, block: Optional[dict] = None) -> dict:
     """Turns the plan of `local`'s one-device program into the plan of one mesh device.
@@ -275,8 +324,15 @@ def apply_mesh(config, local, result: dict, target, mesh_note: str, devices=None
             # program does not hold: the larger of the two is counted
             counted = max(counted, buffers["bytes"])
             mem["block_buffers_counted"] = counted
+    grads = gradient_bytes(config, local, shape)
+    mem["gradients"] = grads
     mem["total"] = (mem["arguments"] + mem["outputs"] - mem["alias"] + mem["temp"]
-                    + counted)
+                    + counted - grads["subtracted"])
+    if grads["subtracted"] == 0 and grads["excess"]:
+        # one micro-batch: where in the backward pass the peak falls is not known from
+        # the compile's total; the total stays the compile's (an upper bound) and the
+        # bound with every excess byte gone is printed beside it
+        mem["total_low"] = mem["total"] - grads["excess"]
     # model_flops, flops and tokens_per_step stay those of the local program: one
     # device's share of the step; the devices that split the batch multiply the tokens
     result["batch_shards"] = ((config.train.global_batch_size * config.data.sequence_length)
