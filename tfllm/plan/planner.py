@@ -460,7 +460,7 @@ def _gradients_text(m: dict) -> str:
             f"keeps its shards, {_gib(g['device'])}")
     if g["subtracted"]:
         return (f"-{_gib(g['subtracted'])} from the total ({held}; under accumulation "
-                "the whole set is alive at the compiled peak)")
+                "at least one whole set is alive at the compiled peak)")
     return (f"not subtracted ({held}; with one micro-batch the compile does not say how "
             f"many were alive at its peak): {_gib(m['total_low'])} at least")
 
