@@ -19,6 +19,8 @@ def test_parse_and_fill():
     ("", "empty"), ("data", "is not name=size"), ("data=0", "has size 0"),
     ("data=2,data=4", "given twice"), ("pipeline=2", "unknown axis 'pipeline'"),
     ("data=-1,model=-1", "only one axis may be -1"),
+    ("expert=4,model=2", "no 'expert' axis; the experts split over the axis that carries "
+                         "the batch's rows .* expert=4 -> data=4 or fsdp=4"),
 ])
 def test_parse_errors(text, message):
     with pytest.raises(MeshError, match=message):

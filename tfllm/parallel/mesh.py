@@ -23,6 +23,10 @@ from tfllm.runtime.devices import MeshError, start_devices
 #: typo (data=10**20) is refused while parsing, before any device is set up
 MAX_MESH_DEVICES = 2 ** 16
 
+#: names users coming from MaxText or torchtitan give an expert-parallel axis; tfllm has
+#: none (`tfllm.parallel.rules`, the experts' rule, says why), and says where to go instead
+EXPERT_AXIS_NAMES = ("expert", "experts", "ep")
+
 _PAIR = re.compile(r"^\s*([A-Za-z_][A-Za-z0-9_]*)\s*=\s*(-?\d+)\s*$")
 
 
@@ -42,6 +46,11 @@ def parse_axes(text: str, known: Sequence[str] = KNOWN_MESH_AXES) -> List[Tuple[
         if not m:
             raise MeshError(f"mesh.axes: '{part.strip()}' is not name=size (e.g. 'model=4').")
         name, size = m.group(1), int(m.group(2))
+        if name not in known and name in EXPERT_AXIS_NAMES:
+            raise MeshError(f"mesh.axes: no '{name}' axis; the experts split over the axis "
+                            "that carries the batch's rows (data, else fsdp: "
+                            "docs/sharding.md, expert parallelism), so give their size "
+                            f"there (e.g. {name}={size} -> data={size} or fsdp={size}).")
         if name not in known:
             raise MeshError(f"mesh.axes: unknown axis '{name}'; the rules table uses "
                             f"{', '.join(known)} (add rules in mesh.rules for others).")
