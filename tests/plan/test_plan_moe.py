@@ -62,7 +62,7 @@ def test_the_capacity_factor_bounds_the_slots():
 
 def test_extrapolation_over_layers_and_experts_recovers_a_bilinear_figure(monkeypatch):
     """Every figure of the form a + L (b + c E) is recovered exactly at (48, 128) from the
-    three compiles (1, 8), (2, 8), (1, 16)."""
+    three compiles (1, 16), (2, 16), (1, 32)."""
     def figure(layers, experts, a, b, c):
         return a + layers * (b + c * experts)
 
@@ -81,9 +81,10 @@ def test_extrapolation_over_layers_and_experts_recovers_a_bilinear_figure(monkey
     calls = []
     monkeypatch.setattr(planner, "plan_program", fake_plan)
     local = load_config(QWEN3_30B, [])
-    assert planner.expert_points(local.model) == (8, 16)
+    # k = 8 with capacity factor 1.25: E1 = 16, where ceil(1.25 T 8 / 16) < T
+    assert planner.expert_points(local.model) == (16, 32)
     out = planner._extrapolate_experts(local, None, 48)
-    assert sorted(calls) == [(1, 8), (1, 16), (2, 8)]
+    assert sorted(calls) == [(1, 16), (1, 32), (2, 16)]
     for key in planner._LINEAR:
         assert out[key] == pytest.approx(figure(48, 128, 3.0, 5.0, 0.25)), key
     assert out["memory"]["temp"] == pytest.approx(figure(48, 128, 1e9, 2e8, 1e6), rel=1e-12)
@@ -92,3 +93,30 @@ def test_extrapolation_over_layers_and_experts_recovers_a_bilinear_figure(monkey
     # layers that are not all sparse compile the real expert count instead
     mixed = dataclasses.replace(local.model, mlp_only_layers=[0])
     assert planner.expert_points(mixed) is None
+    # dropless: E1 = max(8, k)
+    dropless = dataclasses.replace(local.model, moe_capacity_factor=0.0)
+    assert planner.expert_points(dropless) == (8, 16)
+
+
+def test_the_slots_buffer_is_the_same_at_the_compiled_expert_counts():
+    """What makes the line in E exact for a capacity factor: E x C rows at E1, 2 E1, E."""
+    from tfllm.models.common.dispatch import expert_capacity
+    m = load_config(QWEN3_30B, []).model
+    k, cf, length = m.num_experts_per_tok, m.moe_capacity_factor, 2048
+    e1, e2 = planner.expert_points(m)
+    rows = {e: e * expert_capacity(length, k, e, cf) for e in (e1, e2, m.num_experts)}
+    assert set(rows.values()) == {20480}, rows  # 1.25 x 2048 x 8
+
+
+def test_expert_parallelism_s_all_to_alls_are_in_the_assumed_collectives():
+    """fsdp=8 splits the 128 experts 16 per GPU: each sparse layer exchanges the device's
+    slots buffer (2 rows x 128 experts x 160 slots x 2048, float16 bits) to the experts
+    and back, and its gradient both ways, again under full remat's recomputation: 6
+    all-to-alls (tests/train/test_moe_parity.py counts them on the executed program),
+    each sending 7/8 of the buffer."""
+    cfg = load_config(QWEN3_30B, ["mesh.axes=fsdp=8"])
+    local, _ = sharded.per_device_config(cfg, 8)
+    buffer = 2 * 128 * 160 * 2048 * 2
+    assert sharded.expert_all_to_all_bytes(cfg, local, 8) == 48 * 6 * 7 / 8 * buffer
+    no_remat = load_config(QWEN3_30B, ["mesh.axes=fsdp=8", "model.remat=none"])
+    assert sharded.expert_all_to_all_bytes(no_remat, local, 8) == 48 * 4 * 7 / 8 * buffer

@@ -221,11 +221,14 @@ def _combine(fn, *plans) -> dict:
 
 def expert_points(m) -> Optional[Tuple[int, int]]:
     """The expert counts a mixture of experts is compiled with when it is extrapolated
-    (`plan`): (E1, 2 E1), E1 = max(k, 8); None when every layer is not sparse (a 1-layer
-    program would then hold no experts) or E is not above 2 E1."""
+    (`plan`): (E1, 2 E1), E1 = max(8, k x ceil(capacity factor)): at E1 a capacity
+    factor's slots, ceil(factor T k / E), are not yet clipped at T, so the slots buffer
+    (E x C rows) is the same at E1, 2 E1 and E, as dropless slots and the grouped tiles
+    are linear in E. None when every layer is not sparse (a 1-layer program would then
+    hold no experts) or E is not above 2 E1."""
     if not m.num_experts or m.decoder_sparse_step != 1 or m.mlp_only_layers:
         return None
-    e1 = max(m.num_experts_per_tok, 8)
+    e1 = max(8, m.num_experts_per_tok * math.ceil(max(m.moe_capacity_factor, 1.0)))
     return (e1, 2 * e1) if m.num_experts > 2 * e1 else None
 
 
@@ -307,6 +310,12 @@ def plan(config, target_name: str = "h100", layers: str = "auto", devices=None,
         block = plan_block(local, target)
         result["compile_s"] += block["compile_s"]
     measured_collectives = None
+    # tfllm.plan.measured scales a tiny step's collectives by the dense weights and
+    # activations they carry; an MoE's all-to-alls and expert kernels are none of them
+    # (a tiny fsdp=2 MoE measured 0 bytes): the layout's formula, all-to-alls included
+    moe_assumed = bool(config.model.num_experts) and collectives == "measured"
+    if moe_assumed:
+        collectives = "assumed"
     if collectives == "measured" and math.prod(shape.values()) > 1:
         _return_freed_memory()  # the measuring child needs what the export freed
         from tfllm.plan import measured
@@ -314,6 +323,9 @@ def plan(config, target_name: str = "h100", layers: str = "auto", devices=None,
                                                 sharded.LINK_BANDWIDTH[target.name])
     result = sharded.apply_mesh(config, local, result, target, mesh_note, devices,
                                 measured=measured_collectives, block=block)
+    if moe_assumed and "collectives" in result:
+        result["collectives"]["basis"] += (" (a mixture of experts: not measured, "
+                                           "tfllm.plan.measured scales dense weights only)")
     result["fit"] = fit_cross_check(config, devices, target)
     result["sources"] = figure_sources(result)
     return finish(result, config, target, method)

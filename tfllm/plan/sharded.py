@@ -115,6 +115,25 @@ def per_device_config(config, devices=None) -> Tuple[object, str]:
     return local, f"{desc} ({devices} devices), per device"
 
 
+def expert_all_to_all_bytes(config, local, n: int) -> float:
+    """Bytes one device sends per step in expert parallelism's all-to-alls over n devices
+    (`tfllm.models.common.moe`, docs/sharding.md): per sparse layer and micro-batch, the
+    slots buffer (rows x E x C x D, 16-bit on the wire) goes to its experts and back in
+    the forward pass and its gradient both ways in the backward (4 all-to-alls; 6 under
+    model.remat=full, whose recomputation exchanges again), each sending (n - 1) / n."""
+    from tfllm.families import is_moe_layer
+    from tfllm.models.common.dispatch import expert_capacity
+    m, t = config.model, local.train
+    length = local.data.sequence_length
+    capacity = expert_capacity(length, m.num_experts_per_tok, m.num_experts,
+                               m.moe_capacity_factor or None)
+    rows = t.global_batch_size / t.grad_accum_steps  # the device's micro-batch rows
+    buffer = rows * m.num_experts * capacity * m.hidden_dim * 2
+    sparse = sum(is_moe_layer(m, i) for i in range(m.num_layers))
+    exchanges = 6 if m.remat == "full" else 4
+    return sparse * t.grad_accum_steps * exchanges * (n - 1) / n * buffer
+
+
 def state_bytes(config, shape):
     """(bytes of all state per device, the layout rows)."""
     from tfllm.models import build_model
@@ -380,6 +399,13 @@ def apply_mesh(config, local, result: dict, target, mesh_note: str, devices=None
         b = 4 * c.model.num_layers * 2 * (tp - 1) / tp * tokens * c.model.hidden_dim * act
         sent += b
         detail.append(f"model: all-reduce activations {b / 1e9:.2f} GB")
+    ep_axis = (rules_lib.expert_axis(config.model.num_experts,
+                                     rules_lib.rules_from_config(config.mesh.rules), shape)
+               if config.model.num_experts else None)
+    if ep_axis and shape[ep_axis] > 1:
+        b = expert_all_to_all_bytes(config, local, shape[ep_axis])
+        sent += b
+        detail.append(f"{ep_axis} (experts): all-to-all dispatched tokens {b / 1e9:.2f} GB")
     bandwidth = LINK_BANDWIDTH[target.name]
     assumed = {"bytes_per_device": sent, "detail": "; ".join(detail),
                "link_bandwidth": bandwidth, "seconds": sent / bandwidth,
