@@ -120,3 +120,28 @@ def test_expert_parallelism_s_all_to_alls_are_in_the_assumed_collectives():
     assert sharded.expert_all_to_all_bytes(cfg, local, 8) == 48 * 6 * 7 / 8 * buffer
     no_remat = load_config(QWEN3_30B, ["mesh.axes=fsdp=8", "model.remat=none"])
     assert sharded.expert_all_to_all_bytes(no_remat, local, 8) == 48 * 4 * 7 / 8 * buffer
+
+
+def test_expert_kernels_are_neither_gathered_nor_reduced_under_expert_parallelism():
+    """On fsdp=8 the 128 experts split 16 per GPU and stay there: a block's gather and
+    reduction hold its attention, router and norms only (one layer's experts alone are
+    128 x 3 x 2048 x 768 = 604M elements)."""
+    cfg = load_config(QWEN3_30B, ["mesh.axes=fsdp=8"])
+    assert sharded.experts_split(cfg, {"fsdp": 8})
+    units = sharded.weight_units(cfg, {"fsdp": 8})
+    blocks = [u for u in units if u["name"].startswith("block")]
+    assert len(blocks) == 48
+    attention = 2048 * 4096 * 2 + 2048 * 512 * 2  # q, o; k, v
+    for u in blocks:
+        assert attention <= u["gathered"] < attention + 2048 * 128 + 3 * 4096, u
+    assert not sharded.experts_split(cfg, {"fsdp": 1})  # one device: nothing splits
+
+
+def test_the_gpu_memory_check_estimates_a_mixture_of_experts():
+    """Where tfllm once warned that it did not model experts, `tfllm train` on GPUs and
+    `tfllm doctor` now check an MoE as a dense model: the experts' state counted."""
+    from tfllm.plan.fit import check_host
+    from tfllm.runtime.gpu_checks import Gpu
+    gpu = Gpu(name="NVIDIA H100 80GB HBM3", compute_capability=(9, 0), driver="550.54")
+    level, message = check_host(_moe(), [gpu], 1)
+    assert level == "ok" and "GiB" in message, message

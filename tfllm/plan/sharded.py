@@ -155,6 +155,16 @@ def _mesh_axes(spec):
     return [a for axis in spec for a in (axis if isinstance(axis, tuple) else (axis,)) if a]
 
 
+def experts_split(config, shape) -> bool:
+    """Whether the layout splits the experts over a mesh axis (expert parallelism: their
+    kernels stay where they are, tokens travel by all-to-all instead)."""
+    if not config.model.num_experts:
+        return False
+    axis = rules_lib.expert_axis(config.model.num_experts,
+                                 rules_lib.rules_from_config(config.mesh.rules), shape)
+    return bool(axis) and shape[axis] > 1
+
+
 def weight_units(config, shape) -> List[dict]:
     """The groups of weights that move together on one device, in forward order, with
     their sizes: what `tfllm.models.causal_lm` hands to `tfllm.parallel.blocks`.
@@ -181,10 +191,14 @@ def weight_units(config, shape) -> List[dict]:
     batch_axes = rules_lib.activation_mesh_axes(rules)
     rows = {r.path: r for r in layout_rows(model, rules, shape)}
 
+    expert_parallel = experts_split(config, shape)
+
     def unit(name, variables):
         gathered = gathered_8bit = reduced = 0
         for v in variables:
             r = rows[v.path]
+            if expert_parallel and "experts" in r.logical_axes:
+                continue  # computed where they live: never gathered nor block-reduced
             axes = _mesh_axes(r.spec)
             n = math.prod(r.shape) // math.prod(
                 shape.get(a, 1) for a in axes if a not in batch_axes)
@@ -359,7 +373,10 @@ def apply_mesh(config, local, result: dict, target, mesh_note: str, devices=None
     act = _ACT_BYTES.get(config.precision.policy, 4)
     # float32 trainable variables: what gradients reduce (not FP8 histories, nor LoRA's
     # frozen kernels)
-    weights_per_device = sum(r.bytes_per_device for r in rows if r.optimizer_bytes_per_device)
+    # (expert parallelism's kernels excepted: their gradients are whole where they live)
+    ep = experts_split(config, shape)
+    weights_per_device = sum(r.bytes_per_device for r in rows if r.optimizer_bytes_per_device
+                             and not (ep and "experts" in r.logical_axes))
     detail, sent = [], 0.0
     data, fsdp, tp = shape.get("data", 1), shape.get("fsdp", 1), shape.get("model", 1)
     if data > 1:
@@ -399,10 +416,9 @@ def apply_mesh(config, local, result: dict, target, mesh_note: str, devices=None
         b = 4 * c.model.num_layers * 2 * (tp - 1) / tp * tokens * c.model.hidden_dim * act
         sent += b
         detail.append(f"model: all-reduce activations {b / 1e9:.2f} GB")
-    ep_axis = (rules_lib.expert_axis(config.model.num_experts,
-                                     rules_lib.rules_from_config(config.mesh.rules), shape)
-               if config.model.num_experts else None)
-    if ep_axis and shape[ep_axis] > 1:
+    if ep:
+        ep_axis = rules_lib.expert_axis(config.model.num_experts,
+                                        rules_lib.rules_from_config(config.mesh.rules), shape)
         b = expert_all_to_all_bytes(config, local, shape[ep_axis])
         sent += b
         detail.append(f"{ep_axis} (experts): all-to-all dispatched tokens {b / 1e9:.2f} GB")
