@@ -22,7 +22,7 @@ collectives): per MoE layer four all-to-alls (the buffer to the experts and back
 and backward; six under model.remat=full, which runs the forward's again), each float16
 (bfloat16 bits) of exactly the capacity buffer's share of a device; with model > 1 one
 tensor-parallel all-reduce of down's output per layer; no gather or reduction of an
-expert kernel.
+expert kernel, no gather of the routing (only (E,) router statistics are reduced).
 """
 
 import pytest
@@ -110,11 +110,11 @@ def test_expert_parallelism_moves_the_capacity_buffers_in_16_bits(axes, remat, p
     assert all((c.kind, c.elements, c.group_size) == ("all-reduce", share, model)
                for c in down), [c.describe() for c in down]
     # The expert kernels are neither gathered nor reduced: each device computes and
-    # updates its own experts. Every other collective of the step is the dense parts'
-    # (block gathers and reductions named per block), the embedding's, scalars, the
-    # router statistics (float32 (E,) sums, int32 routing plans), none of an expert
-    # kernel's per-device size in the MoE layers.
-    kernel = m.num_experts * m.hidden_dim * m.moe_intermediate_dim // (n * model)
+    # updates its own experts; nor is any row's routing gathered (the plans are per row,
+    # the per-expert counts one-hot sums). Every other collective of a MoE layer's
+    # forward is a router statistic: a float32 (E,) sum or a scalar. (The dense parts'
+    # block gathers and reductions are named per block, not under mlp.)
     for c in report.collectives:
         if c.kind != "all-to-all" and "/mlp" in c.name and c not in down:
-            assert (c.elements or 0) < kernel, c.describe()
+            assert (c.elements or 0) <= m.num_experts and c.dtype == "float32", \
+                c.describe()

@@ -48,14 +48,12 @@ def sort_by_expert(experts, num_experts: int):
       index in `order`, position (B, T*k) each assignment's index within its expert).
     """
     length, top_k = experts.shape[1], experts.shape[2]
-    rows = experts.shape[0] if experts.shape[0] is not None else tf.shape(experts)[0]
     # (B, k*T): choice-major, so that every first choice precedes every second choice.
     flat = tf.reshape(tf.transpose(experts, [0, 2, 1]), [-1, length * top_k])
     order = tf.argsort(flat, axis=-1, stable=True)
-    row_offset = num_experts * tf.range(rows)[:, None]
-    counts = tf.reshape(tf.math.unsorted_segment_sum(tf.ones_like(flat), flat + row_offset,
-                                                     rows * num_experts),
-                        [-1, num_experts])  # (B, E)
+    # Per row, as a sum of one-hots (B, T*k, E) -> (B, E): a segment sum over the
+    # flattened rows made DTensor all-gather every row's routing on a batch-split mesh.
+    counts = tf.reduce_sum(tf.one_hot(flat, num_experts, dtype=tf.int32), axis=1)
     starts = tf.cumsum(counts, axis=-1, exclusive=True)  # (B, E)
     rank = tf.argsort(order, axis=-1, stable=True)  # the inverse permutation
     position = rank - tf.gather(starts, flat, batch_dims=1)

@@ -369,9 +369,10 @@ class MoeMLP(keras.layers.Layer):
     def _stats(self, logits, experts, plan, token_mask):
         mask = (tf.ones(tf.shape(logits)[:2], tf.float32) if token_mask is None
                 else tf.cast(token_mask, tf.float32))  # (B, T)
-        per_choice = tf.reshape(tf.broadcast_to(mask[:, :, None], tf.shape(experts)), [-1])
-        counts = tf.math.unsorted_segment_sum(per_choice, tf.reshape(experts, [-1]),
-                                              self.num_experts)
+        # A sum of one-hots, local to each device's rows before the (E,) reduction (a
+        # segment sum over the flattened batch all-gathered every row's routing).
+        counts = tf.einsum("btke,bt->e", tf.one_hot(experts, self.num_experts,
+                                                    dtype=tf.float32), mask)
         probs = tf.nn.softmax(logits, axis=-1)
         z = tf.square(tf.reduce_logsumexp(logits, axis=-1))  # (B, T)
         dropped = tf.cast(plan.assignment_row >= plan.row_token.shape[1],
