@@ -166,6 +166,21 @@ def first_step_costs(axes, layers, policy="float32", family="llama", **extra):
     return first.report.costs, seen
 
 
+def train_step_dots(cfg):
+    """The dots of `cfg`'s XLA-compiled train step on one device without DTensor
+    (get_compiler_ir needs plain tensors), as `tfllm.compiler.fp8_hlo.classify_dots` sees
+    them: which run in FP8 (`kind == "full"`), which mix FP8 and other operands."""
+    from tfllm.compiler.fp8_hlo import classify_dots
+    from tfllm.data import SyntheticTokens, feed
+    from tfllm.train.state import build_train_state
+    step = build_train_state(cfg, None, jit_compile=True).step
+    data = SyntheticTokens(cfg.model.vocab_size, cfg.data.sequence_length + 1)
+    batch = feed.to_device(None, data.batch(0, cfg.train.global_batch_size))
+    hlo = step.compiled.experimental_get_compiler_ir(
+        batch, feed.place(None, np.float32(float("inf")), ()))(stage="hlo")
+    return classify_dots(hlo)
+
+
 def graph_ancestors(graph, name):
     """The names of every node `name` depends on (data and control inputs) in a GraphDef."""
     nodes = {n.name: n for n in graph.node}

@@ -220,3 +220,20 @@ def test_no_path_of_a_workdir_is_joined_outside_runpaths():
                     joined.append(f"{path.relative_to(ROOT.parent)}:{node.lineno}: "
                                   f"{ast.unparse(arg)}")
     assert len(names) >= 10 and not joined, joined
+
+
+def test_no_test_module_imports_another():
+    # What tests share lives in helper modules (tests/harness.py, tests/<area>/<name>.py
+    # not named test_*): importing a test module runs its module-level setup and couples
+    # one file's tests to another's names.
+    tests_root = ROOT.parent / "tests"
+    found = []
+    for path in sorted(tests_root.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = ([a.name for a in node.names] if isinstance(node, ast.Import) else
+                     [node.module or ""] + [f"{node.module}.{a.name}" for a in node.names]
+                     if isinstance(node, ast.ImportFrom) else [])
+            found += [f"{path.relative_to(tests_root.parent)}:{node.lineno} imports {n}"
+                      for n in names if n.startswith("tests.")
+                      and n.split(".")[-1].startswith("test_")]
+    assert found == [], "\n".join(found)

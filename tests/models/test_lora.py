@@ -15,7 +15,7 @@ from tfllm.models import build_model
 from tfllm.models.lora import projection_paths, scale, targeted, trainable_summary
 from tfllm.train.metrics import flops_per_token
 from tests.harness import (LOSS_RTOL, assert_parity, first_step_costs, parity_reference,
-                           parity_run, tiny_config)
+                           parity_run, tiny_config, train_step_dots)
 
 LORA = (("lora.rank", 4), ("lora.alpha", 8.0))
 
@@ -121,17 +121,8 @@ def test_fp8_projections_keep_fp8_gemms_and_compute_no_weight_gradient():
     # (6 in a GPT block), and of their backward GEMMs only the input gradients something
     # trainable needs (down, up and output feed adapters upstream; the block's input
     # feeds only frozen weights): 3, where full training has 6 more and 6 weight GEMMs.
-    from tfllm.data import SyntheticTokens, feed
-    from tfllm.compiler.fp8_hlo import classify_dots
-    from tfllm.train.state import build_train_state
-    cfg = tiny_config("gpt", **{"precision.policy": "fp8", "model.num_layers": 1},
-                      **dict(LORA))
-    step = build_train_state(cfg, None, jit_compile=True).step
-    data = SyntheticTokens(cfg.model.vocab_size, cfg.data.sequence_length + 1)
-    batch = feed.to_device(None, data.batch(0, cfg.train.global_batch_size))
-    hlo = step.compiled.experimental_get_compiler_ir(
-        batch, feed.place(None, np.float32(float("inf")), ()))(stage="hlo")
-    dots = classify_dots(hlo)
+    dots = train_step_dots(tiny_config("gpt", **{"precision.policy": "fp8",
+                                                 "model.num_layers": 1}, **dict(LORA)))
     fp8 = sorted(d.op_name for d in dots if d.kind == "full")
     assert not [d for d in dots if d.kind == "half"]
     forward = {p for p in ("query", "key", "value", "output", "up", "down")

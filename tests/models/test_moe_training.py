@@ -106,7 +106,7 @@ def test_padding_is_routed_but_not_counted():
 
 
 def test_dpo_adds_the_policy_pass_s_aux_loss():
-    from tests.train.test_dpo import DPO, pair_batch, randomize_adapters
+    from tests.train.dpo_cases import DPO, pair_batch, randomize_adapters
     from tfllm.train.step import lm_forward
     extra = {**DPO, "train.global_batch_size": 2, "lora.targets": "[q_proj,v_proj]"}
     states = {}
@@ -133,7 +133,7 @@ def test_chat_sft_with_lora_on_the_attention_trains_a_mixture_of_experts(tmp_pat
     """Conversations (the chat example, ChatML, loss on the assistant turns) through an MoE
     model with LoRA on q/k/v/o: the masked loss plus the aux loss goes down, the router
     metrics are reported, and only the adapters move."""
-    from tests.data.test_chat import CHATML, EXAMPLE
+    from tests.data.datasets import CHATML, EXAMPLE
     from tfllm.train.loop import Run
     cfg = tiny_config("llama", **{
         **MOE, "data.source": "text", "data.format": "messages", "data.paths": f"[{EXAMPLE}]",

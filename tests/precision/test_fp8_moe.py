@@ -13,14 +13,11 @@ rolled once per step. The mesh case of the FP8 HLO check is test_fp8_gemms'
 import numpy as np
 import pytest
 
-from tests.harness import tiny_config
-from tfllm.compiler.fp8_hlo import classify_dots
+from tests.harness import tiny_config, train_step_dots
 from tfllm.config import ConfigError
-from tfllm.data import SyntheticTokens, feed
 from tfllm.parallel.placement import to_numpy
 from tfllm.train.loop import Run
-from tfllm.train.state import build_train_state
-from tests.precision.test_policies import MARGINS
+from tests.precision.margins import MARGINS
 
 MOE = {"model.num_experts": 4, "model.num_experts_per_tok": 2,
        "model.moe_intermediate_dim": 32, "model.mlp_only_layers": "[]",
@@ -29,13 +26,8 @@ MOE = {"model.num_experts": 4, "model.num_experts_per_tok": 2,
 
 def test_expert_projections_lower_to_fp8_dots_and_the_router_does_not():
     # One device without DTensor: get_compiler_ir needs plain tensors. One sparse block.
-    cfg = tiny_config("llama", **{"precision.policy": "fp8", "model.num_layers": 1, **MOE})
-    step = build_train_state(cfg, None, jit_compile=True).step
-    data = SyntheticTokens(cfg.model.vocab_size, cfg.data.sequence_length + 1)
-    batch = feed.to_device(None, data.batch(0, cfg.train.global_batch_size))
-    hlo = step.compiled.experimental_get_compiler_ir(
-        batch, feed.place(None, np.float32(float("inf")), ()))(stage="hlo")
-    dots = classify_dots(hlo)
+    dots = train_step_dots(
+        tiny_config("llama", **{"precision.policy": "fp8", "model.num_layers": 1, **MOE}))
     assert not [d.op_name for d in dots if d.kind == "half"], "dots mix FP8 and other operands"
     fp8_dots = [d.op_name for d in dots if d.kind == "full"]
     forward = {p for p in ("query", "key", "value", "output", "gate", "up", "down")

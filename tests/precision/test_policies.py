@@ -14,6 +14,7 @@ from tfllm.parallel.placement import to_numpy
 from tfllm.compiler.fp8_hlo import classify_dots
 from tfllm.train.loop import Run
 from tfllm.train.state import build_train_state
+from tests.precision.margins import MARGINS
 from tests.harness import tiny_config
 
 FP8_PROJECTIONS = ("query", "key", "value", "output", "up", "down", "gate")
@@ -48,15 +49,6 @@ def _run(policy, axes, family="gpt", steps=12, **extra):
         "optimizer.warmup_steps": 5, **extra})
     run = Run(cfg)
     return run, np.array([run.step(run.feed.train_batch(i))["loss"] for i in range(steps)])
-
-
-# Measured (12-20 steps of the tiny models, lr 3e-3): max |loss difference| bf16 vs fp32
-# 0.0028, fp8 vs bf16 0.0030, fp16 vs fp32 0.0003 on losses around 3-4.8, single device
-# and data=2,model=4 alike. The margins are ~3x those: bf16 rounds every activation to
-# 8 significant bits (u = 2**-9 ~ 0.002 relative), FP8 operands to 4 (u = 1/16) but only
-# inside the projections, whose errors average out over the 64-wide contractions.
-MARGINS = {("bfloat16", "float32"): 0.01, ("fp8", "bfloat16"): 0.01,
-           ("float16", "float32"): 0.002}
 
 
 # GPT on one device and Llama on a mesh: each family, each placement once (a GPT case on

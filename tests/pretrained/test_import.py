@@ -5,12 +5,12 @@ import os
 import numpy as np
 import pytest
 
-from tfllm.data import feed
 from tfllm.config import load_config
 from tfllm.parallel import make_parallel
 from tfllm.pretrained import FAMILIES, from_preset
 from tfllm.families import PretrainedError
 from tests.pretrained import helpers
+from tests.pretrained.logits import sharded_logits
 
 # float32 on both sides; the only differences are summation orders (einsum vs keras-hub's
 # EinsumDense, softmax, RMSNorm) over widths <= 64 with random weights of std 0.3: the
@@ -45,20 +45,6 @@ def test_gemma3_preset_whose_scaling_keras_hub_ignores_is_refused(tmp_path):
 def test_every_family_is_tested():
     tested = {helpers.BACKBONES[n][0].__name__ for n in helpers.BACKBONES}
     assert tested == set(FAMILIES)
-
-
-def sharded_logits(model, parallel, ids):
-    """The model's logits on the mesh (batch over its batch axes), gathered to host."""
-    import tensorflow as tf
-    from tfllm.parallel import context
-    from tfllm.parallel.placement import to_numpy
-    batch = feed.place(parallel, ids)
-
-    @tf.function
-    def forward(x):
-        with context.use(parallel):
-            return model(x)
-    return to_numpy(forward(batch))
 
 
 # One backbone of each kind of weight set: GPT-2 (biases, learned positions), Llama 3.1

@@ -71,7 +71,7 @@ def test_fused_expert_tensors_import_the_same_model(name, tmp_path):
 
 @pytest.mark.parametrize("name", MOE)
 def test_import_on_a_mesh_then_export_hf_is_transformers_model(name, tmp_path):
-    from tests.pretrained.test_import import sharded_logits
+    from tests.pretrained.logits import sharded_logits
     from tfllm.config import load_config
     from tfllm.parallel import make_parallel
     reference = ref.save(name, tmp_path / "hf")

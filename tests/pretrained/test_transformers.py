@@ -65,7 +65,7 @@ def test_bfloat16_checkpoint_is_read_exactly(tmp_path):
 def test_import_on_a_mesh_gives_transformers_logits(name, tmp_path):
     from tfllm.config import load_config
     from tfllm.parallel import make_parallel
-    from tests.pretrained.test_import import sharded_logits
+    from tests.pretrained.logits import sharded_logits
     reference = ref.save(name, tmp_path / "hf")
     parallel = make_parallel(load_config(None, ["mesh.axes=data=2,model=4"]).mesh)
     model = from_preset(str(tmp_path / "hf"), parallel)

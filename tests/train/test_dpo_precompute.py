@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from tests.harness import metrics_records, tiny_config
-from tests.train.test_dpo import DPO, ROOT, randomize_adapters
+from tests.train.dpo_cases import DPO, ROOT, randomize_adapters
 
 CHATML = os.path.join(ROOT, "tfllm", "data", "templates", "chatml.jinja")
 EXAMPLE = os.path.join(ROOT, "tfllm", "data", "preference_example.jsonl")
