@@ -154,11 +154,11 @@ def seq_sweep(model, lengths, log):
 
 def state_only(model, mesh, devices):
     """Bytes per device of weights + AdamW moments in the mesh's layout (no compile)."""
-    from tfllm.plan import sharded
+    from tfllm.footprint import layout as footprint
     cfg = config_for(model, "bfloat16", devices, mesh)
-    shape = sharded.mesh_shape(cfg)
-    state, _ = sharded.state_bytes(cfg, shape)
-    buffers = sharded.gather_buffers(cfg, shape)["bytes"]
+    shape = footprint.mesh_shape(cfg)
+    state, _ = footprint.state_bytes(cfg, shape)
+    buffers = footprint.gather_buffers(cfg, shape)["bytes"]
     return {"model": model, "mesh": mesh, "state_gib_per_device": state / 2**30,
             "gather_buffers_gib": buffers / 2**30}
 

@@ -22,7 +22,8 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from tfllm.config import load_config  # noqa: E402
-from tfllm.plan import measured, sharded  # noqa: E402
+from tfllm.footprint import layout as footprint  # noqa: E402
+from tfllm.plan import measured  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 #: (model, mesh, global batch): the presets' meshes and one hybrid one
@@ -44,7 +45,7 @@ def config_for(model, mesh, batch, sequence=2048):
 
 def count(model, mesh, batch, log) -> dict:
     config = config_for(model, mesh, batch)
-    shape = sharded.mesh_shape(config)
+    shape = footprint.mesh_shape(config)
     start = time.time()
     runs = measured.run_tiny(config, shape, layers=(1, 2, 3), timeout=3600)
     c = {n: r["clusters"] for n, r in runs.items()}
@@ -65,7 +66,7 @@ def count(model, mesh, batch, log) -> dict:
 def width_check(model, mesh, batch, log) -> dict:
     """The 1-layer count at the model's own widths against the tiny widths'."""
     config = config_for(model, mesh, batch, sequence=64)
-    shape = sharded.mesh_shape(config)
+    shape = footprint.mesh_shape(config)
     own = measured.run_tiny(config, shape, layers=(1,), tiny=False, timeout=3600)[1]
     tiny = measured.run_tiny(config, shape, layers=(1,), timeout=3600)[1]
     row = {"model": model, "mesh": mesh, "layers": 1, "own_widths": own["clusters"],

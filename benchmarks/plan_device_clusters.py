@@ -30,7 +30,8 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from tfllm.config import load_config  # noqa: E402
-from tfllm.plan import measured, sharded  # noqa: E402
+from tfllm.footprint import layout as footprint  # noqa: E402
+from tfllm.plan import measured  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -82,7 +83,7 @@ def config_for(model, mesh, batch, layers):
 
 def device_clusters(config, layers, target="h100") -> dict:
     """The per-device figures of the real DTensor step with `layers` layers."""
-    shape = sharded.mesh_shape(config)
+    shape = footprint.mesh_shape(config)
     devices = 1
     for n in shape.values():
         devices *= n
@@ -112,7 +113,7 @@ def no_mesh(config, layers) -> dict:
     """The plan's proxy: the no-mesh program at one device's shapes (`tfllm plan`)."""
     from tfllm.compiler.targets import get_target
     from tfllm.plan.planner import plan_program
-    local, _ = sharded.per_device_config(config)
+    local, _ = footprint.per_device_config(config)
     p = plan_program(local, get_target("h100"))
     return {"layers": layers, "kernel_launches": p["kernel_launches"], "kernels": p["kernels"],
             "flops": p["flops"], "roofline_s": p["roofline_s"],

@@ -11,7 +11,7 @@ estimate, MFU and tokens/s replaced and `retimed` naming the date and the source
 it prints one line per plan (before -> after).
 
 With `--config` (the config the plan was made of, and `--devices`), a mesh plan made
-before `tfllm.plan.sharded.gradient_bytes` also has its memory re-counted: the float32
+before `tfllm.footprint.layout.gradient_bytes` also has its memory re-counted: the float32
 gradients the compiled program holds whole, where a mesh device keeps its shards.
 """
 
@@ -35,15 +35,15 @@ def retime(plan: dict) -> dict:
 
 def recount_gradients(plan: dict, config, devices) -> dict:
     """The plan with the mesh device's float32 gradients in place of the compiled
-    program's whole set (`tfllm.plan.sharded.gradient_bytes`), where the stored plan
+    program's whole set (`tfllm.footprint.layout.gradient_bytes`), where the stored plan
     predates it; its fit against the device recomputed."""
-    from tfllm.plan import sharded
+    from tfllm.footprint import layout as footprint
     new = copy.deepcopy(plan)
     m = new["memory"]
     if "gradients" in m or new.get("devices", 1) == 1:
         return new  # counted when planned, or one device: nothing to re-count
-    local, _ = sharded.per_device_config(config, devices)
-    g = sharded.gradient_bytes(config, local, sharded.mesh_shape(config, devices))
+    local, _ = footprint.per_device_config(config, devices)
+    g = footprint.gradient_bytes(config, local, footprint.mesh_shape(config, devices))
     m["gradients"] = g
     m["total"] -= g["subtracted"]
     if g["excess"] and not g["subtracted"]:
@@ -77,7 +77,7 @@ def main(argv=None) -> int:
                           "what": "step time, roofline lower bound, tokens/s and MFU recomputed by "
                                   "tfllm.plan.timing; compile and measurements as stored"
                                   + ("; memory: the float32 gradients a mesh device keeps "
-                                     "(tfllm.plan.sharded.gradient_bytes)" if config else "")}
+                                     "(tfllm.footprint.layout.gradient_bytes)" if config else "")}
         root, ext = os.path.splitext(path)
         with open(root + args.suffix + ext, "w") as f:
             json.dump(new, f)

@@ -20,7 +20,8 @@ FLOORS = (
     ("checkpoint", "precision"),  # workdir and checkpoints; dtype policies, FP8
     ("families",),  # per model family: HF/keras-hub names, config fields, LoRA names
     ("models",),
-    ("generate",),
+    ("footprint", "generate"),  # what a device holds and whether a step fits (no compile);
+    # KV-cache decoding
     ("train",),
     ("pretrained", "plan", "launch", "evals"),  # import/export; deviceless plans; the
     # launcher; lm-eval benchmarks

@@ -240,7 +240,7 @@ def test_the_model_size_bound_brackets_the_built_model():
     """weight_elements' bounds hold the exact count of every preset's model (the bounds
     decide refusals: the upper against the config's limit, the lower against the host)."""
     from tfllm.config.loader import weight_elements
-    from tfllm.plan.sharded import param_count
+    from tfllm.footprint.layout import param_count
     for name in ("tiny", "gpt2-small", "llama-1b"):
         config = load_config(f"configs/{name}.yaml")
         low, high = weight_elements(config.model)

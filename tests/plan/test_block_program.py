@@ -7,7 +7,7 @@ import importlib.util
 import pytest
 
 from tfllm.compiler.targets import get_target
-from tfllm.plan import sharded
+from tfllm.footprint import layout as footprint
 from tfllm.plan.block_program import block_memory
 from tfllm.plan.planner import format_plan, plan, plan_block, plan_program
 from tests.harness import tiny_config
@@ -33,7 +33,7 @@ def test_block_buffers_are_the_weights_and_gradients_the_compile_assigned():
 def _local(**extra):
     cfg = tiny_config("llama", **{"precision.policy": "bfloat16", "model.remat": "full",
                                   **extra})
-    return cfg, sharded.per_device_config(cfg, None)[0]
+    return cfg, footprint.per_device_config(cfg, None)[0]
 
 
 @needs_jax
@@ -41,7 +41,7 @@ def _local(**extra):
 def test_the_block_program_holds_two_blocks_gathered_and_one_block_of_float32_gradients():
     cfg, local = _local(**{"mesh.axes": "fsdp=2"})
     block = plan_block(local, get_target("h100"))
-    units = [u for u in sharded.weight_units(cfg, {"fsdp": 2}) if u["name"].startswith("block")]
+    units = [u for u in footprint.weight_units(cfg, {"fsdp": 2}) if u["name"].startswith("block")]
     # every weight of a tiny llama block in its compute layout, 2 bytes each (bfloat16)
     assert block["weights"] == 2 * (units[0]["reduced"] + units[1]["reduced"])
     assert block["gradients"] == 4 * units[0]["reduced"]

@@ -1,4 +1,4 @@
-"""Presets that fit (tfllm.plan.fit): every model preset on one node of 8 H100s as shipped,
+"""Presets that fit (tfllm.footprint.fit): every model preset on one node of 8 H100s as shipped,
 the estimate against XLA's compiled H100 programs, and the one-line refusal of `tfllm
 train` on GPUs and `tfllm doctor --config`."""
 
@@ -13,7 +13,7 @@ import pytest
 from tfllm.config import load_config
 from tfllm.contracts import BAD_INPUT_EXIT_CODE
 from tfllm.runtime import gpu_checks
-from tfllm.plan import fit
+from tfllm.footprint import fit
 from tests.harness import ROOT
 
 GIB = 2 ** 30
@@ -257,8 +257,8 @@ def test_block_buffers_match_the_measured_fsdp_step_within_a_quarter(name):
     peaks = {r["mesh"]: r["peak_tensor_gib"] * GIB for r in results["rows"]}
     measured = (peaks["fsdp=8"] - peaks["none"]) / 8
     config = _fsdp_memory_config(results, "fsdp=8")
-    from tfllm.plan import sharded
-    b = sharded.gather_buffers(config, sharded.mesh_shape(config))
+    from tfllm.footprint import layout as footprint
+    b = footprint.gather_buffers(config, footprint.mesh_shape(config))
     # Without NCCL (CPU devices) DTensor reduce-scatters by an all-reduce and a slice:
     # the all-reduce's output is the whole float32 buffer once more.
     cpu = b["bytes"] + b["gradient"]

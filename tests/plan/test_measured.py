@@ -10,6 +10,7 @@ import pytest
 
 from tfllm.compiler.targets import get_target
 from tfllm.config import load_config
+from tfllm.footprint import layout as footprint
 from tfllm.plan import measured, sharded
 from tfllm.plan.planner import format_plan
 from tests.harness import ROOT, tiny_config
@@ -22,7 +23,7 @@ def tiny(axes, **extra):
 
 def test_tiny_weight_kinds_have_distinct_sizes_and_scale_to_the_model():
     config = tiny("data=2,model=2")
-    shape = sharded.mesh_shape(config)
+    shape = footprint.mesh_shape(config)
     t = measured.tiny_config(config, 2, shape)
     assert t.mesh.axes == "data=2,model=2" and t.precision.policy == "bfloat16"
     sc = measured.scales(config, t, shape)
@@ -41,9 +42,9 @@ def test_tiny_weight_kinds_have_distinct_sizes_and_scale_to_the_model():
 
 def test_the_tiny_step_splits_its_gradient_buckets_like_the_real_block():
     config = load_config(os.path.join(ROOT, "configs", "llama-7b.yaml"), ["mesh.axes=fsdp=8"])
-    shape = sharded.mesh_shape(config)
+    shape = footprint.mesh_shape(config)
     t = measured.tiny_config(config, 2, shape)
-    block = lambda c: max(u["reduced"] for u in sharded.weight_units(c, shape)  # noqa: E731
+    block = lambda c: max(u["reduced"] for u in footprint.weight_units(c, shape)  # noqa: E731
                           if u["name"].startswith("block_"))
     # llama-7b's block (202M float32 gradients, 773 MiB) spans ~31 buckets of 25 MiB:
     # the tiny block's bucket is as small a share of it
@@ -53,7 +54,7 @@ def test_the_tiny_step_splits_its_gradient_buckets_like_the_real_block():
 
 
 def _sharded_elements(config, shape):
-    rows = sharded.state_bytes(config, shape)[1]
+    rows = footprint.state_bytes(config, shape)[1]
     return {r.path: math.prod(r.shape) for r in rows
             if r.optimizer_bytes_per_device and any(a for a in r.spec)}
 
@@ -62,7 +63,7 @@ def _sharded_elements(config, shape):
 @pytest.mark.slow
 def test_fsdp_gathers_every_sharded_weight_twice_in_bf16_and_reduce_scatters_float32():
     config = tiny("fsdp=4")
-    shape = sharded.mesh_shape(config)
+    shape = footprint.mesh_shape(config)
     m = measured.measure(config, shape, 450e9)
     groups = {(g["kind"], g["dtype"], g["carries"]): g for g in m["groups"]}
     weights = _sharded_elements(config, shape)
@@ -91,7 +92,7 @@ def test_fsdp_gathers_every_sharded_weight_twice_in_bf16_and_reduce_scatters_flo
 @pytest.mark.slow
 def test_data_and_model_move_float32_gradients_and_activations(monkeypatch):
     config = tiny("data=2,model=2")
-    shape = sharded.mesh_shape(config)
+    shape = footprint.mesh_shape(config)
     # Kinds and dtypes only: the executed graph's collectives are the same without XLA
     # (measured.run_tiny), which spares compiling every device's clusters twice.
     monkeypatch.setattr(measured, "run_tiny",
@@ -105,7 +106,7 @@ def test_data_and_model_move_float32_gradients_and_activations(monkeypatch):
                       ("all-reduce", "float32", "merged gradients")}
     assert not any(k[1] == "bfloat16" for k in carried)
     # labelled beside the assumed figure when a plan carries both
-    local, note = sharded.per_device_config(config)
+    local, note = footprint.per_device_config(config)
     empty = {"memory": {"arguments": 0, "outputs": 0, "alias": 0, "temp": 0}}
     p = sharded.apply_mesh(config, local, empty, get_target("h100"), note, measured=m)
     assert p["collectives"] is m and p["collectives_assumed"]["basis"].startswith("assumed")
@@ -114,7 +115,7 @@ def test_data_and_model_move_float32_gradients_and_activations(monkeypatch):
 
 def test_block_buffers_peak_when_the_last_block_reduces_its_gradients():
     config = tiny("fsdp=4")
-    b = sharded.gather_buffers(config, sharded.mesh_shape(config))
+    b = footprint.gather_buffers(config, footprint.mesh_shape(config))
     h, i, v = 64, 128, 128
     kernels = h * 16 * 4 * 2 + h * 8 * 4 * 2 + 3 * h * i  # q, o; k, v; gate, up, down
     weights = kernels + 2 * h  # and the two norm scales, replicated: reduced, not gathered
@@ -131,22 +132,22 @@ def test_block_buffers_peak_when_the_last_block_reduces_its_gradients():
     assert b["bytes"] == 2 * kernels + 6 * weights
     # data parallelism gathers nothing but reduces each block's gradients from one
     # float32 buffer (buckets of at most mesh.gradient_bucket_mb, alive together)
-    data = sharded.gather_buffers(tiny("data=4"), {"data": 4})
+    data = footprint.gather_buffers(tiny("data=4"), {"data": 4})
     assert (data["gathered"], data["bytes"]) == (0, 6 * weights)
     # a mesh that does not split the batch has no blocks
-    assert sharded.gather_buffers(tiny("model=4"), {"model": 4})["bytes"] == 0
+    assert footprint.gather_buffers(tiny("model=4"), {"model": 4})["bytes"] == 0
 
 
 def test_fp8_kernels_travel_in_bytes_and_frozen_kernels_travel_too():
     h, i = 64, 128
     kernels = h * 16 * 4 * 2 + h * 8 * 4 * 2 + 3 * h * i  # as above
     weights = kernels + 2 * h
-    local_of = lambda c: sharded.per_device_config(c)  # noqa: E731
+    local_of = lambda c: footprint.per_device_config(c)  # noqa: E731
     empty = lambda: {"memory": {"arguments": 0, "outputs": 0, "alias": 0, "temp": 0}}  # noqa
     sent = {}
     for policy in ("bfloat16", "fp8"):
         config = tiny("fsdp=4", **{"precision.policy": policy})
-        units = sharded.weight_units(config, sharded.mesh_shape(config))
+        units = footprint.weight_units(config, footprint.mesh_shape(config))
         block = units[1]
         assert (block["gathered"], block["reduced"]) == (kernels, weights)
         # FP8 projections' kernels travel as bytes (tfllm.parallel.blocks + fp8's codec)
@@ -161,13 +162,13 @@ def test_fp8_kernels_travel_in_bytes_and_frozen_kernels_travel_too():
         2 * 3 / 4 * kernels * tiny("fsdp=4").model.num_layers)
     # LoRA: the frozen kernels travel in the block's gather, only the adapters reduce
     config = tiny("fsdp=4", **{"lora.rank": 4})
-    block = sharded.weight_units(config, sharded.mesh_shape(config))[1]
+    block = footprint.weight_units(config, footprint.mesh_shape(config))[1]
     assert block["gathered"] >= kernels and block["reduced"] < kernels
 
 
 def test_a_tied_head_gathers_the_embedding_table_again():
     config = tiny_config("gpt", "fsdp=4")
-    units = sharded.weight_units(config, sharded.mesh_shape(config))
+    units = footprint.weight_units(config, footprint.mesh_shape(config))
     table = units[0]["gathered"]
     assert units[0]["name"] == "token_embedding" and table > 0
     assert units[-1]["gathered"] == table  # the final norm's scale and bias are replicated
@@ -178,11 +179,11 @@ def test_a_tied_head_gathers_the_embedding_table_again():
 @pytest.mark.slow
 def test_the_block_buffers_are_the_sizes_the_compiled_program_moves():
     config = tiny("fsdp=4")
-    shape = sharded.mesh_shape(config)
+    shape = footprint.mesh_shape(config)
     run = measured.run_tiny(config, shape, layers=(2,))[2]
     t = measured.tiny_config(config, 2, shape)
-    units = {u["name"]: u for u in sharded.weight_units(t, shape)}
-    b = sharded.gather_buffers(t, shape)
+    units = {u["name"]: u for u in footprint.weight_units(t, shape)}
+    b = footprint.gather_buffers(t, shape)
     gathers = [c["elements"] for c in run["collectives"]
                if c["kind"] == "all-gather" and c["dtype"] == "float16"]
     reductions = [c["elements"] for c in run["collectives"]

@@ -8,7 +8,9 @@ import pytest
 
 from tests.harness import tiny_config
 from tfllm.config import load_config
-from tfllm.plan import fit, planner, sharded
+from tfllm.footprint import fit
+from tfllm.footprint import layout as footprint
+from tfllm.plan import planner, sharded
 
 QWEN3_30B = "configs/qwen3-30b-a3b.yaml"
 
@@ -18,7 +20,7 @@ def test_the_qwen3_30b_a3b_config_has_the_models_shapes_and_fits_a_node():
     cfg = load_config(QWEN3_30B, ["mesh.axes=fsdp=8"])
     # the model card: 30.5B parameters, 3.3B activated (embeddings excluded there; the
     # active parameters here count the untied head's and the router's matmuls)
-    assert sharded.param_count(cfg) == pytest.approx(30.53e9, rel=1e-3)
+    assert footprint.param_count(cfg) == pytest.approx(30.53e9, rel=1e-3)
     active = flops_per_token(cfg.model, cfg.data.sequence_length) / 6
     assert 3.3e9 < active < 3.6e9  # + attention's score FLOPs (the 6N rule counts them)
     e = fit.estimate(cfg, 8, "h100")
@@ -115,7 +117,7 @@ def test_expert_parallelism_s_all_to_alls_are_in_the_assumed_collectives():
     all-to-alls (tests/train/test_moe_parity.py counts them on the executed program),
     each sending 7/8 of the buffer."""
     cfg = load_config(QWEN3_30B, ["mesh.axes=fsdp=8"])
-    local, _ = sharded.per_device_config(cfg, 8)
+    local, _ = footprint.per_device_config(cfg, 8)
     buffer = 2 * 128 * 160 * 2048 * 2
     assert sharded.expert_all_to_all_bytes(cfg, local, 8) == 48 * 6 * 7 / 8 * buffer
     no_remat = load_config(QWEN3_30B, ["mesh.axes=fsdp=8", "model.remat=none"])
@@ -127,20 +129,20 @@ def test_expert_kernels_are_neither_gathered_nor_reduced_under_expert_parallelis
     reduction hold its attention, router and norms only (one layer's experts alone are
     128 x 3 x 2048 x 768 = 604M elements)."""
     cfg = load_config(QWEN3_30B, ["mesh.axes=fsdp=8"])
-    assert sharded.experts_split(cfg, {"fsdp": 8})
-    units = sharded.weight_units(cfg, {"fsdp": 8})
+    assert footprint.experts_split(cfg, {"fsdp": 8})
+    units = footprint.weight_units(cfg, {"fsdp": 8})
     blocks = [u for u in units if u["name"].startswith("block")]
     assert len(blocks) == 48
     attention = 2048 * 4096 * 2 + 2048 * 512 * 2  # q, o; k, v
     for u in blocks:
         assert attention <= u["gathered"] < attention + 2048 * 128 + 3 * 4096, u
-    assert not sharded.experts_split(cfg, {"fsdp": 1})  # one device: nothing splits
+    assert not footprint.experts_split(cfg, {"fsdp": 1})  # one device: nothing splits
 
 
 def test_the_gpu_memory_check_estimates_a_mixture_of_experts():
     """Where tfllm once warned that it did not model experts, `tfllm train` on GPUs and
     `tfllm doctor` now check an MoE as a dense model: the experts' state counted."""
-    from tfllm.plan.fit import check_host
+    from tfllm.footprint.fit import check_host
     from tfllm.runtime.gpu_checks import Gpu
     gpu = Gpu(name="NVIDIA H100 80GB HBM3", compute_capability=(9, 0), driver="550.54")
     level, message = check_host(_moe(), [gpu], 1)

@@ -6,7 +6,8 @@ import pytest
 from tfllm.compiler.targets import get_target
 from tfllm.parallel.rules import DEFAULT_RULES, without_sequence_sharding
 from tfllm.plan.planner import figure_sources
-from tfllm.plan.sharded import apply_mesh, per_device_config
+from tfllm.footprint.layout import per_device_config
+from tfllm.plan.sharded import apply_mesh
 from tests.harness import tiny_config
 
 

@@ -241,9 +241,9 @@ def test_the_progress_line_and_loss_png_show_reward_accuracy(tmp_path):
 
 
 def test_the_memory_estimate_counts_pairs_as_two_rows_and_the_reference_copy():
-    """tfllm.plan.fit: a pair's two sequences in the activations; full fine-tuning's
+    """tfllm.footprint.fit: a pair's two sequences in the activations; full fine-tuning's
     frozen reference copy in the state (LoRA's reference and ORPO cost no copy)."""
-    from tfllm.plan import fit
+    from tfllm.footprint import fit
     sft = tiny_config("llama", **{"train.global_batch_size": 4})
     with_lora = tiny_config("llama", **{**DPO, "train.global_batch_size": 4})
     full = tiny_config("llama", **{**DPO, "train.global_batch_size": 4, "lora.rank": 0})

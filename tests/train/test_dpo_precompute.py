@@ -35,9 +35,9 @@ def test_orpo_has_no_reference_to_precompute():
 
 
 def test_full_fine_tuning_with_stored_references_keeps_and_plans_no_copy():
-    """No frozen copy is built, and tfllm plan's estimate (tfllm.plan.fit) holds the
+    """No frozen copy is built, and tfllm plan's estimate (tfllm.footprint.fit) holds the
     state of SFT: the weights and AdamW's moments, no reference weights."""
-    from tfllm.plan import fit
+    from tfllm.footprint import fit
     from tfllm.train.state import build_train_state
     sft = tiny_config("llama", **{"train.global_batch_size": 4})
     full = {**DPO, "train.global_batch_size": 4, "lora.rank": 0}

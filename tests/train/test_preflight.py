@@ -271,3 +271,13 @@ def test_a_non_finite_loss_between_logged_steps_still_aborts_naming_its_step(tmp
     # Found at the save of step 8 (a save fetches first): nothing after it was saved.
     assert max(at for at, _ in fetches) == 8
     assert not os.path.exists(tmp_path / "run" / "checkpoints" / "step_00000008")
+
+
+def test_run_training_refuses_a_run_beyond_this_host_before_making_anything(tmp_path):
+    # The library makes the command's memory check (tfllm.train.preflight.check_memory),
+    # before the workdir exists: a notebook's run_training gets the same one line.
+    from tfllm.contracts import InputError
+    config = tiny_config("gpt", **{"mesh.device_type": "CPU", "model.hidden_dim": 262144})
+    with pytest.raises(InputError, match="of float32 weights, more than this host's"):
+        train(config, str(tmp_path / "run"))
+    assert not (tmp_path / "run").exists()

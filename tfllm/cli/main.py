@@ -154,13 +154,14 @@ def cmd_train(args) -> int:
 
 def _train(args) -> int:
     from tfllm.train.loop import train
+    from tfllm.train.preflight import check_memory
     from tfllm.train.saved_run import config_for
     from tfllm.runtime.watchdog import PeerLost
     from tfllm.train.preemption import NonFiniteError, Preempted
     from tfllm.checkpoint.workdir import check_workdir
     from tfllm.config.loader import to_dict
     config = config_for(args.workdir, args.config, args.overrides)
-    _check_memory(config)
+    check_memory(config)  # before the workdir is checked or anything is made
     # Once, here: a refused workdir gets no XLA cache folder either.
     checked = check_workdir(args.workdir, to_dict(config))
     _persist_compiles(args, config, args.workdir)
@@ -189,42 +190,6 @@ def _train(args) -> int:
     return 0
 
 
-def _check_host_memory(config) -> None:
-    """A CPU run whose weights alone (float32, at least the sizes' lower bound) exceed
-    this host's memory is refused before anything is allocated (exit 2)."""
-    from tfllm.runtime import gpu_checks
-    from tfllm.config.loader import weight_elements
-    if gpu_checks.wanted(config.mesh.device_type):
-        return  # on GPUs: the plan's estimate (_check_memory) for training
-    need, host = 4 * weight_elements(config.model)[0], _host_memory()
-    if host and need > host:
-        raise InputError(f"model: at least {need / 2 ** 30:.1f} GiB of float32 weights, more "
-                         f"than this host's {host / 2 ** 30:.1f} GiB of memory; lower "
-                         "model.hidden_dim, model.num_layers or model.vocab_size, or run on "
-                         "GPUs.")
-
-
-def _host_memory() -> int:
-    """Bytes of physical memory of this host (0 when the OS does not say)."""
-    try:
-        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    except (ValueError, OSError, AttributeError):
-        return 0
-
-
-def _check_memory(config) -> None:
-    """A GPU run whose step will not fit its GPUs stops here, before anything is built or
-    written, with one line naming the `--set` that fits (`tfllm.plan.fit.FitError`, exit
-    2). Only the command checks: the estimate is the plan's, a floor above training."""
-    from tfllm.runtime import gpu_checks
-    _check_host_memory(config)
-    if not config.train.memory_check or not gpu_checks.wanted(config.mesh.device_type):
-        return
-    from tfllm.contracts import num_clients
-    from tfllm.plan.fit import check_host, host_gpus
-    check_host(config, host_gpus(gpu_checks.driver_gpus(), os.environ), num_clients())
-
-
 def _latest_checkpoint(workdir: str) -> str:
     """A sentence naming the run's latest committed checkpoint, for failure messages."""
     from tfllm.checkpoint.workdir import Workdir
@@ -240,8 +205,9 @@ def _restored_run(args, config=None):
     """The run in --workdir with its latest checkpoint's weights (any mesh via --set)."""
     from tfllm.train.saved_run import require_checkpoint, restored_run, saved_config
     config = saved_config(args.workdir, args.overrides) if config is None else config
+    from tfllm.train.preflight import check_host_memory
     require_checkpoint(args.workdir)  # before anything is built or written
-    _check_host_memory(config)
+    check_host_memory(config)
     _persist_compiles(args, config, args.workdir)
     return restored_run(args.workdir, config)
 

@@ -451,7 +451,7 @@ MAX_WEIGHT_ELEMENTS = 2 ** 40
 def weight_elements(m: schema.ModelConfig) -> tuple:
     """(lower, upper) bounds of the number of weights of model config `m`, from its sizes
     alone: nothing is built, so an absurd size is refused before it is allocated (the exact
-    count is `tfllm.plan.sharded.param_count`, which builds the model unallocated).
+    count is `tfllm.footprint.layout.param_count`, which builds the model unallocated).
     The bounds differ by what the family decides: a tied head, learned positions, a gated
     MLP, biases and norms."""
     head_dim = m.head_dim or max(m.hidden_dim // m.num_query_heads, 1)

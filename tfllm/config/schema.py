@@ -340,7 +340,7 @@ class TrainConfig:
                       choices=("all", "completion", "assistant", "last_assistant"))
     memory_check: bool = _f(True, "On GPUs, before the run starts (and in tfllm doctor "
                             "--config), estimate one device's memory from the shapes "
-                            "(tfllm.plan.fit) and stop with one line naming the --set that "
+                            "(tfllm.footprint.fit) and stop with one line naming the --set that "
                             "fits when it will not; false skips it (the estimate errs high, "
                             "by up to 1.5x against XLA's compiled H100 programs).")
     seed: int = _f(0, "Seed of the weight initialization.")

@@ -42,7 +42,7 @@ def diagnose(config, with_config: bool, job: Optional[JobOptions] = None
     findings = gpu_checks.check(facts, config.precision.policy, config.mesh.device_type)
     if with_config:  # a run's config: will its step fit the GPUs' memory?
         from tfllm.contracts import num_clients
-        from tfllm.plan.fit import doctor_finding, host_gpus
+        from tfllm.footprint.fit import doctor_finding, host_gpus
         level, message = doctor_finding(config, host_gpus(facts.driver_gpus, facts.environ),
                                         num_clients())
         findings.append(gpu_checks.Finding(level, message))

@@ -5,7 +5,7 @@ a mesh device runs something else around each block: DTensor hands XLA the block
 *gathered* 16-bit weights (`tfllm.parallel.blocks`), the next block's gather is already
 in flight, and under `model.remat=full` the block runs forward again in the backward pass
 before its own backward. This module writes that one program, so that its memory is
-XLA's buffer assignment, not the fit model's arithmetic (`tfllm.plan.fit`):
+XLA's buffer assignment, not the fit model's arithmetic (`tfllm.footprint.fit`):
 
 * parameters: the block's input (the activation the step keeps under remat=full), the
   gradient of its output, the rows' token ids (positions are computed from them in the
@@ -18,9 +18,9 @@ XLA's buffer assignment, not the fit model's arithmetic (`tfllm.plan.fit`):
 * outputs: the block's output (the next block's input), the input's gradient and the
   block's weight gradients in float32 (the buffer its one reduce-scatter sends).
 
-Shapes are one device's micro-batch (`tfllm.plan.sharded.per_device_config`). An FP8
+Shapes are one device's micro-batch (`tfllm.footprint.layout.per_device_config`). An FP8
 policy's block is planned as its bfloat16 block (its FP8 kernels gathered as one byte per
-value and its amax histories are not modelled here; `tfllm.plan.sharded.gather_buffers`
+value and its amax histories are not modelled here; `tfllm.footprint.layout.gather_buffers`
 counts those).
 """
 
@@ -48,7 +48,7 @@ def export_block(local, out_dir: str) -> dict:
     """Writes `block.hlo.pb` (and `.txt`) to `out_dir`; returns the program's description.
 
     Args:
-      local: the per-device config (`tfllm.plan.sharded.per_device_config`).
+      local: the per-device config (`tfllm.footprint.layout.per_device_config`).
       out_dir: the root of these writes (made when missing).
 
     Returns:

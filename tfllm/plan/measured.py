@@ -45,7 +45,7 @@ from collections import defaultdict
 from typing import Dict, List, Optional
 
 from tfllm import files
-from tfllm.plan.sharded import compute_sizes, per_device_config, weight_units
+from tfllm.footprint.layout import compute_sizes, per_device_config, weight_units
 
 PADDING = 1024  # DTensor pads merged all-reduce buffers to multiples of this
 _RING = {"all-reduce": 2, "all-gather": 1, "reduce-scatter": 1, "all-to-all": 1}

@@ -20,7 +20,7 @@ figure. Where the mesh moves weights block by block, one block's program as a de
 runs it (its gathered weights and its prefetched neighbour's, the recomputation under
 remat, float32 weight gradients; `tfllm.plan.block_program`) is compiled too: the block
 buffers counted are XLA's, and its temporaries are printed beside the fit model's
-recomputed block. The fit model (`tfllm.plan.fit`, the arithmetic that `tfllm train`
+recomputed block. The fit model (`tfllm.footprint.fit`, the arithmetic that `tfllm train`
 checks) is printed beside the compile as the cross-check. Every figure says where it
 comes from (`sources`): compiled, measured, assumed.
 
@@ -276,15 +276,16 @@ def plan(config, target_name: str = "h100", layers: str = "auto", devices=None,
       collectives: "measured" runs the tiny step of the mesh on CPU devices (a child
         process, about a minute on 2 cores); "assumed" uses the layout's formula only.
     """
+    from tfllm.footprint import layout as footprint
     from tfllm.plan import sharded
     target = get_target(target_name)
     try:
-        local, mesh_note = sharded.per_device_config(config, devices)
+        local, mesh_note = footprint.per_device_config(config, devices)
     except MeshError as e:  # e.g. llama-7b's fsdp=-1,model=8 on the default 1 device
         raise MeshError(f"{e} For tfllm plan, --devices N sets the device count that a -1 "
                         f"axis takes (default 1), e.g. --devices 8.") from None
     n_layers = local.model.num_layers
-    host_need = HOST_BYTES_PER_PARAM * sharded.param_count(local)
+    host_need = HOST_BYTES_PER_PARAM * footprint.param_count(local)
     if layers not in ("auto", "full", "extrapolate"):
         raise ValueError(f"--layers must be auto, full or extrapolate, not {layers!r}")
     extrapolate = (layers == "extrapolate" or layers == "auto"
@@ -304,9 +305,9 @@ def plan(config, target_name: str = "h100", layers: str = "auto", devices=None,
         method = "compiled in full"
     if collectives not in ("measured", "assumed"):
         raise ValueError(f"collectives must be measured or assumed, not {collectives!r}")
-    shape = sharded.mesh_shape(config, devices)
+    shape = footprint.mesh_shape(config, devices)
     block = None
-    if sharded.has_blocks(config, shape) and math.prod(shape.values()) > 1:
+    if footprint.has_blocks(config, shape) and math.prod(shape.values()) > 1:
         block = plan_block(local, target)
         result["compile_s"] += block["compile_s"]
     measured_collectives = None
@@ -332,9 +333,9 @@ def plan(config, target_name: str = "h100", layers: str = "auto", devices=None,
 
 
 def fit_cross_check(config, devices, target: Target) -> dict:
-    """The fit model's arithmetic of the same config (`tfllm.plan.fit.estimate`, what
+    """The fit model's arithmetic of the same config (`tfllm.footprint.fit.estimate`, what
     `tfllm train` and `tfllm doctor` check), printed beside the compile's figures."""
-    from tfllm.plan import fit
+    from tfllm.footprint import fit
     e = fit.estimate(config, devices, target.name)
     return {"peak": e.peak, "state": e.state, "gradients": e.gradients,
             "gather_buffers": e.gather_buffers, "activations": e.activations,
@@ -370,7 +371,7 @@ def figure_sources(result: dict) -> dict:
         compiled_blocks = "block_buffers" in result["memory"]
         out["memory"] += ("; state: exact bytes of the layout; float32 gradients: the "
                           "mesh device's shards in place of the program's whole set "
-                          "(tfllm.plan.sharded.gradient_bytes); block buffers: " + (
+                          "(tfllm.footprint.layout.gradient_bytes); block buffers: " + (
             "compiled: XLA's buffer assignment of one block's program as the mesh runs "
             "it (tfllm.plan.block_program: gathered weights of the block and its "
             "prefetched neighbour, float32 weight gradients; its recomputation's "
@@ -383,7 +384,7 @@ def figure_sources(result: dict) -> dict:
             "assumed: one XLA cluster per collective + 1 (DTensor splits the device's "
             "program at each)")
     if "fit" in result:
-        out["fit model"] = "arithmetic: tfllm.plan.fit.estimate (the cross-check)"
+        out["fit model"] = "arithmetic: tfllm.footprint.fit.estimate (the cross-check)"
     return out
 
 
@@ -460,7 +461,7 @@ def _step_parts(p: dict) -> str:
 def _fit_text(f: dict) -> str:
     d = f["detail"]
     return (f"{_gib(f['peak'])} ({'fits' if f['fits'] else 'does not fit'}; arithmetic, "
-            f"tfllm.plan.fit: state {_gib(f['state'])}, gradients {_gib(f['gradients'])}, "
+            f"tfllm.footprint.fit: state {_gib(f['state'])}, gradients {_gib(f['gradients'])}, "
             f"block buffers {_gib(f['gather_buffers'])}, activations "
             f"{_gib(f['activations'])} of which logits {_gib(d.get('logits', 0))} and "
             f"recomputed block {_gib(d.get('recomputed_block', 0))})")

@@ -41,7 +41,7 @@ from tfllm.train import reference
 from tfllm.train.dpo import reference_summary
 from tfllm.train.metrics import Throughput, flops_per_token, mesh_peak
 from tfllm.train.preemption import NonFiniteError, Preempted, SignalWatcher
-from tfllm.train.preflight import no_validation_reason, preflight
+from tfllm.train.preflight import check_memory, no_validation_reason, preflight
 from tfllm.train.profile import StepProfiler, profile_dir
 from tfllm.train.progress import Progress
 from tfllm.train.run import Run, sample_text
@@ -108,17 +108,23 @@ def train(config, workdir: str, model_cls=None, out=None, checked=None) -> dict:
         the time of the call (not of the import, so redirections are honoured).
       checked: what `tfllm.checkpoint.workdir.check_workdir(workdir, to_dict(config))`
         found, when the caller checked the workdir already (`tfllm train` does, before it
-        makes the XLA cache there); else it is checked here. Either way, once.
+        makes the XLA cache there, after `preflight.check_memory`); else both are checked
+        here, the memory first. Either way, once.
 
     Returns:
       The last logged metrics (plus eval results and `first_step_s`).
 
     Raises:
+      InputError: a run that cannot fit this host (`preflight.check_memory`: on GPUs
+        `tfllm.footprint.fit.FitError`, naming the `--set` that fits), before anything is
+        built or written.
       Preempted: after saving, when a signal asked the run to stop.
       NonFiniteError: a NaN/Inf loss or gradient norm under on_nonfinite=abort.
     """
     out = sys.stdout if out is None else out
     workdir = os.path.expanduser(workdir)  # one folder, as the command line spells it
+    if checked is None:  # the command made both checks already, this one first
+        check_memory(config)
     with SignalWatcher() as signals:  # from the start: setup and first compile included
         watchdog = []
         try:

@@ -12,17 +12,62 @@ loaded) and before step 1, `preflight` checks:
 - the tokenizer decodes every id it has and encodes the end-of-training sample's prompt,
   and the prompt leaves room in `model.max_sequence_length` to generate;
 - the experiment trackers `tracking.loggers` names are installed (client 0).
+
+Before all that, before anything is built or written, `check_memory` refuses a run that
+cannot fit: on GPUs the step's memory-fit estimate (`tfllm.footprint.fit`, seconds, no
+compile) against this host's GPUs, with the `--set` that fits; on a CPU, weights alone
+larger than the host's memory. `tfllm train` and `run_training` both make it.
 """
 
 from __future__ import annotations
 
+import os
+
 from tfllm.config.loader import ConfigError
+from tfllm.contracts import InputError
 from tfllm.data.errors import DataError
 from tfllm.data.sources import (documents, has_validation, no_validation_reason,
                                 validation_hint)
 from tfllm.train.trackers import check_installed
 
-__all__ = ["no_validation_reason", "preflight"]
+__all__ = ["check_host_memory", "check_memory", "no_validation_reason", "preflight"]
+
+
+def check_memory(config) -> None:
+    """Raises `InputError` (one line; `tfllm.footprint.fit.FitError` on GPUs, which names
+    the `--set` that fits) when the run cannot fit this host, before anything is built.
+    `train.memory_check=false` skips the GPU estimate, not the host's check."""
+    from tfllm.runtime import gpu_checks
+    check_host_memory(config)
+    if not config.train.memory_check or not gpu_checks.wanted(config.mesh.device_type):
+        return
+    from tfllm.contracts import num_clients
+    from tfllm.footprint.fit import check_host, host_gpus
+    check_host(config, host_gpus(gpu_checks.driver_gpus(), os.environ), num_clients())
+
+
+def check_host_memory(config) -> None:
+    """A CPU run whose weights alone (float32, at least the sizes' lower bound) exceed
+    this host's memory is refused before anything is allocated; on GPUs `check_memory`'s
+    estimate is the check."""
+    from tfllm.config.loader import weight_elements
+    from tfllm.runtime import gpu_checks
+    if gpu_checks.wanted(config.mesh.device_type):
+        return
+    need, host = 4 * weight_elements(config.model)[0], _host_memory()
+    if host and need > host:
+        raise InputError(f"model: at least {need / 2 ** 30:.1f} GiB of float32 weights, more "
+                         f"than this host's {host / 2 ** 30:.1f} GiB of memory; lower "
+                         "model.hidden_dim, model.num_layers or model.vocab_size, or run on "
+                         "GPUs.")
+
+
+def _host_memory() -> int:
+    """Bytes of physical memory of this host (0 when the OS does not say)."""
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return 0
 
 
 def preflight(run) -> bool:

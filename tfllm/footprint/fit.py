@@ -5,16 +5,16 @@ and the start of every GPU run (`tfllm train`) need an answer in seconds, so thi
 models one device's memory from shapes alone:
 
 * **state**: the exact bytes per device of every weight, AdamW moment and FP8 history in
-  its layout (`tfllm.plan.sharded.state_bytes`);
+  its layout (`tfllm.footprint.layout.state_bytes`);
 * **gradients**: the step keeps every float32 gradient (in its variable's layout) until
   the global-norm clip, and sums micro-batches into a second set under gradient
   accumulation (`tfllm.train.step`);
 * **block buffers** of `tfllm.parallel.blocks` (any mesh that splits the batch):
-  `tfllm.plan.sharded.gather_buffers`, from the model's own blocks: at the backward peak
+  `tfllm.footprint.layout.gather_buffers`, from the model's own blocks: at the backward peak
   the largest block's prefetched 16-bit gather of the block before, its per-device
   partial gradients in the compute dtype and the float32 buffer its one reduce-scatter
   sends;
-* **activations** of one device's micro-batch (`tfllm.plan.sharded.per_device_config`:
+* **activations** of one device's micro-batch (`tfllm.footprint.layout.per_device_config`:
   rows, sequence and tensor-parallel widths of what one device computes), per token and
   layer by what the backward pass keeps (`ACTIVATION_TERMS`), the (T x T) attention
   probabilities of standard attention, and the logits block; by `model.remat`;
@@ -39,8 +39,8 @@ from tfllm.compiler.targets import Target, get_target
 from tfllm.contracts import InputError
 from tfllm.families import is_moe_layer
 from tfllm.models.common.dispatch import expert_capacity, num_tiles
+from tfllm.footprint import layout as footprint
 from tfllm.parallel import rules as rules_lib
-from tfllm.plan import sharded
 
 GIB = 2 ** 30
 _COMPUTE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "fp8": 2}
@@ -173,7 +173,7 @@ def activation_bytes(local, remat: Optional[str] = None) -> Tuple[int, Dict[str,
     """(bytes, parts) of what one device's micro-batch keeps for the backward pass.
 
     Args:
-      local: the per-device config (`sharded.per_device_config`).
+      local: the per-device config (`footprint.per_device_config`).
       remat: overrides `local.model.remat`.
     """
     m = local.model
@@ -213,14 +213,14 @@ def static_bytes(config, devices) -> Tuple[int, int, int]:
     DPO without LoRA (and not ORPO) adds its frozen reference copy of the weights, laid
     out as the model's, to the state, unless its reference log-probs are precomputed
     (dpo.precompute_reference: no copy)."""
-    shape = sharded.mesh_shape(config, devices)
-    state, rows = sharded.state_bytes(config, shape)
+    shape = footprint.mesh_shape(config, devices)
+    state, rows = footprint.state_bytes(config, shape)
     if (config.train.objective == "dpo" and config.lora.rank == 0
             and config.dpo.loss != "orpo" and not config.dpo.precompute_reference):
         state += sum(r.bytes_per_device for r in rows)
     grads = sum(r.bytes_per_device * 4 // _dtype_bytes(r.dtype)
                 for r in rows if r.optimizer_bytes_per_device)
-    return state, grads, sharded.gather_buffers(config, shape)["bytes"]
+    return state, grads, footprint.gather_buffers(config, shape)["bytes"]
 
 
 def estimate(config, devices: Optional[int] = None, target: str = "h100",
@@ -234,8 +234,8 @@ def estimate(config, devices: Optional[int] = None, target: str = "h100",
       static: `static_bytes(config, devices)` when already known.
     """
     t: Target = get_target(target)
-    n = math.prod(sharded.mesh_shape(config, devices).values())
-    local, _ = sharded.per_device_config(config, devices)
+    n = math.prod(footprint.mesh_shape(config, devices).values())
+    local, _ = footprint.per_device_config(config, devices)
     state, grads, buffers = static or static_bytes(config, devices)
     accum = config.train.grad_accum_steps > 1
     acts, parts = activation_bytes(local)
@@ -261,7 +261,7 @@ def _batch_choices(config, devices) -> List[int]:
     """Global batch sizes the mesh takes, the config's first and then halving: each
     micro-batch's rows must still divide over the mesh axis that carries the batch."""
     t = config.train
-    shape = sharded.mesh_shape(config, devices)
+    shape = footprint.mesh_shape(config, devices)
     rules = rules_lib.rules_from_config(config.mesh.rules)
     rows = lambda batch: (batch // t.grad_accum_steps, config.data.sequence_length + 1)  # noqa: E731
     carried = rules_lib.token_batch_spec(rows(t.global_batch_size), rules, shape)[0]
@@ -283,7 +283,7 @@ def _accum_choices(config, devices, batch: int) -> List[int]:
     """Gradient accumulation steps for a global batch: the config's first, then doubling
     while the micro-batch's rows still divide over the same mesh axis."""
     t = config.train
-    shape = sharded.mesh_shape(config, devices)
+    shape = footprint.mesh_shape(config, devices)
     rules = rules_lib.rules_from_config(config.mesh.rules)
     length = config.data.sequence_length + 1
     carried = rules_lib.token_batch_spec((batch // t.grad_accum_steps, length), rules,
@@ -385,7 +385,7 @@ def min_devices(config, target: str = "h100") -> int:
     t = get_target(target)
     one = copy.deepcopy(config)
     one.mesh.axes = "data=1"
-    state, rows = sharded.state_bytes(one, {"data": 1})
+    state, rows = footprint.state_bytes(one, {"data": 1})
     grads = sum(r.bytes_per_device * 4 // _dtype_bytes(r.dtype)
                 for r in rows if r.optimizer_bytes_per_device)
     usable = t.device_memory_bytes - config.mesh.gpu_memory_reserve_mb * 2 ** 20
