@@ -12,8 +12,8 @@ from a whole query block are skipped in both passes.
 Numerics: scores and dP = dO V^T leave their GEMMs in the compute dtype, as in
 `Attention.attend` (whose score GEMM returns bf16 and whose autodiff gradient of P x V
 does); the softmax, the running maximum, the normalizer, the accumulated output and the
-sums of gradients across tiles are float32; P (exp(S - max), normalized after P x V) and
-dS are cast to the compute dtype for their GEMMs. No GEMM of either pass takes a float32 operand. A whole row of tiles takes
+sums of gradients across tiles are float32; P and dS are cast to the compute dtype for
+their GEMMs. No GEMM of either pass takes a float32 operand. A whole row of tiles takes
 the softmax's correction term from the rounded dP, as the one-shot softmax's gradient
 does (the rounding then cancels); tiles with an online softmax take it from the float32
 output (FlashAttention's delta).
@@ -141,12 +141,9 @@ def flash_attention(q, k, v, *, scale: float, block_q: int, block_k: int,
                 m = tf.reduce_max(s, axis=-1, keepdims=True)  # (B, K, G, P, t, 1)
                 p = tf.exp(s - m)
                 l = tf.reduce_sum(p, axis=-1, keepdims=True)
-                # P x V takes exp(S - m) and the output is divided by the row sum after
-                # (as between tiles below), not P / l as tf.nn.softmax: XLA then sums P
-                # in the pass that writes it, where P / l needs the sum first, one more
-                # pass over the row's scores (benchmarks/results/attention_bytes.md)
-                out_i = tf.cast(tf.einsum("bkgpts,bskd->bkgptd", tf.cast(p, v.dtype),
-                                          v[:, ka:kb]), tf.float32) / l  # (B, K, G, P, t, D)
+                # normalized before P x V, as tf.nn.softmax in Attention.attend
+                out_i = tf.cast(tf.einsum("bkgpts,bskd->bkgptd", tf.cast(p / l, v.dtype),
+                                          v[:, ka:kb]), tf.float32)  # (B, K, G, P, t, D)
             else:  # an online softmax over the row's tiles
                 m = l = acc = pv = None
                 for ka, kb in tiles[i]:
