@@ -115,9 +115,9 @@ class AttentionSettings:
         output projection follows use_bias (Qwen2 has q/k/v biases only).
       rope_theta: apply rotary embeddings with this base, or None for none.
       rope_scaling: a `RopeScaling` of the rotary frequencies, or None.
-      block_size: > 0: the training path attends blocks of this many queries, each over
-        the keys it may see as tiles of up to `ROW_KEYS` keys with an online softmax
-        between them, recomputed in the backward pass (`attend_blocked`); 0: one `attend`.
+      block_size: > 0: the training path attends tiles of this many queries and keys
+        with an online softmax, recomputed in the backward pass (`attend_blocked`);
+        0: one `attend`.
       init_std: init of the q/k/v projections.
       output_init_std: init of the output projection (scaled for depth).
       fp8: `Fp8Settings` for FP8 projections, or None.
@@ -238,12 +238,11 @@ class Attention(keras.layers.Layer):
         return constrain(out, _HEADS)
 
     def attend_blocked(self, q, k, v, attention_mask=None, positions=None):
-        """`attend` over blocks of `block_size` queries, each attending the keys it may
-        see as tiles of up to `ROW_KEYS` keys, with an online softmax between tiles
-        (tfllm.models.common.flash): same result up to float rounding (standard
-        attention's bf16 roundings), and neither pass keeps more than one tile's scores,
-        so activation memory grows linearly with the sequence; key blocks the causal mask
-        or the window hides entirely are skipped. Training path only (causal masks).
+        """`attend` over (block, block) tiles of queries and keys with an online softmax
+        (tfllm.models.common.flash): same result up to the order of float32 sums, and
+        neither pass keeps more than one tile's scores, so activation memory grows
+        linearly with the sequence; tiles the causal mask or the window hides entirely
+        are skipped. Training path only (the masks are causal).
 
         When the active setup splits the sequence into P pieces (batch over data and
         fsdp), query blocks are cut inside every piece: the queries are folded to
