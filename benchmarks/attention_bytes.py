@@ -10,11 +10,9 @@ the TF32 rate and move twice the bytes). Bytes are counted two ways: every fusio
 operand read whole (as `tfllm plan` counts, and as the issue measured), and a fusion
 operand that the fusion only slices read as its slices (`partial_reads`; what the
 kernel reads). Rows: 32 and 8 key/value heads, blocked (`Attention.attend_blocked`,
-query blocks of 512 and 1024, each attending its visible keys as one tile) and standard
-(`Attention.attend`); and blocked with its causal masks computed from the rows'
-positions, as the training forward pass makes them (`masks.row_positions`), instead of
-constants. "tiles" are the (block, block) units of the causal triangle that a blocked
-pass computes (36 at 512), whatever number of GEMMs they are computed in.
+tiles of 512 and 1024) and standard (`Attention.attend`); and blocked with its causal
+tiles' masks computed from the rows' positions, as the training forward pass makes them
+(`masks.row_positions`), instead of constants.
 
     python benchmarks/attention_bytes.py --out benchmarks/results/attention_bytes
 """

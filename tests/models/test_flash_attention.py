@@ -313,10 +313,7 @@ def test_compiled_for_h100_blocked_attention_moves_bounded_bytes_per_score(kv_he
     # attention_bytes.py measures the 4096-token layer). Measured (2026-11-29, jax
     # 0.10.2): 66 GEMMs, 133 kernels, 49 (kv 8) and 47 (kv 2) bytes per tile score
     # element counting sliced reads (the standard path: 23 bytes per score of the whole
-    # T x T matrix); before this work dP's GEMM took float32 operands. Those counts are
-    # of (256, 256) tiles; since a query block attends its row of keys as one tile
-    # (2026-11-29 07:37 UTC) the bounds still hold and are loose (the 4096-token layer:
-    # 4.1 kernels per unit; benchmarks/results/attention_bytes.md), not re-measured here.
+    # T x T matrix); before this work dP's GEMM took float32 operands.
     kernels, tiles, scores = _h100_kernels(kv_heads, 256)
     gemms = [k for k in kernels if k.gemm_flops]
     assert {k.operand_type for k in gemms} == {"bf16"}
