@@ -51,7 +51,7 @@ def _reference(q, k, v, allowed):
     return tf.einsum("bhts,bshd->bthd", tf.nn.softmax(scores, -1), v)
 
 
-def _blocked(q, k, v, allowed, window, pieces, block_q, block_k, max_keys=None):
+def _blocked(q, k, v, allowed, window, pieces, block_q, block_k):
     """flash_attention on q folded into `pieces` of the sequence, as Attention does."""
     local = T // pieces
     positions = np.arange(pieces)[:, None] * local + np.arange(local)[None, :]  # (P, L)
@@ -65,7 +65,7 @@ def _blocked(q, k, v, allowed, window, pieces, block_q, block_k, max_keys=None):
 
     out = flash_attention(tf.reshape(q, (B, pieces, local, H, D)), k, v,
                           scale=1 / math.sqrt(D), block_q=block_q, block_k=block_k,
-                          max_keys=max_keys, mask_fn=mask_fn, key_span=key_span)
+                          mask_fn=mask_fn, key_span=key_span)
     return tf.reshape(out, (B, T, H, D))
 
 
@@ -85,18 +85,15 @@ def _value_and_grads(fn, q, k, v):
 
 @pytest.mark.parametrize("window", [0, 5])
 @pytest.mark.parametrize("packed", [False, True])
-# max_keys: None, one key block per tile; 16, a query block's row of tiles in one;
-# 12 and 8, rows cut into tiles of two key blocks (a one-shot and an online softmax)
-@pytest.mark.parametrize("pieces, block_q, block_k, max_keys", [
-    (1, 16, 16, None), (1, 5, 6, None), (1, 3, 7, None), (2, 3, 4, None), (4, 2, 16, None),
-    (1, 5, 6, 16), (1, 3, 7, 14), (2, 3, 4, 8), (1, 2, 2, 5)])
+@pytest.mark.parametrize("pieces, block_q, block_k", [(1, 16, 16), (1, 5, 6), (1, 3, 7),
+                                                      (2, 3, 4), (4, 2, 16)])
 def test_blocked_equals_softmax_attention_forward_and_backward(window, packed, pieces,
-                                                               block_q, block_k, max_keys):
+                                                               block_q, block_k):
     q, k, v = _inputs()
     allowed = _allowed(window, _segments() if packed else None)
     want, want_grads = _value_and_grads(lambda *a: _reference(*a, allowed), q, k, v)
     got, got_grads = _value_and_grads(
-        lambda *a: _blocked(*a, allowed, window, pieces, block_q, block_k, max_keys), q, k, v)
+        lambda *a: _blocked(*a, allowed, window, pieces, block_q, block_k), q, k, v)
     # float32: the online softmax adds and rescales the same terms in another order, a
     # few ulps of outputs of magnitude ~1; a gradient sums up to T such terms per entry.
     np.testing.assert_allclose(got.numpy(), want.numpy(), atol=2e-6, rtol=0)
@@ -106,11 +103,10 @@ def test_blocked_equals_softmax_attention_forward_and_backward(window, packed, p
 
 @pytest.mark.parametrize("compiled", [False, True])
 def test_blocked_bfloat16_is_as_close_to_float32_as_the_one_shot_softmax(compiled):
-    # Blocked attention rounds as Attention.attend does: scores and dP = dO V^T leave
-    # their GEMMs in the compute dtype (bf16), P is cast to it for P x V, dS for dQ and
-    # dK; the running max, normalizer, accumulators, delta and every sum across tiles
-    # are float32. Compiled, the one-shot reference is compiled too: each path is judged
-    # against float32 beside its own platform's bf16 GEMMs.
+    # Probabilities are kept in the compute dtype (bf16) for the matmul with the values,
+    # as in Attention.attend; the running max, normalizer and accumulator are float32.
+    # Compiled: under XLA dP is one GEMM of bf16 operands with a float32 result (eager:
+    # the same numbers through float32 casts).
     allowed = _allowed(0, _segments())
     exact, exact_grads = _value_and_grads(lambda *a: _reference(*a, allowed), *_inputs())
     q16 = _inputs(tf.bfloat16)
@@ -120,36 +116,26 @@ def test_blocked_bfloat16_is_as_close_to_float32_as_the_one_shot_softmax(compile
         probs = tf.nn.softmax(tf.where(allowed[:, None], scores, -1e30), -1)
         return tf.einsum("bhts,bshd->bthd", tf.cast(probs, tf.bfloat16), v)
 
-    def maybe_compiled(fn):
-        return tf.function(fn, jit_compile=True) if compiled else fn
-
-    one_shot, one_shot_grads = maybe_compiled(
-        functools.partial(_value_and_grads, reference16))(*q16)
+    one_shot, one_shot_grads = _value_and_grads(reference16, *q16)
 
     def rms(a, b):  # relative RMS error against float32
         a, b = tf.cast(a, tf.float32).numpy(), b.numpy()
         return float(np.sqrt(np.mean((a - b) ** 2) / np.mean(b ** 2)))
 
-    # (compiled: two tilings; XLA's CPU compile of the 36 tiles of (2, 2) takes ~40 s)
-    # (5, 6, None): tiles of 5 x 6 with an online softmax; (5, 6, 16): rows of tiles
-    for block_q, block_k, max_keys in ([(5, 6, None), (5, 6, 16)] if compiled
-                                       else [(5, 6, None), (2, 2, None), (5, 6, 16)]):
+    # (compiled: one tiling; XLA's CPU compile of the 36 tiles of (2, 2) takes ~40 s)
+    for block_q, block_k in [(5, 6)] if compiled else [(5, 6), (2, 2)]:
         run = functools.partial(_value_and_grads, lambda *a: _blocked(
-            *a, allowed, 0, 1, block_q, block_k, max_keys))
-        blocked, blocked_grads = maybe_compiled(run)(*q16)
-        # FlashAttention's own tests bound the kernel's error against a float32
-        # reference by 2x the error of standard attention run in the same low precision
-        # (its dP and dS are bf16 GEMM operands there too). The same multiple here, of
-        # the relative RMS error: max errors over 1,024 entries swing 2x with the one
-        # entry that rounds worst. The bf16 dP's rounding is not cancelled by delta
-        # (computed from the float32 O) between tiles with an online softmax; a whole row
-        # takes delta from the rounded dP as the one-shot path does. Measured (3 seeds,
-        # shapes (2,16,4,8), (1,64,2,32), (1,256,2,64), eager and compiled): whole rows
-        # 1.00-1.14x (max error 1.0-1.6x), tiles 0.83-1.57x (max error up to 3.4x) the
-        # one-shot relative RMS error.
-        assert rms(blocked, exact) <= 2 * rms(one_shot, exact)
+            *a, allowed, 0, 1, block_q, block_k))
+        blocked, blocked_grads = (tf.function(run, jit_compile=True) if compiled
+                                  else run)(*q16)
+        # bf16 rounds inputs and products by up to 2^-9: both paths err by ~0.4% (outputs)
+        # and ~1% (gradients) RMS. Blocked accumulates across tiles in float32 and computes
+        # dP in float32, so it errs no more than the one-shot path (measured: 0.3-0.9%
+        # against 0.4-1.0%); 10% of slack for other kernels. (Max errors over 1,024
+        # entries swing 2x with the one entry that rounds worst: not a stable measure.)
+        assert rms(blocked, exact) <= 1.1 * rms(one_shot, exact)
         for b, o, e in zip(blocked_grads, one_shot_grads, exact_grads):
-            assert rms(b, e) <= 2 * rms(o, e), (block_q, block_k, rms(b, e), rms(o, e))
+            assert rms(b, e) <= 1.1 * rms(o, e), (block_q, block_k, rms(b, e), rms(o, e))
 
 
 def _tiles(block_q, block_k):
@@ -206,7 +192,7 @@ def test_blocked_attention_never_repeats_grouped_keys_and_values():
 def test_compiled_blocked_attention_multiplies_compute_dtype_operands_only():
     # Under XLA every GEMM of a bf16 pass takes bf16 operands (float32 ones run at the
     # TF32 rate and move twice the bytes): seven per tile (forward: scores, P x V;
-    # backward: scores, dP, dV, dQ, dK), each returning bf16 (as the standard path's).
+    # backward: scores, dP, dV, dQ, dK), and only dP returns float32 (accumulated there).
     q, k, v = _inputs(tf.bfloat16)
     allowed = _allowed(0, _segments())
     step = tf.function(lambda *a: _value_and_grads(
@@ -219,7 +205,7 @@ def test_compiled_blocked_attention_multiplies_compute_dtype_operands_only():
     tiles = _tiles(5, 6)
     assert len(dots) == 7 * tiles
     assert all(types == ["bf16", "bf16"] for types in operands), operands
-    assert results == ["bf16"] * (7 * tiles)
+    assert results.count("f32") == tiles and results.count("bf16") == 6 * tiles
 
 
 @pytest.mark.parametrize("window, tiles", [(0, 10), (4, 7)])

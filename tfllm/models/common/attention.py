@@ -26,11 +26,6 @@ _KEYS_REPEATED = ("activation_batch", None, "activation_heads", "activation_head
 _FOLDED = ("activation_batch", "activation_length", None, "activation_heads",
            "activation_head_dim")
 _FOLDED_MASK = ("activation_batch", "activation_length", None, None)
-# Blocked attention's widest score tile: a query block's visible keys, up to this many,
-# are one tile (one GEMM, one softmax) rather than (block, block) tiles with an online
-# softmax between them: at 4096 tokens every row of tiles is one, and a pass holds at
-# most (B, H, P, block, 4096) float32 scores (256 MiB at 32 heads and blocks of 512).
-ROW_KEYS = 4096
 
 
 @dataclass(frozen=True)
@@ -295,7 +290,6 @@ class Attention(keras.layers.Layer):
 
         out = flash_attention(q, k, v, scale=1.0 / math.sqrt(self.score_divisor),
                               block_q=self.block_size, block_k=self.block_size,
-                              max_keys=max(self.block_size, ROW_KEYS),
                               mask_fn=mask_fn, key_span=key_span)  # (B, P, L, H, D)
         return constrain(tf.reshape(out, (batch, length, heads, dim)), _HEADS)
 
