@@ -2,13 +2,8 @@
 
 from __future__ import annotations
 
-#: --format -> what it writes
-FORMATS = {
-    "saved-model": "a SavedModel serving the logits, plus the Keras weights",
-    "keras-hub": "a keras-hub preset (keras_hub.models.CausalLM.from_preset loads it)",
-    "hf": "a Hugging Face folder (transformers' from_pretrained loads it, vLLM serves it)",
-    "peft": "a PEFT LoRA adapter folder (peft's PeftModel.from_pretrained loads it)",
-}
+#: the --format values, in the command's order (its help says what each writes)
+FORMATS = ("saved-model", "keras-hub", "hf", "peft")
 
 
 def export_run(fmt: str, config, workdir: str, out: str, dtype: str = "float32",
