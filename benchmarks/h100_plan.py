@@ -156,9 +156,8 @@ def state_only(model, mesh, devices):
     """Bytes per device of weights + AdamW moments in the mesh's layout (no compile)."""
     from tfllm.footprint import layout as footprint
     cfg = config_for(model, "bfloat16", devices, mesh)
-    shape = footprint.mesh_shape(cfg)
-    state, _ = footprint.state_bytes(cfg, shape)
-    buffers = footprint.gather_buffers(cfg, shape)["bytes"]
+    plan = footprint.mesh_plan(cfg)
+    state, buffers = plan.state_bytes, plan.buffers.bytes
     return {"model": model, "mesh": mesh, "state_gib_per_device": state / 2**30,
             "gather_buffers_gib": buffers / 2**30}
 

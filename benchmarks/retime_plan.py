@@ -11,7 +11,7 @@ estimate, MFU and tokens/s replaced and `retimed` naming the date and the source
 it prints one line per plan (before -> after).
 
 With `--config` (the config the plan was made of, and `--devices`), a mesh plan made
-before `tfllm.footprint.layout.gradient_bytes` also has its memory re-counted: the float32
+before `tfllm.footprint.layout.gradients` also has its memory re-counted: the float32
 gradients the compiled program holds whole, where a mesh device keeps its shards.
 """
 
@@ -26,24 +26,27 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from tfllm.compiler.targets import get_target  # noqa: E402
 from tfllm.plan import planner  # noqa: E402
+from tfllm.plan.result import PlanResult  # noqa: E402
 
 
 def retime(plan: dict) -> dict:
-    """The plan with today's step time, roofline lower bound, MFU and tokens/s."""
-    return planner.estimate_time(copy.deepcopy(plan), get_target(plan["target"]))
+    """The plan with today's step time, roofline lower bound, MFU and tokens/s (its other
+    keys, such as a stored plan's `retimed` or `recount`, kept)."""
+    result = planner.retime(PlanResult.from_json(plan), get_target(plan["target"]))
+    return {**plan, **result.to_json()}
 
 
 def recount_gradients(plan: dict, config, devices) -> dict:
     """The plan with the mesh device's float32 gradients in place of the compiled
-    program's whole set (`tfllm.footprint.layout.gradient_bytes`), where the stored plan
+    program's whole set (`tfllm.footprint.layout.gradients`), where the stored plan
     predates it; its fit against the device recomputed."""
     from tfllm.footprint import layout as footprint
     new = copy.deepcopy(plan)
     m = new["memory"]
     if "gradients" in m or new.get("devices", 1) == 1:
         return new  # counted when planned, or one device: nothing to re-count
-    local, _ = footprint.per_device_config(config, devices)
-    g = footprint.gradient_bytes(config, local, footprint.mesh_shape(config, devices))
+    plan = footprint.mesh_plan(config, devices)
+    g = footprint.gradients(plan, footprint.mesh_plan(plan.local)).as_json()
     m["gradients"] = g
     m["total"] -= g["subtracted"]
     if g["excess"] and not g["subtracted"]:
@@ -77,7 +80,7 @@ def main(argv=None) -> int:
                           "what": "step time, roofline lower bound, tokens/s and MFU recomputed by "
                                   "tfllm.plan.timing; compile and measurements as stored"
                                   + ("; memory: the float32 gradients a mesh device keeps "
-                                     "(tfllm.footprint.layout.gradient_bytes)" if config else "")}
+                                     "(tfllm.footprint.layout.gradients)" if config else "")}
         root, ext = os.path.splitext(path)
         with open(root + args.suffix + ext, "w") as f:
             json.dump(new, f)

@@ -41,10 +41,10 @@ def _local(**extra):
 def test_the_block_program_holds_two_blocks_gathered_and_one_block_of_float32_gradients():
     cfg, local = _local(**{"mesh.axes": "fsdp=2"})
     block = plan_block(local, get_target("h100"))
-    units = [u for u in footprint.weight_units(cfg, {"fsdp": 2}) if u["name"].startswith("block")]
+    units = [u for u in footprint.mesh_plan(cfg).units if u.name.startswith("block")]
     # every weight of a tiny llama block in its compute layout, 2 bytes each (bfloat16)
-    assert block["weights"] == 2 * (units[0]["reduced"] + units[1]["reduced"])
-    assert block["gradients"] == 4 * units[0]["reduced"]
+    assert block["weights"] == 2 * (units[0].reduced + units[1].reduced)
+    assert block["gradients"] == 4 * units[0].reduced
     # XLA's parameter and output buffers less the activations are exactly those, with
     # the 4-byte scalar that keeps the neighbour's weights alive and XLA's 8-byte index
     # of each of the 12 outputs (y, dx, 9 gradients, the scalar)
@@ -79,18 +79,18 @@ def test_the_block_program_computes_what_a_layer_adds_to_the_step():
 def test_a_mesh_plan_counts_the_compiled_block_buffers_and_prints_the_fit_model_beside():
     cfg, _ = _local(**{"mesh.axes": "fsdp=2"})
     p = plan(cfg, collectives="assumed")
-    m = p["memory"]
-    assert m["block_buffers"] == m["block_program"]["block_buffers"]
+    m, mm = p.memory, p.mesh.memory
+    assert mm.block_buffers == mm.block_program["block_buffers"]
     # the compiled block's buffers, or the model's where its peak is the embedding's or
     # the head's unit, which no block program holds
-    counted = m.get("block_buffers_counted", m["block_buffers"])
-    assert counted == max(m["block_buffers"], m["gather_buffers"]) or (
-        counted == m["block_buffers"] and m["gather_detail"]["unit"].startswith("block_"))
-    assert m["total"] == (m["arguments"] + m["outputs"] - m["alias"] + m["temp"] + counted)
-    assert m["gather_buffers"] > 0  # the model's figure stays beside the compile's
-    f = p["fit"]
+    counted = mm.counted
+    assert counted == max(mm.block_buffers, mm.buffers.bytes) or (
+        counted == mm.block_buffers and mm.buffers.unit.startswith("block_"))
+    assert m.total == m.arguments + m.outputs - m.alias + m.temp + counted
+    assert mm.buffers.bytes > 0  # the model's figure stays beside the compile's
+    f = p.fit
     assert f["peak"] > f["state"] > 0 and "recomputed_block" in f["detail"]
-    assert p["sources"]["memory"].count("compiled") >= 2
+    assert p.sources["memory"].count("compiled") >= 2
     text = format_plan(p)
     assert "block buffers" in text and "compiled: one block's program" in text
     assert "fit model" in text and "one block's backward" in text

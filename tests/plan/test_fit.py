@@ -264,10 +264,10 @@ def test_block_buffers_match_the_measured_fsdp_step_within_a_quarter(name):
     measured = (peaks["fsdp=8"] - peaks["none"]) / 8
     config = _fsdp_memory_config(results, "fsdp=8")
     from tfllm.footprint import layout as footprint
-    b = footprint.gather_buffers(config, footprint.mesh_shape(config))
+    b = footprint.mesh_plan(config).buffers
     # Without NCCL (CPU devices) DTensor reduce-scatters by an all-reduce and a slice:
     # the all-reduce's output is the whole float32 buffer once more.
-    cpu = b["bytes"] + b["gradient"]
+    cpu = b.bytes + b.gradient
     # Measured 1.06 (bf16, medians of 3 runs) and 0.82 (float32, 1 run): the CPU executor
     # runs the packing's cast, transposes and concatenation as separate ops (XLA fuses
     # them on a GPU), and one device's peak varies by up to 0.6 GiB between runs (the

@@ -44,8 +44,8 @@ def test_the_tiny_step_splits_its_gradient_buckets_like_the_real_block():
     config = load_config(os.path.join(ROOT, "configs", "llama-7b.yaml"), ["mesh.axes=fsdp=8"])
     shape = footprint.mesh_shape(config)
     t = measured.tiny_config(config, 2, shape)
-    block = lambda c: max(u["reduced"] for u in footprint.weight_units(c, shape)  # noqa: E731
-                          if u["name"].startswith("block_"))
+    block = lambda c: max(u.reduced for u in footprint.mesh_plan(c, 8).units  # noqa: E731
+                          if u.name.startswith("block_"))
     # llama-7b's block (202M float32 gradients, 773 MiB) spans ~31 buckets of 25 MiB:
     # the tiny block's bucket is as small a share of it
     assert block(config) * 4 / 2**20 / config.mesh.gradient_bucket_mb > 30
@@ -54,7 +54,7 @@ def test_the_tiny_step_splits_its_gradient_buckets_like_the_real_block():
 
 
 def _sharded_elements(config, shape):
-    rows = footprint.state_bytes(config, shape)[1]
+    rows = footprint.mesh_plan(config, math.prod(shape.values())).rows
     return {r.path: math.prod(r.shape) for r in rows
             if r.optimizer_bytes_per_device and any(a for a in r.spec)}
 
@@ -106,72 +106,69 @@ def test_data_and_model_move_float32_gradients_and_activations(monkeypatch):
                       ("all-reduce", "float32", "merged gradients")}
     assert not any(k[1] == "bfloat16" for k in carried)
     # labelled beside the assumed figure when a plan carries both
-    local, note = footprint.per_device_config(config)
-    empty = {"memory": {"arguments": 0, "outputs": 0, "alias": 0, "temp": 0}}
-    p = sharded.apply_mesh(config, local, empty, get_target("h100"), note, measured=m)
-    assert p["collectives"] is m and p["collectives_assumed"]["basis"].startswith("assumed")
-    assert p["collective_s"] == m["seconds"]
+    plan = footprint.mesh_plan(config)
+    p = sharded.mesh_figures(config, plan, footprint.mesh_plan(plan.local),
+                             get_target("h100"), measured=m)
+    assert p.collectives.as_json() == m
+    assert p.collectives_assumed.basis.startswith("assumed")
+    assert p.collectives.seconds == m["seconds"]
 
 
 def test_block_buffers_peak_when_the_last_block_reduces_its_gradients():
     config = tiny("fsdp=4")
-    b = footprint.gather_buffers(config, footprint.mesh_shape(config))
+    plan = footprint.mesh_plan(config)
+    b = plan.buffers
     h, i, v = 64, 128, 128
     kernels = h * 16 * 4 * 2 + h * 8 * 4 * 2 + 3 * h * i  # q, o; k, v; gate, up, down
     weights = kernels + 2 * h  # and the two norm scales, replicated: reduced, not gathered
     # the units that move together, in forward order: the embedding alone, each block,
     # the final norm with the head
-    units = [(u["name"], u["gathered"], u["reduced"]) for u in b["units"]]
+    units = [(u.name, u.gathered, u.reduced) for u in plan.units]
     assert units == [("token_embedding", v * h, v * h), ("block_0", kernels, weights),
                      ("block_1", kernels, weights), ("final_norm + head", h * v, h * v + h)]
     # block_1's backward: block_0's prefetched bf16 re-gather, block_1's bf16 partial
     # gradients and its float32 reduce-scatter buffer
-    assert b["unit"] == "block_1 backward"
-    assert (b["gathered"], b["partials"], b["gradient"]) == (2 * kernels, 2 * weights,
-                                                             4 * weights)
-    assert b["bytes"] == 2 * kernels + 6 * weights
+    assert b.unit == "block_1 backward"
+    assert (b.gathered, b.partials, b.gradient) == (2 * kernels, 2 * weights, 4 * weights)
+    assert b.bytes == 2 * kernels + 6 * weights
     # data parallelism gathers nothing but reduces each block's gradients from one
     # float32 buffer (buckets of at most mesh.gradient_bucket_mb, alive together)
-    data = footprint.gather_buffers(tiny("data=4"), {"data": 4})
-    assert (data["gathered"], data["bytes"]) == (0, 6 * weights)
+    data = footprint.mesh_plan(tiny("data=4")).buffers
+    assert (data.gathered, data.bytes) == (0, 6 * weights)
     # a mesh that does not split the batch has no blocks
-    assert footprint.gather_buffers(tiny("model=4"), {"model": 4})["bytes"] == 0
+    assert footprint.mesh_plan(tiny("model=4")).buffers.bytes == 0
 
 
 def test_fp8_kernels_travel_in_bytes_and_frozen_kernels_travel_too():
     h, i = 64, 128
     kernels = h * 16 * 4 * 2 + h * 8 * 4 * 2 + 3 * h * i  # as above
     weights = kernels + 2 * h
-    local_of = lambda c: footprint.per_device_config(c)  # noqa: E731
-    empty = lambda: {"memory": {"arguments": 0, "outputs": 0, "alias": 0, "temp": 0}}  # noqa
     sent = {}
     for policy in ("bfloat16", "fp8"):
         config = tiny("fsdp=4", **{"precision.policy": policy})
-        units = footprint.weight_units(config, footprint.mesh_shape(config))
-        block = units[1]
-        assert (block["gathered"], block["reduced"]) == (kernels, weights)
+        plan = footprint.mesh_plan(config)
+        block = plan.units[1]
+        assert (block.gathered, block.reduced) == (kernels, weights)
         # FP8 projections' kernels travel as bytes (tfllm.parallel.blocks + fp8's codec)
-        assert block["gathered_8bit"] == (kernels if policy == "fp8" else 0)
-        assert units[0]["gathered_8bit"] == 0  # the embedding stays 16-bit
-        p = sharded.apply_mesh(config, *local_of(config)[:1], empty(), get_target("h100"),
-                               local_of(config)[1])
-        sent[policy] = p["collectives"]["bytes_per_device"]
+        assert block.gathered_8bit == (kernels if policy == "fp8" else 0)
+        assert plan.units[0].gathered_8bit == 0  # the embedding stays 16-bit
+        sent[policy] = sum(t.bytes for t in sharded.axis_traffic(plan, config))
     # the layout's formula: each block's kernels gather forward and backward (2 x ring
     # (n-1)/n) at one byte instead of two
     assert sent["bfloat16"] - sent["fp8"] == pytest.approx(
         2 * 3 / 4 * kernels * tiny("fsdp=4").model.num_layers)
     # LoRA: the frozen kernels travel in the block's gather, only the adapters reduce
     config = tiny("fsdp=4", **{"lora.rank": 4})
-    block = footprint.weight_units(config, footprint.mesh_shape(config))[1]
-    assert block["gathered"] >= kernels and block["reduced"] < kernels
+    block = footprint.mesh_plan(config).units[1]
+    assert block.gathered >= kernels and block.reduced < kernels
 
 
 def test_a_tied_head_gathers_the_embedding_table_again():
     config = tiny_config("gpt", "fsdp=4")
-    units = footprint.weight_units(config, footprint.mesh_shape(config))
-    table = units[0]["gathered"]
-    assert units[0]["name"] == "token_embedding" and table > 0
-    assert units[-1]["gathered"] == table  # the final norm's scale and bias are replicated
+    units = footprint.mesh_plan(config).units
+    table = units[0].gathered
+    assert units[0].name == "token_embedding" and table > 0
+    assert units[-1].gathered == table  # the final norm's scale and bias are replicated
     assert len(units) == config.model.num_layers + 2
 
 
@@ -182,8 +179,9 @@ def test_the_block_buffers_are_the_sizes_the_compiled_program_moves():
     shape = footprint.mesh_shape(config)
     run = measured.run_tiny(config, shape, layers=(2,))[2]
     t = measured.tiny_config(config, 2, shape)
-    units = {u["name"]: u for u in footprint.weight_units(t, shape)}
-    b = footprint.gather_buffers(t, shape)
+    plan = footprint.mesh_plan(t, math.prod(shape.values()))
+    units = {u.name: u for u in plan.units}
+    b = plan.buffers
     gathers = [c["elements"] for c in run["collectives"]
                if c["kind"] == "all-gather" and c["dtype"] == "float16"]
     reductions = [c["elements"] for c in run["collectives"]
@@ -192,11 +190,11 @@ def test_the_block_buffers_are_the_sizes_the_compiled_program_moves():
     # each block's sharded weights travel as one bf16 gather (float16 bits), forward and
     # again backward; its gradients as one float32 buffer (below mesh.gradient_bucket_mb),
     # the replicated norms' apart from the kernels
-    assert gathers.count(block["gathered"]) == 2 * 2
-    assert reductions.count(block["gathered"]) == 2
+    assert gathers.count(block.gathered) == 2 * 2
+    assert reductions.count(block.gathered) == 2
     # the buffers the memory model counts at its peak are those sizes
-    assert b["gathered"] == 2 * block["gathered"] and b["gradient"] == 4 * block["reduced"]
+    assert b.gathered == 2 * block.gathered and b.gradient == 4 * block.reduced
     sc = measured.scales(config, t, shape)
-    assert measured.classify(block["gathered"], sc)[0] == "weight block"
+    assert measured.classify(block.gathered, sc)[0] == "weight block"
     # XLA's clusters of the busiest device (what `tfllm plan` times the dispatch of)
     assert run["clusters"] > len(run["collectives"]) // 2 > 0

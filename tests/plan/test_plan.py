@@ -35,39 +35,41 @@ def test_fp8_plans_three_fp8_gemms_per_projection(exclude):
                      if exclude else "[]"}))
     # 2 llama blocks: q, k, v, o + gate, up, down = 7 projections each; "mlp/" keeps
     # 3 of each block's in bf16. The LM head is never FP8.
-    assert p["fp8_projections"] == (14 if not exclude else 8)
+    assert p.program["fp8_projections"] == (14 if not exclude else 8)
     # forward, input gradient and weight gradient of every FP8 projection are cuBLASLt
     # FP8 GEMMs; nothing else is
-    assert p["fp8_gemm_calls"] == 3 * p["fp8_projections"]
-    assert p["gemm_calls"] > p["fp8_gemm_calls"]  # attention, LM head, bf16 layers
+    assert p.program["fp8_gemm_calls"] == 3 * p.program["fp8_projections"]
+    # attention, LM head, bf16 layers
+    assert p.program["gemm_calls"] > p.program["fp8_gemm_calls"]
     # the GEMMs' FLOPs are at least the model's (6N + causal attention at half, tfllm's
     # MFU numerator): standard attention also computes the masked half of the scores
     # (+2.7% for tiny GPT); this llama's head_dim of 4 is padded to 8 by XLA for cuBLAS,
     # which doubles its attention GEMMs: +7.3% over the model's count, bounded by 10%
-    assert p["model_flops"] <= p["flops"] <= 1.1 * p["model_flops"]
+    assert p.program["model_flops"] <= p.program["flops"] <= 1.1 * p.program["model_flops"]
 
 
 @pytest.mark.slow
 def test_bfloat16_plans_no_fp8_gemm_and_arguments_are_the_step_parameters(bf16_plan):
     p = bf16_plan
-    assert p["fp8_gemm_calls"] == 0 and p["fp8_projections"] == 0 and p["gemm_calls"] > 0
-    m = p["memory"]
+    g = p.program
+    assert g["fp8_gemm_calls"] == 0 and g["fp8_projections"] == 0 and g["gemm_calls"] > 0
+    m = p.memory
     # XLA's argument buffers are exactly the step's parameters: batch, float32 weights,
     # AdamW moments, step counters
-    assert m["arguments"] == p["step_parameter_bytes"]
+    assert m.arguments == p.program["step_parameter_bytes"]
     # every updated variable is written in place of its argument
-    assert m["alias"] > 0.9 * m["arguments"]
+    assert m.alias > 0.9 * m.arguments
     # fits against what TensorFlow can use: the device less mesh.gpu_memory_reserve_mb
-    assert m["usable"] == m["device"] - 4096 * 2**20
-    assert m["fits"] and m["margin"] == m["usable"] - m["total"]
+    assert m.usable == m.device - 4096 * 2**20
+    assert m.fits and m.margin == m.usable - m.total
     # the modelled step is the roofline plus its named factors: never below it; one
     # device runs one program (no cluster dispatch, no collectives)
-    t = p["step_time"]
-    assert p["estimated_step_s"] == t["step_s"] > p["roofline_step_s"]
+    t = p.estimate.step_time
+    assert p.estimate.step_s == t["step_s"] > p.estimate.roofline_step_s
     assert t["dispatch_s"] == 0 and t["collective_s"] == 0
     assert t["step_s"] == pytest.approx(t["gemm_s"] + t["other_s"] + t["launch_s"])
-    assert p["sources"]["compute"] == "compiled: the step's one XLA program"
-    assert 0 < p["estimated_mfu"] < 1 and p["estimated_step_s"] > 0
+    assert p.sources["compute"] == "compiled: the step's one XLA program"
+    assert 0 < p.estimate.mfu < 1 and p.estimate.step_s > 0
     assert "fits" in format_plan(p)
 
 
@@ -75,9 +77,9 @@ def test_bfloat16_plans_no_fp8_gemm_and_arguments_are_the_step_parameters(bf16_p
 def test_temporaries_grow_with_the_batch(bf16_plan):
     small = bf16_plan  # batch 16
     large = plan(tiny(**{"precision.policy": "bfloat16", "train.global_batch_size": 128}))
-    assert large["memory"]["temp"] > small["memory"]["temp"]
-    assert large["memory"]["arguments"] > small["memory"]["arguments"]  # the batch only
-    assert large["flops"] == pytest.approx(8 * small["flops"])
+    assert large.memory.temp > small.memory.temp
+    assert large.memory.arguments > small.memory.arguments  # the batch only
+    assert large.program["flops"] == pytest.approx(8 * small.program["flops"])
 
 
 @pytest.mark.slow
@@ -85,9 +87,9 @@ def test_a_step_that_cannot_fit_says_by_how_much():
     # (1024 x 16 heads x 2048 x 2048) float32 attention probabilities alone are 256 GiB
     p = plan(tiny(**{"model.max_sequence_length": 2048, "data.sequence_length": 2048,
                      "train.global_batch_size": 1024}))
-    m = p["memory"]
-    assert not m["fits"] and m["margin"] < -m["device"]
-    assert m["margin"] == m["usable"] - m["total"]  # usable: less the NCCL reserve
+    m = p.memory
+    assert not m.fits and m.margin < -m.device
+    assert m.margin == m.usable - m.total  # usable: less the NCCL reserve
     text = format_plan(p)
     assert f"DOES NOT FIT: {-m['margin'] / 2**30:.2f} GiB over" in text
 
@@ -99,24 +101,24 @@ def test_a_sharded_mesh_is_planned_per_device(bf16_plan):
     # (model, data, the sequence split) without a compile.
     p = plan(tiny(**{"precision.policy": "bfloat16", "mesh.axes": "fsdp=4"}))
     one = bf16_plan
-    assert p["devices"] == 4 and "per device" in p["mesh"]
+    assert p.devices == 4 and "per device" in p.mesh.note
     # state is split 4 ways except the small replicated norms, and the batch 4 ways
-    assert p["memory"]["arguments"] < 0.5 * one["memory"]["arguments"]
-    assert p["batch_shards"] == 4
-    c, assumed = p["collectives"], p["collectives_assumed"]
-    assert "fsdp: all-gather weights" in assumed["detail"]
+    assert p.memory.arguments < 0.5 * one.memory.arguments
+    assert p.mesh.batch_shards == 4
+    c, assumed = p.mesh.collectives, p.mesh.collectives_assumed
+    assert "fsdp: all-gather weights" in assumed.detail
     # measured on the executed CPU program of fsdp=4 (tests/plan/test_measured.py)
-    assert c["basis"].startswith("measured") and c["bytes_per_device"] > 0
-    assert p["clusters_basis"].startswith("measured")
+    assert c.basis.startswith("measured") and c.bytes_per_device > 0
+    assert p.mesh.clusters_basis.startswith("measured")
     # the lower bound waits for what the blocks' prefetch cannot hide behind the roofline
     # compute (tfllm.plan.timing.exposed_collective_seconds): at least one block's share
     from tfllm.plan import timing
-    assert p["overlappable"] and p["blocks"] == p["model"]["num_layers"]
-    exposed = timing.exposed_collective_seconds(c["seconds"], p["roofline_s"], p["blocks"],
-                                                True)
-    assert c["seconds"] / p["blocks"] <= exposed <= c["seconds"]
-    assert p["roofline_step_s"] == pytest.approx(p["roofline_s"] + exposed)
-    assert p["estimated_step_s"] > p["roofline_step_s"]  # tfllm.plan.timing's factors
+    assert p.mesh.overlappable and p.mesh.blocks == p.identity["model"]["num_layers"]
+    exposed = timing.exposed_collective_seconds(c.seconds, p.program["roofline_s"],
+                                                p.mesh.blocks, True)
+    assert c.seconds / p.mesh.blocks <= exposed <= c.seconds
+    assert p.estimate.roofline_step_s == pytest.approx(p.program["roofline_s"] + exposed)
+    assert p.estimate.step_s > p.estimate.roofline_step_s  # tfllm.plan.timing's factors
     text = format_plan(p)
     assert "collectives (measured)" in text and "collectives (assumed)" in text
     assert "memory: compiled" in text and "block buffers" in text
@@ -127,14 +129,14 @@ def test_extrapolating_over_layers_matches_the_full_compile():
     cfg = tiny(**{"model.num_layers": 4})
     full = plan(cfg, layers="full")
     est = plan(cfg, layers="extrapolate")
-    assert est["method"].startswith("extrapolated")
+    assert est.method.startswith("extrapolated")
     for key in ("arguments", "outputs", "alias"):  # state is linear in the layers
-        assert est["memory"][key] == full["memory"][key]
+        assert getattr(est.memory, key) == getattr(full.memory, key)
     for key in ("gemm_calls", "num_params", "flops"):
-        assert est[key] == full[key]
+        assert est.program[key] == full.program[key]
     # temporaries: XLA's buffer assignment is not exactly linear in the layers; 10%
     # (measured: within a few percent on gpt2-small and llama-1b, see h100_plan.md)
-    assert est["memory"]["temp"] == pytest.approx(full["memory"]["temp"], rel=0.1)
+    assert est.memory.temp == pytest.approx(full.memory.temp, rel=0.1)
 
 
 def test_a_mesh_that_needs_more_devices_names_the_flag():
@@ -207,7 +209,8 @@ def test_dtensor_clusters_compile_for_h100_and_match_the_per_device_plan(tmp_pat
     # The backward half of the step (input and weight gradients: 2/3 of its GEMM FLOPs)
     # exists only in the train step's clusters (the run's evaluation is forward only).
     # Over the 2 devices it equals what the plan computes for one device, times 2.
-    assert clusters["backward_flops"] / 2 == pytest.approx(p["flops"] * 2 / 3, rel=1e-9)
+    assert clusters["backward_flops"] / 2 == pytest.approx(p.program["flops"] * 2 / 3,
+                                                           rel=1e-9)
 
 
 @pytest.mark.slow
@@ -216,8 +219,8 @@ def test_remat_policies_trade_temporaries_for_compute(bf16_plan):
     forward back into the saved one), and the recomputation costs GEMMs."""
     base = bf16_plan
     full = plan(tiny(**{"precision.policy": "bfloat16", "model.remat": "full"}))
-    assert full["model"]["remat"] == "full" and "remat=full" in format_plan(full)
-    assert full["memory"]["temp"] < base["memory"]["temp"]
+    assert full.identity["model"]["remat"] == "full" and "remat=full" in format_plan(full)
+    assert full.memory.temp < base.memory.temp
     # The recomputed forward's GEMMs: more than the step's, at most one more forward
     # (a third of forward + backward) plus the attention GEMMs.
-    assert base["flops"] < full["flops"] <= 1.4 * base["flops"]
+    assert base.program["flops"] < full.program["flops"] <= 1.4 * base.program["flops"]

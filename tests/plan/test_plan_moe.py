@@ -129,14 +129,15 @@ def test_expert_kernels_are_neither_gathered_nor_reduced_under_expert_parallelis
     reduction hold its attention, router and norms only (one layer's experts alone are
     128 x 3 x 2048 x 768 = 604M elements)."""
     cfg = load_config(QWEN3_30B, ["mesh.axes=fsdp=8"])
-    assert footprint.experts_split(cfg, {"fsdp": 8})
-    units = footprint.weight_units(cfg, {"fsdp": 8})
-    blocks = [u for u in units if u["name"].startswith("block")]
+    plan = footprint.mesh_plan(cfg)
+    assert plan.experts_split and plan.expert_axis == "fsdp"
+    blocks = [u for u in plan.units if u.name.startswith("block")]
     assert len(blocks) == 48
     attention = 2048 * 4096 * 2 + 2048 * 512 * 2  # q, o; k, v
     for u in blocks:
-        assert attention <= u["gathered"] < attention + 2048 * 128 + 3 * 4096, u
-    assert not footprint.experts_split(cfg, {"fsdp": 1})  # one device: nothing splits
+        assert attention <= u.gathered < attention + 2048 * 128 + 3 * 4096, u
+    one = load_config(QWEN3_30B, ["mesh.axes=data=1"])
+    assert not footprint.mesh_plan(one).experts_split  # one device: nothing splits
 
 
 def test_the_gpu_memory_check_estimates_a_mixture_of_experts():

@@ -1,13 +1,16 @@
 """Per-device shapes and collectives of a sharded plan: pure, no compile, no jax."""
 
+import dataclasses
 import json
+
 import pytest
 
 from tfllm.compiler.targets import get_target
 from tfllm.parallel.rules import DEFAULT_RULES, without_sequence_sharding
-from tfllm.plan.planner import figure_sources
-from tfllm.footprint.layout import per_device_config
-from tfllm.plan.sharded import apply_mesh
+from tfllm.plan.planner import finish
+from tfllm.plan.result import PlanResult
+from tfllm.footprint.layout import mesh_plan, per_device_config
+from tfllm.plan.sharded import mesh_figures
 from tests.harness import tiny_config
 
 
@@ -32,31 +35,41 @@ def test_a_sequence_split_that_does_not_fold_into_rows_shortens_the_sequence():
     assert (local.train.global_batch_size, local.data.sequence_length) == (2, 4)
 
 
+def _plan(axes, accum=1, temp=0, measured=None, **extra) -> PlanResult:
+    """The plan of a mesh device around a compiled program whose memory is `temp`
+    bytes of temporaries and nothing else (no compile)."""
+    config = tiny(axes, **{"precision.policy": "bfloat16", "train.grad_accum_steps": accum},
+                  **extra)
+    target, plan = get_target("h100"), mesh_plan(config)
+    figures = mesh_figures(config, plan, mesh_plan(plan.local), target, measured=measured)
+    compiled = {"memory": {"arguments": 0, "outputs": 0, "alias": 0, "temp": temp,
+                           "total": temp},
+                "roofline_s": 1e-3, "tokens_per_step": 1, "model_flops": 1.0}
+    return finish(compiled, figures, config, target, "by hand")
+
+
 def _collectives(axes, **extra):
-    config = tiny(axes, **{"precision.policy": "bfloat16"}, **extra)
-    local, note = per_device_config(config)
-    empty = {"memory": {"arguments": 0, "outputs": 0, "alias": 0, "temp": 0}}
-    return apply_mesh(config, local, empty, get_target("h100"), note)
+    return _plan(axes, **extra).mesh
 
 
 def test_sequence_split_adds_the_key_value_gathers():
     hybrid = _collectives("data=2,fsdp=4")
-    assert hybrid["batch_shards"] == 8  # every device a distinct eighth of the tokens
-    assert "fsdp (sequence): all-gather keys/values" in hybrid["collectives"]["detail"]
+    assert hybrid.batch_shards == 8  # every device a distinct eighth of the tokens
+    assert "fsdp (sequence): all-gather keys/values" in hybrid.collectives.detail
     # The same mesh with the sequence never split moves the same weights and gradients;
     # the difference is 2 layers x (gather forward + reduce-scatter backward) x (k and
     # v) x 3/4 of the 8 rows x 16 tokens x 8 kv heads x 4 dims x 2 bytes a device holds.
     rules = json.dumps([list(r) for r in without_sequence_sharding(DEFAULT_RULES)])
     whole = _collectives("data=2,fsdp=4", **{"mesh.rules": rules})
-    assert whole["batch_shards"] == 2 and "sequence" not in whole["collectives"]["detail"]
+    assert whole.batch_shards == 2 and "sequence" not in whole.collectives.detail
     kv = 2 * 2 * 2 * 3 / 4 * (8 * 16 * 8 * 4 * 2)
-    assert (hybrid["collectives"]["bytes_per_device"]
-            - whole["collectives"]["bytes_per_device"]) == pytest.approx(kv)
+    assert (hybrid.collectives.bytes_per_device
+            - whole.collectives.bytes_per_device) == pytest.approx(kv)
 
 
 def test_the_adamw_update_and_the_clusters_are_counted_by_the_layout():
     fsdp = _collectives("fsdp=8")
-    update = fsdp["optimizer_update"]
+    update = fsdp.optimizer_update
     # the no-mesh program updates every weight; on fsdp=8 a device updates an eighth,
     # except the five 64-wide norm scales (2 blocks x 2 + the final norm), replicated
     assert update["layout_params"] * 8 == update["program_params"] + 7 * 5 * 64
@@ -66,36 +79,48 @@ def test_the_adamw_update_and_the_clusters_are_counted_by_the_layout():
         28 * update["program_params"] / get_target("h100").memory_bandwidth)
     # assumed collectives: two gathers and a reduce-scatter per weight; one cluster more
     weights = 2 * 9 + 2  # 2 blocks x (2 norms, q, k, v, o, gate, up, down) + embedding, norm
-    assert fsdp["collective_count"] == 3 * weights + 3 * 1  # + the LM head
-    assert fsdp["clusters"] == fsdp["collective_count"] + 1
+    assert fsdp.collective_count == 3 * weights + 3 * 1  # + the LM head
+    assert fsdp.clusters == fsdp.collective_count + 1
     data = _collectives("data=8")
     # data parallelism replicates the state: each device updates every weight
-    assert data["optimizer_update"]["layout_params"] == data["optimizer_update"][
+    assert data.optimizer_update["layout_params"] == data.optimizer_update[
         "program_params"]
 
 
 def test_measured_clusters_replace_the_assumed_count():
-    config = tiny("fsdp=8", **{"precision.policy": "bfloat16"})
-    local, note = per_device_config(config)
-    empty = {"memory": {"arguments": 0, "outputs": 0, "alias": 0, "temp": 0}}
     m = {"bytes_per_device": 1e9, "link_bandwidth": 450e9, "seconds": 1e9 / 450e9,
-         "count": 18, "basis": "measured: ...", "clusters": 61,
+         "count": 18, "basis": "measured: ...", "detail": "by hand", "clusters": 61,
          "clusters_basis": "measured: XLA clusters of the busiest device"}
-    p = apply_mesh(config, local, empty, get_target("h100"), note, measured=m)
+    p = _plan("fsdp=8", measured=m)
     # DTensor's clusters are not one per collective: the measured count is used as is
-    assert (p["collective_count"], p["clusters"]) == (18, 61)
-    assert p["clusters_basis"].startswith("measured")
-    assert figure_sources(p)["clusters"].startswith("measured")
+    assert (p.mesh.collective_count, p.mesh.clusters) == (18, 61)
+    assert p.mesh.clusters_basis.startswith("measured")
+    assert p.sources["clusters"].startswith("measured")
+    # the layout's formula stays beside the measured collectives, job by job
+    assumed = p.mesh.collectives_assumed
+    assert [(t.axis, t.what) for t in assumed.traffic] == [
+        ("fsdp", "all-gather weights"), ("fsdp", "reduce-scatter grads")]
+    assert assumed.bytes_per_device == sum(t.bytes for t in assumed.traffic)
     # the block buffers are in the memory (modelled from the model's blocks)
-    assert p["memory"]["gather_buffers"] > 0 and "units" not in p["memory"]["gather_detail"]
+    assert p.mesh.memory.buffers.bytes > 0
+    assert "units" not in p.to_json()["memory"]["gather_detail"]
+
+
+def test_a_plan_reads_back_from_its_json_as_the_same_value():
+    m = {"bytes_per_device": 1e9, "link_bandwidth": 450e9, "seconds": 1e9 / 450e9,
+         "count": 18, "basis": "measured: ...", "detail": "by hand", "clusters": 61,
+         "clusters_basis": "measured: XLA clusters of the busiest device"}
+    for p in (_plan("fsdp=8", 2, 10 ** 9, measured=m), _plan("data=2,model=4", 1, 10 ** 9)):
+        stored = json.loads(json.dumps(p.to_json()))
+        assert PlanResult.from_json(stored).to_json() == stored
+        back = PlanResult.from_json(stored)
+        assert (back.memory, back.estimate.step_s, back.mesh.collectives.detail) == (
+            p.memory, p.estimate.step_s, p.mesh.collectives.detail)
 
 
 def _memory(axes, accum, temp=10 ** 9, **extra):
-    config = tiny(axes, **{"precision.policy": "bfloat16", "train.grad_accum_steps": accum},
-                  **extra)
-    local, note = per_device_config(config)
-    compiled = {"memory": {"arguments": 0, "outputs": 0, "alias": 0, "temp": temp}}
-    return apply_mesh(config, local, compiled, get_target("h100"), note)["memory"]
+    p = _plan(axes, accum, temp, **extra)
+    return p.memory, p.mesh.memory
 
 
 # The tiny llama's trainable weights, by hand: embedding 128 x 64 = 8,192; per block two
@@ -106,37 +131,71 @@ _TINY_PARAMS = 8192 + 2 * 36992 + 64 + 8192
 _TINY_FSDP8 = (_TINY_PARAMS - 5 * 64) // 8 + 5 * 64
 
 
-def _uncorrected(m):
-    # the layout's state replaced the program's in arguments and outputs (apply_mesh)
-    return m["arguments"] + m["outputs"] - m["alias"] + m["temp"] + m["gather_buffers"]
+def _uncorrected(m, mm):
+    # the layout's state replaced the program's in arguments and outputs (mesh_figures)
+    return m.arguments + m.outputs - m.alias + m.temp + mm.buffers.bytes
 
 
 def test_fsdp_gradients_are_the_shards_not_the_compiled_whole_set():
-    m = _memory("fsdp=8", 2)
-    g = m["gradients"]
+    m, mm = _memory("fsdp=8", 2)
+    g = mm.gradients
     # the no-mesh program computes every float32 gradient whole; a device keeps shards
-    assert g["program"] == 4 * _TINY_PARAMS == 361_728
-    assert g["device"] == 4 * _TINY_FSDP8 == 46_336
+    assert g.program == 4 * _TINY_PARAMS == 361_728
+    assert g.device == 4 * _TINY_FSDP8 == 46_336
     # under accumulation the whole running sum is alive at the compiled peak: the
     # difference comes off the total, byte for byte
-    assert g["excess"] == g["subtracted"] == 361_728 - 46_336
-    assert m["total"] == _uncorrected(m) - g["excess"]
-    assert "total_low" not in m
+    assert g.excess == g.subtracted == 361_728 - 46_336
+    assert m.total == _uncorrected(m, mm) - g.excess
+    assert m.total_low is None
 
 
 def test_one_micro_batch_keeps_the_compiled_total_and_prints_its_lower_bound():
-    m = _memory("fsdp=8", 1)
-    g = m["gradients"]
-    assert g["excess"] == 361_728 - 46_336 and g["subtracted"] == 0
-    assert m["total"] == _uncorrected(m)
-    assert m["total_low"] == m["total"] - g["excess"]
+    m, mm = _memory("fsdp=8", 1)
+    g = mm.gradients
+    assert g.excess == 361_728 - 46_336 and g.subtracted == 0
+    assert m.total == _uncorrected(m, mm)
+    assert m.total_low == m.total - g.excess
 
 
 def test_data_parallel_devices_keep_whole_gradients():
     # data=8 replicates every weight, so its gradients: nothing differs from the program
-    g = _memory("data=8", 2)["gradients"]
-    assert g["program"] == g["device"] == 4 * _TINY_PARAMS and g["subtracted"] == 0
+    g = _memory("data=8", 2)[1].gradients
+    assert g.program == g.device == 4 * _TINY_PARAMS and g.subtracted == 0
     # data=2,fsdp=4: split 4 ways (the data axis replicates), norms whole
-    g = _memory("data=2,fsdp=4", 2)["gradients"]
-    assert g["device"] == 4 * ((_TINY_PARAMS - 5 * 64) // 4 + 5 * 64)
-    assert g["subtracted"] == g["program"] - g["device"]
+    g = _memory("data=2,fsdp=4", 2)[1].gradients
+    assert g.device == 4 * ((_TINY_PARAMS - 5 * 64) // 4 + 5 * 64)
+    assert g.subtracted == g.program - g.device
+
+
+def test_a_plan_resolves_the_rules_and_builds_the_model_once_per_mesh_plan(monkeypatch):
+    """The mesh is worked out once (`mesh_plan`): the state, units, block buffers,
+    gradients, collectives and the plan's figures read that value and rebuild nothing
+    (the planner of dicts rebuilt both for each figure: six models per mesh plan)."""
+    import tfllm.models
+    from tfllm.parallel import rules as rules_lib
+    calls = {"rules": 0, "model": 0}
+    real_rules, real_build = rules_lib.rules_from_config, tfllm.models.build_model
+
+    def rules_counted(*a, **k):
+        calls["rules"] += 1
+        return real_rules(*a, **k)
+
+    def build_counted(*a, **k):
+        calls["model"] += 1
+        return real_build(*a, **k)
+
+    monkeypatch.setattr(rules_lib, "rules_from_config", rules_counted)
+    monkeypatch.setattr(tfllm.models, "build_model", build_counted)
+    config = tiny("fsdp=8", **{"precision.policy": "bfloat16"})
+    plan = mesh_plan(config)
+    assert calls == {"rules": 1, "model": 1}
+    program = mesh_plan(plan.local)  # the one-device program's own plan
+    assert calls == {"rules": 2, "model": 2}
+    figures = mesh_figures(config, plan, program, get_target("h100"))
+    compiled = {"memory": {"arguments": 0, "outputs": 0, "alias": 0, "temp": 0, "total": 0},
+                "roofline_s": 1e-3, "tokens_per_step": 1, "model_flops": 1.0}
+    result = finish(compiled, figures, config, get_target("h100"), "by hand")
+    assert calls == {"rules": 2, "model": 2}
+    assert result.mesh.memory.buffers == plan.buffers and result.devices == 8
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        result.memory = None

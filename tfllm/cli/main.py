@@ -359,7 +359,7 @@ def cmd_plan(args) -> int:
     except (PlanError, MeasureError) as e:
         print(f"tfllm plan: error: {e}", file=sys.stderr)
         return BAD_INPUT_EXIT_CODE
-    print(json.dumps(result) if args.json else format_plan(result))
+    print(json.dumps(result.to_json()) if args.json else format_plan(result))
     return 0
 
 

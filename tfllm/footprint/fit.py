@@ -5,15 +5,15 @@ and the start of every GPU run (`tfllm train`) need an answer in seconds, so thi
 models one device's memory from shapes alone:
 
 * **state**: the exact bytes per device of every weight, AdamW moment and FP8 history in
-  its layout (`tfllm.footprint.layout.state_bytes`);
+  its layout (`tfllm.footprint.layout.MeshPlan.state_bytes`);
 * **gradients**: the step keeps every float32 gradient (in its variable's layout) until
   the global-norm clip, and sums micro-batches into a second set under gradient
   accumulation (`tfllm.train.step`);
 * **block buffers** of `tfllm.parallel.blocks` (any mesh that splits the batch):
-  `tfllm.footprint.layout.gather_buffers`, from the model's own blocks: at the backward peak
-  the largest block's prefetched 16-bit gather of the block before, its per-device
-  partial gradients in the compute dtype and the float32 buffer its one reduce-scatter
-  sends;
+  `tfllm.footprint.layout.MeshPlan.buffers`, from the model's own blocks: at the
+  backward peak the largest block's prefetched 16-bit gather of the block before, its
+  per-device partial gradients in the compute dtype and the float32 buffer its one
+  reduce-scatter sends;
 * **activations** of one device's micro-batch (`tfllm.footprint.layout.per_device_config`:
   rows, sequence and tensor-parallel widths of what one device computes), per token and
   layer by what the backward pass keeps (`ACTIVATION_TERMS`), the (T x T) attention
@@ -213,14 +213,12 @@ def static_bytes(config, devices) -> Tuple[int, int, int]:
     DPO without LoRA (and not ORPO) adds its frozen reference copy of the weights, laid
     out as the model's, to the state, unless its reference log-probs are precomputed
     (dpo.precompute_reference: no copy)."""
-    shape = footprint.mesh_shape(config, devices)
-    state, rows = footprint.state_bytes(config, shape)
+    plan = footprint.mesh_plan(config, devices)
+    state = plan.state_bytes
     if (config.train.objective == "dpo" and config.lora.rank == 0
             and config.dpo.loss != "orpo" and not config.dpo.precompute_reference):
-        state += sum(r.bytes_per_device for r in rows)
-    grads = sum(r.bytes_per_device * 4 // _dtype_bytes(r.dtype)
-                for r in rows if r.optimizer_bytes_per_device)
-    return state, grads, footprint.gather_buffers(config, shape)["bytes"]
+        state += sum(r.bytes_per_device for r in plan.rows)
+    return state, plan.gradient_bytes, plan.buffers.bytes
 
 
 def estimate(config, devices: Optional[int] = None, target: str = "h100",
@@ -251,10 +249,6 @@ def estimate(config, devices: Optional[int] = None, target: str = "h100",
     return Estimate(state=state, gradients=grads * (2 if accum else 1),
                     gather_buffers=buffers, activations=acts, peak=peak, usable=usable,
                     devices=n, micro_rows=micro, target=t.name, detail=parts)
-
-
-def _dtype_bytes(dtype: str) -> int:
-    return {"float32": 4, "bfloat16": 2, "float16": 2, "int32": 4, "int64": 8}.get(dtype, 4)
 
 
 def _batch_choices(config, devices) -> List[int]:
@@ -385,9 +379,8 @@ def min_devices(config, target: str = "h100") -> int:
     t = get_target(target)
     one = copy.deepcopy(config)
     one.mesh.axes = "data=1"
-    state, rows = footprint.state_bytes(one, {"data": 1})
-    grads = sum(r.bytes_per_device * 4 // _dtype_bytes(r.dtype)
-                for r in rows if r.optimizer_bytes_per_device)
+    plan = footprint.mesh_plan(one)
+    state, grads = plan.state_bytes, plan.gradient_bytes
     usable = t.device_memory_bytes - config.mesh.gpu_memory_reserve_mb * 2 ** 20
     return math.ceil((state + grads) / usable)
 

@@ -20,7 +20,7 @@ XLA's buffer assignment, not the fit model's arithmetic (`tfllm.footprint.fit`):
 
 Shapes are one device's micro-batch (`tfllm.footprint.layout.per_device_config`). An FP8
 policy's block is planned as its bfloat16 block (its FP8 kernels gathered as one byte per
-value and its amax histories are not modelled here; `tfllm.footprint.layout.gather_buffers`
+value and its amax histories are not modelled here; `tfllm.footprint.layout.MeshPlan.buffers`
 counts those).
 """
 

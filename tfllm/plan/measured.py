@@ -45,7 +45,7 @@ from collections import defaultdict
 from typing import Dict, List, Optional
 
 from tfllm import files
-from tfllm.footprint.layout import compute_sizes, per_device_config, weight_units
+from tfllm.footprint.layout import mesh_plan, per_device_config
 
 PADDING = 1024  # DTensor pads merged all-reduce buffers to multiples of this
 _RING = {"all-reduce": 2, "all-gather": 1, "reduce-scatter": 1, "all-to-all": 1}
@@ -102,8 +102,8 @@ def tiny_config(config, layers: int, shape: Dict[str, int]):
 
 def _largest_block(config, shape) -> int:
     """Elements the largest transformer block reduces on one device."""
-    return max(u["reduced"] for u in weight_units(config, shape)
-               if u["name"] not in ("token_embedding", "final_norm + head"))
+    return max(u.reduced for u in mesh_plan(config, math.prod(shape.values())).units
+               if u.name not in ("token_embedding", "final_norm + head"))
 
 
 def _kind(path: str) -> str:
@@ -127,7 +127,9 @@ def scales(config, tiny, shape) -> dict:
     """
     real = copy.deepcopy(config)
     real.model.num_layers = tiny.model.num_layers
-    tiny_sizes, real_sizes = compute_sizes(tiny, shape), compute_sizes(real, shape)
+    devices = math.prod(shape.values())
+    tiny_sizes = mesh_plan(tiny, devices).compute_sizes()
+    real_sizes = mesh_plan(real, devices).compute_sizes()
     weights: Dict[int, tuple] = {}
     for path, n in tiny_sizes.items():
         s = real_sizes[path] / n

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import copy
 import ctypes
+import dataclasses
 import json
 import math
 import os
@@ -45,6 +46,8 @@ from tfllm.parallel.mesh import MeshError
 from tfllm.compiler import hlo_stats
 from tfllm.compiler.targets import Target, get_target
 from tfllm.plan import timing
+from tfllm.plan.result import Memory, PlanResult, StepEstimate
+from tfllm.plan.sharded import MeshFigures
 
 
 class PlanError(RuntimeError):
@@ -263,7 +266,7 @@ def _with_layers(config, layers: int, experts: Optional[int] = None):
 
 
 def plan(config, target_name: str = "h100", layers: str = "auto", devices=None,
-         collectives: str = "measured") -> dict:
+         collectives: str = "measured") -> PlanResult:
     """The plan of one device of the config's mesh for the target (see module docstring).
 
     Args:
@@ -280,10 +283,11 @@ def plan(config, target_name: str = "h100", layers: str = "auto", devices=None,
     from tfllm.plan import sharded
     target = get_target(target_name)
     try:
-        local, mesh_note = footprint.per_device_config(config, devices)
+        mesh_plan = footprint.mesh_plan(config, devices)
     except MeshError as e:  # e.g. llama-7b's fsdp=-1,model=8 on the default 1 device
         raise MeshError(f"{e} For tfllm plan, --devices N sets the device count that a -1 "
                         f"axis takes (default 1), e.g. --devices 8.") from None
+    local = mesh_plan.local
     n_layers = local.model.num_layers
     host_need = HOST_BYTES_PER_PARAM * footprint.param_count(local)
     if layers not in ("auto", "full", "extrapolate"):
@@ -305,31 +309,26 @@ def plan(config, target_name: str = "h100", layers: str = "auto", devices=None,
         method = "compiled in full"
     if collectives not in ("measured", "assumed"):
         raise ValueError(f"collectives must be measured or assumed, not {collectives!r}")
-    shape = footprint.mesh_shape(config, devices)
-    block = None
-    if footprint.has_blocks(config, shape) and math.prod(shape.values()) > 1:
-        block = plan_block(local, target)
-        result["compile_s"] += block["compile_s"]
-    measured_collectives = None
-    # tfllm.plan.measured scales a tiny step's collectives by the dense weights and
-    # activations they carry; an MoE's all-to-alls and expert kernels are none of them
-    # (a tiny fsdp=2 MoE measured 0 bytes): the layout's formula, all-to-alls included
-    moe_assumed = bool(config.model.num_experts) and collectives == "measured"
-    if moe_assumed:
-        collectives = "assumed"
-    if collectives == "measured" and math.prod(shape.values()) > 1:
-        _return_freed_memory()  # the measuring child needs what the export freed
-        from tfllm.plan import measured
-        measured_collectives = measured.measure(config, shape,
-                                                sharded.LINK_BANDWIDTH[target.name])
-    result = sharded.apply_mesh(config, local, result, target, mesh_note, devices,
-                                measured=measured_collectives, block=block)
-    if moe_assumed and "collectives" in result:
-        result["collectives"]["basis"] += (" (a mixture of experts: not measured, "
-                                           "tfllm.plan.measured scales dense weights only)")
-    result["fit"] = fit_cross_check(config, devices, target)
-    result["sources"] = figure_sources(result)
-    return finish(result, config, target, method)
+    figures = None
+    if mesh_plan.devices > 1:
+        block = None
+        if mesh_plan.has_blocks:
+            block = plan_block(local, target)
+            result["compile_s"] += block["compile_s"]
+        measured_collectives = None
+        # tfllm.plan.measured scales a tiny step's collectives by the dense weights and
+        # activations they carry; an MoE's all-to-alls and expert kernels are none of
+        # them (a tiny fsdp=2 MoE measured 0 bytes): the layout's formula, all-to-alls
+        # included
+        if collectives == "measured" and not config.model.num_experts:
+            _return_freed_memory()  # the measuring child needs what the export freed
+            from tfllm.plan import measured
+            measured_collectives = measured.measure(config, dict(mesh_plan.shape),
+                                                    sharded.LINK_BANDWIDTH[target.name])
+        figures = sharded.mesh_figures(config, mesh_plan, footprint.mesh_plan(local),
+                                       target, measured=measured_collectives, block=block)
+    return finish(result, figures, config, target, method,
+                  fit=fit_cross_check(config, devices, target))
 
 
 def fit_cross_check(config, devices, target: Target) -> dict:
@@ -352,74 +351,111 @@ def _return_freed_memory() -> None:
         pass
 
 
-def figure_sources(result: dict) -> dict:
+def figure_sources(mesh: Optional[MeshFigures], fit: bool) -> dict:
     """Where each figure of a plan comes from: compiled, measured, modelled or assumed.
 
     Args:
-      result: a plan's figures (after `tfllm.plan.sharded.apply_mesh` on a mesh).
+      mesh: the mesh device's figures (`tfllm.plan.sharded.mesh_figures`), None on one
+        device.
+      fit: whether the fit model's cross-check is in the plan.
     """
-    sharded = result.get("devices", 1) > 1
     program = ("the no-mesh program at one device's shapes (not DTensor's per-device "
-               "clusters)" if sharded else "the step's one XLA program")
+               "clusters)" if mesh else "the step's one XLA program")
     out = {"compute": f"compiled: {program}",
            "memory": f"compiled: XLA's buffer assignment of {program}",
            "step time": "modelled: the compiled roofline with GEMM efficiency, kernel gaps"
                         + (", cluster dispatch, NCCL latency and bandwidth, and the "
-                           "overlap the blocks' prefetch allows" if sharded else "")
+                           "overlap the blocks' prefetch allows" if mesh else "")
                         + " (tfllm.plan.timing)"}
-    if sharded:
-        compiled_blocks = "block_buffers" in result["memory"]
+    if mesh:
+        compiled_blocks = mesh.memory.block_buffers is not None
         out["memory"] += ("; state: exact bytes of the layout; float32 gradients: the "
                           "mesh device's shards in place of the program's whole set "
-                          "(tfllm.footprint.layout.gradient_bytes); block buffers: " + (
+                          "(tfllm.footprint.layout.gradients); block buffers: " + (
             "compiled: XLA's buffer assignment of one block's program as the mesh runs "
             "it (tfllm.plan.block_program: gathered weights of the block and its "
             "prefetched neighbour, float32 weight gradients; its recomputation's "
             "temporaries beside them)" if compiled_blocks else
             "modelled from the model's blocks (tfllm/parallel/blocks.py's schedule)"))
-        out["collectives"] = result["collectives"]["basis"]
+        out["collectives"] = mesh.collectives.basis
         out["optimizer update"] = ("modelled: AdamW's bytes of the device's shard of the "
                                    "layout, replacing the no-mesh program's full update")
-        out["clusters"] = result.get("clusters_basis") or (
+        out["clusters"] = mesh.clusters_basis or (
             "assumed: one XLA cluster per collective + 1 (DTensor splits the device's "
             "program at each)")
-    if "fit" in result:
+    if fit:
         out["fit model"] = "arithmetic: tfllm.footprint.fit.estimate (the cross-check)"
     return out
 
 
-def estimate_time(result: dict, target: Target) -> dict:
-    """Sets the plan's roofline lower bound, step-time estimate, tokens/s and MFU from
-    what it compiled and measured (pure arithmetic: `benchmarks/retime_plan.py` re-times
-    stored plans with it); returns `result`."""
+def _timing_figures(program, mesh: Optional[MeshFigures]) -> dict:
+    """The figures `tfllm.plan.timing.step_time` reads: the compiled program's, with the
+    mesh's collectives, blocks and optimizer update."""
+    out = dict(program)
+    if mesh is not None:
+        out.update(collectives=mesh.collectives.as_json(), blocks=mesh.blocks,
+                   overlappable=mesh.overlappable,
+                   optimizer_update=dict(mesh.optimizer_update))
+    return out
+
+
+def estimate_time(program, mesh: Optional[MeshFigures], target: Target) -> StepEstimate:
+    """The plan's roofline lower bound, step-time estimate, tokens/s and MFU from what it
+    compiled and measured (pure arithmetic: `benchmarks/retime_plan.py` re-times stored
+    plans with it)."""
+    figures = _timing_figures(program, mesh)
+    collective_s = mesh.collectives.seconds if mesh else 0.0
     # the roofline lower bound as before, then the estimate with named factors
     # (the collectives the blocks' prefetch cannot hide behind even the roofline compute)
-    result["roofline_step_s"] = result["roofline_s"] + timing.exposed_collective_seconds(
-        result.get("collective_s", 0.0), result["roofline_s"], result.get("blocks", 0),
-        result.get("overlappable", False))
-    result["step_time"] = timing.step_time(result, target, result.get("clusters", 1),
-                                           result.get("collective_count"))
-    step_s = result["step_time"]["step_s"]
+    roofline_step_s = program["roofline_s"] + timing.exposed_collective_seconds(
+        collective_s, program["roofline_s"], mesh.blocks if mesh else 0,
+        mesh.overlappable if mesh else False)
+    step_time = timing.step_time(figures, target, mesh.clusters if mesh else 1,
+                                 mesh.collective_count if mesh else None)
+    step_s = step_time["step_s"]
     # MFU as tfllm reports it: model FLOPs (6N + causal attention at half, MaxText's
     # count: tfllm.train.metrics.flops_per_token) against the dense bf16 peak
-    result["estimated_step_s"] = step_s
-    result["estimated_tokens_per_s"] = (result["tokens_per_step"]
-                                        * result.get("batch_shards", 1) / step_s)
-    result["estimated_mfu"] = result["model_flops"] / (step_s * target.bf16_flops)
-    return result
+    return StepEstimate(
+        roofline_step_s=roofline_step_s, step_time=step_time, step_s=step_s,
+        tokens_per_s=program["tokens_per_step"] * (mesh.batch_shards if mesh else 1)
+        / step_s,
+        mfu=program["model_flops"] / (step_s * target.bf16_flops))
 
 
-def finish(result: dict, config, target: Target, method: str) -> dict:
-    """Adds the device's fit, the roofline estimate and identification."""
-    mem = result["memory"]
-    mem["device"] = target.device_memory_bytes
+def retime(result: PlanResult, target: Target) -> PlanResult:
+    """`result` with its step time estimated again by today's model."""
+    return dataclasses.replace(result, estimate=estimate_time(result.program, result.mesh,
+                                                              target))
+
+
+def finish(program: dict, mesh: Optional[MeshFigures], config, target: Target,
+           method: str, fit: Optional[dict] = None) -> PlanResult:
+    """The plan: the compiled program's figures with the mesh's, the device's fit, the
+    step-time estimate and identification."""
+    compiled = program["memory"]
+    program = {k: v for k, v in program.items() if k != "memory"}
+    arguments, outputs, alias = (compiled[k] for k in ("arguments", "outputs", "alias"))
+    total, total_low = compiled["total"], None
+    if mesh is not None:
+        mm = mesh.memory
+        arguments, outputs, alias = (v + mm.state_difference
+                                     for v in (arguments, outputs, alias))
+        total = (arguments + outputs - alias + compiled["temp"] + mm.counted
+                 - mm.gradients.subtracted)
+        if mm.gradients.subtracted == 0 and mm.gradients.excess:
+            # one micro-batch: where in the backward pass the peak falls is not known
+            # from the compile's total; the total stays the compile's (an upper bound)
+            # and the bound with every excess byte gone is printed beside it
+            total_low = total - mm.gradients.excess
+    device = target.device_memory_bytes
     # TensorFlow leaves mesh.gpu_memory_reserve_mb outside its pool (NCCL, cuBLAS)
-    mem["reserve"] = config.mesh.gpu_memory_reserve_mb * 2 ** 20
-    mem["usable"] = mem["device"] - mem["reserve"]
-    mem["margin"] = mem["usable"] - mem["total"]
-    mem["fits"] = mem["margin"] >= 0
-    estimate_time(result, target)
-    result.update({
+    reserve = config.mesh.gpu_memory_reserve_mb * 2 ** 20
+    usable = device - reserve
+    memory = Memory(arguments=arguments, outputs=outputs, alias=alias,
+                    temp=compiled["temp"], total=total, device=device, reserve=reserve,
+                    usable=usable, margin=usable - total, fits=usable - total >= 0,
+                    total_low=total_low)
+    identity = {
         "target": target.name, "device": target.description,
         "peaks": {"bf16_flops": target.bf16_flops, "fp8_flops": target.fp8_flops,
                   "tf32_flops": target.tf32_flops,
@@ -434,16 +470,18 @@ def finish(result: dict, config, target: Target, method: str) -> dict:
         "method": method,
         "cost_source": "counted from the optimized HLO (the compile-only client has no "
                        "cost analysis)",
-    })
-    return result
+    }
+    return PlanResult(program=program, memory=memory, mesh=mesh,
+                      estimate=estimate_time(program, mesh, target), fit=fit,
+                      sources=figure_sources(mesh, fit is not None), identity=identity)
 
 
 def _gib(n: float) -> str:
     return f"{n / 2**30:.2f} GiB" if abs(n) >= 2**30 else f"{n / 2**20:.1f} MiB"
 
 
-def _step_parts(p: dict) -> str:
-    t = p["step_time"]
+def _step_parts(e: StepEstimate) -> str:
+    t = e.step_time
     ms = lambda s: f"{s * 1e3:.3g}"  # noqa: E731
     parts = [f"GEMMs {ms(t['gemm_s'])} at {t['factors']['gemm_efficiency']:.0%} of peak",
              f"other kernels {ms(t['other_s'])}", f"launch gaps {ms(t['launch_s'])}"]
@@ -458,7 +496,7 @@ def _step_parts(p: dict) -> str:
     return ", ".join(parts)
 
 
-def _fit_text(f: dict) -> str:
+def _fit_text(f) -> str:
     d = f["detail"]
     return (f"{_gib(f['peak'])} ({'fits' if f['fits'] else 'does not fit'}; arithmetic, "
             f"tfllm.footprint.fit: state {_gib(f['state'])}, gradients {_gib(f['gradients'])}, "
@@ -467,76 +505,85 @@ def _fit_text(f: dict) -> str:
             f"recomputed block {_gib(d.get('recomputed_block', 0))})")
 
 
-def _gradients_text(m: dict) -> str:
-    g = m["gradients"]
-    held = (f"the program's float32 gradients are {_gib(g['program'])}, a mesh device "
-            f"keeps its shards, {_gib(g['device'])}")
-    if g["subtracted"]:
-        return (f"-{_gib(g['subtracted'])} from the total ({held}; under accumulation "
+def _gradients_text(g, total_low: Optional[int]) -> str:
+    held = (f"the program's float32 gradients are {_gib(g.program)}, a mesh device "
+            f"keeps its shards, {_gib(g.device)}")
+    if g.subtracted:
+        return (f"-{_gib(g.subtracted)} from the total ({held}; under accumulation "
                 "at least one whole set is alive at the compiled peak)")
     return (f"not subtracted ({held}; with one micro-batch the compile does not say how "
-            f"many were alive at its peak): {_gib(m['total_low'])} at least")
+            f"many were alive at its peak): {_gib(total_low)} at least")
 
 
-def format_plan(p: dict) -> str:
+def _mesh_rows(p: PlanResult) -> list:
+    """The memory rows a mesh adds: gradients and block buffers."""
+    if p.mesh is None:
+        return []
+    mm, rows = p.mesh.memory, []
+    if mm.gradients.excess:
+        rows.append(("  gradients", _gradients_text(mm.gradients, p.memory.total_low)))
+    b = mm.buffers
+    if mm.block_buffers is not None and p.fit is not None:
+        bp = mm.block_program
+        rows.append(("  block buffers", f"{_gib(mm.block_buffers)} (compiled: one block's "
+                     f"program, {_gib(bp['weights'])} gathered weights of it and "
+                     f"its neighbour + {_gib(bp['gradients'])} float32 "
+                     f"gradients; modelled: {_gib(b.bytes)}"
+                     + (f", at {b.unit}, larger than a block: counted)"
+                        if mm.counted != mm.block_buffers else ")")))
+        rows.append(("  one block's backward", f"{_gib(bp['recompute'])} of "
+                     f"temporaries (compiled, remat={bp['remat']}, in the step's "
+                     f"temporaries above; modelled: "
+                     f"{_gib(p.fit['detail'].get('recomputed_block', 0))} recomputed block)"))
+    elif b.bytes and mm.block_buffers is None:
+        rows.append(("  block buffers", f"{_gib(b.bytes)} (modelled, at {b.unit}: "
+                     f"gathered 16-bit weights {_gib(b.gathered)} + partial gradients "
+                     f"{_gib(b.partials)} + the float32 reduction buffer "
+                     f"{_gib(b.gradient)}, tfllm/parallel/blocks.py)"))
+    return rows
+
+
+def format_plan(p: PlanResult) -> str:
     """The short human table of a plan."""
-    m = p["memory"]
-    fits = (f"fits, {_gib(m['margin'])} to spare" if m["fits"]
-            else f"DOES NOT FIT: {_gib(-m['margin'])} over")
+    m, g, i, e = p.memory, p.program, p.identity, p.estimate
+    fits = (f"fits, {_gib(m.margin)} to spare" if m.fits
+            else f"DOES NOT FIT: {_gib(-m.margin)} over")
     rows = [
-        ("target", f"{p['device']} ({p['target']})"),
-        ("program", f"{p['model']['family']} {p['model']['num_layers']} layers, "
-                    f"{p['policy']}, batch {p['global_batch_size']} x "
-                    f"{p['sequence_length']}, grad accum {p['grad_accum_steps']}"),
-        ("mesh", p.get("mesh", "one device")),
-        ("method", p["method"]),
-        ("memory / device", f"{_gib(m['total'])} of {_gib(m['usable'])} ({_gib(m['device'])} "
-                            f"less mesh.gpu_memory_reserve_mb {_gib(m['reserve'])}): {fits}"),
-        ("  arguments", _gib(m["arguments"])),
-        ("  outputs", f"{_gib(m['outputs'])} ({_gib(m['alias'])} aliased to arguments)"),
-        ("  temporaries", f"{_gib(m['temp'])} (activations and workspace, remat="
-                          f"{p['model'].get('remat', 'none')})"),
-        *([("  gradients", _gradients_text(m))] if m.get("gradients", {}).get("excess")
-          else []),
-        *([("  block buffers", f"{_gib(m['block_buffers'])} (compiled: one block's "
-            f"program, {_gib(m['block_program']['weights'])} gathered weights of it and "
-            f"its neighbour + {_gib(m['block_program']['gradients'])} float32 "
-            f"gradients; modelled: {_gib(m['gather_buffers'])}"
-            + (f", at {m['gather_detail']['unit']}, larger than a block: counted)"
-               if "block_buffers_counted" in m else ")")),
-           ("  one block's backward", f"{_gib(m['block_program']['recompute'])} of "
-            f"temporaries (compiled, remat={m['block_program']['remat']}, in the step's "
-            f"temporaries above; modelled: "
-            f"{_gib(p['fit']['detail'].get('recomputed_block', 0))} recomputed block)")]
-          if m.get("block_buffers") is not None and "fit" in p else []),
-        *([("  block buffers", f"{_gib(m['gather_buffers'])} (modelled, at "
-            f"{m['gather_detail']['unit']}: gathered 16-bit weights "
-            f"{_gib(m['gather_detail']['gathered'])} + partial gradients "
-            f"{_gib(m['gather_detail']['partials'])} + the float32 reduction buffer "
-            f"{_gib(m['gather_detail']['gradient'])}, tfllm/parallel/blocks.py)")]
-          if m.get("gather_buffers") and m.get("block_buffers") is None else []),
-        *([("fit model", _fit_text(p["fit"]))] if "fit" in p else []),
-        ("GEMMs", f"{p['gemm_calls']:.0f} cuBLAS calls, {p['fp8_gemm_calls']:.0f} FP8 "
-                  f"({p['fp8_projections']:.0f} FP8 projections)"),
-        ("kernels", f"{p['kernels']:.0f} ({p['fusions']:.0f} fusions)"),
-        ("FLOPs / step", f"{p['flops'] / 1e9:,.1f} GFLOP in GEMMs "
-                         f"(model: {p['model_flops'] / 1e9:,.1f})"),
-        ("bytes / step", f"{p['bytes'] / 1e9:.1f} GB"),
-        ("est. step", f"{p['estimated_step_s'] * 1e3:.3g} ms ({_step_parts(p)}), "
-                      f"{p['estimated_tokens_per_s']:,.0f} tokens/s; roofline lower bound "
-                      f"{p['roofline_step_s'] * 1e3:.3g} ms"),
-        ("est. MFU", f"{100 * p['estimated_mfu']:.0f}% of dense bf16 peak"),
-        ("compile", f"{p['compile_s']:.1f} s"),
-        ("figures", "; ".join(f"{k}: {v}" for k, v in p.get("sources", {}).items())),
+        ("target", f"{i['device']} ({i['target']})"),
+        ("program", f"{i['model']['family']} {i['model']['num_layers']} layers, "
+                    f"{i['policy']}, batch {i['global_batch_size']} x "
+                    f"{i['sequence_length']}, grad accum {i['grad_accum_steps']}"),
+        ("mesh", p.mesh.note if p.mesh else "one device"),
+        ("method", i["method"]),
+        ("memory / device", f"{_gib(m.total)} of {_gib(m.usable)} ({_gib(m.device)} "
+                            f"less mesh.gpu_memory_reserve_mb {_gib(m.reserve)}): {fits}"),
+        ("  arguments", _gib(m.arguments)),
+        ("  outputs", f"{_gib(m.outputs)} ({_gib(m.alias)} aliased to arguments)"),
+        ("  temporaries", f"{_gib(m.temp)} (activations and workspace, remat="
+                          f"{i['model'].get('remat', 'none')})"),
+        *_mesh_rows(p),
+        *([("fit model", _fit_text(p.fit))] if p.fit is not None else []),
+        ("GEMMs", f"{g['gemm_calls']:.0f} cuBLAS calls, {g['fp8_gemm_calls']:.0f} FP8 "
+                  f"({g['fp8_projections']:.0f} FP8 projections)"),
+        ("kernels", f"{g['kernels']:.0f} ({g['fusions']:.0f} fusions)"),
+        ("FLOPs / step", f"{g['flops'] / 1e9:,.1f} GFLOP in GEMMs "
+                         f"(model: {g['model_flops'] / 1e9:,.1f})"),
+        ("bytes / step", f"{g['bytes'] / 1e9:.1f} GB"),
+        ("est. step", f"{e.step_s * 1e3:.3g} ms ({_step_parts(e)}), "
+                      f"{e.tokens_per_s:,.0f} tokens/s; roofline lower bound "
+                      f"{e.roofline_step_s * 1e3:.3g} ms"),
+        ("est. MFU", f"{100 * e.mfu:.0f}% of dense bf16 peak"),
+        ("compile", f"{g['compile_s']:.1f} s"),
+        ("figures", "; ".join(f"{k}: {v}" for k, v in p.sources.items())),
     ]
-    at = next(i for i, r in enumerate(rows) if r[0] == "GEMMs")
-    for key in ("collectives_assumed", "collectives"):
-        c = p.get(key)
-        if not c:
-            continue
-        label = c["basis"].split(":")[0]
-        rows.insert(at, (f"collectives ({label})",
-                         f"{c['bytes_per_device'] / 1e9:.2f} GB/device/step ({c['detail']}), "
-                         f"{c['seconds'] * 1e3:.1f} ms at {c['link_bandwidth'] / 1e9:.0f} GB/s"))
+    at = next(n for n, r in enumerate(rows) if r[0] == "GEMMs")
+    if p.mesh is not None:
+        for c in (p.mesh.collectives_assumed, p.mesh.collectives):
+            if c is None:
+                continue
+            label = c.basis.split(":")[0]
+            rows.insert(at, (f"collectives ({label})",
+                             f"{c.bytes_per_device / 1e9:.2f} GB/device/step ({c.detail}), "
+                             f"{c.seconds * 1e3:.1f} ms at {c.link_bandwidth / 1e9:.0f} GB/s"))
     width = max(len(r[0]) for r in rows)
     return "\n".join(f"{k.ljust(width)}  {v}" for k, v in rows)
