@@ -43,7 +43,18 @@ BACKBONES = {
         use_post_ffw_norm=True, use_post_attention_norm=True,
         use_sliding_window_attention=True, sliding_window_size=4,
         global_rope_scaling_factor=2.0, layer_norm_epsilon=1e-6)),
+    # mixtures of experts, 4 experts (they split over model=4), top 2: Qwen3-MoE with a
+    # dense layer between sparse ones (mlp_only_layers) and renormalized top-k weights;
+    # Mixtral with a window (64) longer than the test sequences (40)
+    "qwen3_moe": (keras_hub.models.Qwen3MoeBackbone, dict(
+        _LLAMA, num_layers=3, head_dim=8, moe_intermediate_dim=16, num_experts=4, top_k=2,
+        norm_top_k_prob=True, mlp_only_layers=[1], tie_word_embeddings=False)),
+    "mixtral": (keras_hub.models.MixtralBackbone, dict(
+        _LLAMA, num_experts=4, top_k=2, sliding_window=64, layer_norm_epsilon=1e-5)),
 }
+
+#: the mixtures of experts of BACKBONES
+MOE = ("mixtral", "qwen3_moe")
 
 def random_weights(backbone, seed=0):
     """Replaces every weight by N(0, 0.3^2): the logits then depend on every tensor."""

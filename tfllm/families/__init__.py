@@ -18,8 +18,9 @@ from typing import Dict, Optional
 
 from tfllm.families import gemma3, gpt2, llama, mistral, mixtral, qwen2, qwen3, qwen3_moe
 from tfllm.families.base import (DEFAULT_MAX_LENGTH, Backbone, Family, LoraNames, Permuted,
-                                 PretrainedError, Tensor, check_understood, is_local_layer,
-                                 is_moe_layer, keras_hub_path, layer_kinds, resolved)
+                                 PretrainedError, Sliced, Tensor, check_understood,
+                                 is_local_layer, is_moe_layer, keras_hub_path, layer_kinds,
+                                 resolved)
 
 #: transformers model_type -> its family, in the order `supported()` names them
 FAMILIES: Dict[str, Family] = {f.model_type: f for f in (
@@ -32,10 +33,10 @@ BACKBONES: Dict[str, Backbone] = {b.name: b for f in FAMILIES.values() for b in 
 _FAMILY_OF_BACKBONE = {b.name: f for f in FAMILIES.values() for b in f.keras_hub}
 
 __all__ = ["BACKBONES", "DEFAULT_MAX_LENGTH", "FAMILIES", "Backbone", "Family", "LoraNames",
-           "Permuted", "PretrainedError", "Tensor", "backbone_for", "check_understood",
-           "default_backbone", "family_of_backbone", "is_local_layer", "is_moe_layer",
-           "keras_hub_path",
-           "layer_kinds", "lora_names", "resolved", "supported", "writer"]
+           "Permuted", "PretrainedError", "Sliced", "Tensor", "backbone_for",
+           "check_understood", "default_backbone", "family_of_backbone", "is_local_layer",
+           "is_moe_layer", "keras_hub_path", "layer_kinds", "lora_names", "resolved",
+           "supported", "writer"]
 
 
 def supported() -> str:

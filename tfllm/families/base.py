@@ -13,6 +13,7 @@ No TensorFlow here, and no model code: a family names tfllm variable paths
 from __future__ import annotations
 
 import copy
+import re
 from dataclasses import dataclass
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
@@ -69,9 +70,50 @@ class Permuted:
         return np.transpose(ours, np.argsort(self.perm))
 
 
+@dataclass(frozen=True)
+class Sliced:
+    """A keras-hub weight-map value whose tensor holds tfllm's and others' side by side
+    along `axis` (keras-hub's Qwen3-MoE experts keep gate and up as one (E, D, 2F)
+    kernel): tfllm's = keras-hub's[..., start:stop, ...] on that axis. The slices of one
+    keras-hub tensor together fill it exactly (`tests/families` checks)."""
+
+    path: str
+    axis: int
+    start: int
+    stop: int
+
+    def block(self, start, size):
+        """tfllm's block (start, size) -> the same block of keras-hub's tensor."""
+        begin = list(start)
+        begin[self.axis] += self.start
+        return tuple(begin), tuple(size)
+
+    def index(self, ndim: int) -> tuple:
+        """Where tfllm's part lies in keras-hub's tensor (of `ndim` axes)."""
+        index = [slice(None)] * ndim
+        index[self.axis] = slice(self.start, self.stop)
+        return tuple(index)
+
+
 def keras_hub_path(value) -> str:
-    """The keras-hub variable path of a weight-map value (a path or a `Permuted`)."""
-    return value.path if isinstance(value, Permuted) else value
+    """The keras-hub variable path of a weight-map value (a path, `Permuted`, `Sliced`)."""
+    return value.path if isinstance(value, (Permuted, Sliced)) else value
+
+
+def keras_hub_name(path: str, unnamed: Sequence[str] = ()) -> str:
+    """A keras-hub variable path with the counter Keras appends to a layer created
+    without a name dropped (`Backbone.unnamed`: "transformer_layer_2/
+    qwen3_sparse_moe_block_3/..." -> ".../qwen3_sparse_moe_block/..."). Keras numbers such
+    layers per process, so the path of the same weight changes with what was built
+    before; the weight files do not depend on it (they name the object graph)."""
+    if not unnamed:
+        return path
+    parts = path.split("/")
+    for i, part in enumerate(parts):
+        base = re.sub(r"_\d+$", "", part)
+        if base in unnamed:
+            parts[i] = base
+    return "/".join(parts)
 
 
 # ---- keras-hub --------------------------------------------------------------------------
@@ -90,6 +132,10 @@ class Backbone:
       weight_map: model section -> {tfllm variable path: keras-hub variable path, or a
         `Permuted` where the axes differ}. Shapes are otherwise equal on both sides.
       understood: the keras-hub config keys tfllm implements (others are refused).
+      unnamed: layers the backbone creates without a name, whose automatic names
+        carry a per-process counter (`variable_name` drops it: `keras_hub_name`).
+      check: (keras-hub config, where) -> None, raising a PretrainedError for a value
+        of an understood key that tfllm does not compute.
     """
 
     name: str
@@ -99,16 +145,25 @@ class Backbone:
     backbone_kwargs: Callable[[object, dict], dict]
     weight_map: Callable[[object], Dict[str, object]]
     understood: frozenset
+    unnamed: Tuple[str, ...] = ()
+    check: Optional[Callable[[dict, str], None]] = None
+
+    def variable_name(self, path: str) -> str:
+        """The name of keras-hub variable `path` in `weight_map` (`keras_hub_name`)."""
+        return keras_hub_name(path, self.unnamed)
 
 
 def check_understood(backbone: Backbone, kh: dict, source: str) -> None:
-    """Refuses a keras-hub config key the tfllm model does not implement."""
+    """Refuses a keras-hub config key the tfllm model does not implement, and a value
+    the backbone's `check` refuses."""
     unknown = sorted(k for k in kh if k not in backbone.understood and k not in IGNORED)
     if unknown:
         raise PretrainedError(
             f"{source}: the {backbone.name} config sets {unknown}, which tfllm's "
             f"{backbone.model_family} model does not implement; supported settings: "
             f"{sorted(backbone.understood)}.")
+    if backbone.check is not None:
+        backbone.check(kh, source)
 
 
 # ---- LoRA -------------------------------------------------------------------------------

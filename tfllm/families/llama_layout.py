@@ -131,8 +131,10 @@ def no_llama3(m, backbone: str) -> None:
 
 
 def default_backbone(name: str, chosen: Callable[[object], bool]):
-    """A `Family.default_backbone`: `name` for a llama-family section `chosen` picks."""
-    return lambda m: name if m.family == MODEL_FAMILY and chosen(m) else None
+    """A `Family.default_backbone`: `name` for a llama-family section without experts
+    that `chosen` picks (the mixtures of experts name theirs: `moe_layout`)."""
+    return lambda m: (name if m.family == MODEL_FAMILY and not m.num_experts and chosen(m)
+                      else None)
 
 
 # ---- Hugging Face -----------------------------------------------------------------------

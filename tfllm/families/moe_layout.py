@@ -23,6 +23,15 @@ converter reads `num_experts` where transformers 5 writes `num_local_experts`, a
 converters assign the stacked experts outside their recorded weight map, so tfllm reads
 the folder itself (`Family.tensors_in`), its tensors by the same `Tensor` lists it
 writes (`tfllm.pretrained.direct`).
+
+keras-hub presets (`Qwen3MoeBackbone`, `MixtralBackbone`, written by `save_to_preset`)
+are read and written through keras-hub's own backbone (`keras_hub_weight_map`): its
+router is `{block}/sparse_feedforward_gate_dense/kernel` (D, E) as tfllm's, its experts
+`{block}/experts/expert_feedforward_{gate,intermediate,output}_dense` (E, D, F), (E, D,
+F), (E, F, D) as tfllm's gate, up and down (Qwen3-MoE's gate and up are one (E, D, 2F)
+kernel, the gate's F columns first: two `Sliced` halves). keras-hub creates the block
+without a name, so Keras numbers it per process (`Backbone.unnamed`). Its experts run
+on every token, weighted by the routing (zero off the top k): dropless, as transformers.
 """
 
 from __future__ import annotations
@@ -32,7 +41,7 @@ from typing import Callable, Dict, List
 import numpy as np
 
 from tfllm.families import llama_layout as layout
-from tfllm.families.base import PretrainedError, Tensor, is_moe_layer, linear, same
+from tfllm.families.base import PretrainedError, Sliced, Tensor, is_moe_layer, linear
 
 #: How a family names a sparse layer's tensors: the module holding router and experts,
 #: and the per-expert names of gate, up and down.
@@ -168,6 +177,58 @@ def common_in(c: dict, where: str) -> dict:
             "router_aux_loss_coef": float(c.get("router_aux_loss_coef", 0.001))}
 
 
+
+
+# ---- keras-hub --------------------------------------------------------------------------
+def keras_hub_weight_map(m, sparse_block: str, dense_block: str = "",
+                         fused_gate_up: bool = False) -> Dict[str, object]:
+    """{tfllm path: keras-hub path, or a `Sliced` half} of a Llama-shaped MoE backbone:
+    `layout.keras_hub_weight_map` with each sparse layer's MLP replaced by the router
+    and experts under `sparse_block`, and a dense layer's MLP under `dense_block`."""
+    out = layout.keras_hub_weight_map(m)
+    f = _expert_width(m)
+    for i in range(m.num_layers):
+        ours, theirs = f"block_{i}/mlp/", f"transformer_layer_{i}/"
+        dense = {p: out.pop(ours + p) for p in ("gate/kernel", "up/kernel", "down/kernel")}
+        if not is_moe_layer(m, i):
+            for p, path in dense.items():
+                out[ours + p] = path.replace(theirs, f"{theirs}{dense_block}/" if dense_block
+                                             else theirs, 1)
+            continue
+        block = f"{theirs}{sparse_block}/"
+        experts_ = block + "experts/expert_feedforward_"
+        out[ours + "router/kernel"] = block + "sparse_feedforward_gate_dense/kernel"
+        if fused_gate_up:  # (E, D, 2F): gate's columns, then up's
+            out[ours + "gate/kernel"] = Sliced(experts_ + "gate_dense", 2, 0, f)
+            out[ours + "up/kernel"] = Sliced(experts_ + "gate_dense", 2, f, 2 * f)
+        else:
+            out[ours + "gate/kernel"] = experts_ + "gate_dense"
+            out[ours + "up/kernel"] = experts_ + "intermediate_dense"
+        out[ours + "down/kernel"] = experts_ + "output_dense"
+    return out
+
+
+def keras_hub_fields(kh: dict, fields: dict, **moe) -> dict:
+    """tfllm's model section of a keras-hub MoE backbone: the Llama-shaped `fields`
+    (`layout.model_fields`) and the experts' settings `moe`, with the keras-hub names
+    both backbones share (num_experts, top_k)."""
+    return {**fields, "num_experts": int(kh["num_experts"]),
+            "num_experts_per_tok": int(kh["top_k"]), **moe}
+
+
+def keras_hub_refuse(backbone: str, problems) -> None:
+    """Raises the PretrainedError of the first of `problems` ((bad, what) pairs) that
+    holds: what keras-hub's `backbone` cannot express."""
+    for bad, what in problems:
+        if bad:
+            raise PretrainedError(f"keras-hub's {backbone} cannot express {what}.")
+
+
+def capacity_problem(m):
+    """keras-hub's experts run on every token (dropless): a capacity factor drops."""
+    return (bool(m.moe_capacity_factor), f"model.moe_capacity_factor="
+            f"{m.moe_capacity_factor} (its experts are dropless: --set "
+            "model.moe_capacity_factor=0)")
 
 
 #: LoRA names: the attention's projections and the dense layers' MLP (peft's target

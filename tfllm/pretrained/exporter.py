@@ -2,9 +2,10 @@
 
 The latest checkpoint is restored onto one device, copied into the keras-hub backbone
 the run was imported from (pretrained.json), or the family's default (GPT2Backbone,
-Llama3Backbone, QwenBackbone with q/k/v biases), and written with keras-hub's own
-`save_to_preset`: config, float32 weights, and, when the run has a keras-hub
-tokenizer, the tokenizer and preprocessor, so that
+Llama3Backbone, QwenBackbone with q/k/v biases; Qwen3MoeBackbone or MixtralBackbone for
+a mixture of experts, also one imported from a Hugging Face folder), and written with
+keras-hub's own `save_to_preset`: config, float32 weights, and, when the run has a
+keras-hub tokenizer, the tokenizer and preprocessor, so that
 `keras_hub.models.CausalLM.from_preset(DIR)` loads it and generates.
 """
 
@@ -16,8 +17,8 @@ import numpy as np
 
 from tfllm import files
 from tfllm.confined import tree_within
-from tfllm.families import (Permuted, PretrainedError, backbone_for, default_backbone,
-                            keras_hub_path)
+from tfllm.families import (BACKBONES, Permuted, PretrainedError, Sliced, backbone_for,
+                            default_backbone, keras_hub_path)
 from tfllm.pretrained.importer import read_origin
 
 
@@ -70,7 +71,9 @@ def export_preset(config, workdir: str, out_dir: str) -> dict:
                               "with --format peft.")
     out_dir = require_new_folder(out_dir, workdir)
     origin = read_origin(workdir) or {}
-    name = origin.get("backbone") or default_backbone(config.model)
+    name = origin.get("backbone")
+    if name not in BACKBONES:  # not imported, or from a folder tfllm reads itself
+        name, origin = default_backbone(config.model), {}
     family = backbone_for(name, Workdir(workdir).pretrained_file)
     if family.model_family != config.model.family:
         raise PretrainedError(f"{workdir}: a {config.model.family} model cannot be written "
@@ -84,30 +87,45 @@ def export_preset(config, workdir: str, out_dir: str) -> dict:
     model = build_model(config, None)  # one device: the preset is written whole
     meta = Workdir(workdir).restore_weights(model, config=config.checkpoint)
     backbone = getattr(keras_hub.models, name)(**kwargs, dtype="float32")
-    theirs = {v.path: v for v in backbone.variables if "seed_generator" not in v.path}
+    theirs = {family.variable_name(v.path): v for v in backbone.variables
+              if "seed_generator" not in v.path}
     mapping = family.weight_map(config.model)
     prefix = model.name + "/"
-    done = set()
+    values, filled = {}, {}  # keras-hub name -> its value; elements written (`Sliced`)
     for var in model.variables:
         if getattr(var, "kind", None) == "fp8_state":
             continue
         path = var.path[len(prefix):] if var.path.startswith(prefix) else var.path
         value = np.asarray(var.numpy(), np.float32)
-        if isinstance(mapping.get(path), Permuted):
-            value = mapping[path].to_theirs(value)
-        target = theirs.get(keras_hub_path(mapping.get(path, "")))
-        if target is None or tuple(target.shape) != value.shape:
+        where = mapping.get(path, "")
+        if isinstance(where, Permuted):
+            value = where.to_theirs(value)
+        target = theirs.get(keras_hub_path(where))
+        shape = tuple(target.shape) if target is not None else None
+        if isinstance(where, Sliced) and target is not None:
+            part = where.index(len(shape))
+            buffer = values.setdefault(target.path, np.zeros(shape, np.float32))
+            count = filled.setdefault(target.path, np.zeros(shape, np.int8))
+            if buffer[part].shape == value.shape:
+                buffer[part], count[part] = value, count[part] + 1
+                continue
+        if target is None or shape != value.shape:
             raise PretrainedError(f"{name} has no variable shaped {list(value.shape)} for "
                                   f"tfllm's {path}; this model cannot be written as {name}.")
-        target.assign(value)
-        done.add(target.path)
+        values[target.path] = value
+    for key, count in filled.items():  # the halves of one tensor fill it exactly once
+        if not (count == 1).all():
+            raise PretrainedError(f"{name}'s {key} is not filled exactly once by tfllm's "
+                                  f"weights; this model cannot be written as {name}.")
     if untie:
-        embedding = theirs["token_embedding/embeddings"]
-        theirs["token_embedding/reverse_embeddings"].assign(np.transpose(embedding.numpy()))
-        done.add("token_embedding/reverse_embeddings")
-    missing = sorted(set(theirs) - done)
+        embedding = values["token_embedding/embeddings"]
+        values["token_embedding/reverse_embeddings"] = np.transpose(embedding)
+    by_path = {v.path: v for v in theirs.values()}
+    missing = sorted(family.variable_name(p) for p in set(by_path) - set(values))
     if missing:
         raise PretrainedError(f"{name}'s weights {missing[:5]} have no tfllm counterpart.")
+    for key, value in values.items():
+        by_path[key].assign(value)
 
     tokenizer = _run_tokenizer(config, workdir)
     with files.written_atomically(out_dir) as tmp:  # keras-hub writes into that new folder

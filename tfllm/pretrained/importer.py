@@ -23,7 +23,8 @@ from tfllm.checkpoint import model_variables
 from tfllm.checkpoint.workdir import Workdir, read_marker, write_marker
 from tfllm.contracts import MARKER
 from tfllm.parallel.placement import block_slices
-from tfllm.families import Permuted, PretrainedError, check_understood, keras_hub_path
+from tfllm.families import (Permuted, PretrainedError, Sliced, check_understood,
+                            keras_hub_path)
 from tfllm.pretrained.direct import open_preset
 from tfllm.pretrained.sources import Source
 
@@ -46,7 +47,8 @@ def preset_model_section(source: Source) -> dict:
     max_length = (source.hf_config or {}).get("max_position_embeddings")
     kh = source.config
     if (source.format == "keras-hub" and source.family.model_family == "llama"
-            and "tie_word_embeddings" not in source.stated and source.backbone != "MistralBackbone"):
+            and "tie_word_embeddings" not in source.stated and "tie_word_embeddings" in kh):
+        # (a backbone without the argument, Mistral's and Mixtral's, is untied)
         # Also builds the abstract backbone (h5 locations) tied, like the weights.
         kh["tie_word_embeddings"] = not source.stores_output_embedding()
     return source.keras_hub.model_fields(kh, max_length)
@@ -131,6 +133,18 @@ def load_weights(model, source: Source) -> dict:
                                       "--set model.* overrides.")
             arrays = {b: full[block_slices(*b)] for b in blocks}
             del theirs, full
+        elif isinstance(mapping[path], Sliced):  # the same blocks, offset into its part
+            kh_shape = source.variables[kh_name]
+            part = mapping[path]
+            if kh_shape[:part.axis] + kh_shape[part.axis + 1:] != \
+                    shape[:part.axis] + shape[part.axis + 1:] or \
+                    part.stop - part.start != shape[part.axis] or part.stop > kh_shape[part.axis]:
+                raise PretrainedError(f"{source.describe(kh_name)}: shape {list(kh_shape)} "
+                                      f"does not hold tfllm's {path} {list(shape)}; check the "
+                                      "--set model.* overrides.")
+            theirs = source.read(kh_name, [part.block(*b) for b in blocks], kh_shape)
+            arrays = {b: theirs[part.block(*b)] for b in blocks}
+            del theirs
         else:
             arrays = source.read(kh_name, blocks, shape)
         dtype = np.dtype(var.dtype.as_numpy_dtype)

@@ -113,8 +113,9 @@ class Source:
 
     @property
     def variables(self) -> Dict[str, Tuple[int, ...]]:
-        """{keras-hub variable path: shape} of the backbone's weights."""
-        return {v.path: tuple(int(n) for n in v.shape) for v in self.abstract.variables
+        """{keras-hub variable name (`Backbone.variable_name`): shape} of the backbone's weights."""
+        return {self.keras_hub.variable_name(v.path): tuple(int(n) for n in v.shape)
+                for v in self.abstract.variables
                 if "seed_generator" not in v.path}  # dropout RNG state, not a weight
 
     def _prepare(self) -> None:
@@ -198,7 +199,8 @@ class KerasPresetSource(Source):
                                   "with save_to_preset, or copy its weights file here.")
 
     def _prepare(self):
-        self.locations = internals.h5_locations(self._abstract)
+        self.locations = {self.keras_hub.variable_name(path): dataset for path, dataset in
+                          internals.h5_locations(self._abstract).items()}
 
     def stores_output_embedding(self) -> bool:
         """Whether the weights hold a separate output embedding (a ReversibleEmbedding's
@@ -315,7 +317,8 @@ class HuggingFaceSource(Source):
             raise PretrainedError(f"{self.path}: keras-hub's {self.backbone} converter could "
                                   f"not find a tensor ({e}); the safetensors files do not "
                                   "match config.json.") from None
-        self.ported = self._reader.ported
+        self.ported = {self.keras_hub.variable_name(path): v
+                       for path, v in self._reader.ported.items()}
 
     def _backbone(self):
         self.hf_config = transformers4_rope(self.loader.config, self.path)
