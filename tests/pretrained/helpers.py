@@ -13,6 +13,13 @@ VOCAB = 288  # the 256 bytes, specials and merges; divisible by model=4
 _LLAMA = dict(vocabulary_size=VOCAB, num_layers=2, num_query_heads=8, hidden_dim=32,
               intermediate_dim=64, num_key_value_heads=4)
 
+# float32 on both sides; the only differences are summation orders (einsum vs keras-hub's
+# EinsumDense, softmax, RMSNorm) over widths <= 64 with random weights of std 0.3: the
+# measured worst case is ~4e-7 of logits of magnitude ~2 (~7e-7 for the mixtures of
+# experts), so 2e-5 leaves 30x headroom and still catches any wrong tensor, transposition,
+# RoPE frequency or expert (errors of order 0.1-1).
+ATOL = 2e-5
+
 #: name -> (backbone class, constructor arguments); one per supported family/variant
 BACKBONES = {
     "gpt2": (keras_hub.models.GPT2Backbone,

@@ -10,13 +10,9 @@ from tfllm.parallel import make_parallel
 from tfllm.pretrained import FAMILIES, from_preset
 from tfllm.families import PretrainedError
 from tests.pretrained import helpers
+from tests.pretrained.helpers import ATOL
 from tests.pretrained.logits import sharded_logits
 
-# float32 on both sides; the only differences are summation orders (einsum vs keras-hub's
-# EinsumDense, softmax, RMSNorm) over widths <= 64 with random weights of std 0.3: the
-# measured worst case is ~4e-7 of logits of magnitude ~2, so 2e-5 leaves 50x headroom and
-# still catches any wrong tensor, transposition or RoPE frequency (errors of order 1).
-ATOL = 2e-5
 
 
 def tfllm_logits(model, ids):

@@ -8,7 +8,7 @@ them); `tfllm export --format keras-hub` of a MoE run writes a preset keras-hub'
 run imported from a Hugging Face folder (then transformers' logits). What keras-hub's
 MoE layers cannot express is refused in one line.
 
-Tolerances: `test_import.ATOL` (2e-5 absolute: float32 on both sides, only summation
+Tolerances: `helpers.ATOL` (2e-5 absolute: float32 on both sides, only summation
 orders differ; measured ~7e-7 here) against keras-hub, `transformers_reference.REL`
 against transformers. The routing is decisive with weights of std 0.3 (router logits of
 order 1): a different expert choice moves logits by far more than 2e-5.
@@ -22,7 +22,7 @@ import pytest
 from tests.pretrained import helpers
 from tests.pretrained import transformers_reference as ref
 from tests.pretrained.logits import sharded_logits
-from tests.pretrained.test_import import ATOL
+from tests.pretrained.helpers import ATOL
 from tfllm.cli.main import main
 from tfllm.config import load_config
 from tfllm.families import BACKBONES, PretrainedError
