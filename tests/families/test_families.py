@@ -168,3 +168,13 @@ def test_a_moe_keras_hub_map_names_every_weight_of_keras_hubs_backbone(model_typ
         for value in mapping.values():
             if isinstance(value, Sliced):
                 assert theirs[value.path][value.axis] == 2 * (value.stop - value.start)
+
+
+def test_a_sliced_part_offsets_blocks_and_holds_only_its_shape():
+    up = Sliced("experts/gate_up", axis=2, start=8, stop=16)  # (E, D, 2F) -> (E, D, F)
+    assert up.block((2, 0, 4), (2, 32, 4)) == ((2, 0, 12), (2, 32, 4))
+    assert up.index(3) == (slice(None), slice(None), slice(8, 16))
+    assert up.holds((4, 32, 16), (4, 32, 8))
+    assert not up.holds((4, 32, 12), (4, 32, 8))  # too short for the second half
+    assert not up.holds((4, 32, 16), (4, 32, 4))  # another width
+    assert not up.holds((4, 16, 16), (4, 32, 8))  # another axis differs

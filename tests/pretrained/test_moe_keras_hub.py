@@ -158,3 +158,14 @@ def test_what_keras_hubs_moe_backbones_cannot_express_is_refused_on_export(
     with pytest.raises(PretrainedError, match=message) as error:
         backbone.backbone_kwargs(m, {})
     assert "\n" not in str(error.value)
+
+
+
+def test_an_override_the_experts_do_not_hold_is_named(tmp_path):
+    # One line naming the preset's expert tensor and the overrides (whichever of the
+    # layer's experts is read first: they all disagree with a width of 8).
+    helpers.save_preset("qwen3_moe", tmp_path / "preset")
+    with pytest.raises(PretrainedError, match=r"qwen3_sparse_moe_block/experts/expert_"
+                                              r"feedforward_.*--set\b") as error:
+        from_preset(str(tmp_path / "preset"), overrides=["model.moe_intermediate_dim=8"])
+    assert "\n" not in str(error.value)

@@ -88,6 +88,14 @@ class Sliced:
         begin[self.axis] += self.start
         return tuple(begin), tuple(size)
 
+    def holds(self, theirs, ours) -> bool:
+        """Whether keras-hub's tensor of shape `theirs` holds tfllm's of shape `ours` here:
+        the other axes equal, this one long enough."""
+        a = self.axis
+        others = lambda shape: tuple(shape[:a]) + tuple(shape[a + 1:])  # noqa: E731
+        return (others(theirs) == others(ours) and self.stop - self.start == ours[a]
+                and self.stop <= theirs[a])
+
     def index(self, ndim: int) -> tuple:
         """Where tfllm's part lies in keras-hub's tensor (of `ndim` axes)."""
         index = [slice(None)] * ndim

@@ -136,9 +136,7 @@ def load_weights(model, source: Source) -> dict:
         elif isinstance(mapping[path], Sliced):  # the same blocks, offset into its part
             kh_shape = source.variables[kh_name]
             part = mapping[path]
-            if kh_shape[:part.axis] + kh_shape[part.axis + 1:] != \
-                    shape[:part.axis] + shape[part.axis + 1:] or \
-                    part.stop - part.start != shape[part.axis] or part.stop > kh_shape[part.axis]:
+            if not part.holds(kh_shape, shape):
                 raise PretrainedError(f"{source.describe(kh_name)}: shape {list(kh_shape)} "
                                       f"does not hold tfllm's {path} {list(shape)}; check the "
                                       "--set model.* overrides.")

@@ -113,7 +113,8 @@ class Source:
 
     @property
     def variables(self) -> Dict[str, Tuple[int, ...]]:
-        """{keras-hub variable name (`Backbone.variable_name`): shape} of the backbone's weights."""
+        """{keras-hub variable name (`Backbone.variable_name`): shape} of the backbone's
+        weights."""
         return {self.keras_hub.variable_name(v.path): tuple(int(n) for n in v.shape)
                 for v in self.abstract.variables
                 if "seed_generator" not in v.path}  # dropout RNG state, not a weight
