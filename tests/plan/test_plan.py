@@ -91,7 +91,7 @@ def test_a_step_that_cannot_fit_says_by_how_much():
     assert not m.fits and m.margin < -m.device
     assert m.margin == m.usable - m.total  # usable: less the NCCL reserve
     text = format_plan(p)
-    assert f"DOES NOT FIT: {-m['margin'] / 2**30:.2f} GiB over" in text
+    assert f"DOES NOT FIT: {-m.margin / 2**30:.2f} GiB over" in text
 
 
 @pytest.mark.slow
