@@ -5,7 +5,8 @@ backbone + head logits, on one device (`test_import`, every backbone of `helpers
 on data=2,model=4 (the 4 experts split over model=4; the default data=8 cannot split
 them); `tfllm export --format keras-hub` of a MoE run writes a preset keras-hub's
 `Backbone.from_preset` and `CausalLM.from_preset` load with tfllm's logits, also for a
-run imported from a Hugging Face folder (then transformers' logits). What keras-hub's
+run imported from a Hugging Face folder (then transformers' logits), and `--format hf`
+of a run imported from a preset gives transformers keras-hub's logits. What keras-hub's
 MoE layers cannot express is refused in one line.
 
 Tolerances: `helpers.ATOL` (2e-5 absolute: float32 on both sides, only summation
@@ -67,7 +68,7 @@ def _keras_hub_loads(out, ours, ids):
     return lm
 
 
-@pytest.mark.slow  # two CLI commands on a mesh and keras-hub loads (~30 s)
+@pytest.mark.slow  # three CLI commands, keras-hub and transformers loads (~30 s)
 @pytest.mark.parametrize("name", helpers.MOE)
 def test_import_on_a_mesh_then_export_keras_hub_round_trips(name, tmp_path):
     helpers.save_preset(name, tmp_path / "preset")
@@ -92,6 +93,10 @@ def test_import_on_a_mesh_then_export_keras_hub_round_trips(name, tmp_path):
     assert again.keys() == first.keys()
     for key in first:
         np.testing.assert_array_equal(again[key], first[key], err_msg=key)
+    # the same run as a Hugging Face folder: transformers computes keras-hub's logits
+    assert main(["export", "--workdir", str(tmp_path / "run"), "--format", "hf",
+                 "--out", str(tmp_path / "hf")]) == 0
+    ref.assert_same_model(ref.logits(ref.load(tmp_path / "hf"), ids), ours)
 
 
 @pytest.mark.slow  # transformers, two CLI commands and keras-hub loads (~30 s)
