@@ -177,8 +177,6 @@ def common_in(c: dict, where: str) -> dict:
             "router_aux_loss_coef": float(c.get("router_aux_loss_coef", 0.001))}
 
 
-
-
 # ---- keras-hub --------------------------------------------------------------------------
 def keras_hub_weight_map(m, sparse_block: str, dense_block: str = "",
                          fused_gate_up: bool = False) -> Dict[str, object]:
@@ -190,10 +188,9 @@ def keras_hub_weight_map(m, sparse_block: str, dense_block: str = "",
     for i in range(m.num_layers):
         ours, theirs = f"block_{i}/mlp/", f"transformer_layer_{i}/"
         dense = {p: out.pop(ours + p) for p in ("gate/kernel", "up/kernel", "down/kernel")}
-        if not is_moe_layer(m, i):
-            for p, path in dense.items():
-                out[ours + p] = path.replace(theirs, f"{theirs}{dense_block}/" if dense_block
-                                             else theirs, 1)
+        if not is_moe_layer(m, i):  # the dense MLP's names, inside `dense_block`
+            inside = f"{theirs}{dense_block}/" if dense_block else theirs
+            out.update({ours + p: inside + path[len(theirs):] for p, path in dense.items()})
             continue
         block = f"{theirs}{sparse_block}/"
         experts_ = block + "experts/expert_feedforward_"
