@@ -12,7 +12,7 @@ import tensorflow as tf
 
 from tfllm.config import ConfigError
 from tfllm.models import build_model
-from tfllm.models.lora import projection_paths, scale, targeted, trainable_summary
+from tfllm.models.lora import scale, targeted, trainable_summary
 from tfllm.train.metrics import flops_per_token
 from tests.harness import (LOSS_RTOL, assert_parity, first_step_costs, parity_reference,
                            parity_run, tiny_config, train_step_dots)
@@ -32,7 +32,8 @@ def test_a_fresh_adapter_changes_nothing_and_only_adapters_train(family):
     names = {v.path.rsplit("/", 1)[-1] for v in model.trainable_variables}
     assert names == {"lora_a", "lora_b"}
     counts = trainable_summary(model)
-    per_layer = len(projection_paths(family, []))
+    cfg = tiny_config(family, **dict(LORA))
+    per_layer = sum(len(x.paths) for x in targeted(cfg.model, cfg.lora)[0])
     assert len(model.trainable_variables) == 2 * per_layer * 2  # 2 layers
     assert counts["frozen"] == sum(int(np.prod(v.shape)) for v in base.trainable_variables)
 
@@ -58,11 +59,14 @@ def test_scale_targets_and_refusals():
     assert scale(cfg.lora) == 2.0
     cfg.lora.rslora = True
     assert scale(cfg.lora) == 4.0  # 8 / sqrt(4)
-    assert list(targeted("llama", ["q_proj", "self_attn.v_proj"])) == [
+    def names(family, targets):  # layer 0's
+        c = tiny_config(family, **dict(LORA), **{"lora.targets": targets})
+        return [(x.name, x.paths) for x in targeted(c.model, c.lora)[0]]
+    assert [n for n, _ in names("llama", ["q_proj", "self_attn.v_proj"])] == [
         "self_attn.q_proj", "self_attn.v_proj"]
-    assert list(targeted("gpt", ["c_proj"])) == ["attn.c_proj", "mlp.c_proj"]  # peft's rule
-    assert projection_paths("gpt", ["c_attn"]) == ["attention/query", "attention/key",
-                                                   "attention/value"]
+    assert [n for n, _ in names("gpt", ["c_proj"])] == ["attn.c_proj", "mlp.c_proj"]  # peft's
+    assert names("gpt", ["c_attn"]) == [("attn.c_attn", ("attention/query", "attention/key",
+                                                         "attention/value"))]
     with pytest.raises(ConfigError, match=r"lora.targets: 'c_fc' names no projection of "
                                           r"the llama family"):
         build_model(tiny_config("llama", **dict(LORA), **{"lora.targets": ["c_fc"]}))

@@ -124,17 +124,17 @@ def test_flops_count_the_active_parameters():
     ({"model.moe_dispatch": "grouped", "model.moe_capacity_factor": 1.25},
      "model.moe_dispatch=grouped, which is dropless"),
     ({"model.mlp_only_layers": "[3]"}, r"\[3\] are not layers of this 3-layer model"),
-    ({"lora.rank": 4}, "LoRA on the expert projections is not implemented"),
-    ({"lora.rank": 4, "lora.targets": "[q_proj,up_proj]"}, "is not implemented"),
 ])
 def test_config_refuses_what_cannot_be_built(overrides, message):
     with pytest.raises(ConfigError, match=message):
         _config(**overrides)
 
 
-def test_lora_on_the_attention_of_a_mixture_of_experts_is_accepted():
-    cfg = _config(**{"lora.rank": 4, "lora.targets": "[q_proj,k_proj,v_proj,o_proj]"})
-    assert cfg.lora.rank == 4
+def test_lora_on_a_mixture_of_experts_is_accepted():
+    # on its attention, and on its experts (tests/models/test_moe_lora.py)
+    for targets in ("[q_proj,k_proj,v_proj,o_proj]", "[]", "[q_proj,up_proj]"):
+        cfg = _config(**{"lora.rank": 4, "lora.targets": targets})
+        assert cfg.lora.rank == 4
 
 
 def test_mlp_only_layers_parse_as_integers():

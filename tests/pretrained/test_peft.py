@@ -266,3 +266,81 @@ def test_a_mixture_of_experts_attention_adapter_round_trips_through_peft(name, t
         np.testing.assert_array_equal(mine[key], source[key], err_msg=key)
     reloaded = peft.PeftModel.from_pretrained(ref.load(tmp_path / "hf"), str(tmp_path / "out"))
     ref.assert_same_model(ref.logits(reloaded.eval(), ids), theirs)
+
+
+@pytest.mark.slow  # two imports, three exports and peft's loads: ~60 s each under load
+@pytest.mark.parametrize("name,targets,parameters", [
+    # both expert parameters (peft nests down_proj's wrapper around gate_up_proj's: the
+    # latter's tensors are named experts.base_layer.lora_*); peft would read gate_proj,
+    # up_proj and down_proj as the experts' (transformers 4 names): see the next test
+    ("qwen3_moe", ["q_proj", "v_proj"], ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]),
+    # one expert parameter alone (experts.lora_*), by its last part as peft allows
+    ("mixtral", ["o_proj"], ["gate_up_proj"])])
+def test_an_expert_adapter_round_trips_through_peft(name, targets, parameters, tmp_path,
+                                                    capsys):
+    """LoRA on the experts, peft's target_parameters (its ParamWrapper: per expert one
+    lora_A (E r, in) shared by gate and up, lora_B (out, r E)): peft's adapter imports
+    on an expert-parallel mesh with peft's logits, exports back bit for bit, loads in
+    peft with them, and merges into a folder transformers computes them from."""
+    ref.save(name, tmp_path / "hf")
+    torch, _ = ref.load_torch_transformers()
+    peft = _peft()
+    config = peft.LoraConfig(r=4, lora_alpha=8.0, init_lora_weights=False,
+                             target_modules=targets, target_parameters=parameters,
+                             task_type="CAUSAL_LM")
+    torch.manual_seed(4)
+    adapted = peft.get_peft_model(ref.load(tmp_path / "hf"), config)
+    with torch.no_grad():  # A and B of std 0.3: the adapter moves every logit
+        for n, p in adapted.named_parameters():
+            if "lora_" in n:
+                p.copy_(torch.randn(p.shape) * 0.3)
+    adapted.save_pretrained(str(tmp_path / "adapter"))
+    ids = helpers.token_ids()
+    theirs = ref.logits(adapted.eval(), ids)
+    base = ref.logits(ref.load(tmp_path / "hf"), ids)
+    assert np.abs(theirs - base).max() > 0.1 * np.abs(base).max()  # the adapter matters
+    _import(tmp_path, name, "--adapter", str(tmp_path / "adapter"),
+            "--set", "mesh.axes=data=2,model=4")  # two of the four experts per device
+    ref.assert_same_model(_tfllm_logits(tmp_path / "run", ids), theirs)
+    # vLLM does not serve these adapters: refused unless asked, in one line
+    capsys.readouterr()
+    assert main(["export", "--workdir", str(tmp_path / "run"), "--out",
+                 str(tmp_path / "out"), "--format", "peft"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "target_parameters" in err[0] and "--merge-lora" in err[0], err
+    assert main(["export", "--workdir", str(tmp_path / "run"), "--out",
+                 str(tmp_path / "out"), "--format", "peft", "--skip-vllm-checks"]) == 0
+    mine, source = ref.safetensors_of(tmp_path / "out"), ref.safetensors_of(tmp_path / "adapter")
+    assert sorted(mine) == sorted(source)
+    for key in source:
+        np.testing.assert_array_equal(mine[key], source[key], err_msg=key)
+    with open(tmp_path / "out" / "adapter_config.json") as f:
+        written = json.load(f)
+    assert sorted(written["target_parameters"]) == sorted(
+        f"mlp.experts.{p.rsplit('.', 1)[-1]}" for p in parameters)
+    reloaded = peft.PeftModel.from_pretrained(ref.load(tmp_path / "hf"), str(tmp_path / "out"))
+    ref.assert_same_model(ref.logits(reloaded.eval(), ids), theirs)
+    assert main(["export", "--workdir", str(tmp_path / "run"), "--out",
+                 str(tmp_path / "merged"), "--format", "hf", "--merge-lora"]) == 0
+    ref.assert_same_model(ref.logits(ref.load(tmp_path / "merged"), ids), theirs)
+
+
+@pytest.mark.slow  # an import of the tiny model: ~15 s under load
+def test_lora_on_the_dense_mlp_of_a_qwen3_moe_has_no_peft_form(tmp_path, capsys):
+    """peft rewrites target_modules gate_proj/up_proj/down_proj of an MoE model into its
+    experts' target_parameters (transformers 4's names): tfllm trains adapters on the
+    dense layer's MLP (model.mlp_only_layers) but refuses to write them for peft, in one
+    line naming the fix, and merges them."""
+    ref.save("qwen3_moe", tmp_path / "hf")
+    _import(tmp_path, "qwen3_moe", "--set", "lora.rank=8",
+            "--set", "lora.targets=[q_proj,gate_proj,experts.down_proj]",
+            "--set", "mesh.axes=data=2,model=4")
+    capsys.readouterr()
+    assert main(["export", "--workdir", str(tmp_path / "run"), "--out",
+                 str(tmp_path / "out"), "--format", "peft", "--skip-vllm-checks"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "dense layers' MLP" in err[0] and "mlp.gate_proj" in err[0] \
+        and "--merge-lora" in err[0], err
+    assert not (tmp_path / "out").exists()
+    assert main(["export", "--workdir", str(tmp_path / "run"), "--out",
+                 str(tmp_path / "merged"), "--format", "hf", "--merge-lora"]) == 0

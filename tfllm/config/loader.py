@@ -317,7 +317,7 @@ def validate(cfg: schema.Config) -> None:
     if rope_only and m.family == "gpt":
         raise ConfigError(f"model.{rope_only[0]} is a setting of the llama and gemma3 "
                           "families; the gpt family has none: leave it 0.")
-    check_experts(m, cfg.lora, cfg.precision)
+    check_experts(m, cfg.precision)
     if m.sliding_window_pattern and not m.sliding_window:
         raise ConfigError(f"model.sliding_window_pattern={m.sliding_window_pattern} needs "
                           "model.sliding_window (the local layers' window), e.g. 4096.")
@@ -372,9 +372,10 @@ def validate(cfg: schema.Config) -> None:
     check_objective(cfg)
 
 
-def check_experts(m: schema.ModelConfig, lora: schema.LoraConfig,
+def check_experts(m: schema.ModelConfig,
                   precision: Optional[schema.PrecisionConfig] = None) -> None:
-    """Refuses a mixture-of-experts model section tfllm cannot build (or adapt)."""
+    """Refuses a mixture-of-experts model section tfllm cannot build (what LoRA on its
+    experts cannot be: `tfllm.models.lora.targeted`)."""
     if not m.num_experts:
         return
     if precision is not None and precision.policy == "fp8" and m.moe_dispatch == "grouped":
@@ -387,16 +388,6 @@ def check_experts(m: schema.ModelConfig, lora: schema.LoraConfig,
                               "expert GEMMs need the slots dispatch (the grouped matmul has "
                               "no FP8 form); set model.moe_dispatch=slots, or keep the MLPs "
                               "in bf16 with precision.fp8_exclude=[mlp].")
-    mlp = ("gate_proj", "up_proj", "down_proj")
-    if lora.rank and (not lora.targets or any(t.split(".")[-1] in mlp
-                                              for t in lora.targets)):
-        raise ConfigError(f"lora.targets={lora.targets or '[] (every projection)'} with "
-                          f"model.num_experts={m.num_experts}: LoRA on the expert "
-                          "projections is not implemented (peft adapts transformers' fused "
-                          "expert parameters gate_up_proj/down_proj only via "
-                          "target_parameters, one A per expert shared by gate and up, which "
-                          "tfllm neither trains nor exports); adapt the attention: "
-                          "--set lora.targets=[q_proj,k_proj,v_proj,o_proj].")
     if m.family != "llama":
         raise ConfigError(f"model.num_experts={m.num_experts}: mixtures of experts are "
                           f"llama-family models (Qwen3-MoE, Mixtral); set model.family=llama "

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import copy
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
@@ -185,12 +185,21 @@ class LoraNames:
       layer_prefix: where layer i's modules live ("model.layers.{i}.").
       fan_in_fan_out: the modules are Conv1D, weights (in, out) (peft's flag).
       vllm_refusal: why vLLM refuses this family's adapters, or None.
+      experts: {Hugging Face parameter name inside layer i: tfllm projection paths}: the
+        stacked expert parameters of a mixture-of-experts layer, which peft adapts through
+        `target_parameters` (its ParamWrapper: per expert one A (r, in) shared by the
+        paths and one B (out, r), out the paths' outputs stacked), in the order the
+        Hugging Face module registers them (peft nests its wrappers so: the first is the
+        innermost, its adapter named `...experts.base_layer.lora_A` under a second). They
+        exist on sparse layers only, and a module whose paths they share (the dense MLP's)
+        on dense layers only.
     """
 
     modules: Dict[str, Tuple[str, ...]]
     layer_prefix: str
     fan_in_fan_out: bool = False
     vllm_refusal: Optional[str] = None
+    experts: Dict[str, Tuple[str, ...]] = field(default_factory=dict)
 
 
 # ---- layer kinds ------------------------------------------------------------------------

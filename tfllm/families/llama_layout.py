@@ -24,7 +24,11 @@ LORA = LoraNames(
              "self_attn.o_proj": ("attention/output",),
              "mlp.gate_proj": ("mlp/gate",), "mlp.up_proj": ("mlp/up",),
              "mlp.down_proj": ("mlp/down",)},
-    layer_prefix="model.layers.{i}.")
+    layer_prefix="model.layers.{i}.",
+    # transformers 5's fused experts (Qwen3-MoE, Mixtral): gate_up_proj (E, 2F, D), the
+    # gate's rows first, then down_proj (E, D, F), registered in this order
+    experts={"mlp.experts.gate_up_proj": ("mlp/gate", "mlp/up"),
+             "mlp.experts.down_proj": ("mlp/down",)})
 
 
 # ---- keras-hub --------------------------------------------------------------------------

@@ -228,6 +228,6 @@ def capacity_problem(m):
             "model.moe_capacity_factor=0)")
 
 
-#: LoRA names: the attention's projections and the dense layers' MLP (peft's target
-#: modules; expert projections are not LoRA targets in tfllm yet)
+#: LoRA names: the attention's projections, the dense layers' MLP (peft's target_modules)
+#: and the sparse layers' fused expert parameters (peft's target_parameters)
 LORA = layout.LORA

@@ -213,7 +213,8 @@ def export_hf(config, workdir: str, out: str, dtype: str = "float32",
     def produce(t: Tensor) -> np.ndarray:
         arrays = [reader.whole(prefix + s).astype(np.float32, copy=False) for s in t.sources]
         if merge_lora:
-            arrays = [peft.merged(reader, prefix, s, a, lora) for s, a in zip(t.sources, arrays)]
+            arrays = [peft.merged(reader, prefix, s, a, lora, m)
+                      for s, a in zip(t.sources, arrays)]
         array = t.make(*arrays)
         if tuple(array.shape) != t.shape:
             raise PretrainedError(f"{t.key}: made shape {list(array.shape)} from "
@@ -285,7 +286,10 @@ def export_peft(config, workdir: str, out: str, dtype: str = "float32",
     out = require_new_folder(out, workdir)
     origin = read_origin(workdir) or {}
     family = family_for(config.model, origin.get("backbone"))
-    why = peft.vllm_refusal(family, lora) if vllm_check else None
+    why = peft.peft_refusal(config.model, family, lora)
+    if why:
+        raise PretrainedError(f"--format peft: {why}.")
+    why = peft.vllm_refusal(family, lora, config.model) if vllm_check else None
     if why:
         raise PretrainedError(f"--format peft: {why}; or pass --skip-vllm-checks for an "
                               "adapter only peft loads.")
@@ -303,9 +307,12 @@ def export_peft(config, workdir: str, out: str, dtype: str = "float32",
             # The checkpoint's adapters decide the export: an A (in..., r) or B (r, out...)
             # of another rank (or size) than the config's is refused before writing.
             shape = [int(n) for n in reader.variables[prefix + s]["shape"]]
-            rank = shape[-1] if s.endswith("/lora_a") else shape[0]
-            if rank != lora.rank or math.prod(shape) != rank * (
-                    t.shape[1] if s.endswith("/lora_a") else t.shape[0] // len(t.sources)):
+            is_a = s.endswith("/lora_a")
+            rank = shape[-1] if is_a else shape[0]
+            # an expert adapter holds one adapter per expert (peft's E r rows or columns)
+            size = (math.prod(t.shape) // len(t.sources) if peft.expert_adapter(config.model, s)
+                    else rank * (t.shape[1] if is_a else t.shape[0] // len(t.sources)))
+            if rank != lora.rank or math.prod(shape) != size:
                 raise PretrainedError(
                     f"{path}: {prefix + s} is {shape} (rank {rank}), not what lora.rank="
                     f"{lora.rank} and the model's sizes give for {t.key}: a checkpoint's "
@@ -320,7 +327,8 @@ def export_peft(config, workdir: str, out: str, dtype: str = "float32",
             raise RuntimeError(f"{t.key}: made {array.shape}, expected {t.shape}")
         return array.astype(np_dtype)
 
-    config_json = peft.adapter_config(family, lora, patterns, origin.get("preset"))
+    config_json = peft.adapter_config(config.model, family, lora, patterns,
+                                       origin.get("preset"))
     with files.written_atomically(out) as tmp:
         with files.open_for_writing(tmp, peft.ADAPTER_CONFIG) as f:
             json.dump(config_json, f, indent=2, sort_keys=True)

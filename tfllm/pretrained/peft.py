@@ -26,13 +26,14 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import struct
 from typing import Dict, List, Optional, Tuple
 
 import numpy as np
 
 from tfllm.families import Family, LoraNames, PretrainedError, Tensor, lora_names
-from tfllm.models.lora import matches, scale, targeted
+from tfllm.models.lora import a_source, expert_adapter, matches, scale, targeted
 
 ADAPTER_CONFIG, ADAPTER_WEIGHTS = "adapter_config.json", "adapter_model.safetensors"
 #: the ranks vLLM's --max-lora-rank accepts (vllm/config/lora.py)
@@ -70,15 +71,23 @@ def adapter_tensors(m, family: Family, lora) -> Tuple[List[Tensor], dict]:
       lora: the run's lora config (rank > 0).
     """
     r = lora.rank
-    modules = targeted(family.model_family, list(lora.targets))
     tensors, patterns = [], {"rank_pattern": {}, "alpha_pattern": {}}
-    for i in range(m.num_layers):
+    for i, layer in enumerate(targeted(m, lora)):
         prefix = _PEFT_PREFIX + family.lora.layer_prefix.format(i=i)
-        for module, paths in modules.items():
-            sources = [f"block_{i}/{p}" for p in paths]
-            a_src = tuple(s + "/lora_a" for s in sources)
+        wrapped = [x.name for x in layer if x.experts]
+        for x in layer:
+            sources = [f"block_{i}/{p}" for p in x.paths]
             b_src = tuple(s + "/lora_b" for s in sources)
-            if len(paths) == 1:
+            if x.experts:
+                key = prefix + _expert_module(x.name, wrapped)
+                e, d_in = m.num_experts, _in_size(m, x.paths[0], True)
+                tensors.append(Tensor(key + ".lora_A.weight", (sources[0] + "/lora_a",),
+                                      (e * r, d_in), _experts_a))
+                tensors.append(Tensor(key + ".lora_B.weight", b_src, (sum(
+                    _out_size(m, p, True) for p in x.paths), r * e), _experts_b))
+                continue
+            a_src = tuple(s + "/lora_a" for s in sources)
+            if len(x.paths) == 1:
                 a_make, b_make = _flat_a, _flat_b
                 rank = r
             else:  # GPT-2's c_attn: one rank-3r adapter, block-diagonal B
@@ -93,18 +102,56 @@ def adapter_tensors(m, family: Family, lora) -> Tuple[List[Tensor], dict]:
                         out[row:row + f.shape[0], k * r:(k + 1) * r] = f
                         row += f.shape[0]
                     return out
-                rank = r * len(paths)
-                leaf = module.rsplit(".", 1)[-1]
+                rank = r * len(x.paths)
+                leaf = x.name.rsplit(".", 1)[-1]
                 patterns["rank_pattern"][leaf] = rank
                 # the same scale s at rank 3r: alpha' / 3r = alpha / r (rsLoRA: / sqrt)
                 patterns["alpha_pattern"][leaf] = lora.alpha * (
-                    math.sqrt(len(paths)) if lora.rslora else len(paths))
-            tensors.append(Tensor(prefix + module + ".lora_A.weight", a_src,
-                                  (rank, _in_size(m, family, paths[0])), a_make))
-            tensors.append(Tensor(prefix + module + ".lora_B.weight", b_src,
-                                  (sum(_out_size(m, family, p) for p in paths), rank),
-                                  b_make))
+                    math.sqrt(len(x.paths)) if lora.rslora else len(x.paths))
+            tensors.append(Tensor(prefix + x.name + ".lora_A.weight", a_src,
+                                  (rank, _in_size(m, x.paths[0])), a_make))
+            tensors.append(Tensor(prefix + x.name + ".lora_B.weight", b_src,
+                                  (sum(_out_size(m, p) for p in x.paths), rank), b_make))
     return tensors, patterns
+
+
+# ---- expert parameters (peft's target_parameters, its ParamWrapper) ----------------------
+# peft adapts a 3-D parameter (E, out, in) (transformers' F.linear orientation) with
+# lora_A (E r, in), row e r + k (expert-major), and lora_B (out, r E), column k E + e
+# (rank-major): expert e's update is s B[:, k E + e] A[e r + k, :] summed over k. tfllm's
+# A (E, in, r) and B (r, E, out) are the same numbers in another order.
+
+def _expert_module(name: str, wrapped: List[str]) -> str:
+    """peft's module name of an expert parameter's adapter: peft wraps the parameters of
+    one module in their registration order (`LoraNames.experts`), each wrapper around the
+    last, so an earlier one sits `base_layer.` deeper per later one
+    (mlp.experts.base_layer.lora_A for gate_up_proj under down_proj's mlp.experts.lora_A)."""
+    module = name.rsplit(".", 1)[0]
+    later = len(wrapped) - 1 - wrapped.index(name)
+    return module + ".base_layer" * later
+
+
+def _experts_a(a):
+    """tfllm A (E, in, r) -> peft lora_A (E r, in)."""
+    e, d, r = a.shape
+    return a.transpose(0, 2, 1).reshape(e * r, d)
+
+
+def _experts_b(*bs):
+    """tfllm Bs (r, E, out_j) -> peft lora_B (sum out_j, r E), the paths' rows stacked."""
+    return np.concatenate([b.reshape(-1, b.shape[-1]).T for b in bs], axis=0)
+
+
+def _experts_a_in(a, r: int):
+    """peft lora_A (E r, in) -> tfllm's A (E, in, r) flattened to (E in, r)."""
+    e = a.shape[0] // r
+    return a.reshape(e, r, -1).transpose(0, 2, 1).reshape(-1, r)
+
+
+def _experts_b_in(b, r: int):
+    """peft lora_B rows (out, r E) -> tfllm's B (r, E, out) flattened to (r, E out)."""
+    out, e = b.shape[0], b.shape[1] // r
+    return b.reshape(out, r, e).transpose(1, 2, 0).reshape(r, e * out)
 
 
 def _dims(m):
@@ -114,35 +161,73 @@ def _dims(m):
     return m.hidden_dim, h * hd, kv * hd, m.intermediate_dim
 
 
-def _in_size(m, family, path) -> int:
+def _in_size(m, path, experts: bool = False) -> int:
+    """The input size of projection `path` (an expert's, with `experts`)."""
     e, q, _, f = _dims(m)
+    if experts:
+        f = m.moe_intermediate_dim or f
     return {"attention/output": q, "mlp/down": f}.get(path, e)
 
 
-def _out_size(m, family, path) -> int:
+def _out_size(m, path, experts: bool = False) -> int:
+    """The output size of projection `path` (an expert's, with `experts`)."""
     e, q, kv, f = _dims(m)
+    if experts:
+        f = m.moe_intermediate_dim or f
     return {"attention/query": q, "attention/key": kv, "attention/value": kv,
             "mlp/gate": f, "mlp/up": f}.get(path, e)
 
 
-def vllm_refusal(family: Family, lora) -> Optional[str]:
-    """Why vLLM would refuse or silently ignore this adapter of `family`, or None."""
+def vllm_refusal(family: Family, lora, m) -> Optional[str]:
+    """Why vLLM would refuse or silently ignore this adapter of `family` on model section
+    `m`, or None."""
     if family.lora.vllm_refusal:
         return family.lora.vllm_refusal
+    experts = sorted({x.name for layer in targeted(m, lora) for x in layer if x.experts})
+    if experts:
+        # vLLM reads peft's (E r, in) / (out, r E) expert tensors with another layout or
+        # drops them (vllm-project/vllm#41384 and #52194, both unmerged)
+        return (f"vLLM does not serve peft's target_parameters adapters of fused experts "
+                f"({', '.join(experts)}): export merged weights (--format hf --merge-lora)")
     if lora.rank not in VLLM_RANKS:
         return (f"lora.rank={lora.rank} is not a rank vLLM serves (--max-lora-rank takes "
                 f"{', '.join(map(str, VLLM_RANKS))}): train with one of them")
     return None
 
 
-def adapter_config(family: Family, lora, patterns: dict, base: Optional[str]) -> dict:
-    """adapter_config.json of the run's adapters (see the module docstring)."""
-    modules = targeted(family.model_family, list(lora.targets))
+def peft_refusal(m, family: Family, lora) -> Optional[str]:
+    """What of this adapter peft cannot load onto `family`'s transformers model, or None.
+
+    peft (0.19+, with transformers 5) reads the MLP names gate_proj / up_proj / down_proj
+    of a mixture of experts' adapter as the experts' of transformers 4 and rewrites them
+    into target_parameters (`convert_peft_config_for_transformers`): LoRA on the dense
+    layers of a Qwen3-MoE (model.mlp_only_layers) has no peft form."""
+    if not m.num_experts:
+        return None
+    expert_paths = {p for ps in family.lora.experts.values() for p in ps}
+    dense = [x.name for x in dict.fromkeys(x for layer in targeted(m, lora) for x in layer)
+             if not x.experts and set(x.paths) & expert_paths]
+    if not dense:
+        return None
+    return (f"peft cannot load LoRA on the dense layers' MLP of a {family.model_type} model "
+            f"({', '.join(dense)}): it reads those names as the experts' (transformers 4's) "
+            "and adapts the experts instead; export merged weights (--format hf "
+            "--merge-lora), or train with lora.targets without them")
+
+
+def adapter_config(m, family: Family, lora, patterns: dict, base: Optional[str]) -> dict:
+    """adapter_config.json of the run's adapters (see the module docstring) on model
+    section `m`."""
+    used = [x for layer in targeted(m, lora) for x in layer]
+    modules = [n for n in family.lora.modules if any(x.name == n for x in used)]
+    experts = [n for n in family.lora.experts if any(x.name == n for x in used)]
     return {
         "peft_type": "LORA", "task_type": "CAUSAL_LM", "r": lora.rank,
         "lora_alpha": lora.alpha, "use_rslora": bool(lora.rslora),
         "lora_dropout": float(lora.dropout),
-        "target_modules": _target_names(family.lora, list(modules)),
+        # peft refuses an empty target_modules list: None with expert parameters only
+        "target_modules": _target_names(family.lora, modules) or None,
+        "target_parameters": experts or None,
         "bias": "none", "use_dora": False, "modules_to_save": None,
         "fan_in_fan_out": family.lora.fan_in_fan_out, "init_lora_weights": True,
         "inference_mode": True, "base_model_name_or_path": base,
@@ -151,16 +236,24 @@ def adapter_config(family: Family, lora, patterns: dict, base: Optional[str]) ->
 
 
 # ---- merged weights (--format hf --merge-lora) -------------------------------------------
-def merged(reader, prefix: str, source: str, array: np.ndarray, lora) -> np.ndarray:
-    """A kernel with its adapter merged, W + s A B, in float32 (tfllm's layout)."""
+def merged(reader, prefix: str, source: str, array: np.ndarray, lora, m) -> np.ndarray:
+    """A kernel with its adapter merged, W + s A B, in float32 (tfllm's layout); an
+    expert kernel (E, in, out) per expert, W_e + s A_e B_e, its A the one its expert
+    parameter shares (up takes gate's); `m` is the run's model section."""
     if not source.endswith("/kernel"):
         return array
     layer = prefix + source[: -len("kernel")]
-    if layer + "lora_a" not in reader.variables:
+    if layer + "lora_b" not in reader.variables:
         return array
-    a = reader.whole(layer + "lora_a").astype(np.float32)
     b = reader.whole(layer + "lora_b").astype(np.float32)
-    return array.astype(np.float32) + np.float32(scale(lora)) * np.tensordot(a, b, axes=1)
+    inner = source[: -len("/kernel")]  # block_i/mlp/up
+    block, path = inner.split("/", 1)
+    owner = f"{prefix}{block}/{a_source(m.family, path)}/lora_a"
+    a = reader.whole(owner).astype(np.float32)
+    s = np.float32(scale(lora))
+    if expert_adapter(m, inner + "/lora_b"):  # A (E, in, r), B (r, E, out)
+        return array.astype(np.float32) + s * np.einsum("eir,reo->eio", a, b)
+    return array.astype(np.float32) + s * np.tensordot(a, b, axes=1)
 
 
 # ---- adapters in (tfllm import --adapter) -------------------------------------------------
@@ -305,24 +398,50 @@ def read_adapter(path: str, family: str) -> Tuple[dict, Dict[str, np.ndarray]]:
     alpha = float(c["lora_alpha"]) if c.get("lora_alpha") is not None else 8.0  # peft's
     rslora = bool(c.get("use_rslora"))
     names = lora_names(family)
-    table = names.modules
     modules = {}
-    for t in c["target_modules"]:
-        hit = [m for m in table if matches(m, t)]
-        if not hit:
-            raise PretrainedError(f"{config_path}: target module {t[:60]!r} is no projection "
-                                  f"tfllm's {family} family has ({sorted(table)}).")
-        modules.update({m: table[m] for m in hit})
+    for field, table in (("target_modules", names.modules),
+                         ("target_parameters", names.experts)):
+        for t in c.get(field) or []:
+            hit = [m for m in table if matches(m, t)]
+            if not hit:
+                raise PretrainedError(f"{config_path}: {field} names {t[:60]!r}, which is no "
+                                      f"{'projection' if table is names.modules else 'expert parameter'}"
+                                      f" tfllm's {family} family has ({sorted(table)}).")
+            modules.update({m: table[m] for m in hit})
+    experts = [m for m in names.experts if m in modules]  # peft's nesting order
     ranks, alphas = c.get("rank_pattern") or {}, c.get("alpha_pattern") or {}
-    _check_patterns(config_path, modules, r, alpha, rslora, ranks, alphas)
+    _check_patterns(config_path, {m: p for m, p in modules.items() if m not in experts},
+                    r, alpha, rslora, ranks, alphas)
+    for key, pattern in (("rank_pattern", ranks), ("alpha_pattern", alphas)):
+        for name in experts:
+            value = pattern.get(name, pattern.get(name.rsplit(".", 1)[-1]))
+            if value is not None and value != (r if key == "rank_pattern" else alpha):
+                raise PretrainedError(f"{config_path}: {key} gives {name} {value}: tfllm "
+                                      "trains one rank and alpha for every module; export "
+                                      "the adapter with one r and lora_alpha.")
     stored = _load_weights(path)
     weights_path = os.path.join(path, ADAPTER_WEIGHTS)
     arrays, used = {}, set()
     layer = names.layer_prefix
-    i = 0
-    while any(k.startswith(_PEFT_PREFIX + layer.format(i=i)) for k in stored):
+    numbered = re.compile(re.escape(_PEFT_PREFIX + layer).replace(r"\{i\}", r"(\d+)"))
+    indices = {int(hit.group(1)) for hit in map(numbered.match, stored) if hit}
+    mlp = {p for paths in names.experts.values() for p in paths}
+    for i in range(max(indices) + 1 if indices else 0):
+        # A mixture of experts' dense layers have the MLP's modules, its sparse ones the
+        # expert parameters: which a layer has shows in its keys (the model then holds
+        # every layer to its kind: `tfllm.pretrained.importer.load_adapter`).
+        has_experts = [m for m in experts
+                       if _PEFT_PREFIX + layer.format(i=i) + _expert_module(m, experts)
+                       + ".lora_A.weight" in stored]
         for module, paths in modules.items():
+            if module in experts:
+                if has_experts:
+                    _read_experts(stored, weights_path, i, module, paths, experts, r, arrays,
+                                  used, layer)
+                continue
             key = _PEFT_PREFIX + layer.format(i=i) + module
+            if set(paths) & mlp and not any(k.startswith(key + ".") for k in stored):
+                continue  # the dense MLP's module, which a sparse layer has not
             try:
                 a, b = stored[key + ".lora_A.weight"], stored[key + ".lora_B.weight"]
             except KeyError as e:
@@ -362,7 +481,6 @@ def read_adapter(path: str, family: str) -> Tuple[dict, Dict[str, np.ndarray]]:
             for k, p in enumerate(paths):  # GPT-2's c_attn: q, k, v share peft's A
                 arrays[f"block_{i}/{p}/lora_a"] = a.T
                 arrays[f"block_{i}/{p}/lora_b"] = b[rows[k]:rows[k + 1]].T
-        i += 1
     extra = sorted(set(stored) - used)
     if extra:
         raise PretrainedError(f"{weights_path}: holds {len(extra)} tensor(s) its "
@@ -376,6 +494,31 @@ def read_adapter(path: str, family: str) -> Tuple[dict, Dict[str, np.ndarray]]:
                 "lora.dropout": float(c.get("lora_dropout") or 0.0),
                 "lora.targets": list(modules)}
     return settings, arrays
+
+
+def _read_experts(stored, weights_path, i, module, paths, experts, r, arrays, used,
+                  layer) -> None:
+    """One expert parameter's lora_A (E r, in) and lora_B (out, r E) of layer i into
+    tfllm's A of its first path and a B per path (`arrays`, flattened as `load_adapter`
+    takes them)."""
+    key = _PEFT_PREFIX + layer.format(i=i) + _expert_module(module, experts)
+    try:
+        a, b = stored[key + ".lora_A.weight"], stored[key + ".lora_B.weight"]
+    except KeyError as e:
+        raise PretrainedError(f"{weights_path}: holds no {e.args[0]}; the adapter does not "
+                              "match its adapter_config.json.") from None
+    used.update((key + ".lora_A.weight", key + ".lora_B.weight"))
+    if a.shape[0] % r or b.shape[1] != a.shape[0] or b.shape[0] % len(paths):
+        raise PretrainedError(f"{weights_path}: {key}.lora_A.weight is {list(a.shape)} and "
+                              f"lora_B.weight {list(b.shape)}, but peft writes an expert "
+                              f"parameter's as (E r, in) and (out, r E) with r = {r} "
+                              "(adapter_config.json); a transposed or other-rank tensor is "
+                              "refused, never reshaped.")
+    a, b = a.astype(np.float32), b.astype(np.float32)
+    arrays[f"block_{i}/{paths[0]}/lora_a"] = _experts_a_in(a, r)
+    rows = b.shape[0] // len(paths)
+    for k, p in enumerate(paths):  # gate_up_proj: the gate's rows, then the up's
+        arrays[f"block_{i}/{p}/lora_b"] = _experts_b_in(b[k * rows:(k + 1) * rows], r)
 
 
 def _check_patterns(config_path, modules, r, alpha, rslora, ranks, alphas) -> None:
@@ -414,7 +557,9 @@ def check_adapter_shapes(arrays: Dict[str, np.ndarray], m, family: str,
     for name, array in arrays.items():
         path = name.split("/", 1)[1].rsplit("/", 1)[0]  # attention/query
         is_a = name.endswith("/lora_a")
-        want = _in_size(m, family, path) if is_a else _out_size(m, family, path)
+        experts = expert_adapter(m, name)
+        want = _in_size(m, path, experts) if is_a else _out_size(m, path, experts)
+        want *= m.num_experts if experts else 1  # (E in, r) and (r, E out)
         have = array.shape[0] if is_a else array.shape[1]
         if have != want:
             peft_name = "lora_A (r, in)" if is_a else "lora_B (out, r)"

@@ -94,12 +94,21 @@ def flops_per_token(model_config, sequence_length: int, lora_config=None) -> int
     attention = 2 * 2 * pairs * heads * head_dim / T
     if lora_config is None or lora_config.rank <= 0:
         return round(3 * (weights + attention))
-    from tfllm.models.lora import projection_paths
+    from tfllm.models.lora import targeted
     sizes = {"attention/query": (E, heads * head_dim), "attention/key": (E, kv * head_dim),
              "attention/value": (E, kv * head_dim), "attention/output": (heads * head_dim, E),
              "mlp/gate": (E, F), "mlp/up": (E, F), "mlp/down": (F, E)}
-    adapters = 2 * L * lora_config.rank * sum(
-        sum(sizes[p]) for p in projection_paths(c.family, list(lora_config.targets)))
+    width = (c.moe_intermediate_dim or F) if moe else F
+    expert_sizes = {"mlp/gate": (E, width), "mlp/up": (E, width), "mlp/down": (width, E)}
+
+    def adapter_macs(x) -> int:
+        if not x.experts:
+            return sum(sum(sizes[p]) for p in x.paths)
+        # each of a token's k experts: one A (shared by gate and up), a B per path
+        return c.num_experts_per_tok * (expert_sizes[x.paths[0]][0] + sum(
+            expert_sizes[p][1] for p in x.paths))
+    adapters = 2 * lora_config.rank * sum(
+        adapter_macs(x) for layer in targeted(c, lora_config) for x in layer)
     return round(2 * weights + 3 * (attention + adapters))
 
 

@@ -113,15 +113,17 @@ class Projection(keras.layers.Layer):
                 fan_in *= self.kernel_shape[i]
             # peft's default A init is Kaiming-uniform(a=sqrt(5)): U(-1/sqrt(fan_in), ..),
             # variance 1 / (3 fan_in); B starts at zero.
-            self.lora_a = add_param(
-                self, "lora_a", [self.kernel_shape[i] for i in self._in_dims] + [lora.rank],
-                [self.kernel_axes[i] for i in self._in_dims] + [None],
-                ("normal", (3.0 * fan_in) ** -0.5), "kernel")
+            if not lora.shares_a:  # else the hidden x A comes with the input (`call`)
+                self.lora_a = add_param(
+                    self, "lora_a", [self.kernel_shape[i] for i in self._in_dims] + [lora.rank],
+                    [self.kernel_axes[i] for i in self._in_dims] + [None],
+                    ("normal", (3.0 * fan_in) ** -0.5), "kernel")
+                # Imported weights fill the model (built with zeros); adapters start so.
+                self.lora_a.init_when_loading = True
             self.lora_b = add_param(
                 self, "lora_b", [lora.rank] + [self.kernel_shape[i] for i in self._out_dims],
                 [None] + [self.kernel_axes[i] for i in self._out_dims], ("zeros",), "kernel")
-            # Imported weights fill the model (built with zeros); adapters start from this.
-            self.lora_a.init_when_loading = self.lora_b.init_when_loading = True
+            self.lora_b.init_when_loading = True
         if self.use_bias:
             self.bias = add_param(self, "bias", [self.kernel_shape[i] for i in self._bias_dims],
                                   [self.kernel_axes[i] for i in self._bias_dims], ("zeros",),
@@ -134,7 +136,14 @@ class Projection(keras.layers.Layer):
                 from tfllm.precision.fp8 import WeightCodec
                 self.kernel.gather_codec = WeightCodec(self.fp8, self.fp8_history[1])
 
-    def call(self, x):
+    def call(self, x, lora_hidden=None):
+        """y = x W (+ s h B with an adapter, h = x A or `lora_hidden`) (+ bias).
+
+        Args:
+          x: the input.
+          lora_hidden: the adapter's hidden x A (`lora_hidden`) of the projection whose A
+            this one shares (`LoraSpec.shares_a`); None computes this one's own.
+        """
         if self.fp8 is not None:
             from tfllm.precision.fp8 import fp8_einsum
 
@@ -149,9 +158,7 @@ class Projection(keras.layers.Layer):
         y = weight_product(product, x, self.kernel, self.kernel_axes, self.name, extra,
                            equation=self.equation, einsum=einsum)
         if self.lora is not None and not adapters.disabled():  # off: DPO's reference
-            if self.lora.dropout and noise.current() is not None:  # training
-                x = noise.dropout(x, self.lora.dropout, self.path)
-            y = y + self._adapter(x)
+            y = y + self._adapter(x, lora_hidden)
         if self.use_bias:
             y = apply_weight(lambda y, b: y + b, y, self.bias, self.bias.logical_axes,
                              self.name)
@@ -160,13 +167,25 @@ class Projection(keras.layers.Layer):
         return y
 
 
-    def _adapter(self, x):
+    def lora_hidden(self, x):
+        """dropout(x) A: the adapter's rank-r hidden (dropout in training only)."""
+        if self.lora.shares_a:
+            raise ValueError(f"{self.name}: its adapter shares another projection's A; "
+                             "call it with that projection's lora_hidden.")
+        if self.lora.dropout and noise.current() is not None:  # training
+            x = noise.dropout(x, self.lora.dropout, self.path)
+        to_a = self._lora_equations[0]
+        return weight_product(lambda x, w: tf.einsum(to_a, x, w), x, self.lora_a,
+                              self.lora_a.logical_axes, self.name, equation=to_a,
+                              einsum=tf.einsum)
+
+    def _adapter(self, x, h=None):
         """s (x A) B: the low-rank update, in the compute dtype like the kernel's product."""
-        to_a, to_b = self._lora_equations
-        plain = lambda eq: lambda x, w: tf.einsum(eq, x, w)  # noqa: E731
-        h = weight_product(plain(to_a), x, self.lora_a, self.lora_a.logical_axes,
-                           self.name, equation=to_a, einsum=tf.einsum)
-        h = weight_product(plain(to_b), h, self.lora_b, self.lora_b.logical_axes,
+        to_b = self._lora_equations[1]
+        if h is None:
+            h = self.lora_hidden(x)
+        h = weight_product(lambda x, w: tf.einsum(to_b, x, w), h, self.lora_b,
+                           self.lora_b.logical_axes,
                            self.name, equation=to_b, einsum=tf.einsum)
         return h * tf.cast(self.lora.scale, h.dtype)
 

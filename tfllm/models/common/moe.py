@@ -37,7 +37,7 @@ from typing import List, NamedTuple, Optional, Sequence
 import keras
 import tensorflow as tf
 
-from tfllm.models.common import noise
+from tfllm.models.common import adapters, noise
 from tfllm.models.common.dispatch import (expert_capacity, gather_back, gather_rows,
                                           plan_grouped, plan_slots)
 from tfllm.models.common.grouped import grouped_matmul
@@ -350,20 +350,48 @@ class MoeMLP(keras.layers.Layer):
                                              self.hidden_dim]), _SLOTS_EMBED, self.name)
         at_experts = constrain(tf.transpose(buffer, [1, 0, 2, 3]), _EXPERTS_EMBED,
                                self.name)  # (E, B, C, D): the all-to-all
-        hidden = self._activation()(self.gate(at_experts), self.up(at_experts))
+        h = self._shared_hidden(at_experts, self.gate.lora_hidden)
+        hidden = self._activation()(self.gate(at_experts, lora_hidden=h),
+                                    self.up(at_experts, lora_hidden=h))
         out = self.down(hidden)  # (E, B, C, D)
         back = constrain(tf.transpose(out, [1, 0, 2, 3]), _SLOTS_EMBED,
                          self.name)  # (B, E, C, D): the all-to-all back
         return tf.reshape(back, tf.shape(rows))
 
-    def _grouped_experts(self, rows, plan):
-        """(B, R, D) -> (B, R, D): each tile through its expert's SwiGLU."""
-        def product(projection, x):
-            return weight_product(
-                lambda x, w: grouped_matmul(x, w, plan.tile_expert, plan.tile), x,
-                projection.kernel, projection.kernel_axes, projection.name)
+    def _shared_hidden(self, x, hidden):
+        """The gate's adapter hidden x A (`hidden(x)`) when up shares its A (LoRA on
+        the experts, peft's one A of gate_up_proj): computed once for both; else None."""
+        if self.up.lora is None or not self.up.lora.shares_a or adapters.disabled():
+            return None
+        return hidden(x)
 
-        hidden = self._activation()(product(self.gate, rows), product(self.up, rows))
+    def _grouped_experts(self, rows, plan):
+        """(B, R, D) -> (B, R, D): each tile through its expert's SwiGLU (and its
+        adapters: x A_e then B_e, each a grouped product over the same tiles)."""
+        def grouped(x, w, axes, name, perm=None):
+            def fn(x, w):
+                w = w if perm is None else tf.transpose(w, perm)
+                return grouped_matmul(x, w, plan.tile_expert, plan.tile)
+            return weight_product(fn, x, w, axes, name)
+
+        def hidden_of(projection):
+            # dropout is refused with expert adapters (tfllm.models.lora.targeted)
+            return lambda x: grouped(x, projection.lora_a, projection.lora_a.logical_axes,
+                                     projection.name)  # (B, R, r)
+
+        def product(projection, x, h=None):
+            y = grouped(x, projection.kernel, projection.kernel_axes, projection.name)
+            if projection.lora is None or adapters.disabled():
+                return y
+            if h is None:
+                h = hidden_of(projection)(x)
+            # B (r, E, out) as the grouped product's (E, r, out)
+            delta = grouped(h, projection.lora_b, projection.lora_b.logical_axes,
+                            projection.name, perm=[1, 0, 2])
+            return y + delta * tf.cast(projection.lora.scale, delta.dtype)
+
+        h = self._shared_hidden(rows, hidden_of(self.gate))
+        hidden = self._activation()(product(self.gate, rows, h), product(self.up, rows, h))
         return product(self.down, hidden)
 
     def _stats(self, logits, experts, plan, token_mask):
