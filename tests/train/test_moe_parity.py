@@ -52,6 +52,27 @@ def test_moe_training_on_a_mesh_matches_one_device(axes, more):
                                                           rel=1e-6)
 
 
+#: LoRA on the attention and the experts (tfllm.models.lora: per expert A and B, one A for
+#: gate and up), the base frozen
+EXPERT_LORA = (("lora.rank", 4), ("lora.alpha", 8.0),
+               ("lora.targets", "[q_proj,v_proj,experts.gate_up_proj,experts.down_proj]"))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("axes", ["fsdp=8", "data=2,model=4"])
+def test_lora_on_the_experts_trains_on_a_mesh_as_on_one_device(axes):
+    """The adapters split as their experts do (A (E, D, r) and B (r, E, F) over the
+    batch's axis, F over model): the steps equal one device's, and only A and B train
+    (the optimizer holds state for them alone; every kernel and the router stay)."""
+    extra = EXPERTS + EXPERT_LORA
+    run = parity_run("llama", axes, False, extra)
+    ref = parity_reference("llama", False, extra)
+    assert_parity(run, ref)
+    assert all(p.rsplit("/", 1)[-1] in ("lora_a", "lora_b") for p in run["weights"])
+    assert any("/mlp/up/lora_b" in p for p in run["weights"])
+    assert [v.path for v in run["optimizer"].variables] == run["paths"]
+
+
 @pytest.mark.parametrize("axes,extra,message", [
     ("fsdp=8", (("model.moe_dispatch", "grouped"),),
      "moe_dispatch=grouped runs on one device only .*all-to-all"),
