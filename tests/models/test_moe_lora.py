@@ -134,3 +134,17 @@ def test_flops_count_k_experts_adapters():
     experts = 2 * 3 * 2 * k * r * (d + 2 * f)
     assert adapted - (frozen - q) == experts
     assert adapted < plain
+
+
+def test_the_command_refuses_in_one_line_and_writes_nothing(tmp_path, capsys):
+    from tests.harness import tiny_overrides
+    from tfllm.cli.main import main
+    overrides = tiny_overrides("llama", "data=2,model=4", **{
+        **MOE, "lora.rank": 4, "lora.dropout": 0.1, "train.steps": 1})
+    capsys.readouterr()
+    assert main(["train", "--workdir", str(tmp_path / "run"),
+                 *[a for o in overrides for a in ("--set", o)]]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "lora.dropout=0.1 with LoRA on the experts" in err[0], err
+    assert "set lora.dropout=0" in err[0]
+    assert list(tmp_path.iterdir()) == []

@@ -268,7 +268,7 @@ def test_a_mixture_of_experts_attention_adapter_round_trips_through_peft(name, t
     ref.assert_same_model(ref.logits(reloaded.eval(), ids), theirs)
 
 
-@pytest.mark.slow  # two imports, three exports and peft's loads: ~60 s each under load
+@pytest.mark.slow  # an import, three exports and peft's loads: 6-28 s each (load 9)
 @pytest.mark.parametrize("name,targets,parameters", [
     # both expert parameters (peft nests down_proj's wrapper around gate_up_proj's: the
     # latter's tensors are named experts.base_layer.lora_*); peft would read gate_proj,
@@ -325,7 +325,7 @@ def test_an_expert_adapter_round_trips_through_peft(name, targets, parameters, t
     ref.assert_same_model(ref.logits(ref.load(tmp_path / "merged"), ids), theirs)
 
 
-@pytest.mark.slow  # an import of the tiny model: ~15 s under load
+@pytest.mark.slow  # an import and a merged export: 21 s alone (load 10)
 def test_lora_on_the_dense_mlp_of_a_qwen3_moe_has_no_peft_form(tmp_path, capsys):
     """peft rewrites target_modules gate_proj/up_proj/down_proj of an MoE model into its
     experts' target_parameters (transformers 4's names): tfllm trains adapters on the
@@ -344,3 +344,24 @@ def test_lora_on_the_dense_mlp_of_a_qwen3_moe_has_no_peft_form(tmp_path, capsys)
     assert not (tmp_path / "out").exists()
     assert main(["export", "--workdir", str(tmp_path / "run"), "--out",
                  str(tmp_path / "merged"), "--format", "hf", "--merge-lora"]) == 0
+
+
+def test_transformers_4_expert_names_fuse_to_a_rank_tfllm_does_not_train(tmp_path, capsys):
+    """peft (with transformers 5) turns target_modules gate_proj/up_proj/down_proj of a
+    Qwen3-MoE into target_parameters, gate_up_proj at rank 2r (rank_pattern) with one A
+    for both: tfllm trains one rank, so the import is refused in one line naming it."""
+    ref.save("qwen3_moe", tmp_path / "hf")
+    torch, _ = ref.load_torch_transformers()
+    peft = _peft()
+    config = peft.LoraConfig(r=4, lora_alpha=8.0, target_modules=["q_proj", "gate_proj",
+                                                                  "up_proj", "down_proj"],
+                             task_type="CAUSAL_LM")
+    peft.get_peft_model(ref.load(tmp_path / "hf"), config).save_pretrained(
+        str(tmp_path / "adapter"))
+    capsys.readouterr()
+    assert main(["import", "--preset", str(tmp_path / "hf"), "--workdir",
+                 str(tmp_path / "run"), "--adapter", str(tmp_path / "adapter")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "rank_pattern gives" in err[0] and "gate_up_proj" in err[0] \
+        and "one rank and alpha" in err[0], err
+    assert not (tmp_path / "run").exists()

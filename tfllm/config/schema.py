@@ -417,8 +417,11 @@ class LoraConfig:
                             "names as peft's target_modules (a name matches a module path "
                             "or its end): llama, mistral, qwen2/3, gemma3: q_proj k_proj "
                             "v_proj o_proj gate_proj up_proj down_proj; gpt: attn.c_attn "
-                            "attn.c_proj mlp.c_fc mlp.c_proj. Empty: every attention and MLP "
-                            "projection of the family. "
+                            "attn.c_proj mlp.c_fc mlp.c_proj; mixtures of experts also "
+                            "experts.gate_up_proj experts.down_proj (peft's "
+                            "target_parameters: per expert, gate and up sharing one A; the "
+                            "MLP names then mean the dense layers'). Empty: every attention "
+                            "and MLP projection each layer has. "
                             "A name that matches no projection of the family is an error.")
 
 

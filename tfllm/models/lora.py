@@ -174,13 +174,15 @@ def enable_lora(model, lora_config) -> List[str]:
     return marked
 
 
-def a_source(family: str, path: str) -> str:
-    """The projection path inside a block whose A adapter `path` uses: its own, or for a
-    later path of an expert parameter the first's (up -> gate)."""
-    for paths in lora_names(family).experts.values():
-        if path in paths:
-            return paths[0]
-    return path
+def a_source(m, variable: str) -> str:
+    """The tfllm variable path ("block_2/mlp/gate/lora_a") of the A that the adapter of
+    projection `variable` ("block_2/mlp/up/lora_b") uses in model section `m`: its own,
+    or on a sparse layer the first path's of its expert parameter (up -> gate)."""
+    block, path = variable.split("/", 1)
+    path = path.rsplit("/", 1)[0]
+    if expert_adapter(m, variable):
+        path = next(ps[0] for ps in lora_names(m.family).experts.values() if path in ps)
+    return f"{block}/{path}/lora_a"
 
 
 def expert_adapter(m, variable: str) -> bool:

@@ -16,6 +16,12 @@ A stacks the three and whose B is block-diagonal (exactly the same update), with
 `rank_pattern` / `alpha_pattern` keeping its scale. vLLM's GPT-2 takes no LoRA, so GPT-2
 adapters are refused unless `vllm_check=False`; the merged export serves everywhere.
 
+A mixture of experts' expert adapters are peft's `target_parameters` on transformers'
+fused `mlp.experts.gate_up_proj` and `mlp.experts.down_proj` (its ParamWrapper): per
+parameter `lora_A` (E r, in) and `lora_B` (out, r E), gate_up's rows the gate's then the
+up's, one A for both (see `_expert_module` for their nested names). vLLM does not serve
+them, and peft cannot load adapters on a Qwen3-MoE's dense MLP (`peft_refusal`).
+
 Adapters read back (`tfllm import --adapter DIR`) become the run's `lora` settings and
 its A and B weights: a standard peft adapter (one rank and alpha, no DoRA, no
 `modules_to_save`) onto the base it was trained on.
@@ -246,12 +252,10 @@ def merged(reader, prefix: str, source: str, array: np.ndarray, lora, m) -> np.n
     if layer + "lora_b" not in reader.variables:
         return array
     b = reader.whole(layer + "lora_b").astype(np.float32)
-    inner = source[: -len("/kernel")]  # block_i/mlp/up
-    block, path = inner.split("/", 1)
-    owner = f"{prefix}{block}/{a_source(m.family, path)}/lora_a"
-    a = reader.whole(owner).astype(np.float32)
+    b_path = source[: -len("kernel")] + "lora_b"  # block_i/mlp/up/lora_b
+    a = reader.whole(prefix + a_source(m, b_path)).astype(np.float32)
     s = np.float32(scale(lora))
-    if expert_adapter(m, inner + "/lora_b"):  # A (E, in, r), B (r, E, out)
+    if expert_adapter(m, b_path):  # A (E, in, r), B (r, E, out)
         return array.astype(np.float32) + s * np.einsum("eir,reo->eio", a, b)
     return array.astype(np.float32) + s * np.tensordot(a, b, axes=1)
 

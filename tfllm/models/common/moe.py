@@ -22,6 +22,11 @@ assignments past C, as GShard and Switch do: see that module for exactly which);
 (`tfllm.models.common.grouped`), the active FLOPs plus tile padding, one device or FSDP
 only. Slots are what expert parallelism relayouts (the all-to-all).
 
+LoRA on the experts (`tfllm.models.lora`): gate, up and down carry per-expert adapters,
+A (E, in, r) and B (r, E, out), laid out as their kernels; up takes gate's hidden x A
+(peft's one A of transformers' fused gate_up_proj), computed once for both, in either
+dispatch (the grouped one as two more grouped products per projection).
+
 The block returns `(y, RouterStats)`: the statistics `load_balancing_loss` combines over
 layers exactly as transformers' `load_balancing_loss_func` does, the router z-loss and
 per-expert assignment counts for metrics.
