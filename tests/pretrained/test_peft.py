@@ -7,6 +7,7 @@ peft loads it; `--format hf --merge-lora` loads in plain transformers with the s
 logits; what vLLM would refuse is refused with one line.
 """
 
+import collections
 import json
 
 import numpy as np
@@ -277,7 +278,7 @@ def test_a_mixture_of_experts_attention_adapter_round_trips_through_peft(name, t
     # one expert parameter alone (experts.lora_*), by its last part as peft allows
     ("mixtral", ["o_proj"], ["gate_up_proj"])])
 def test_an_expert_adapter_round_trips_through_peft(name, targets, parameters, tmp_path,
-                                                    capsys):
+                                                    capsys, monkeypatch):
     """LoRA on the experts, peft's target_parameters (its ParamWrapper: per expert one
     lora_A (E r, in) shared by gate and up, lora_B (out, r E)): peft's adapter imports
     on an expert-parallel mesh with peft's logits, exports back bit for bit, loads in
@@ -320,9 +321,14 @@ def test_an_expert_adapter_round_trips_through_peft(name, targets, parameters, t
         f"mlp.experts.{p.rsplit('.', 1)[-1]}" for p in parameters)
     reloaded = peft.PeftModel.from_pretrained(ref.load(tmp_path / "hf"), str(tmp_path / "out"))
     ref.assert_same_model(ref.logits(reloaded.eval(), ids), theirs)
+    # the merge reads each stacked expert kernel once, not once per expert's tensor
+    from tfllm.checkpoint.reader import Reader
+    reads, whole = collections.Counter(), Reader.whole
+    monkeypatch.setattr(Reader, "whole", lambda self, n: reads.update([n]) or whole(self, n))
     assert main(["export", "--workdir", str(tmp_path / "run"), "--out",
                  str(tmp_path / "merged"), "--format", "hf", "--merge-lora"]) == 0
     ref.assert_same_model(ref.logits(ref.load(tmp_path / "merged"), ids), theirs)
+    assert max(n for k, n in reads.items() if k.endswith("/kernel")) == 1, reads
 
 
 @pytest.mark.slow  # an import and a merged export: 21 s alone (load 10)

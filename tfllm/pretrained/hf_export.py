@@ -22,12 +22,13 @@ next to `out` and renamed last; an existing `out` is never replaced.
 
 from __future__ import annotations
 
+import collections
 import json
 import math
 import os
 import re
 import struct
-from typing import Callable, List, Optional, Sequence, Tuple
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
@@ -210,12 +211,26 @@ def export_hf(config, workdir: str, out: str, dtype: str = "float32",
                                       "checkpoint does not match the run's model config.")
     code, np_dtype = DTYPES[dtype], np.dtype(tf.as_dtype(dtype).as_numpy_dtype)
 
+    # A stacked expert kernel feeds the E per-expert tensors written one after another:
+    # it is read (and merged) once and kept until its last tensor is written, not E times.
+    uses = collections.Counter(s for t in tensors for s in t.sources)
+    kept: Dict[str, np.ndarray] = {}
+
+    def source_array(s: str) -> np.ndarray:
+        a = kept.get(s)
+        if a is None:
+            a = reader.whole(prefix + s).astype(np.float32, copy=False)
+            if merge_lora:
+                a = peft.merged(reader, prefix, s, a, lora, m)
+        uses[s] -= 1
+        if uses[s] > 0:
+            kept[s] = a
+        else:
+            kept.pop(s, None)
+        return a
+
     def produce(t: Tensor) -> np.ndarray:
-        arrays = [reader.whole(prefix + s).astype(np.float32, copy=False) for s in t.sources]
-        if merge_lora:
-            arrays = [peft.merged(reader, prefix, s, a, lora, m)
-                      for s, a in zip(t.sources, arrays)]
-        array = t.make(*arrays)
+        array = t.make(*[source_array(s) for s in t.sources])
         if tuple(array.shape) != t.shape:
             raise PretrainedError(f"{t.key}: made shape {list(array.shape)} from "
                                   f"{list(t.sources)}, transformers expects {list(t.shape)}; "
