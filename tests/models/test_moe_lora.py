@@ -148,3 +148,22 @@ def test_the_command_refuses_in_one_line_and_writes_nothing(tmp_path, capsys):
     assert len(err) == 1 and "lora.dropout=0.1 with LoRA on the experts" in err[0], err
     assert "set lora.dropout=0" in err[0]
     assert list(tmp_path.iterdir()) == []
+
+
+def test_fp8_expert_gemms_take_adapters():
+    # precision.policy=fp8: the expert GEMMs in FP8, their adapters in the compute dtype;
+    # fresh adapters (B = 0) leave the FP8 model's logits exactly, and every A and B of
+    # the experts gets a gradient
+    fp8 = {"precision.policy": "fp8"}
+    base = build_model(_config(**fp8))
+    model = build_model(_config(**fp8, **EXPERTS))
+    np.testing.assert_array_equal(model(_tokens()), base(_tokens()))
+    rng = np.random.RandomState(2)
+    for v in model.variables:
+        if v.path.endswith("/lora_b"):
+            v.assign(rng.normal(0, 0.5, v.shape).astype("float32"))
+    with tf.GradientTape() as tape:
+        loss = tf.reduce_mean(tf.square(tf.cast(model(_tokens()), tf.float32)))
+    grads = tape.gradient(loss, model.trainable_variables)
+    for v, g in zip(model.trainable_variables, grads):
+        assert g is not None and float(tf.reduce_max(tf.abs(g))) > 0, v.path

@@ -129,10 +129,14 @@ def test_dpo_adds_the_policy_pass_s_aux_loss():
     assert metrics["rewards/margins"] == pytest.approx(base_metrics["rewards/margins"])
 
 
-def test_chat_sft_with_lora_on_the_attention_trains_a_mixture_of_experts(tmp_path):
+@pytest.mark.parametrize("targets", [
+    "[q_proj,k_proj,v_proj,o_proj]",
+    # the experts too (peft's target_parameters form: tests/models/test_moe_lora.py)
+    "[q_proj,v_proj,experts.gate_up_proj,experts.down_proj]"], ids=["attention", "experts"])
+def test_chat_sft_with_lora_trains_a_mixture_of_experts(tmp_path, targets):
     """Conversations (the chat example, ChatML, loss on the assistant turns) through an MoE
-    model with LoRA on q/k/v/o: the masked loss plus the aux loss goes down, the router
-    metrics are reported, and only the adapters move."""
+    model with LoRA on q/k/v/o, or on the experts too: the masked loss plus the aux loss
+    goes down, the router metrics are reported, and only the adapters move."""
     from tests.data.datasets import CHATML, EXAMPLE
     from tfllm.train.loop import Run
     cfg = tiny_config("llama", **{
@@ -140,8 +144,7 @@ def test_chat_sft_with_lora_on_the_attention_trains_a_mixture_of_experts(tmp_pat
         "data.tokenizer": "byte", "data.chat_template": CHATML, "model.vocab_size": 257,
         "data.sequence_length": 256, "model.max_sequence_length": 256,
         "train.loss_on": "assistant", "train.global_batch_size": 4, "train.steps": 6,
-        "lora.rank": 8, "lora.targets": "[q_proj,k_proj,v_proj,o_proj]",
-        "optimizer.learning_rate": 3e-2})
+        "lora.rank": 8, "lora.targets": targets, "optimizer.learning_rate": 3e-2})
     run = Run(cfg)
     frozen = {v.path: v.numpy().copy() for v in run.model.variables if "lora_" not in v.path}
     outs = [run.step(run.feed.train_batch(i)) for i in range(6)]
