@@ -371,3 +371,23 @@ def test_transformers_4_expert_names_fuse_to_a_rank_tfllm_does_not_train(tmp_pat
     assert len(err) == 1 and "rank_pattern gives" in err[0] and "gate_up_proj" in err[0] \
         and "one rank and alpha" in err[0], err
     assert not (tmp_path / "run").exists()
+
+
+def test_a_per_expert_adapter_of_transformers_4_is_refused_naming_the_way_out(tmp_path,
+                                                                             capsys):
+    """An adapter of transformers 4's per-expert modules (experts.{j}.gate_proj: gate and
+    up with an A each) has no tfllm form: one line naming peft's merge."""
+    from safetensors.numpy import load_file, save_file
+    ref.save("mixtral", tmp_path / "hf")
+    _adapter("mixtral", tmp_path / "hf", tmp_path / "adapter", rank=8)
+    weights = tmp_path / "adapter" / "adapter_model.safetensors"
+    tensors = load_file(str(weights))
+    key = "base_model.model.model.layers.0.mlp.experts.1.gate_proj.lora_A.weight"
+    tensors[key] = np.zeros((8, 32), np.float32)
+    save_file(tensors, str(weights))
+    capsys.readouterr()
+    assert main(["import", "--preset", str(tmp_path / "hf"), "--workdir",
+                 str(tmp_path / "run"), "--adapter", str(tmp_path / "adapter")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and key in err[0] and "merge_and_unload" in err[0], err
+    assert not (tmp_path / "run").exists()

@@ -486,6 +486,14 @@ def read_adapter(path: str, family: str) -> Tuple[dict, Dict[str, np.ndarray]]:
                 arrays[f"block_{i}/{p}/lora_a"] = a.T
                 arrays[f"block_{i}/{p}/lora_b"] = b[rows[k]:rows[k + 1]].T
     extra = sorted(set(stored) - used)
+    per_expert = [k for k in extra if re.search(r"\.experts\.\d+\.", k)]
+    if per_expert:
+        raise PretrainedError(f"{weights_path}: {per_expert[0]} is an adapter of one expert "
+                              "(transformers 4's per-expert modules, gate and up each with "
+                              "its own A): tfllm trains peft's target_parameters form (per "
+                              "expert one A shared by gate and up, one rank), so it cannot "
+                              "hold it; merge the adapter into the model with peft "
+                              "(merge_and_unload) and import the merged folder.")
     if extra:
         raise PretrainedError(f"{weights_path}: holds {len(extra)} tensor(s) its "
                               f"adapter_config.json does not name ({extra[0]}, ...): not an "
