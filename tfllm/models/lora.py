@@ -130,8 +130,8 @@ def targeted(m, lora_config) -> List[List[Target]]:
     expert_paths = {p for ps in lora_names(m.family).experts.values() for p in ps}
     layers = [[x for x in chosen if _present(x, expert_paths, is_moe_layer(m, i))]
               for i in range(m.num_layers)]
+    used = {x.name for layer in layers for x in layer}
     if targets:
-        used = {x.name for layer in layers for x in layer}
         for x in chosen:
             if x.name in used:
                 continue
@@ -143,7 +143,6 @@ def targeted(m, lora_config) -> List[List[Target]]:
                             "this model has experts in its place; adapt them with "
                             "experts.gate_up_proj and experts.down_proj (peft's "
                             "target_parameters).")
-    used = {x.name for layer in layers for x in layer}
     experts = [x.name for x in chosen if x.experts and x.name in used]
     if experts and lora_config.dropout:
         raise LoraError(f"lora.dropout={lora_config.dropout:g} with LoRA on the experts "
