@@ -148,3 +148,34 @@ def test_the_gpu_memory_check_estimates_a_mixture_of_experts():
     gpu = Gpu(name="NVIDIA H100 80GB HBM3", compute_capability=(9, 0), driver="550.54")
     level, message = check_host(_moe(), [gpu], 1)
     assert level == "ok" and "GiB" in message, message
+
+
+def test_the_program_of_an_expert_parallel_device_holds_its_experts_and_their_slots():
+    """fsdp=8 splits Qwen3-30B-A3B's 128 experts 16 per GPU: the program planned at one
+    device's shapes (2 of 16 rows) has those 16 experts with 8 x 160 = 1280 slots each,
+    the same (rows x experts x slots) buffer as the device's 16 sequences x 16 experts
+    x 160 slots after the all-to-all, and the same dispatched rows per token; so its
+    float32 gradients exceed a device's by the dense weights' FSDP shards only (not by
+    the other 112 experts': 114 GiB with all 128 in the program)."""
+    from tfllm.footprint import fit
+    from tfllm.models.common.dispatch import expert_capacity
+    cfg = load_config(QWEN3_30B, ["mesh.axes=fsdp=8"])
+    plan = footprint.mesh_plan(cfg)
+    local = plan.local.model
+    assert (local.num_experts, plan.local.train.global_batch_size) == (16, 2)
+    assert expert_capacity(2048, 8, 16, 1.25) == 8 * expert_capacity(2048, 8, 128, 1.25)
+    assert 2 * 16 * 1280 == 16 * 16 * 160
+    assert fit.dispatched_rows(local, 2048) == fit.dispatched_rows(cfg.model, 2048)
+    program = footprint.mesh_plan(plan.local)
+    g = footprint.gradients(plan, program)
+    # the excess is the dense weights' alone (embeddings, head, attention, routers:
+    # whole in the program, an eighth on the device): 5.0 GiB
+    dense = sum(r.bytes_per_device for r in program.rows
+                if r.optimizer_bytes_per_device and "experts" not in r.logical_axes)
+    assert g.excess == dense - sum(r.bytes_per_device for r in plan.rows
+                                   if r.optimizer_bytes_per_device
+                                   and "experts" not in r.logical_axes)
+    assert g.program - dense == g.device - (dense - g.excess)  # the experts: the same
+    # dropless slots have no factor to scale (C = T): the program keeps all 128 experts
+    dropless = load_config(QWEN3_30B, ["mesh.axes=fsdp=8", "model.moe_capacity_factor=0"])
+    assert footprint.per_device_config(dropless, 8)[0].model.num_experts == 128

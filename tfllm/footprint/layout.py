@@ -246,8 +246,35 @@ def _per_device(config, shape, rules, batch) -> Tuple[object, str]:
         lm.intermediate_dim = m.intermediate_dim // tp
         lm.moe_intermediate_dim = m.moe_intermediate_dim // tp  # experts' mlp axis too
         lm.vocab_size = m.vocab_size // tp
+    if m.num_experts:
+        axis = rules_lib.expert_axis(m.num_experts, rules, shape)
+        if axis and shape[axis] > 1:
+            _experts_of_one_device(local.model, m, shape[axis], local.data.sequence_length)
     desc = ", ".join(f"{k}={v}" for k, v in shape.items())
     return local, f"{desc} ({devices} devices), per device"
+
+
+def _experts_of_one_device(local_model, m, n: int, length: int) -> None:
+    """Gives the per-device model the experts one device of expert parallelism holds.
+
+    Over n devices a device holds E/n experts and, after the all-to-all, computes every
+    row's tokens routed to them: a (B, E/n, C, D) buffer. The program at one device's
+    shapes has B/n rows; with E/n experts its capacity cf T k / (E/n) is n C slots (up
+    to rounding), so its (B/n, E/n, n C, D) buffer holds as many slots and costs the
+    same expert FLOPs, while its weights, gradients and moments are the device's E/n
+    experts, not all E (with all E, Qwen3-30B-A3B's program held 114 GiB of float32
+    gradients that a device of fsdp=8 does not). Its router scores E/n experts, not E:
+    112 logits less per token and layer for Qwen3-30B-A3B, 0.2% of the layer's
+    activations. Kept at E when that cannot hold:
+    dropless slots (C = T, no factor to scale), k above E/n, or n C above T.
+    """
+    from tfllm.models.common.dispatch import expert_capacity
+    k, e = m.num_experts_per_tok, m.num_experts
+    if not m.moe_capacity_factor or k > e // n:
+        return
+    if n * expert_capacity(length, k, e, m.moe_capacity_factor) > length:
+        return
+    local_model.num_experts = e // n
 
 
 def param_count(config) -> int:
