@@ -101,11 +101,12 @@ class ModelConfig:
                         "see docs/design.md's 'Fused (cuDNN) attention on a DTensor mesh'.",
                         choices=("xla", "cudnn"))
     attention_chunk: int = _f(0, "Blocked (flash) attention: when > 0 and the sequence is "
-                              "longer, attention runs over tiles of this many queries and "
-                              "keys with an online softmax, recomputed in the backward pass, "
-                              "so no (T x T) scores are ever kept (memory linear in T) and "
-                              "tiles the causal mask hides are skipped; 0 is standard "
-                              "attention. Same result up to float rounding.",
+                              "longer, attention runs over blocks of this many queries, each "
+                              "attending the keys it may see as tiles of up to 4096 keys "
+                              "(an online softmax between tiles), recomputed in the backward "
+                              "pass, so no (T x T) scores are ever kept (memory linear in T) "
+                              "and key blocks the causal mask hides are skipped; 0 is "
+                              "standard attention. Same result up to float rounding.",
                               min=0, max=_MAX_TOKENS)
     remat: str = _f("none", "Activation rematerialization (tfllm.models.common.remat): none; "
                     "full (keep each block's input, recompute the block); selective (keep "

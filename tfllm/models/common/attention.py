@@ -26,6 +26,11 @@ _KEYS_REPEATED = ("activation_batch", None, "activation_heads", "activation_head
 _FOLDED = ("activation_batch", "activation_length", None, "activation_heads",
            "activation_head_dim")
 _FOLDED_MASK = ("activation_batch", "activation_length", None, None)
+# Blocked attention's widest score tile: a query block's visible keys, up to this many,
+# are one tile (one GEMM, one softmax) rather than (block, block) tiles with an online
+# softmax between them: at 4096 tokens every row of tiles is one, and a pass holds at
+# most (B, H, P, block, 4096) float32 scores (256 MiB at 32 heads and blocks of 512).
+ROW_KEYS = 4096
 
 
 @dataclass(frozen=True)
@@ -110,9 +115,9 @@ class AttentionSettings:
         output projection follows use_bias (Qwen2 has q/k/v biases only).
       rope_theta: apply rotary embeddings with this base, or None for none.
       rope_scaling: a `RopeScaling` of the rotary frequencies, or None.
-      block_size: > 0: the training path attends tiles of this many queries and keys
-        with an online softmax, recomputed in the backward pass (`attend_blocked`);
-        0: one `attend`.
+      block_size: > 0: the training path attends blocks of this many queries, each over
+        the keys it may see as tiles of up to `ROW_KEYS` keys with an online softmax
+        between them, recomputed in the backward pass (`attend_blocked`); 0: one `attend`.
       init_std: init of the q/k/v projections.
       output_init_std: init of the output projection (scaled for depth).
       fp8: `Fp8Settings` for FP8 projections, or None.
@@ -233,11 +238,12 @@ class Attention(keras.layers.Layer):
         return constrain(out, _HEADS)
 
     def attend_blocked(self, q, k, v, attention_mask=None, positions=None):
-        """`attend` over (block, block) tiles of queries and keys with an online softmax
-        (tfllm.models.common.flash): same result up to the order of float32 sums, and
-        neither pass keeps more than one tile's scores, so activation memory grows
-        linearly with the sequence; tiles the causal mask or the window hides entirely
-        are skipped. Training path only (the masks are causal).
+        """`attend` over blocks of `block_size` queries, each attending the keys it may
+        see as tiles of up to `ROW_KEYS` keys, with an online softmax between tiles
+        (tfllm.models.common.flash): same result up to float rounding (standard
+        attention's bf16 roundings), and neither pass keeps more than one tile's scores,
+        so activation memory grows linearly with the sequence; key blocks the causal mask
+        or the window hides entirely are skipped. Training path only (causal masks).
 
         When the active setup splits the sequence into P pieces (batch over data and
         fsdp), query blocks are cut inside every piece: the queries are folded to
@@ -290,6 +296,7 @@ class Attention(keras.layers.Layer):
 
         out = flash_attention(q, k, v, scale=1.0 / math.sqrt(self.score_divisor),
                               block_q=self.block_size, block_k=self.block_size,
+                              max_keys=max(self.block_size, ROW_KEYS),
                               mask_fn=mask_fn, key_span=key_span)  # (B, P, L, H, D)
         return constrain(tf.reshape(out, (batch, length, heads, dim)), _HEADS)
 

@@ -3,17 +3,21 @@ online softmax, and a backward pass that recomputes each block (FlashAttention's
 algorithm, written for XLA and DTensor rather than as a kernel).
 
 Neither pass keeps a (T, S) matrix: the forward pass keeps, per query, its output and the
-log-sum-exp of its scores; the backward pass recomputes one (block_q, block_k) tile of
-scores at a time from them. Activation memory is linear in the sequence, and key blocks
-that the causal mask (or a sliding window) hides from a whole query block are skipped in
-both passes.
+log-sum-exp of its scores; the backward pass recomputes one tile of scores at a time from
+them. A tile is a block of queries against the keys it may see (up to `max_keys`): one
+GEMM and one softmax for a whole row of (block_q, block_k) units. Tiles run one after
+another (each waits on the previous tile's GEMM outputs), so activation memory is linear
+in the sequence; key blocks that the causal mask (or a sliding window) hides from a whole
+query block are skipped in both passes.
 
-Numerics: scores, the running maximum, the normalizer and the accumulated output are
-float32; the probabilities are cast to the compute dtype for the matmul with the values
-(as in `Attention.attend`, whose softmax is float32 and whose probabilities x V runs in
-the compute dtype). Only the order of the float32 sums differs from the one-shot softmax.
-The backward pass's dP = dO V^T is accumulated and kept in float32 from compute-dtype
-operands (`dot_f32`): no GEMM of either pass takes a float32 operand under XLA.
+Numerics: scores leave their GEMM in the compute dtype, as in `Attention.attend`; the
+softmax, the running maximum, the normalizer, the accumulated output and the sums of
+gradients across tiles are float32; P (exp(S - max), normalized after P x V) and dS are
+cast to the compute dtype for their GEMMs. The backward pass takes the softmax's
+correction term from the float32 output (FlashAttention-2's delta = rowsum(dO * O)) and
+subtracts it inside the dP GEMM (dO and V carry two more columns), so dP - delta is
+rounded to the compute dtype once, after the cancellation. No GEMM of either pass takes a
+float32 operand under XLA.
 
 Grouped queries read the (B, S, K, D) keys and values as they are, never repeated per
 query head: queries, outputs and their gradients are held head-major (B, K, G, P, L, D).
@@ -28,6 +32,7 @@ import tensorflow as tf
 
 from tfllm import internals
 
+_PAD = 8  # dO and V get 8 columns for delta (see grad)
 _NEG = -1e30  # not -inf: exp(-inf - -inf) is NaN; a masked score stays finite
 
 # mask_fn(first, stop, key_first, key_stop) -> bool (B or 1, P, t, s) tile of allowed
@@ -45,35 +50,33 @@ def blocks(length: int, size: int) -> List[Tuple[int, int]]:
     return list(zip(bounds[:-1], bounds[1:]))
 
 
-def dot_f32(equation: str, a, b):
-    """`tf.einsum(equation, a, b)` of compute-dtype operands, accumulated and returned in
-    float32: under XLA one GEMM of bf16 operands with a float32 result (a matmul whose
-    `Tout` is float32, which only XLA compiles); elsewhere the einsum of the operands cast
-    to float32, the same numbers (products of bf16 values are exact in float32).
+def dot_accumulated(equation: str, a, b):
+    """`tf.einsum(equation, a, b)` of compute-dtype operands, accumulated in float32 and
+    rounded once to the compute dtype: under XLA one GEMM of the operands as they are
+    (XLA accumulates bf16 products in float32); elsewhere the einsum of float32 casts,
+    rounded after (TensorFlow's CPU kernels may sum bf16 products in bf16, which a sum
+    that cancels, as dP - delta, cannot afford). The same numbers either way: products of
+    bf16 values are exact in float32."""
+    if a.dtype == tf.float32 or internals.in_xla_context():
+        return tf.einsum(equation, a, b)
+    return tf.cast(tf.einsum(equation, tf.cast(a, tf.float32), tf.cast(b, tf.float32)),
+                   a.dtype)
 
-    The equation contracts one index and has one free index of `b`, its last (as
-    "bkgptd,bskd->bkgpts"); every other index of `b` is also `a`'s.
-    """
-    if a.dtype == tf.float32 or not internals.in_xla_context():
-        return tf.einsum(equation, tf.cast(a, tf.float32), tf.cast(b, tf.float32))
-    inputs, out = equation.split("->")
-    ia, ib = inputs.split(",")
-    (contract,) = [c for c in ia if c in ib and c not in out]
-    (free_b,) = [c for c in ib if c not in ia]
-    batch = [c for c in out if c in ia and c != free_b]  # a's other indices, out's order
-    x = tf.transpose(a, [ia.index(c) for c in batch + [contract]])  # (..., M, C)
-    y = tf.transpose(b, [ib.index(c) for c in batch if c in ib]
-                     + [ib.index(contract), ib.index(free_b)])  # (b's batch, C, N)
-    # broadcast b over a's free indices: size-1 axes where b lacks them
-    shape = [b.shape[ib.index(c)] if c in ib else 1 for c in batch[:-1]]
-    y = tf.reshape(y, shape + [y.shape[-2], y.shape[-1]])
-    product = tf.raw_ops.BatchMatMulV3(x=x, y=y, Tout=tf.float32)  # (batch..., M, N)
-    have = batch + [free_b]
-    return tf.transpose(product, [have.index(c) for c in out])
+
+def chunks(spans: List[Tuple[int, int]], max_keys: int) -> List[Tuple[int, int]]:
+    """Key blocks `spans` (in order) joined into chunks of adjacent blocks of at most
+    `max_keys` keys (at least one block each): the key ranges of a query block's tiles."""
+    out = []
+    for a, b in spans:
+        if out and a == out[-1][1] and b - out[-1][0] <= max_keys:
+            out[-1] = (out[-1][0], b)
+        else:
+            out.append((a, b))
+    return out
 
 
 def flash_attention(q, k, v, *, scale: float, block_q: int, block_k: int,
-                    mask_fn: MaskFn, key_span: KeySpan):
+                    mask_fn: MaskFn, key_span: KeySpan, max_keys: Optional[int] = None):
     """Attention of q (B, P, L, H, D) over k, v (B, S, K, D) -> (B, P, L, H, D), blockwise.
 
     The queries come folded by the P pieces their sequence is split into on a mesh (P = 1
@@ -81,14 +84,22 @@ def flash_attention(q, k, v, *, scale: float, block_q: int, block_k: int,
     attends its own queries and none is gathered. Every query must see at least one key
     (true of causal and packed training masks).
 
+    A query block sees the key blocks (of `block_k`) that its span admits; consecutive
+    ones are joined into one score tile of up to `max_keys` keys (a row of tiles), so that
+    each GEMM and each softmax fusion serves many (block_q, block_k) units: with
+    `max_keys` >= the sequence a query block's whole row is one tile, its softmax exact in
+    one pass (no online rescaling), its dQ one GEMM.
+
     Args:
       q: queries (B, P, L, H, D).
       k, v: keys and values (B, S, K, D), K dividing H: query head h attends key/value
         head h // (H / K) (grouped queries), without repeating k and v per query head.
       scale: the scores' factor (1 / sqrt(head_dim), or Gemma 3's).
-      block_q, block_k: the tile: a pass holds (B, H, P, block_q, block_k) scores at a time.
+      block_q, block_k: the query block and the key blocks that are skipped when hidden.
       mask_fn: the allowed (query, key) pairs of a tile (`MaskFn`).
       key_span: the keys a block of queries may see at all (`KeySpan`).
+      max_keys: the most keys of one score tile (default `block_k`: one key block): a
+        pass holds (B, H, P, block_q, max_keys) scores at a time.
 
     Returns:
       The attention output (B, P, L, H, D), in q's dtype.
@@ -97,12 +108,17 @@ def flash_attention(q, k, v, *, scale: float, block_q: int, block_k: int,
     kv_heads = k.shape[2]
     groups = heads // kv_heads
     q_blocks, k_blocks = blocks(length, block_q), blocks(k.shape[1], block_k)
-    visible = []
+    widest = max(max_keys or block_k, block_k)
+    seen = []  # per query block: the key blocks it may see
     for qa, qb in q_blocks:
         low, high = key_span(qa, qb)
-        visible.append([j for j, (a, b) in enumerate(k_blocks) if b > low and a <= high])
+        seen.append([j for j, (a, b) in enumerate(k_blocks) if b > low and a <= high])
+    # the forward pass's tiles: per query block, key ranges (its row of key blocks)
+    tiles = [chunks([k_blocks[j] for j in js], widest) for js in seen]
 
     def tile_scores(q_i, k_j, qa, qb, ka, kb):
+        # The GEMM returns the compute dtype, as in Attention.attend (the same rounding
+        # of the scores); the softmax is float32 from there.
         s = tf.cast(tf.einsum("bkgptd,bskd->bkgpts", q_i, k_j), tf.float32) * scale
         allowed = mask_fn(qa, qb, ka, kb)
         if allowed is not None:
@@ -113,11 +129,18 @@ def flash_attention(q, k, v, *, scale: float, block_q: int, block_k: int,
         return s, allowed  # (B, K, G, P, t, s)
 
     def after(x, previous):
-        """x, made to wait for `previous` (an exact + 0 * y, which XLA does not fold): the
-        blocks then run one after another instead of side by side with all tiles alive."""
+        """x, made to wait for `previous` (a tensor or a list of them, of x's rank): an
+        exact x + 0 * y[..., :1] (broadcast), which XLA does not fold, so that the tiles
+        run one after another instead of side by side with all their scores alive."""
         if previous is None:
             return x
-        return x + tf.cast(0.0, x.dtype) * tf.cast(previous, x.dtype)
+        for y in previous if isinstance(previous, list) else [previous]:
+            x = x + tf.cast(0.0, x.dtype) * tf.cast(y[..., :1], x.dtype)
+        return x
+
+    def key_row(part):  # (B, s, K, D) -> its last key's row (B, K, 1, 1, 1, D), for after
+        row = tf.transpose(part[:, -1:], (0, 2, 1, 3))  # (B, K, 1, D)
+        return tf.expand_dims(tf.expand_dims(row, 2), 2)
 
     # Queries (and outputs, and their gradients) head-major, grouped by the key/value head
     # they attend (h = kv * G + g): (B, P, L, H, D) <-> (B, K, G, P, L, D). In this layout
@@ -138,28 +161,41 @@ def flash_attention(q, k, v, *, scale: float, block_q: int, block_k: int,
         outs, lses, last = [], [], None
         for i, (qa, qb) in enumerate(q_blocks):
             q_i = after(qg[:, :, :, :, qa:qb], last)  # (B, K, G, P, t, D)
-            m = l = acc = pv = None
-            for j in visible[i]:
-                ka, kb = k_blocks[j]
-                # tile after tile, too: else XLA computes all of a block's scores first
-                # (waiting on the last tile's GEMM output, which a fusion reads directly)
-                q_ij = q_i if pv is None else after(q_i, pv[:, :, :, :, -1:])
-                s, _ = tile_scores(q_ij, k[:, ka:kb], qa, qb, ka, kb)
-                m_new = tf.reduce_max(s, axis=-1, keepdims=True)  # (B, K, G, P, t, 1)
-                if m is not None:
-                    m_new = tf.maximum(m, m_new)
-                p = tf.exp(s - m_new)  # float32
-                pv = tf.einsum("bkgpts,bskd->bkgptd", tf.cast(p, v.dtype),
-                               v[:, ka:kb])  # (B, K, G, P, t, D)
-                if m is None:
-                    l = tf.reduce_sum(p, axis=-1, keepdims=True)
-                    acc = tf.cast(pv, tf.float32)
-                else:
-                    alpha = tf.exp(m - m_new)  # rescales what the earlier key blocks gave
-                    l = l * alpha + tf.reduce_sum(p, axis=-1, keepdims=True)
-                    acc = acc * alpha + tf.cast(pv, tf.float32)
-                m = m_new
-            outs.append(acc / l)  # (B, K, G, P, t, D) float32
+            if len(tiles[i]) == 1:  # the whole row at once: an exact softmax
+                (ka, kb), = tiles[i]
+                s, _ = tile_scores(q_i, k[:, ka:kb], qa, qb, ka, kb)
+                m = tf.reduce_max(s, axis=-1, keepdims=True)  # (B, K, G, P, t, 1)
+                p = tf.exp(s - m)
+                l = tf.reduce_sum(p, axis=-1, keepdims=True)
+                # P x V takes exp(S - m) and the output is divided by the row sum after
+                # (as between tiles below), not P / l as tf.nn.softmax: XLA then sums P
+                # in the pass that writes it, where P / l needs the sum first, one more
+                # pass over the row's scores (benchmarks/results/attention_bytes.md)
+                out_i = tf.cast(tf.einsum("bkgpts,bskd->bkgptd", tf.cast(p, v.dtype),
+                                          v[:, ka:kb]), tf.float32) / l  # (B, K, G, P, t, D)
+            else:  # an online softmax over the row's tiles
+                m = l = acc = pv = None
+                for ka, kb in tiles[i]:
+                    # tile after tile, too: else XLA computes all of a block's scores first
+                    # (waiting on the last tile's GEMM output, which a fusion reads directly)
+                    q_ij = q_i if pv is None else after(q_i, pv[:, :, :, :, -1:])
+                    s, _ = tile_scores(q_ij, k[:, ka:kb], qa, qb, ka, kb)
+                    m_new = tf.reduce_max(s, axis=-1, keepdims=True)  # (B, K, G, P, t, 1)
+                    if m is not None:
+                        m_new = tf.maximum(m, m_new)
+                    p = tf.exp(s - m_new)  # float32
+                    pv = tf.einsum("bkgpts,bskd->bkgptd", tf.cast(p, v.dtype),
+                                   v[:, ka:kb])  # (B, K, G, P, t, D)
+                    if m is None:
+                        l = tf.reduce_sum(p, axis=-1, keepdims=True)
+                        acc = tf.cast(pv, tf.float32)
+                    else:
+                        alpha = tf.exp(m - m_new)  # rescales what the earlier tiles gave
+                        l = l * alpha + tf.reduce_sum(p, axis=-1, keepdims=True)
+                        acc = acc * alpha + tf.cast(pv, tf.float32)
+                    m = m_new
+                out_i = acc / l  # (B, K, G, P, t, D) float32
+            outs.append(out_i)
             lses.append(m + tf.math.log(l))  # (B, K, G, P, t, 1)
             last = outs[-1][:, :, :, :, -1:]
         out32 = tf.concat(outs, axis=4)  # (B, K, G, P, L, D)
@@ -169,38 +205,57 @@ def flash_attention(q, k, v, *, scale: float, block_q: int, block_k: int,
         def grad(d_out):
             dog = grouped(tf.cast(d_out, q.dtype))  # (B, K, G, P, L, D)
             # the softmax's correction term, per query: sum_d dO * O (B, K, G, P, L, 1),
-            # from the float32 output (O rounded to bf16 here doubled the gradients' error)
+            # from the float32 output (FlashAttention-2's delta)
             delta = tf.reduce_sum(tf.cast(dog, tf.float32) * out32, -1, keepdims=True)
+            # dP - delta in one GEMM, so that it is rounded to the compute dtype after the
+            # cancellation, not before (a bf16 dP less a float32 delta erred up to 1.96x
+            # the one-shot path's gradients; a float32 dP doubles its bytes): dO gets
+            # columns delta_hi, delta_lo (delta ~ hi + lo to 16 bits) and V columns -1, -1,
+            # both padded to D + 8 with zeros (tensor-core GEMMs take multiples of 8)
+            hi = tf.cast(delta, q.dtype)
+            lo = tf.cast(delta - tf.cast(hi, tf.float32), q.dtype)
+            widths = [[0, 0]] * 5 + [[0, _PAD - 2]]  # zero columns after the two
+            dog_delta = tf.pad(tf.concat([dog, hi, lo], -1), widths)  # (B, K, G, P, L, D+8)
+            minus = -tf.ones_like(v[:, :, :, :1])  # (B, S, K, 1)
+            v_delta = tf.pad(tf.concat([v, minus, minus], -1), widths[2:])  # (B, S, K, D+8)
+
             dq = []
+            # float32 sums of the key and value gradients, per key block
             dk = [tf.zeros(k[:, a:b].shape, tf.float32) for a, b in k_blocks]
             dv = [tf.zeros(v[:, a:b].shape, tf.float32) for a, b in k_blocks]
+
+            def add(sums, part, ka, kb):  # part (B, kb - ka, K, D) into the key blocks
+                for j, (a, b) in enumerate(k_blocks):
+                    if ka <= a and b <= kb:
+                        sums[j] += tf.cast(part[:, a - ka:b - ka], tf.float32)
+
+            done = None  # the last tile's GEMM outputs, which the next tile waits for
             for i, (qa, qb) in enumerate(q_blocks):
-                q_i = qg[:, :, :, :, qa:qb]  # (B, K, G, P, t, D)
-                do_i = after(dog[:, :, :, :, qa:qb], dq[-1][:, :, :, :, -1:] if dq else None)
-                lse_i, delta_i = lse[:, :, :, :, qa:qb], delta[:, :, :, :, qa:qb]  # (B,K,G,P,t,1)
-                dq_i, dq_ij = tf.zeros(q_i.shape, tf.float32), None
-                for j in visible[i]:
-                    ka, kb = k_blocks[j]
-                    k_j, v_j = k[:, ka:kb], v[:, ka:kb]
-                    # tile after tile, waiting on the last tile's GEMM output
-                    previous = None if dq_ij is None else dq_ij[:, :, :, :, -1:]
-                    q_ij, do_ij = after(q_i, previous), after(do_i, previous)
+                q_i, lse_i = qg[:, :, :, :, qa:qb], lse[:, :, :, :, qa:qb]
+                do_i, dod_i = dog[:, :, :, :, qa:qb], dog_delta[:, :, :, :, qa:qb]
+                dq_i = None
+                for ka, kb in tiles[i]:
+                    # the next tile (of this row or the next) starts when this one's GEMMs
+                    # are done: else XLA may compute several rows' scores side by side
+                    # (the backward's score GEMMs need only q, k and lse) and activation
+                    # memory grows as the square of the sequence
+                    q_ij, do_ij, dod_ij = (after(x, done) for x in (q_i, do_i, dod_i))
+                    k_j = k[:, ka:kb]  # (B, s, K, D)
                     s, allowed = tile_scores(q_ij, k_j, qa, qb, ka, kb)
                     p = tf.exp(s - lse_i)  # the forward pass's probabilities, recomputed
                     if allowed is not None:
                         p = tf.where(allowed, p, 0.0)
-                    dv[j] += tf.cast(tf.einsum("bkgpts,bkgptd->bskd", tf.cast(p, v.dtype),
-                                               do_ij), tf.float32)
-                    # dP accumulated and kept in float32 (as FlashAttention's
-                    # accumulators) from compute-dtype operands: rounded to the compute
-                    # dtype, its error is not cancelled by delta, computed from O, and
-                    # dP - delta cancels (bf16 gradients: 1.4x the one-shot error; dP -
-                    # delta in one GEMM, delta as bf16 hi + lo columns: 1.6x)
-                    dp = dot_f32("bkgptd,bskd->bkgpts", do_ij, v_j)  # (B, K, G, P, t, s)
-                    ds = tf.cast(p * (dp - delta_i) * scale, q.dtype)
+                    dv_ij = tf.einsum("bkgpts,bkgptd->bskd", tf.cast(p, v.dtype), do_ij)
+                    dp_delta = dot_accumulated("bkgptd,bskd->bkgpts", dod_ij,
+                                               v_delta[:, ka:kb])  # (B, K, G, P, t, s)
+                    ds = tf.cast(p * tf.cast(dp_delta, tf.float32) * scale, q.dtype)
                     dq_ij = tf.einsum("bkgpts,bskd->bkgptd", ds, k_j)  # (B, K, G, P, t, D)
-                    dq_i += tf.cast(dq_ij, tf.float32)
-                    dk[j] += tf.cast(tf.einsum("bkgpts,bkgptd->bskd", ds, q_ij), tf.float32)
+                    dk_ij = tf.einsum("bkgpts,bkgptd->bskd", ds, q_ij)  # (B, s, K, D)
+                    dq_i = (tf.cast(dq_ij, tf.float32) if dq_i is None
+                            else dq_i + tf.cast(dq_ij, tf.float32))
+                    add(dv, dv_ij, ka, kb)
+                    add(dk, dk_ij, ka, kb)
+                    done = [dq_ij[:, :, :, :, -1:], key_row(dk_ij), key_row(dv_ij)]
                 dq.append(tf.cast(dq_i, q.dtype))
             return (ungrouped(tf.concat(dq, axis=4)), tf.cast(tf.concat(dk, axis=1), k.dtype),
                     tf.cast(tf.concat(dv, axis=1), v.dtype))
