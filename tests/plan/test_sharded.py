@@ -199,3 +199,22 @@ def test_a_plan_resolves_the_rules_and_builds_the_model_once_per_mesh_plan(monke
     assert result.mesh.memory.buffers == plan.buffers and result.devices == 8
     with pytest.raises(dataclasses.FrozenInstanceError):
         result.memory = None
+
+
+def test_expert_all_to_alls_are_on_the_critical_path():
+    """FSDP's gathers and reductions hide behind the blocks' compute; the experts'
+    all-to-alls wait on their layer's routing and the experts on them: exposed whole."""
+    experts = {"model.num_experts": 8, "model.num_experts_per_tok": 2,
+               "model.moe_intermediate_dim": 32, "model.moe_capacity_factor": 1.25}
+    p = _plan("fsdp=8", temp=0, **experts)
+    t = p.estimate.step_time
+    moved = [a for a in p.mesh.collectives.traffic if a.axis == "fsdp (experts)"]
+    assert len(moved) == 1 and moved[0].what == "all-to-all dispatched tokens"
+    critical = moved[0].bytes / p.mesh.collectives.link_bandwidth
+    assert t["critical_collective_s"] == pytest.approx(critical) and critical > 0
+    from tfllm.plan import timing
+    rest = timing.exposed_collective_seconds(t["collective_s"] - critical, t["compute_s"]
+                                             + t["launch_s"], p.mesh.blocks, True)
+    assert t["exposed_collective_s"] == pytest.approx(critical + rest)
+    # a dense model has nothing on the critical path of an fsdp mesh
+    assert _plan("fsdp=8").estimate.step_time["critical_collective_s"] == 0

@@ -395,8 +395,17 @@ def _timing_figures(program, mesh: Optional[MeshFigures]) -> dict:
     if mesh is not None:
         out.update(collectives=mesh.collectives.as_json(), blocks=mesh.blocks,
                    overlappable=mesh.overlappable,
+                   critical_collective_s=_critical_seconds(mesh),
                    optimizer_update=dict(mesh.optimizer_update))
     return out
+
+
+def _critical_seconds(mesh: MeshFigures) -> float:
+    """Seconds of the mesh's collectives that no prefetch can hide: expert parallelism's
+    all-to-alls (the layout's figure: they are never measured)."""
+    assumed = mesh.collectives_assumed or mesh.collectives
+    return sum(t.bytes for t in assumed.traffic
+               if t.axis.endswith("(experts)")) / assumed.link_bandwidth
 
 
 def estimate_time(program, mesh: Optional[MeshFigures], target: Target) -> StepEstimate:
@@ -405,10 +414,11 @@ def estimate_time(program, mesh: Optional[MeshFigures], target: Target) -> StepE
     plans with it)."""
     figures = _timing_figures(program, mesh)
     collective_s = mesh.collectives.seconds if mesh else 0.0
+    critical = min(_critical_seconds(mesh), collective_s) if mesh else 0.0
     # the roofline lower bound as before, then the estimate with named factors
     # (the collectives the blocks' prefetch cannot hide behind even the roofline compute)
-    roofline_step_s = program["roofline_s"] + timing.exposed_collective_seconds(
-        collective_s, program["roofline_s"], mesh.blocks if mesh else 0,
+    roofline_step_s = program["roofline_s"] + critical + timing.exposed_collective_seconds(
+        collective_s - critical, program["roofline_s"], mesh.blocks if mesh else 0,
         mesh.overlappable if mesh else False)
     step_time = timing.step_time(figures, target, mesh.clusters if mesh else 1,
                                  mesh.collective_count if mesh else None)
@@ -490,9 +500,12 @@ def _step_parts(e: StepEstimate) -> str:
         parts.append(f"{t['factors']['clusters']:,} clusters {ms(waited)} of "
                      f"{ms(t['dispatch_s'])} dispatch exposed")
     if t["collective_s"]:
+        critical = t.get("critical_collective_s", 0.0)
         parts.append(f"{t['factors']['collectives']:,} collectives "
                      f"{ms(t['exposed_collective_s'])} of {ms(t['collective_s'])} exposed "
-                     f"({t['factors']['overlap']})")
+                     f"({t['factors']['overlap']}"
+                     + (f"; the experts' all-to-alls, {ms(critical)}, on the critical path"
+                        if critical else "") + ")")
     return ", ".join(parts)
 
 

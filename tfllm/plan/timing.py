@@ -142,8 +142,9 @@ def step_time(result: dict, target, clusters: int = 1,
 
     Args:
       result: the plan so far: `roofline_s`, `roofline_gemm_s`, `kernel_launches`,
-        optional `collectives` ({bytes_per_device, link_bandwidth}) and
-        `optimizer_update` ({program_s, layout_s}).
+        optional `collectives` ({bytes_per_device, link_bandwidth}),
+        `critical_collective_s` (the seconds of them on the critical path: expert
+        parallelism's all-to-alls) and `optimizer_update` ({program_s, layout_s}).
       target: the `tfllm.compiler.targets.Target`.
       clusters: XLA clusters the device runs per step (1: one program).
       collective_count: collectives per device per step.
@@ -162,12 +163,17 @@ def step_time(result: dict, target, clusters: int = 1,
         comm = c["bytes_per_device"] / c["link_bandwidth"] + (collective_count or 0) * \
             NCCL_LATENCY_S
     blocks, overlappable = result.get("blocks", 0), result.get("overlappable", False)
-    exposed = exposed_collective_seconds(comm, compute + launches, blocks, overlappable)
+    # expert parallelism's all-to-alls wait on their layer's routing and its experts on
+    # them: never prefetched, whatever the rest of the mesh's collectives allow
+    critical = min(result.get("critical_collective_s", 0.0), comm)
+    exposed = critical + exposed_collective_seconds(comm - critical, compute + launches,
+                                                    blocks, overlappable)
     waited = exposed_dispatch_seconds(dispatch, compute + launches, comm, blocks,
                                       overlappable, collective_count or 0)
     return {"compute_s": compute, "gemm_s": gemm / GEMM_EFFICIENCY, "other_s": other,
             "launch_s": launches, "dispatch_s": dispatch, "exposed_dispatch_s": waited,
             "collective_s": comm, "exposed_collective_s": exposed,
+            "critical_collective_s": critical,
             "step_s": compute + launches + waited + exposed,
             "factors": {"gemm_efficiency": GEMM_EFFICIENCY, "kernel_gap_s": KERNEL_GAP_S,
                         "cluster_dispatch_s": CLUSTER_DISPATCH_S,
