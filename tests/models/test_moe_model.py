@@ -16,6 +16,8 @@ same ops again: losses and gradients within the parity harness's float32 toleran
 
 import dataclasses
 
+import io
+
 import numpy as np
 import pytest
 import tensorflow as tf
@@ -77,10 +79,37 @@ def test_step_loss_adds_the_aux_loss_and_reports_router_metrics(z_loss):
     imbalance = max(c.max() / c.mean() for c in counts)
     np.testing.assert_allclose(metrics["moe_load_imbalance"], imbalance, rtol=1e-6)
     assert metrics["moe_dropped_fraction"] == 0.0  # dropless
+    # each sparse layer's per-expert assignments, exactly
+    np.testing.assert_array_equal(metrics["moe_expert_tokens"], np.stack(counts))
     # The train step reports them beside the loss (what metrics.jsonl records).
     out = state.step(batch)
     assert {"moe_aux_loss", "moe_z_loss", "moe_load_imbalance",
-            "moe_dropped_fraction"} <= set(out)
+            "moe_dropped_fraction", "moe_expert_tokens"} <= set(out)
+
+
+def test_a_run_records_each_expert_s_tokens_in_metrics_jsonl_and_tensorboard(tmp_path):
+    """metrics.jsonl holds moe_expert_tokens as lists of whole numbers (sparse layers x
+    experts); TensorBoard a histogram per sparse layer; trackers (scalars only) skip it."""
+    import glob
+    from tensorflow.core.util import event_pb2
+    from tests.harness import metrics_records
+    from tfllm.train.loop import train
+    cfg = _config(**{"train.steps": 2, "train.log_every": 1})
+    train(cfg, str(tmp_path), out=io.StringIO())
+    records = [r for r in metrics_records(tmp_path) if "loss" in r]
+    assert len(records) == 2
+    for r in records:
+        counts = np.array(r["moe_expert_tokens"])
+        assert counts.shape == (2, 4) and counts.dtype.kind == "i"
+        # every token of the step's 16 rows x 16 positions chooses k = 2 experts
+        assert (counts.sum(axis=1) == cfg.train.global_batch_size
+                * cfg.data.sequence_length * 2).all()
+    tags = set()
+    for path in glob.glob(f"{tmp_path}/tensorboard/events.out.tfevents.*"):
+        for record in tf.data.TFRecordDataset(path):
+            tags |= {v.tag for v in event_pb2.Event.FromString(record.numpy()).summary.value}
+    assert {"moe_expert_tokens/sparse_layer_0", "moe_expert_tokens/sparse_layer_1",
+            "moe_aux_loss", "loss"} <= tags
 
 
 def test_capacity_factor_drops_and_reports_it():

@@ -16,6 +16,8 @@ DPO adds the policy pass's aux loss, as TRL's DPOTrainer does with output_router
 (padding not counted: TRL passes the attention mask), and not the reference pass's.
 """
 
+import io
+
 import numpy as np
 import pytest
 import tensorflow as tf
@@ -93,6 +95,25 @@ def test_accumulation_averages_each_micro_batch_s_aux_loss():
     assert whole_metrics["moe_aux_loss"] != metrics["moe_aux_loss"]
 
 
+def test_the_step_reports_each_expert_s_tokens_summed_over_its_micro_batches():
+    """moe_expert_tokens: per sparse layer (the 2 of 3 that are sparse) and expert, the
+    step's assignments, summed over micro-batches (not averaged as the other metrics):
+    16 rows x 16 tokens x k = 2 choices per layer, whatever the accumulation."""
+    cfg, two = _state(**{"train.grad_accum_steps": 2})
+    rows = _rows(cfg, 2)
+    _, _, metrics = two.step.loss_and_grads(feed.to_device(None, rows), with_metrics=True)
+    counts = np.array(metrics["moe_expert_tokens"])
+    assert counts.shape == (2, 4) and counts.dtype.kind == "i"
+    assert (counts.sum(axis=1) == 16 * cfg.data.sequence_length * 2).all()
+    # the layer's imbalance metric is read off the same counts (averaged over the two
+    # micro-batches, so at most the step's worst layer's max over mean)
+    assert metrics["moe_load_imbalance"] >= 1.0
+    _, one = _state()
+    _, _, whole = one.step.loss_and_grads(feed.to_device(None, rows.reshape(1, 16, -1)),
+                                          with_metrics=True)
+    np.testing.assert_array_equal(whole["moe_expert_tokens"], counts)  # same rows, same choices
+
+
 def test_padding_is_routed_but_not_counted():
     cfg, state = _state()
     model = state.model
@@ -127,6 +148,32 @@ def test_dpo_adds_the_policy_pass_s_aux_loss():
     # float32, the same terms: rounding only
     np.testing.assert_allclose(loss, base + 0.5 * aux, rtol=1e-6)
     assert metrics["rewards/margins"] == pytest.approx(base_metrics["rewards/margins"])
+
+
+def test_a_dpo_run_of_a_mixture_of_experts_evaluates_held_out_pairs(tmp_path):
+    """Held-out pairs are scored with the router's scalar metrics (eval_moe_aux_loss);
+    the step's per-expert counts are logged at its steps, not averaged into an
+    evaluation."""
+    import os
+    from tests.harness import ROOT, metrics_records
+    from tests.train.dpo_cases import DPO
+    from tfllm.train.loop import train
+    cfg = tiny_config("llama", **{
+        **MOE, **DPO, "data.tokenizer": "byte", "model.vocab_size": 257,
+        "data.chat_template": os.path.join(ROOT, "tfllm", "data", "templates",
+                                           "chatml.jinja"),
+        "data.sequence_length": 192, "model.max_sequence_length": 192,
+        "data.validation_fraction": 0.2, "train.global_batch_size": 2, "train.steps": 2,
+        "train.log_every": 1, "train.eval_every": 2, "train.eval_steps": 1,
+        "lora.rank": 4, "lora.targets": "[q_proj,v_proj]"})
+    train(cfg, str(tmp_path / "run"), out=io.StringIO())
+    records = metrics_records(tmp_path / "run")
+    steps = [r for r in records if "rewards/chosen" in r]
+    assert len(steps) == 2 and all(np.array(r["moe_expert_tokens"]).shape == (2, 4)
+                                   for r in steps)
+    evals = [r for r in records if "eval_loss" in r]
+    assert evals and all(r["eval_moe_aux_loss"] >= 1.0 for r in evals)
+    assert not any("eval_moe_expert_tokens" in r for r in evals)
 
 
 @pytest.mark.parametrize("targets", [

@@ -52,6 +52,8 @@ def test_moe_training_on_a_mesh_matches_one_device(axes, more):
         assert abs(got["moe_aux_loss"] - want["moe_aux_loss"]) <= 1e-5 * want["moe_aux_loss"]
         assert got["moe_load_imbalance"] == pytest.approx(want["moe_load_imbalance"],
                                                           rel=1e-6)
+        # the same routing: every expert of every layer gets the same tokens
+        assert got["moe_expert_tokens"] == want["moe_expert_tokens"]
 
 
 #: LoRA on the attention and the experts (tfllm.models.lora: per expert A and B, one A for

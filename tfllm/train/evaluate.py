@@ -9,6 +9,7 @@ import tensorflow as tf
 
 from tfllm.compiler.jit import compile_fn
 from tfllm.data.errors import DataError
+from tfllm.models.common.moe import SUMMED_METRICS
 from tfllm.models.loss import loss_sum_and_count
 from tfllm.parallel.placement import to_numpy
 from tfllm.train.dpo import real_pairs
@@ -42,6 +43,8 @@ class Evaluator:
                 self.model, micro, lambda m, x: lm_forward(m, x, self.packing_mask))
             pairs = tf.reduce_sum(real_pairs(micro))
             for name, value in {"loss": loss, **metrics, "pairs": 1.0}.items():
+                if name in SUMMED_METRICS:  # a step's counts, not a held-out mean
+                    continue
                 sums[name] = sums.get(name, 0.0) + value * pairs
         return sums
 

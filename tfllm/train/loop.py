@@ -46,6 +46,7 @@ from tfllm.train.profile import StepProfiler, profile_dir
 from tfllm.train.progress import Progress
 from tfllm.train.run import Run, sample_text
 from tfllm.train.schedule import Schedule
+from tfllm.train.step import metric_value
 from tfllm.train.tensorboard import TensorBoard
 from tfllm.train.trackers import Trackers, start_trackers
 
@@ -501,7 +502,8 @@ def _read_metrics(pending: list, run, t, recent, checkpointer) -> dict:
     """
     values = {}
     with _peer_lost_as_one_line(pending[-1][0], checkpointer):
-        fetched = [(n, {k: float(to_numpy(v)) for k, v in out.items()}) for n, out in pending]
+        fetched = [(n, {k: metric_value(to_numpy(v)) for k, v in out.items()})
+                   for n, out in pending]
     pending.clear()
     for number, values in fetched:
         # Under fp16 an overflowing gradient is the loss scale's business: the step is

@@ -16,7 +16,7 @@ from tfllm import internals
 from tfllm.compiler.jit import compile_fn
 from tfllm.data import feed
 from tfllm.models.loss import token_nll
-from tfllm.models.common.moe import collecting_router_stats
+from tfllm.models.common.moe import SUMMED_METRICS, collecting_router_stats
 from tfllm.models.common.noise import noise_seed
 from tfllm.optim.adamw import global_norm
 from tfllm.parallel.placement import Parallel, new_variable, to_numpy
@@ -184,7 +184,8 @@ class TrainStep:
         divisor = accum * scale if scale is not None else accum
         grads = [g / divisor for g in total_grads]
         return (total_loss / accum, grads, fp8_new,
-                {k: v / accum for k, v in total_metrics.items()})
+                {k: v if k in SUMMED_METRICS else v / accum
+                 for k, v in total_metrics.items()})
 
     def _train_step(self, micro_batches, loss_limit):
         """One guarded optimizer step.
@@ -240,7 +241,7 @@ class TrainStep:
         out = self.compiled(*args) if reader is None else reader(self.compiled, args)
         if not fetch:
             return dict(out)
-        return {k: float(to_numpy(v)) for k, v in out.items()}
+        return {k: metric_value(to_numpy(v)) for k, v in out.items()}
 
     def loss_and_grads(self, tokens, with_metrics: bool = False):
         """(loss, gathered numpy gradients) without updating: for parity tests; with
@@ -248,5 +249,15 @@ class TrainStep:
         loss, grads, _, metrics = self._grads(tokens)
         out = float(to_numpy(loss)), [to_numpy(g) for g in grads]
         if with_metrics:
-            return out + ({k: float(to_numpy(v)) for k, v in metrics.items()},)
+            return out + ({k: metric_value(to_numpy(v)) for k, v in metrics.items()},)
         return out
+
+
+def metric_value(value):
+    """A fetched metric as metrics.jsonl holds it: a float, or nested lists of whole
+    numbers for counts (a mixture of experts' `moe_expert_tokens`: sparse layers x
+    experts)."""
+    value = np.asarray(value)
+    if value.ndim == 0:
+        return float(value)
+    return [metric_value(v) if v.ndim else int(round(float(v))) for v in value]

@@ -53,7 +53,12 @@ class TensorBoard:
             values.update(fp8_scale_stats(model, margin))
         with tf.device("/cpu:0"), self.writer.as_default(step=step):
             for name, value in values.items():
-                tf.summary.scalar(name, float(value))
+                if isinstance(value, list):  # per-expert counts: a histogram per layer
+                    for i, row in enumerate(value):
+                        tf.summary.histogram(f"{name}/sparse_layer_{i}",
+                                             tf.constant(row, tf.float32))
+                else:
+                    tf.summary.scalar(name, float(value))
         self.writer.flush()
 
 

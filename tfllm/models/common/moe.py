@@ -124,8 +124,11 @@ def router_losses(stats: Sequence[RouterStats], aux_loss_coef: float,
       (the float32 loss term, {name: float32 scalar}): `moe_aux_loss` (the unscaled
       load-balancing loss: 1 when balanced, up to num_experts when one expert takes every
       token), `moe_z_loss`, `moe_load_imbalance` (the most loaded expert's assignments
-      over the mean, in the most imbalanced layer: 1 when balanced) and
-      `moe_dropped_fraction` (assignments dropped for capacity over all assignments).
+      over the mean, in the most imbalanced layer: 1 when balanced),
+      `moe_dropped_fraction` (assignments dropped for capacity over all assignments) and
+      `moe_expert_tokens` ((sparse layers, E): each expert's assignments, its top-k
+      choices before any drop; a step sums it over its micro-batches,
+      `SUMMED_METRICS`).
     """
     aux, z = load_balancing_loss(stats), router_z_loss(stats)
     imbalance = tf.reduce_max(tf.stack([
@@ -136,7 +139,13 @@ def router_losses(stats: Sequence[RouterStats], aux_loss_coef: float,
     loss = aux_loss_coef * aux + (z_loss_coef * z if z_loss_coef else 0.0)
     return loss, {"moe_aux_loss": aux, "moe_z_loss": z,
                   "moe_load_imbalance": tf.stop_gradient(imbalance),
-                  "moe_dropped_fraction": tf.stop_gradient(dropped)}
+                  "moe_dropped_fraction": tf.stop_gradient(dropped),
+                  "moe_expert_tokens": tf.stop_gradient(
+                      tf.stack([s.expert_counts for s in stats]))}
+
+
+#: router metrics a step sums over its micro-batches (the others it averages)
+SUMMED_METRICS = frozenset({"moe_expert_tokens"})
 
 
 def load_balancing_loss(stats: Sequence[RouterStats]) -> tf.Tensor:
