@@ -98,44 +98,36 @@ def test_a_recomputation_waits_for_its_gradient_bit_for_bit():
     assert same is other
 
 
-def _per_block(policy):
-    """(cost report of a 3-block step, collectives one more block adds, its executed
-    graphs) on fsdp=8."""
-    from tests.harness import first_step_costs
-    two, _ = first_step_costs("fsdp=8", 2, **{"model.remat": policy})
-    three, graphs = first_step_costs("fsdp=8", 3, **{"model.remat": policy})
-    return three, len(three.collectives) - len(two.collectives), graphs
-
-
-
-
-@pytest.mark.slow  # six tiny steps on 8 devices, graphs read back
+@pytest.mark.slow  # three tiny steps on 8 devices, graphs read back
 def test_recomputed_blocks_add_no_collective_and_gather_no_activation():
     # tf.recompute_grad waits for the output gradient through reshape(dy, [-1])[:1]: on a
     # batch-sharded DTensor a float32 all-reduce of the global activation (16 x 16 x 64
     # here) per recomputed function: before, per block 3 + 1 under full and 9 under
     # selective, against 4 without remat. tfllm's recomputation waits on each device's
-    # own shard: its steps move what the step without remat moves.
+    # own shard: its steps move what the step without remat moves. (A 3-block step
+    # against itself under each policy: the collectives per block are
+    # tests/parallel/test_blocks.py's; the 2-block steps that counted them here again
+    # cost ~90 s of CI.)
     from collections import Counter
-    runs = {p: _per_block(p) for p in ("none", "full", "selective")}
+    from tests.harness import first_step_costs
+    blocks = 3
+    runs = {p: first_step_costs("fsdp=8", blocks, **{"model.remat": p})
+            for p in ("none", "full", "selective")}
     moved = {p: Counter((c.kind, c.dtype, c.elements) for c in report.collectives)
-             for p, (report, _, _) in runs.items()}
+             for p, (report, _) in runs.items()}
     # full: the recomputation gathers the block's weights once more, after the block's
-    # gradient arrives, in place of the backward's re-gather.
-    assert runs["full"][1] == runs["none"][1] == 4, runs
+    # gradient arrives, in place of the backward's re-gather: the same collectives.
     assert moved["full"] == moved["none"], (moved["full"], moved["none"])
     # selective: the two norms recompute outside the block's buffer, so their scales'
     # gradients are reduced one each (per block two all-reduces of 64 elements in place
-    # of one of 128); nothing else moves.
-    assert runs["selective"][1] == runs["none"][1] + 1, runs
-    blocks = 3
+    # of one of 128: one collective more per block); nothing else moves.
     expected = moved["none"] - Counter({("all-reduce", "float32", 128): blocks})
     expected += Counter({("all-reduce", "float32", 64): 2 * blocks})
     assert moved["selective"] == expected, (moved["selective"], expected)
     # full: block i's weights are gathered for its recomputation only once block i+1's
     # backward has run (its gradient products are ancestors), so they are not kept from
     # the forward pass. (The forward's gathers are scoped by the model, `llama_1/`.)
-    graph = max(runs["full"][2], key=lambda g: sum(n.op == "CollectiveGatherV2"
+    graph = max(runs["full"][1], key=lambda g: sum(n.op == "CollectiveGatherV2"
                                                    for n in g.node))
     device = sorted(n.device for n in graph.node if n.op == "CollectiveGatherV2")[0]
     ops = {n.name: n.op for n in graph.node}
