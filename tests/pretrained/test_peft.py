@@ -31,16 +31,20 @@ def _peft():
 
 def _adapter(name, base_dir, out, rank=8, alpha=16.0, rslora=False, seed=3):
     """A random peft adapter of the saved base model `name`; returns the PeftModel."""
+    config = _peft().LoraConfig(r=rank, lora_alpha=alpha, use_rslora=rslora,
+                                target_modules=TARGETS.get(name, TARGETS["llama3"]),
+                                init_lora_weights=False, task_type="CAUSAL_LM",
+                                fan_in_fan_out=name == "gpt2")
+    return _random_adapter(base_dir, config, out, seed)
+
+
+def _random_adapter(base_dir, config, out, seed):
+    """peft's adapter of `config` on the saved base model, its A and B of std 0.3 (the
+    adapter moves every logit), saved in `out`; returns the PeftModel in eval mode."""
     torch, _ = ref.load_torch_transformers()
-    peft = _peft()
-    model = ref.load(base_dir)
-    config = peft.LoraConfig(r=rank, lora_alpha=alpha, use_rslora=rslora,
-                             target_modules=TARGETS.get(name, TARGETS["llama3"]),
-                             init_lora_weights=False, task_type="CAUSAL_LM",
-                             fan_in_fan_out=name == "gpt2")
     torch.manual_seed(seed)
-    adapted = peft.get_peft_model(model, config)
-    with torch.no_grad():  # A and B of std 0.3: the adapter moves every logit
+    adapted = _peft().get_peft_model(ref.load(base_dir), config)
+    with torch.no_grad():
         for n, p in adapted.named_parameters():
             if "lora_" in n:
                 p.copy_(torch.randn(p.shape) * 0.3)
@@ -99,21 +103,13 @@ def test_a_peft_adapter_imports_exports_bit_exactly_and_merges(name, tmp_path):
 
 def test_rslora_and_a_subset_of_targets_keep_peft_s_scale(tmp_path):
     ref.save("llama3", tmp_path / "hf")
-    torch, _ = ref.load_torch_transformers()
-    peft = _peft()
-    config = peft.LoraConfig(r=16, lora_alpha=8.0, use_rslora=True,
-                             target_modules=["q_proj", "v_proj"], init_lora_weights=False,
-                             task_type="CAUSAL_LM")
-    torch.manual_seed(5)
-    adapted = peft.get_peft_model(ref.load(tmp_path / "hf"), config)
-    with torch.no_grad():
-        for n, p in adapted.named_parameters():
-            if "lora_" in n:
-                p.copy_(torch.randn(p.shape) * 0.3)
-    adapted.save_pretrained(str(tmp_path / "adapter"))
+    config = _peft().LoraConfig(r=16, lora_alpha=8.0, use_rslora=True,
+                                target_modules=["q_proj", "v_proj"], init_lora_weights=False,
+                                task_type="CAUSAL_LM")
+    adapted = _random_adapter(tmp_path / "hf", config, tmp_path / "adapter", seed=5)
     ids = helpers.token_ids()
     _import(tmp_path, "llama3", "--adapter", str(tmp_path / "adapter"))
-    ref.assert_same_model(_tfllm_logits(tmp_path / "run", ids), ref.logits(adapted.eval(), ids))
+    ref.assert_same_model(_tfllm_logits(tmp_path / "run", ids), ref.logits(adapted, ids))
     with open(tmp_path / "run" / "config.yaml") as f:
         text = f.read()
     assert "rslora: true" in text and "self_attn.q_proj" in text
@@ -239,20 +235,13 @@ def test_a_mixture_of_experts_attention_adapter_round_trips_through_peft(name, t
     """LoRA on the attention of an MoE model: peft's adapter imports with peft's logits,
     and tfllm's export loads in peft with them (the experts stay frozen)."""
     ref.save(name, tmp_path / "hf")
-    torch, _ = ref.load_torch_transformers()
     peft = _peft()
     config = peft.LoraConfig(r=8, lora_alpha=16.0, init_lora_weights=False,
                              target_modules=["q_proj", "k_proj", "v_proj", "o_proj"],
                              task_type="CAUSAL_LM")
-    torch.manual_seed(3)
-    adapted = peft.get_peft_model(ref.load(tmp_path / "hf"), config)
-    with torch.no_grad():  # A and B of std 0.3: the adapter moves every logit
-        for n, p in adapted.named_parameters():
-            if "lora_" in n:
-                p.copy_(torch.randn(p.shape) * 0.3)
-    adapted.save_pretrained(str(tmp_path / "adapter"))
+    adapted = _random_adapter(tmp_path / "hf", config, tmp_path / "adapter", seed=3)
     ids = helpers.token_ids()
-    theirs = ref.logits(adapted.eval(), ids)
+    theirs = ref.logits(adapted, ids)
     # Four experts: the default mesh (data=8) would split them 8 ways, which expert
     # parallelism refuses; data=2 holds two experts per device, and the one-device
     # model below restores that expert-parallel checkpoint.
@@ -284,20 +273,13 @@ def test_an_expert_adapter_round_trips_through_peft(name, targets, parameters, t
     on an expert-parallel mesh with peft's logits, exports back bit for bit, loads in
     peft with them, and merges into a folder transformers computes them from."""
     ref.save(name, tmp_path / "hf")
-    torch, _ = ref.load_torch_transformers()
     peft = _peft()
     config = peft.LoraConfig(r=4, lora_alpha=8.0, init_lora_weights=False,
                              target_modules=targets, target_parameters=parameters,
                              task_type="CAUSAL_LM")
-    torch.manual_seed(4)
-    adapted = peft.get_peft_model(ref.load(tmp_path / "hf"), config)
-    with torch.no_grad():  # A and B of std 0.3: the adapter moves every logit
-        for n, p in adapted.named_parameters():
-            if "lora_" in n:
-                p.copy_(torch.randn(p.shape) * 0.3)
-    adapted.save_pretrained(str(tmp_path / "adapter"))
+    adapted = _random_adapter(tmp_path / "hf", config, tmp_path / "adapter", seed=4)
     ids = helpers.token_ids()
-    theirs = ref.logits(adapted.eval(), ids)
+    theirs = ref.logits(adapted, ids)
     base = ref.logits(ref.load(tmp_path / "hf"), ids)
     assert np.abs(theirs - base).max() > 0.1 * np.abs(base).max()  # the adapter matters
     _import(tmp_path, name, "--adapter", str(tmp_path / "adapter"),

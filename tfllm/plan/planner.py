@@ -414,7 +414,7 @@ def estimate_time(program, mesh: Optional[MeshFigures], target: Target) -> StepE
     plans with it)."""
     figures = _timing_figures(program, mesh)
     collective_s = mesh.collectives.seconds if mesh else 0.0
-    critical = min(_critical_seconds(mesh), collective_s) if mesh else 0.0
+    critical = min(figures.get("critical_collective_s", 0.0), collective_s)
     # the roofline lower bound as before, then the estimate with named factors
     # (the collectives the blocks' prefetch cannot hide behind even the roofline compute)
     roofline_step_s = program["roofline_s"] + critical + timing.exposed_collective_seconds(

@@ -446,12 +446,7 @@ def read_adapter(path: str, family: str) -> Tuple[dict, Dict[str, np.ndarray]]:
             key = _PEFT_PREFIX + layer.format(i=i) + module
             if set(paths) & mlp and not any(k.startswith(key + ".") for k in stored):
                 continue  # the dense MLP's module, which a sparse layer has not
-            try:
-                a, b = stored[key + ".lora_A.weight"], stored[key + ".lora_B.weight"]
-            except KeyError as e:
-                raise PretrainedError(f"{weights_path}: holds no {e.args[0]}; the adapter "
-                                      "does not match its adapter_config.json.") from None
-            used.update((key + ".lora_A.weight", key + ".lora_B.weight"))
+            a, b = _lora_pair(stored, weights_path, key, used)
             leaf = module.rsplit(".", 1)[-1]
             rank = ranks.get(leaf, ranks.get(module, r))
             for name, array, axis, form in (("lora_A", a, 0, "(r, in)"),
@@ -508,18 +503,25 @@ def read_adapter(path: str, family: str) -> Tuple[dict, Dict[str, np.ndarray]]:
     return settings, arrays
 
 
-def _read_experts(stored, weights_path, i, module, paths, experts, r, arrays, used,
-                  layer) -> None:
-    """One expert parameter's lora_A (E r, in) and lora_B (out, r E) of layer i into
-    tfllm's A of its first path and a B per path (`arrays`, flattened as `load_adapter`
-    takes them)."""
-    key = _PEFT_PREFIX + layer.format(i=i) + _expert_module(module, experts)
+def _lora_pair(stored, weights_path, key: str, used: set):
+    """(lora_A, lora_B) of peft's module `key`, marked used; a missing one is refused
+    naming it."""
     try:
         a, b = stored[key + ".lora_A.weight"], stored[key + ".lora_B.weight"]
     except KeyError as e:
         raise PretrainedError(f"{weights_path}: holds no {e.args[0]}; the adapter does not "
                               "match its adapter_config.json.") from None
     used.update((key + ".lora_A.weight", key + ".lora_B.weight"))
+    return a, b
+
+
+def _read_experts(stored, weights_path, i, module, paths, experts, r, arrays, used,
+                  layer) -> None:
+    """One expert parameter's lora_A (E r, in) and lora_B (out, r E) of layer i into
+    tfllm's A of its first path and a B per path (`arrays`, flattened as `load_adapter`
+    takes them)."""
+    key = _PEFT_PREFIX + layer.format(i=i) + _expert_module(module, experts)
+    a, b = _lora_pair(stored, weights_path, key, used)
     if a.shape[0] % r or b.shape[1] != a.shape[0] or b.shape[0] % len(paths):
         raise PretrainedError(f"{weights_path}: {key}.lora_A.weight is {list(a.shape)} and "
                               f"lora_B.weight {list(b.shape)}, but peft writes an expert "
