@@ -209,11 +209,14 @@ def activation_bytes(local, remat: Optional[str] = None) -> Tuple[int, Dict[str,
 
 def static_bytes(config, devices) -> Tuple[int, int, int]:
     """(state, float32 gradients, gather buffers) per device: what the precision policy
-    and the mesh decide, whatever the batch, remat or attention (built once per search).
-    DPO without LoRA (and not ORPO) adds its frozen reference copy of the weights, laid
-    out as the model's, to the state, unless its reference log-probs are precomputed
-    (dpo.precompute_reference: no copy)."""
-    plan = footprint.mesh_plan(config, devices)
+    and the mesh decide, whatever the batch, remat or attention (built once per search)."""
+    return _static(config, footprint.mesh_plan(config, devices))
+
+
+def _static(config, plan) -> Tuple[int, int, int]:
+    """`static_bytes` read from the config's `MeshPlan`. DPO without LoRA (and not ORPO)
+    adds its frozen reference copy of the weights, laid out as the model's, to the state,
+    unless its reference log-probs are precomputed (dpo.precompute_reference: no copy)."""
     state = plan.state_bytes
     if (config.train.objective == "dpo" and config.lora.rank == 0
             and config.dpo.loss != "orpo" and not config.dpo.precompute_reference):
@@ -229,12 +232,17 @@ def estimate(config, devices: Optional[int] = None, target: str = "h100",
       config: a loaded config.
       devices: the device count, for a mesh axis of -1 (default 1).
       target: a `tfllm.compiler.targets` name.
-      static: `static_bytes(config, devices)` when already known.
+      static: `static_bytes(config, devices)` when already known (a search's candidates
+        share it; then only the per-device config is worked out, not the model built).
     """
     t: Target = get_target(target)
-    n = math.prod(footprint.mesh_shape(config, devices).values())
-    local, _ = footprint.per_device_config(config, devices)
-    state, grads, buffers = static or static_bytes(config, devices)
+    if static is None:  # one mesh plan: the model built and the rules resolved once
+        plan = footprint.mesh_plan(config, devices)
+        local, n, static = plan.local, plan.devices, _static(config, plan)
+    else:
+        local, _ = footprint.per_device_config(config, devices)
+        n = math.prod(footprint.mesh_shape(config, devices).values())
+    state, grads, buffers = static
     accum = config.train.grad_accum_steps > 1
     acts, parts = activation_bytes(local)
     live = config.train.grad_accum_steps if MICRO_BATCHES_LIVE is None else min(

@@ -183,21 +183,16 @@ def mesh_plan(config, devices=None) -> MeshPlan:
     """
     from tfllm.models import build_model
     shape = mesh_shape(config, devices)
-    rules = tuple(rules_lib.rules_from_config(config.mesh.rules))
-    t = config.train
-    batch = rules_lib.batch_layout(t.global_batch_size, t.grad_accum_steps,
-                                   config.data.sequence_length, rules, shape)
-    local, note = _per_device(config, shape, rules, batch)
+    axes = _MeshAxes.of(config, shape)
+    local, note = _per_device(config, shape, axes)
     model = build_model(config, allocate=False)
-    rows = tuple(layout_rows(model, rules, shape, config.optimizer.shard_optimizer_state))
-    axis = (rules_lib.expert_axis(config.model.num_experts, rules, shape)
-            if config.model.num_experts else None)
-    split = bool(axis) and shape[axis] > 1
-    return MeshPlan(shape=shape, rules=rules, batch=batch, local=local, note=note,
-                    rows=rows, units=_weight_units(model, rows, rules, shape, split),
-                    expert_axis=axis,
+    rows = tuple(layout_rows(model, axes.rules, shape, config.optimizer.shard_optimizer_state))
+    split = bool(axes.experts) and shape[axes.experts] > 1
+    return MeshPlan(shape=shape, rules=axes.rules, batch=axes.batch, local=local, note=note,
+                    rows=rows, units=_weight_units(model, rows, axes.batch_axes, shape, split),
+                    expert_axis=axes.experts,
                     compute_bytes=ACT_BYTES.get(config.precision.policy, 4),
-                    grad_accum_steps=t.grad_accum_steps)
+                    grad_accum_steps=config.train.grad_accum_steps)
 
 
 def per_device_config(config, devices=None) -> Tuple[object, str]:
@@ -208,14 +203,35 @@ def per_device_config(config, devices=None) -> Tuple[object, str]:
       devices: the device count, used where a mesh axis is -1 (default 1).
     """
     shape = mesh_shape(config, devices)
-    rules = rules_lib.rules_from_config(config.mesh.rules)
-    t = config.train
-    batch = rules_lib.batch_layout(t.global_batch_size, t.grad_accum_steps,
-                                   config.data.sequence_length, rules, shape)
-    return _per_device(config, shape, rules, batch)
+    return _per_device(config, shape, _MeshAxes.of(config, shape))
 
 
-def _per_device(config, shape, rules, batch) -> Tuple[object, str]:
+@dataclasses.dataclass(frozen=True)
+class _MeshAxes:
+    """What the rules table says of a config on a mesh, asked once: the rules, the batch's
+    layout, the axes that split the heads (tensor parallelism) and the experts, and the
+    axes a batch's activations are split over."""
+    rules: rules_lib.Rules
+    batch: rules_lib.BatchLayout
+    heads: str
+    experts: Optional[str]
+    batch_axes: frozenset
+
+    @staticmethod
+    def of(config, shape) -> "_MeshAxes":
+        rules = tuple(rules_lib.rules_from_config(config.mesh.rules))
+        t, m = config.train, config.model
+        return _MeshAxes(
+            rules=rules,
+            batch=rules_lib.batch_layout(t.global_batch_size, t.grad_accum_steps,
+                                         config.data.sequence_length, rules, shape),
+            heads=rules_lib.candidate_axis("heads", rules, shape) or "",
+            experts=(rules_lib.expert_axis(m.num_experts, rules, shape)
+                     if m.num_experts else None),
+            batch_axes=frozenset(rules_lib.activation_mesh_axes(rules)))
+
+
+def _per_device(config, shape, axes: _MeshAxes) -> Tuple[object, str]:
     devices = math.prod(shape.values())
     local = copy.deepcopy(config)
     local.mesh.axes = "data=1"
@@ -223,6 +239,7 @@ def _per_device(config, shape, rules, batch) -> Tuple[object, str]:
         return local, "one device"
     m, t = config.model, config.train
     length = config.data.sequence_length
+    batch = axes.batch
     micro_rows, row_axis, seq_axis = batch.micro_batch_rows, batch.rows_axis, batch.sequence_axis
     rows, seq = shape[row_axis] if row_axis else 1, shape[seq_axis] if seq_axis else 1
     local.train.global_batch_size = t.global_batch_size // rows
@@ -236,9 +253,8 @@ def _per_device(config, shape, rules, batch) -> Tuple[object, str]:
             # Too few rows to fold the sequence split into them: a (T/seq)-token program
             # (its attention sees T/seq keys, not T: scores are underestimated).
             local.data.sequence_length = length // seq
-    tp_axis = rules_lib.candidate_axis("heads", rules, shape) or ""
-    if tp_axis:
-        tp = shape[tp_axis]
+    if axes.heads:
+        tp = shape[axes.heads]
         lm = local.model
         lm.head_dim = m.head_dim or m.hidden_dim // m.num_query_heads
         lm.num_query_heads = m.num_query_heads // tp
@@ -246,10 +262,8 @@ def _per_device(config, shape, rules, batch) -> Tuple[object, str]:
         lm.intermediate_dim = m.intermediate_dim // tp
         lm.moe_intermediate_dim = m.moe_intermediate_dim // tp  # experts' mlp axis too
         lm.vocab_size = m.vocab_size // tp
-    if m.num_experts:
-        axis = rules_lib.expert_axis(m.num_experts, rules, shape)
-        if axis and shape[axis] > 1:
-            _experts_of_one_device(local.model, m, shape[axis], local.data.sequence_length)
+    if axes.experts and shape[axes.experts] > 1:
+        _experts_of_one_device(local.model, m, shape[axes.experts], local.data.sequence_length)
     desc = ", ".join(f"{k}={v}" for k, v in shape.items())
     return local, f"{desc} ({devices} devices), per device"
 
@@ -289,7 +303,7 @@ def _mesh_axes(spec):
     return [a for axis in spec for a in (axis if isinstance(axis, tuple) else (axis,)) if a]
 
 
-def _weight_units(model, rows, rules, shape, expert_parallel: bool) -> Tuple[WeightUnit, ...]:
+def _weight_units(model, rows, batch_axes, shape, expert_parallel: bool) -> Tuple[WeightUnit, ...]:
     """The groups of weights that move together on one device, in forward order, with
     their sizes: what `tfllm.models.causal_lm` hands to `tfllm.parallel.blocks`.
 
@@ -303,7 +317,6 @@ def _weight_units(model, rows, rules, shape, expert_parallel: bool) -> Tuple[Wei
     gathers them in FP8 (`precision.fp8_gather`, `tfllm.precision.fp8.WeightCodec`).
     Expert-parallel kernels are computed where they live: never gathered nor reduced.
     """
-    batch_axes = rules_lib.activation_mesh_axes(rules)
     by_path = {r.path: r for r in rows}
 
     def unit(name, variables):
