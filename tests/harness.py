@@ -7,7 +7,7 @@ module, and a script that uses these helpers outside pytest imports `tests.conft
 first).
 
 * Configs: `tiny_overrides`, `tiny_config`, `text_overrides`, `tiny_text_config`,
-  `write_text_corpus`.
+  `write_text_corpus`, `sections` (what `build_model` takes of a config).
 * Costs: `first_step_costs` (the first step's cost report and executed graphs).
 * Parity: `parity_run` (one training run, sharded or not), `parity_reference` (the
   single-device float32 run, cached per process), `assert_parity` (their agreement
@@ -86,6 +86,12 @@ def tiny_config(family="gpt", axes="data=1", **extra):
     from tfllm.config import load_config
     overrides = tiny_overrides(family, axes, **extra)
     return load_config(None, overrides)
+
+
+def sections(config):
+    """The sections of `config` that `tfllm.models.build_model` reads: model, precision,
+    lora (`build_model(*sections(cfg), parallel=...)`; the seed is passed on its own)."""
+    return config.model, config.precision, config.lora
 
 
 def write_text_corpus(directory, files=4, docs_per_file=12, seed=0):

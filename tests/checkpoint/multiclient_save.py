@@ -48,7 +48,7 @@ def build_state(overrides, parallel):
     from tfllm.models import build_model
     from tfllm.optim import AdamW
     cfg = load_config(None, overrides)
-    model = build_model(cfg, parallel)
+    model = build_model(cfg.model, cfg.precision, cfg.lora, parallel=parallel, seed=cfg.train.seed)
     optimizer = AdamW(cfg.optimizer, cfg.train.steps, parallel)
     optimizer.build(model.trainable_variables)
     return run_state_variables(model, optimizer)

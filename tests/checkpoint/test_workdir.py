@@ -13,7 +13,7 @@ import pytest
 import tensorflow as tf
 
 from tests.checkpoint.helpers import assert_same, gathered
-from tests.harness import snapshot_tree, tiny_config
+from tests.harness import sections, snapshot_tree, tiny_config
 from tfllm.checkpoint import Checkpointer, model_variables
 from tfllm.config.loader import to_dict
 from tfllm.data.tokenizer import ByteTokenizer, SentencePieceTokenizer, train_sentencepiece
@@ -263,7 +263,7 @@ def test_the_weights_restore_alone_from_a_checkpoint_of_the_whole_run(tmp_path, 
     device, restored from a checkpoint that also holds AdamW's moments and the loss scale."""
     parallel, variables, values = source_run
     run = Workdir(str(tmp_path / "run"))
-    model = build_model(tiny_config("gpt"), None)
+    model = build_model(*sections(tiny_config("gpt")))
     with pytest.raises(FileNotFoundError, match="checkpoints holds no committed checkpoint"):
         run.restore_weights(model)
     run.checkpointer(parallel).save(4, variables, {"note": "whole run"})

@@ -60,7 +60,7 @@ def test_the_sft_lora_recipe_trains_adapters_that_peft_serves(tmp_path, capsys):
     assert main(["export", "--workdir", run, "--out", str(tmp_path / "adapter"),
                  "--format", "peft"]) == 0
     trained = load_config(os.path.join(run, "config.yaml"))
-    model = build_model(trained, None)
+    model = build_model(trained.model, trained.precision, trained.lora, seed=trained.train.seed)
     run_dir.restore_weights(model)
     ids = helpers.token_ids(length=24)
     ours = np.asarray(model(ids), np.float32)

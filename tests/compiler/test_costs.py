@@ -203,7 +203,8 @@ def test_train_on_fsdp_reports_per_weight_gathers(tmp_path):
     train(cfg, str(tmp_path / "run"), out=out)
     saved = json.loads((tmp_path / "run" / "costs.json").read_text())
     from tfllm.models import build_model
-    model = build_model(cfg, make_parallel(cfg.mesh, cfg.model, cfg.optimizer))
+    model = build_model(cfg.model, cfg.precision, cfg.lora,
+                        parallel=make_parallel(cfg.mesh, cfg.model, cfg.optimizer))
     sharded = _sharded_elements(model)
     assert sharded == count_params(model) - 5 * cfg.model.hidden_dim  # all but the norms
     block = sum(int(np.prod(v.shape)) for v in model.blocks[0].trainable_variables)

@@ -48,7 +48,7 @@ def _weights(m):
     """{tfllm variable path below the model's name: shape} of the model `m` describes."""
     config = Config()
     config.model = m
-    model = build_model(config, None, allocate=False)
+    model = build_model(config.model, config.precision, config.lora, allocate=False)
     prefix = model.name + "/"
     return {v.path[len(prefix):]: tuple(int(n) for n in v.shape) for v in model.variables
             if getattr(v, "kind", None) != "fp8_state"}

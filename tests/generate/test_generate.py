@@ -28,7 +28,8 @@ def generator(family, axes=None, jit_compile=True):
     extra = {"model.tie_embeddings": False} if family == "gemma3" else {}
     cfg = tiny_config(family, axes or "data=1", **INIT, **extra)
     parallel = make_parallel(cfg.mesh, cfg.model, cfg.optimizer) if axes else None
-    return Generator(build_model(cfg, parallel), parallel, jit_compile=jit_compile)
+    model = build_model(cfg.model, cfg.precision, cfg.lora, parallel=parallel)
+    return Generator(model, parallel, jit_compile=jit_compile)
 
 
 @pytest.mark.slow
@@ -145,7 +146,7 @@ def test_an_expert_parallel_model_generates_the_same_tokens():
     for axes in ("data=2,model=4", None):
         cfg = tiny_config("llama", axes or "data=1", **moe)
         parallel = make_parallel(cfg.mesh, cfg.model, cfg.optimizer) if axes else None
-        made.append(Generator(build_model(cfg, parallel), parallel,
-                              jit_compile=axes is None))
+        model = build_model(cfg.model, cfg.precision, cfg.lora, parallel=parallel)
+        made.append(Generator(model, parallel, jit_compile=axes is None))
     prompts = PROMPTS + [[9]]
     assert made[0].generate(prompts, NEW) == made[1].generate(prompts, NEW)

@@ -23,7 +23,7 @@ ONE_BLOCK = (("model.num_layers", 1),)
 
 def _model(family, chunk):
     cfg = tiny_config(family, **{"model.attention_chunk": chunk})
-    return build_model(cfg, None)
+    return build_model(cfg.model, cfg.precision, cfg.lora)
 
 
 def _tokens_and_segments(batch=2, length=16, seed=0):
@@ -85,7 +85,7 @@ def test_chunked_training_on_a_split_sequence_matches_single_device():
 def _hybrid_model(chunk):
     cfg = tiny_config("llama", HYBRID, **{"model.attention_chunk": chunk})
     parallel = make_parallel(cfg.mesh, cfg.model, cfg.optimizer)
-    return build_model(cfg, parallel), parallel
+    return build_model(cfg.model, cfg.precision, cfg.lora, parallel=parallel), parallel
 
 
 @pytest.mark.slow

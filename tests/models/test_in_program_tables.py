@@ -30,7 +30,7 @@ def test_a_training_step_folds_no_rope_table_or_mask(family):
     cfg = tiny_config(family, **{"data.sequence_length": LENGTH,
                                  "model.max_sequence_length": LENGTH,
                                  "model.attention_chunk": CHUNK})
-    model = build_model(cfg, seed=0)
+    model = build_model(cfg.model, cfg.precision, cfg.lora, seed=0)
     tokens = tf.constant(np.random.default_rng(0).integers(0, 128, (2, LENGTH + 1)),
                          tf.int32)
 

@@ -15,7 +15,7 @@ from tfllm.models import build_model
 from tfllm.models.lora import scale, targeted, trainable_summary
 from tfllm.train.metrics import flops_per_token
 from tests.harness import (LOSS_RTOL, assert_parity, first_step_costs, parity_reference,
-                           parity_run, tiny_config, train_step_dots)
+                           parity_run, sections, tiny_config, train_step_dots)
 
 LORA = (("lora.rank", 4), ("lora.alpha", 8.0))
 
@@ -26,8 +26,8 @@ def _tokens():
 
 @pytest.mark.parametrize("family", ["gpt", "llama", "gemma3"])
 def test_a_fresh_adapter_changes_nothing_and_only_adapters_train(family):
-    base = build_model(tiny_config(family))
-    model = build_model(tiny_config(family, **dict(LORA)))
+    base = build_model(*sections(tiny_config(family)))
+    model = build_model(*sections(tiny_config(family, **dict(LORA))))
     np.testing.assert_array_equal(model(_tokens()), base(_tokens()))
     names = {v.path.rsplit("/", 1)[-1] for v in model.trainable_variables}
     assert names == {"lora_a", "lora_b"}
@@ -39,7 +39,7 @@ def test_a_fresh_adapter_changes_nothing_and_only_adapters_train(family):
 
 
 def test_a_projection_computes_x_w_plus_scaled_x_a_b():
-    model = build_model(tiny_config("llama", **dict(LORA)))
+    model = build_model(*sections(tiny_config("llama", **dict(LORA))))
     for layer, eq in ((model.blocks[0].attention.query, "btd,dhk->bthk"),
                       (model.blocks[0].attention.output_proj, "bthk,hkd->btd"),
                       (model.blocks[1].mlp.down, "btf,fd->btd")):
@@ -69,7 +69,7 @@ def test_scale_targets_and_refusals():
                                                          "attention/value"))]
     with pytest.raises(ConfigError, match=r"lora.targets: 'c_fc' names no projection of "
                                           r"the llama family"):
-        build_model(tiny_config("llama", **dict(LORA), **{"lora.targets": ["c_fc"]}))
+        build_model(*sections(tiny_config("llama", **dict(LORA), **{"lora.targets": ["c_fc"]})))
 
 
 def test_flops_count_no_weight_gradient_for_frozen_weights():
@@ -95,7 +95,7 @@ def test_a_lora_step_on_fsdp_sends_only_adapter_gradients(axes):
     # One gather of the block: frozen kernels and adapters together.
     assert len(gathered(lora)) == 1 and gathered(lora)[0] > gathered(plain)[0]
     # Its reductions carry the adapters' gradients only (no norm scale, no kernel).
-    model = build_model(tiny_config("llama", axes, **dict(LORA)), allocate=False)
+    model = build_model(*sections(tiny_config("llama", axes, **dict(LORA))), allocate=False)
     adapter_elements = sum(int(np.prod(v.shape)) for v in model.trainable_variables
                            if "/block_1/" in v.path)
     # (a reduce-scatter is an all-reduce of the whole buffer, then a slice, on CPU)
@@ -151,7 +151,7 @@ def test_dropout_masks_the_adapter_input_in_training_only():
         dropout(x, 0.25, "p")
     # The model: a forward pass under a seed (the train step's) drops; evaluation and
     # generation (no seed) never do.
-    model = build_model(tiny_config("llama", **dict(LORA), **{"lora.dropout": 0.5}))
+    model = build_model(*sections(tiny_config("llama", **dict(LORA), **{"lora.dropout": 0.5})))
     for v in model.trainable_variables:
         if v.path.endswith("lora_b"):
             v.assign(np.random.RandomState(0).normal(size=v.shape).astype("float32"))

@@ -5,9 +5,10 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
+from tfllm.config.schema import LoraConfig, PrecisionConfig
 from tfllm.models import GPT, CausalLM, Gemma3, Llama, build_model
 from tfllm.models.common import MLP, add_param, rotary
-from tests.harness import tiny_config
+from tests.harness import sections, tiny_config
 
 
 def _tokens(batch=2, length=12, vocab=128, seed=0):
@@ -16,7 +17,7 @@ def _tokens(batch=2, length=12, vocab=128, seed=0):
 
 @pytest.mark.parametrize("family, cls", [("gpt", GPT), ("llama", Llama), ("gemma3", Gemma3)])
 def test_forward_shape_and_causality(family, cls):
-    model = build_model(tiny_config(family))
+    model = build_model(*sections(tiny_config(family)))
     assert isinstance(model, cls) and isinstance(model, CausalLM)
     tokens = _tokens()
     logits = model(tokens)
@@ -29,8 +30,8 @@ def test_forward_shape_and_causality(family, cls):
 
 def test_sliding_window_sees_exactly_the_last_keys():
     # One local layer, window 5: the logits at t depend on tokens t-4 .. t only.
-    model = build_model(tiny_config(
-        "gemma3", **{"model.num_layers": 1, "model.sliding_window_pattern": 0}))
+    model = build_model(*sections(tiny_config(
+        "gemma3", **{"model.num_layers": 1, "model.sliding_window_pattern": 0})))
     assert model.is_local(0)
     tokens = _tokens()
     logits = model(tokens).numpy()
@@ -42,7 +43,7 @@ def test_sliding_window_sees_exactly_the_last_keys():
 def test_gemma3_cached_decoding_and_packing_equal_the_full_forward():
     # Local (window 5) and global layers: the cache path and packed documents apply the
     # same windows as the training path.
-    model = build_model(tiny_config("gemma3"))
+    model = build_model(*sections(tiny_config("gemma3")))
     assert [model.is_local(i) for i in range(2)] == [True, False]
     tokens = _tokens(length=16)
     full = model(tokens).numpy()
@@ -60,8 +61,8 @@ def test_gemma3_cached_decoding_and_packing_equal_the_full_forward():
 
 
 def test_family_defaults_tie_and_bias():
-    gpt = build_model(tiny_config("gpt"))
-    llama = build_model(tiny_config("llama"))
+    gpt = build_model(*sections(tiny_config("gpt")))
+    llama = build_model(*sections(tiny_config("llama")))
     assert gpt.tie_embeddings and gpt.lm_head is None and gpt.use_bias
     assert not llama.tie_embeddings and llama.lm_head is not None and not llama.use_bias
     assert not any(v.path.endswith("bias") for v in llama.variables)
@@ -70,7 +71,7 @@ def test_family_defaults_tie_and_bias():
 def test_gqa_equals_mha_with_repeated_kv_heads():
     # A GQA layer equals an MHA layer whose k/v kernels repeat each kv head per group.
     cfg = tiny_config("llama")
-    gqa = build_model(cfg).blocks[0].attention
+    gqa = build_model(*sections(cfg)).blocks[0].attention
     x = tf.random.stateless_normal((2, 5, 64), seed=(1, 2))
     q, k, v = gqa.query(x), gqa.key(x), gqa.value(x)
     out = gqa.attend(rotary(q, 1e4), rotary(k, 1e4), v)
@@ -126,7 +127,7 @@ def test_subclass_replaces_mlp_and_loss_and_trains_on_a_mesh(tmp_path):
     from tfllm.train.loop import train
     cfg = tiny_config("llama", "data=2,model=4",
                       **{"train.steps": 2, "train.log_every": 1})
-    model = build_model(cfg, None, model_cls=MyLlama)
+    model = build_model(*sections(cfg), model_cls=MyLlama)
     assert any("block_0/mlp/kernel" in v.path for v in model.variables)
     assert not any(isinstance(l, MLP) for l in model._flatten_layers())
     last = train(cfg, str(tmp_path), model_cls=MyLlama)
@@ -147,13 +148,39 @@ def test_weights_without_logical_axes_are_rejected():
             return PlainKerasWeight(name="mlp")
 
     with pytest.raises(ValueError, match="created without tfllm.models.common.add_param"):
-        build_model(tiny_config("gpt"), model_cls=Bad)
+        build_model(*sections(tiny_config("gpt")), model_cls=Bad)
+
+
+def test_build_model_takes_the_sections_it_reads():
+    # build_model reads the model, precision and lora sections (and a seed), not the
+    # whole Config (issue 51): a Config, or something else in a section's place, is
+    # refused in one line naming the fix before anything is built; the options are
+    # keyword-only, so the old positional build_model(config, parallel) cannot mean
+    # something else.
+    cfg = tiny_config("llama")
+    with pytest.raises(TypeError, match=r"not a whole Config: pass config\.model, "
+                                        r"config\.precision, config\.lora") as whole:
+        build_model(cfg)
+    with pytest.raises(TypeError, match=r"lora must be a LoraConfig \(config\.lora\) or "
+                                        r"None, not Config") as misplaced:
+        build_model(cfg.model, None, cfg)
+    assert "\n" not in str(whole.value) + str(misplaced.value)
+    with pytest.raises(TypeError, match="positional"):
+        build_model(*sections(cfg), None)  # parallel must be named
+    # None stands for the defaults (float32, no adapters), the seed for train.seed's 0.
+    assert (cfg.precision, cfg.lora, cfg.train.seed) == (PrecisionConfig(), LoraConfig(), 0)
+    default = build_model(cfg.model)
+    full = build_model(*sections(cfg), seed=cfg.train.seed)
+    assert [(v.path, v.trainable, v.dtype) for v in default.variables] == \
+        [(v.path, v.trainable, v.dtype) for v in full.variables]
+    for a, b in zip(default.variables, full.variables):
+        np.testing.assert_array_equal(a.numpy(), b.numpy())
 
 
 @pytest.mark.parametrize("policy, compute", [("float32", "float32"), ("bfloat16", "bfloat16")])
 def test_precision_policy_dtypes(policy, compute):
     cfg = tiny_config("llama", **{"precision.policy": policy})
-    model = build_model(cfg)
+    model = build_model(*sections(cfg))
     assert all(v.dtype == "float32" for v in model.variables)  # master weights stay fp32
     for layer in model._flatten_layers():
         assert layer.dtype_policy.compute_dtype == compute, layer.name
@@ -167,7 +194,7 @@ def test_a_shapes_only_model_is_never_initialized_by_a_later_keras_build():
     # would otherwise allocate them all (after planning llama-7b, ~28 GB: an
     # out-of-memory kill of a test worker).
     from tfllm.internals import is_allocated
-    model = build_model(tiny_config("llama"), allocate=False)
+    model = build_model(*sections(tiny_config("llama")), allocate=False)
     assert model.variables and not any(is_allocated(v) for v in model.variables)
     with keras.StatelessScope():  # leaving one initializes every pending variable
         pass

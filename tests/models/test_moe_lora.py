@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from tests.harness import tiny_config
+from tests.harness import sections, tiny_config
 from tfllm.config import ConfigError
 from tfllm.models import build_model
 from tfllm.models.common.moe import MoeMLP
@@ -42,8 +42,8 @@ def _tokens():
 @pytest.mark.parametrize("dispatch", ["slots", "grouped"])
 def test_expert_adapters_add_each_experts_own_update(dispatch):
     cfg = _config(**EXPERTS, **{"model.moe_dispatch": dispatch})
-    model = build_model(cfg)
-    plain = build_model(_config(**{"model.moe_dispatch": dispatch}))
+    model = build_model(*sections(cfg))
+    plain = build_model(*sections(_config(**{"model.moe_dispatch": dispatch})))
     rng = np.random.RandomState(1)
     for v in model.variables:  # random B too, so that every adapter moves the logits
         if v.path.endswith("/lora_b"):
@@ -72,7 +72,7 @@ def test_expert_adapters_add_each_experts_own_update(dispatch):
 
 
 def test_up_shares_gates_a_and_only_adapters_train():
-    model = build_model(_config(**EXPERTS))
+    model = build_model(*sections(_config(**EXPERTS)))
     sparse = model.blocks[1].mlp
     assert isinstance(sparse, MoeMLP)
     assert tuple(sparse.gate.lora_a.shape) == (4, 64, 4)  # (E, D, r)
@@ -119,7 +119,7 @@ def test_targets_resolve_per_layer_kind():
 def test_what_peft_cannot_express_is_refused(overrides, message):
     cfg = _config(**{"lora.rank": 4, **overrides})
     with pytest.raises(ConfigError, match=message):
-        build_model(cfg, allocate=False)
+        build_model(*sections(cfg), allocate=False)
 
 
 def test_flops_count_k_experts_adapters():
@@ -155,8 +155,8 @@ def test_fp8_expert_gemms_take_adapters():
     # fresh adapters (B = 0) leave the FP8 model's logits exactly, and every A and B of
     # the experts gets a gradient
     fp8 = {"precision.policy": "fp8"}
-    base = build_model(_config(**fp8))
-    model = build_model(_config(**fp8, **EXPERTS))
+    base = build_model(*sections(_config(**fp8)))
+    model = build_model(*sections(_config(**fp8, **EXPERTS)))
     np.testing.assert_array_equal(model(_tokens()), base(_tokens()))
     rng = np.random.RandomState(2)
     for v in model.variables:

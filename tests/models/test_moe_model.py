@@ -22,7 +22,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from tests.harness import GRAD_RTOL, LOSS_RTOL, tiny_config
+from tests.harness import GRAD_RTOL, LOSS_RTOL, sections, tiny_config
 from tfllm.config import ConfigError, load_config
 from tfllm.data import SyntheticTokens, feed
 from tfllm.models import build_model
@@ -45,11 +45,11 @@ def test_sparse_layers_follow_decoder_sparse_step_and_mlp_only_layers():
     # transformers' Qwen3-MoE: sparse when (i + 1) % step == 0 and i not in mlp_only_layers
     cfg = _config(**{"model.num_layers": 6, "model.decoder_sparse_step": 2,
                      "model.mlp_only_layers": "[3]"})
-    model = build_model(cfg, allocate=False)
+    model = build_model(*sections(cfg), allocate=False)
     kinds = [isinstance(b.mlp, MoeMLP) for b in model.blocks]
     assert kinds == [False, True, False, False, False, True]
     # Mixtral: every layer
-    model = build_model(_config(**{"model.mlp_only_layers": "[]"}), allocate=False)
+    model = build_model(*sections(_config(**{"model.mlp_only_layers": "[]"})), allocate=False)
     assert all(isinstance(b.mlp, MoeMLP) for b in model.blocks)
 
 
@@ -179,7 +179,7 @@ def test_experts_split_over_the_batch_axis_on_a_mesh():
     from tfllm.parallel import make_parallel
     cfg = _config(**{"mesh.axes": "fsdp=4,model=2"})
     parallel = make_parallel(cfg.mesh, cfg.model, cfg.optimizer)
-    model = build_model(cfg, parallel, allocate=False)
+    model = build_model(*sections(cfg), parallel=parallel, allocate=False)
     specs = {v.path: parallel.variable_spec(v) for v in model.variables}
     assert specs["llama/block_1/mlp/gate/kernel"] == ("fsdp", None, "model")
     assert specs["llama/block_1/mlp/down/kernel"] == ("fsdp", "model", None)
@@ -196,7 +196,7 @@ def test_experts_stay_whole_when_the_rules_say_so():
     rules = [["experts", None], ["activation_experts", None]] + [list(r) for r in DEFAULT_RULES]
     cfg = _config(**{"mesh.axes": "fsdp=4,model=2", "mesh.rules": json.dumps(rules)})
     parallel = make_parallel(cfg.mesh, cfg.model, cfg.optimizer)
-    model = build_model(cfg, parallel, allocate=False)
+    model = build_model(*sections(cfg), parallel=parallel, allocate=False)
     specs = {v.path: parallel.variable_spec(v) for v in model.variables}
     assert specs["llama/block_1/mlp/gate/kernel"] == (None, "fsdp", "model")
     assert specs["llama/block_1/mlp/down/kernel"] == (None, "model", "fsdp")

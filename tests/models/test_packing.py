@@ -7,7 +7,7 @@ import tensorflow as tf
 from tfllm.models import build_model, loss_sum_and_count, packed_target_mask
 from tfllm.models.common import segment_mask_and_positions
 from tfllm.parallel import make_parallel
-from tests.harness import forward_on_mesh, tiny_config
+from tests.harness import forward_on_mesh, sections, tiny_config
 
 # Same weights, same tokens; only the shapes of the matmuls and reductions differ
 # (a 12-token row against a 5- or 7-token one), so float32 rounding: logits are O(1).
@@ -21,7 +21,7 @@ def _docs(seed=0):
 
 @pytest.mark.parametrize("family", ["gpt", "llama"])
 def test_packed_documents_equal_separate_documents(family):
-    model = build_model(tiny_config(family))
+    model = build_model(*sections(tiny_config(family)))
     a, b = _docs()
     row = tf.constant([np.concatenate([a, b])], tf.int32)  # (1, 12)
     segments = tf.constant([[1] * 5 + [2] * 7], tf.int32)
@@ -37,7 +37,7 @@ def test_packed_documents_equal_separate_documents(family):
 
 @pytest.mark.parametrize("family", ["gpt", "llama"])
 def test_one_segment_is_the_plain_causal_model(family):
-    model = build_model(tiny_config(family))
+    model = build_model(*sections(tiny_config(family)))
     tokens = tf.constant(np.random.default_rng(1).integers(0, 128, (2, 9)), tf.int32)
     np.testing.assert_allclose(model(tokens, segment_ids=tf.ones((2, 9), tf.int32)).numpy(),
                                model(tokens).numpy(), atol=ATOL)
@@ -51,7 +51,7 @@ def test_segment_positions_restart_at_each_document():
 
 @pytest.mark.parametrize("family", ["gpt", "llama"])
 def test_cached_forward_equals_full_forward(family):
-    model = build_model(tiny_config(family))
+    model = build_model(*sections(tiny_config(family)))
     tokens = tf.constant(np.random.default_rng(2).integers(0, 128, (2, 10)), tf.int32)
     full = model(tokens).numpy()
     cache = model.init_cache(2, 12)
@@ -66,10 +66,10 @@ def test_cached_forward_equals_full_forward(family):
 @pytest.mark.parametrize("family, axes", [("gpt", "data=2,model=4"),
                                           ("llama", "data=2,fsdp=2,model=2")])
 def test_packing_on_a_mesh_under_jit(family, axes):
-    ref_model = build_model(tiny_config(family))
+    ref_model = build_model(*sections(tiny_config(family)))
     cfg = tiny_config(family, axes)
     parallel = make_parallel(cfg.mesh, cfg.model, cfg.optimizer)
-    model = build_model(cfg, parallel)
+    model = build_model(*sections(cfg), parallel=parallel)
     rng = np.random.default_rng(3)
     tokens = rng.integers(0, 128, (4, 12)).astype(np.int32)
     segments = np.repeat(np.array([[1] * 4 + [2] * 5 + [3] * 3]), 4, axis=0).astype(np.int32)
@@ -81,7 +81,7 @@ def test_packing_on_a_mesh_under_jit(family, axes):
 
 
 def test_loss_sum_and_count_combine_to_the_mean_loss():
-    model = build_model(tiny_config("gpt"))
+    model = build_model(*sections(tiny_config("gpt")))
     rng = np.random.default_rng(4)
     tokens = tf.constant(rng.integers(0, 128, (2, 9)), tf.int32)
     segments = tf.constant([[1, 1, 1, 2, 2, 2, 2, 0, 0], [1] * 9], tf.int32)

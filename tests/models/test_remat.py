@@ -75,7 +75,8 @@ def test_fp8_amax_bookkeeping_is_unchanged_by_remat(policy):
 def _initial_weights(extra):
     from tfllm.models import build_model
     cfg = parity_config("gpt", None, extra)
-    return {v.path: np.asarray(v.numpy()) for v in build_model(cfg, None).trainable_variables}
+    model = build_model(cfg.model, cfg.precision, cfg.lora)
+    return {v.path: np.asarray(v.numpy()) for v in model.trainable_variables}
 
 
 def test_unknown_policy_is_a_config_error():

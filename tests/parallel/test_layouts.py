@@ -14,7 +14,7 @@ from tfllm.optim import AdamW
 from tfllm.parallel import make_parallel
 from tfllm.parallel.layouts import layout_rows
 from tfllm.parallel.placement import to_numpy
-from tests.harness import tiny_config
+from tests.harness import sections, tiny_config
 
 GOLDEN = os.path.join(os.path.dirname(__file__), "..", "golden")
 CASES = [("gpt", "data=2,fsdp=2,model=2"), ("llama", "data=2,fsdp=2,model=2"),
@@ -30,7 +30,7 @@ def _build(family, axes, zero1=True):
     cfg = tiny_config(family, axes, **{
         "optimizer.shard_optimizer_state": str(zero1).lower()})
     parallel = make_parallel(cfg.mesh, cfg.model, cfg.optimizer)
-    model = build_model(cfg, parallel)
+    model = build_model(*sections(cfg), parallel=parallel)
     optimizer = AdamW(cfg.optimizer, 3, parallel)
     optimizer.build(model.trainable_variables)
     return cfg, parallel, model, optimizer
@@ -72,7 +72,7 @@ def test_no_weight_is_materialized_whole(family, axes):
 
 @pytest.mark.parametrize("family", ["gpt", "llama"])
 def test_initial_values_do_not_depend_on_the_mesh(family):
-    reference = build_model(tiny_config(family), None)
+    reference = build_model(*sections(tiny_config(family)))
     want = {v.path: to_numpy(v) for v in reference.variables}
     for axes in ("data=2,fsdp=2,model=2", "fsdp=8", "model=8"):
         _, _, model, _ = _build(family, axes, zero1=False)
@@ -82,7 +82,7 @@ def test_initial_values_do_not_depend_on_the_mesh(family):
 
 def test_initial_values_have_the_configured_statistics():
     cfg = tiny_config("llama")
-    model = build_model(cfg, None)
+    model = build_model(*sections(cfg))
     for v in model.variables:
         w = to_numpy(v)
         if v.init[0] == "normal":
@@ -92,7 +92,7 @@ def test_initial_values_have_the_configured_statistics():
             assert abs(w.mean()) < 5 * std / math.sqrt(w.size), v.path
         else:
             assert np.all(w == (1.0 if v.init[0] == "ones" else 0.0)), v.path
-    other = build_model(cfg, None, seed=cfg.train.seed + 1)
+    other = build_model(*sections(cfg), seed=cfg.train.seed + 1)
     assert not np.array_equal(to_numpy(other.variables[0]), to_numpy(model.variables[0]))
 
 
@@ -103,7 +103,7 @@ def test_indivisible_heads_fail_before_allocating():
     with pytest.raises(ShardingError, match=r"llama/block_0/attention/key/kernel: dimension 1 "
                                             r"\('kv_heads', size 4\) is not divisible by mesh "
                                             r"axis 'model' \(size 8\)"):
-        build_model(cfg, make_parallel(cfg.mesh, cfg.model, cfg.optimizer))
+        build_model(*sections(cfg), parallel=make_parallel(cfg.mesh, cfg.model, cfg.optimizer))
 
 
 def test_a_replicated_value_is_copied_to_the_host_from_one_device(monkeypatch):

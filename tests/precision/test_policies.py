@@ -26,7 +26,7 @@ FP8_PROJECTIONS = ("query", "key", "value", "output", "up", "down", "gate")
 def test_every_sublayer_dtype(family, policy, compute):
     cfg = tiny_config(family, **{"precision.policy": policy,
                                  "precision.fp8_exclude": "block_1/mlp"})
-    model = build_model(cfg)
+    model = build_model(cfg.model, cfg.precision, cfg.lora)
     for layer in model._flatten_layers():
         assert layer.dtype_policy.compute_dtype == compute, layer.name
         assert layer.dtype_policy.variable_dtype == "float32", layer.name
@@ -139,7 +139,7 @@ def test_tf32_setting_reaches_the_compiled_dots(tf32, highest):
     # a GPU runs on the TF32 tensor cores. The CPU's HLO carries the same attribute.
     cfg = tiny_config("llama", **{"precision.tf32": tf32})
     try:
-        model = build_model(cfg, None)
+        model = build_model(cfg.model, cfg.precision, cfg.lora)
         tokens = tf.zeros((1, 8), tf.int32)
         hlo = tf.function(model, jit_compile=True).experimental_get_compiler_ir(tokens)(
             stage="hlo")

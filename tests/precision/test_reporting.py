@@ -56,12 +56,12 @@ def test_fp8_state_is_checkpointed_with_the_model(tmp_path):
     # FP8 histories are model variables: a checkpoint of every model variable by path
     # carries them. (tf.train.Checkpoint(model=...) does not see Keras 3 variables.)
     cfg = tiny_config("gpt", **{"precision.policy": "fp8"})
-    model = build_model(cfg)
+    model = build_model(cfg.model, cfg.precision, cfg.lora)
     history = model.fp8_state_variables()[0]
     history.assign(tf.range(history.shape[0], dtype=tf.float32))
     by_path = lambda m: tf.train.Checkpoint(variables={v.path: v.value for v in m.variables})
     path = by_path(model).save(str(tmp_path / "ckpt"))
-    restored = build_model(cfg)
+    restored = build_model(cfg.model, cfg.precision, cfg.lora)
     by_path(restored).restore(path).assert_consumed()
     np.testing.assert_array_equal(to_numpy(restored.fp8_state_variables()[0]),
                                   np.arange(history.shape[0]))

@@ -38,12 +38,13 @@ def test_an_imported_checkpoint_restores_into_another_expert_layout(name, import
     config = load_config(str(tmp_path / "run" / "config.yaml"), [f"mesh.axes={restored}"])
     ids = helpers.token_ids()
     if restored == "data=1":
-        model = build_model(config, None)
+        model = build_model(config.model, config.precision, config.lora, seed=config.train.seed)
         Workdir(str(tmp_path / "run")).restore_weights(model)
         ours = np.asarray(model(ids), np.float32)
     else:
         parallel = make_parallel(config.mesh, config.model, config.optimizer)
-        model = build_model(config, parallel)
+        model = build_model(config.model, config.precision, config.lora, parallel=parallel,
+                            seed=config.train.seed)
         experts = [v for v in model.variables if v.logical_axes[0] == "experts"]
         # the stacked kernels' experts over data: two of the four per device group
         assert len(experts) == 6 and all(parallel.variable_spec(v)[0] == "data"

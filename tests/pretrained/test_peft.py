@@ -66,7 +66,7 @@ def _tfllm_logits(workdir, ids):
     from tfllm.config import load_config
     from tfllm.models import build_model
     config = load_config(str(workdir / "config.yaml"))
-    model = build_model(config, None)
+    model = build_model(config.model, config.precision, config.lora, seed=config.train.seed)
     Workdir(str(workdir)).restore_weights(model)
     return np.asarray(model(ids), np.float32)
 

@@ -27,7 +27,7 @@ def _restored(workdir, overrides=()):
     from tfllm.checkpoint import Checkpointer, run_state_variables
     from tfllm.models import build_model
     config = load_config(str(workdir / "config.yaml"), list(overrides))
-    model = build_model(config, None)
+    model = build_model(config.model, config.precision, config.lora, seed=config.train.seed)
     Checkpointer(str(workdir / "checkpoints"), None).restore_latest(
         run_state_variables(model), strict=False)
     return model

@@ -9,7 +9,7 @@ import os
 import numpy as np
 import pytest
 
-from tests.harness import tiny_config
+from tests.harness import sections, tiny_config
 from tests.train.dpo_cases import DPO, ROOT, pair_batch, randomize_adapters
 from tfllm.data import feed
 
@@ -216,7 +216,7 @@ def test_full_fine_tuning_saves_its_reference_and_resumes_exactly(tmp_path, caps
     evaluated = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     for key in ("eval_loss", "eval_rewards/margins", "eval_logps/chosen"):
         assert evaluated[key] == pytest.approx(final[key], rel=1e-6), key
-    first = build_model(tiny_config("llama", **{**overrides, "train.steps": 6}))
+    first = build_model(*sections(tiny_config("llama", **{**overrides, "train.steps": 6})))
     saved = Reader(Workdir(str(resumed)).latest_checkpoint())
     moved = 0
     for v in first.variables:

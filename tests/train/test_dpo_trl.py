@@ -232,7 +232,7 @@ def _tfllm(setup, records, tmp_path, full=False, **dpo):
     overrides += [f"dpo.{k}={v}" for k, v in dpo.items()]
     run = folder / ("policy_run" if full else "run")
     config = load_config(str(run / "config.yaml"), overrides)
-    model = build_model(config, None)
+    model = build_model(config.model, config.precision, config.lora, seed=config.train.seed)
     Workdir(str(run)).restore_weights(model)
     reference = None
     if full:  # the reference copy a full fine-tuning run builds, with the base's weights

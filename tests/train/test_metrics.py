@@ -180,6 +180,6 @@ def test_bench_on_cpu_reports_no_peak_and_says_why():
 
 def _weight_shapes(cfg):
     from tfllm.models import build_model
-    model = build_model(cfg, None)
+    model = build_model(cfg.model, cfg.precision, cfg.lora)
     model(np.zeros((1, cfg.data.sequence_length), "int32"))
     return [v.shape for v in model.trainable_variables]

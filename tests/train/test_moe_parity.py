@@ -102,7 +102,7 @@ def test_meshes_the_dispatch_cannot_run_on_are_refused(axes, extra, message):
     cfg = parity_config("llama", axes, EXPERTS + extra)
     parallel = make_parallel(cfg.mesh, cfg.model, cfg.optimizer)
     with pytest.raises(ValueError, match=message):
-        build_model(cfg, parallel, allocate=False)
+        build_model(cfg.model, cfg.precision, cfg.lora, parallel=parallel, allocate=False)
 
 
 @pytest.mark.slow

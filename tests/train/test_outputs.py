@@ -90,7 +90,7 @@ def test_export_serves_the_sharded_models_logits(run_dir, tmp_path):
 
     # data=2,model=4: the mesh it was trained on
     parallel = make_parallel(cfg.mesh, cfg.model, cfg.optimizer)
-    model = build_model(cfg, parallel)
+    model = build_model(cfg.model, cfg.precision, cfg.lora, parallel=parallel)
     Checkpointer(str(workdir / "checkpoints"), parallel, cfg.checkpoint).restore_latest(
         run_state_variables(model), strict=False)
     batch = feed.place(parallel, np.repeat(ids, 2, axis=0))  # 2 rows: one per data shard
@@ -103,7 +103,7 @@ def test_export_serves_the_sharded_models_logits(run_dir, tmp_path):
     # One device vs an 8-device mesh: the same weights, float32 sums in another order.
     np.testing.assert_allclose(served, sharded, rtol=1e-4, atol=1e-5)
     # The Keras weights load into a mesh-free model.
-    plain = build_model(cfg, None)
+    plain = build_model(cfg.model, cfg.precision, cfg.lora)
     plain.load_weights(str(out / "model.weights.h5"))
     np.testing.assert_allclose(plain(tf.constant(ids)).numpy(), served, rtol=1e-5, atol=1e-6)
 

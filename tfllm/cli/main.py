@@ -311,7 +311,8 @@ def cmd_layouts(args) -> int:
     from tfllm.parallel.rules import rules_from_config
     config = _load(args)
     shape = mesh_shape_from_config(config.mesh, args.num_devices)
-    model = build_model(config, allocate=False)  # shapes only: no memory is allocated
+    # shapes only: no memory is allocated
+    model = build_model(config.model, config.precision, config.lora, allocate=False)
     rules = rules_from_config(config.mesh.rules)
     rows = layout_rows(model, rules, shape, config.optimizer.shard_optimizer_state)
     print(format_table(rows, shape))

@@ -185,7 +185,7 @@ def mesh_plan(config, devices=None) -> MeshPlan:
     shape = mesh_shape(config, devices)
     axes = _MeshAxes.of(config, shape)
     local, note = _per_device(config, shape, axes)
-    model = build_model(config, allocate=False)
+    model = build_model(config.model, config.precision, config.lora, allocate=False)
     rows = tuple(layout_rows(model, axes.rules, shape, config.optimizer.shard_optimizer_state))
     split = bool(axes.experts) and shape[axes.experts] > 1
     return MeshPlan(shape=shape, rules=axes.rules, batch=axes.batch, local=local, note=note,
@@ -294,7 +294,7 @@ def _experts_of_one_device(local_model, m, n: int, length: int) -> None:
 def param_count(config) -> int:
     """Trainable parameters of the config's model, from shapes only."""
     from tfllm.models import build_model
-    model = build_model(config, allocate=False)
+    model = build_model(config.model, config.precision, config.lora, allocate=False)
     return sum(math.prod(int(d) for d in v.shape) for v in model.trainable_variables)
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import math
 from typing import Optional
 
+from tfllm.config.schema import Config, LoraConfig, ModelConfig, PrecisionConfig
 from tfllm.models.causal_lm import Block, CausalLM
 from tfllm.models.gemma3 import Gemma3
 from tfllm.models.gpt import GPT
@@ -53,49 +54,82 @@ def check_experts_mesh(m, parallel) -> None:
                          "data=2,model=4).")
 
 
-def build_model(config, parallel=None, seed: Optional[int] = None, model_cls=None,
-                allocate: bool = True, zeros: bool = False, frozen: bool = False) -> CausalLM:
-    """Builds the model a config describes, its variables created in their layouts.
+def build_model(model: ModelConfig, precision: Optional[PrecisionConfig] = None,
+                lora: Optional[LoraConfig] = None, *, parallel=None, seed: int = 0,
+                model_cls=None, allocate: bool = True, zeros: bool = False,
+                frozen: bool = False) -> CausalLM:
+    """Builds the model the config's sections describe, its variables created in their
+    layouts.
+
+    It takes the sections it reads, not the whole `Config`: with a config,
+    `build_model(config.model, config.precision, config.lora, parallel=parallel,
+    seed=config.train.seed)`.
 
     Args:
-      config: a full `tfllm.config.Config`.
+      model: the model section (`tfllm.config.ModelConfig`).
+      precision: the precision section (`PrecisionConfig`); None: its defaults (float32).
+      lora: the adapters (`LoraConfig`); None: no adapters (every weight trains).
       parallel: a `tfllm.parallel.Parallel`, or None for single-device variables.
-      seed: the init seed (default: config.train.seed).
-      model_cls: a `CausalLM` subclass to use instead of the config's family.
+      seed: the init seed (a config's train.seed).
+      model_cls: a `CausalLM` subclass to use instead of the model section's family.
       allocate: False builds shapes only (no memory), for `tfllm layouts`.
       zeros: allocate zero-filled variables (weights that will be loaded).
       frozen: every weight non-trainable (DPO's reference copy: no gradient is taken).
+
+    Raises:
+      TypeError: a section is not one (a whole `Config`, or the old positional
+        `parallel`), in one line naming the fix.
     """
+    _check_sections(model, precision, lora)
+    precision = PrecisionConfig() if precision is None else precision
+    lora = LoraConfig() if lora is None else lora
     from tfllm.internals import forget_deferred
     from tfllm.parallel.placement import build_abstract, place_variables
     from tfllm.precision import fp8_settings, keras_policy
     from tfllm.precision.policies import apply_matmul_precision
-    apply_matmul_precision(config.precision)  # before anything is traced
-    cls = model_cls or model_class(config.model.family)
-    model = cls(config.model, dtype=keras_policy(config.precision.policy),
-                fp8=fp8_settings(config.precision))
-    enable_lora(model, config.lora)  # before the weights exist: kernels freeze, A and B join
-    build_abstract(model)
-    freeze_base(model)
+    apply_matmul_precision(precision)  # before anything is traced
+    cls = model_cls or model_class(model.family)
+    built = cls(model, dtype=keras_policy(precision.policy), fp8=fp8_settings(precision))
+    enable_lora(built, lora)  # before the weights exist: kernels freeze, A and B join
+    build_abstract(built)
+    freeze_base(built)
     if frozen:  # before the weights exist, as freeze_base
-        for v in model.variables:
+        for v in built.variables:
             v.trainable = False
-    if parallel is not None and config.model.num_experts:
-        check_experts_mesh(config.model, parallel)
+    if parallel is not None and model.num_experts:
+        check_experts_mesh(model, parallel)
     if parallel is not None:  # fail before allocating anything if a variable cannot be laid out
         try:
-            for var in model.variables:
+            for var in built.variables:
                 parallel.variable_spec(var)
         except Exception:
-            forget_deferred(model.variables)  # see place_variables
+            forget_deferred(built.variables)  # see place_variables
             raise
     if allocate:
-        place_variables(model, parallel, config.train.seed if seed is None else seed, zeros)
+        place_variables(built, parallel, seed, zeros)
     else:
         # Shapes only: Keras must not initialize these later. Left in its list of
         # variables awaiting deferred initialization, they were all allocated by the next
         # Keras model built in the process (after planning llama-7b, ~28 GB for a tiny
         # keras-hub Gemma: an out-of-memory kill in the test suite).
-        forget_deferred(model.variables)
-    return model
+        forget_deferred(built.variables)
+    return built
+
+
+def _check_sections(model, precision, lora) -> None:
+    """One line naming the fix when `build_model` is handed something other than its
+    sections (a whole Config reads `config.model` deep inside otherwise)."""
+    if isinstance(model, Config):
+        raise TypeError("build_model takes the config's sections, not a whole Config: pass "
+                        "config.model, config.precision, config.lora (and "
+                        "seed=config.train.seed, parallel=... by keyword).")
+    for name, value, kind in (("model", model, ModelConfig),
+                              ("precision", precision, PrecisionConfig),
+                              ("lora", lora, LoraConfig)):
+        if value is None and name != "model" or isinstance(value, kind):
+            continue
+        raise TypeError(f"build_model: {name} must be a {kind.__name__} (config.{name})"
+                        f"{'' if name == 'model' else ' or None'}, not "
+                        f"{type(value).__name__}; parallel, seed and the options are "
+                        "keyword-only (parallel=...).")
 

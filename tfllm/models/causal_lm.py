@@ -19,8 +19,9 @@ Example, replacing the MLP of every block:
         def make_mlp(self, index):
             return MyMLP(self.config.hidden_dim, name="mlp")
 
-Build a model with `tfllm.models.build_model(config, parallel)` so that its variables
-are created in their DTensor layouts.
+Build a model with `tfllm.models.build_model(config.model, config.precision, config.lora,
+parallel=parallel, seed=config.train.seed)` so that its variables are created in their
+DTensor layouts.
 """
 
 from __future__ import annotations

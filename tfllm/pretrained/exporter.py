@@ -84,7 +84,8 @@ def export_preset(config, workdir: str, out_dir: str) -> dict:
         # keras-hub (0.32) drops tie_word_embeddings from these configs, so a tied preset
         # would load untied and fail; write the output embedding out explicitly instead.
         kwargs["tie_word_embeddings"], untie = False, True
-    model = build_model(config, None)  # one device: the preset is written whole
+    # one device: the preset is written whole
+    model = build_model(config.model, config.precision, config.lora, seed=config.train.seed)
     meta = Workdir(workdir).restore_weights(model, config=config.checkpoint)
     backbone = getattr(keras_hub.models, name)(**kwargs, dtype="float32")
     theirs = {family.variable_name(v.path): v for v in backbone.variables

@@ -178,7 +178,8 @@ def from_preset(preset: str, parallel=None, overrides: Iterable[str] = (), model
     source = open_preset(preset)
     try:
         config = preset_config(source, overrides)
-        model = build_model(config, parallel, model_cls=model_cls, zeros=True)
+        model = build_model(config.model, config.precision, config.lora, parallel=parallel,
+                            seed=config.train.seed, model_cls=model_cls, zeros=True)
         load_weights(model, source)
     finally:
         source.close()
@@ -325,7 +326,9 @@ def import_preset(preset: str, workdir: str, overrides: Iterable[str] = (),
             # The tokenizer must load and fit the vocabulary before any weight is read.
             _check_vocab(from_file(where(tmp_dir)), config.model.vocab_size,
                          f"the tokenizer of {source.path}")
-        model = build_model(config, parallel, zeros=True)  # every weight is loaded
+        # every weight is loaded
+        model = build_model(config.model, config.precision, config.lora, parallel=parallel,
+                            seed=config.train.seed, zeros=True)
         stats = load_weights(model, source)
         if adapter_arrays is not None:
             stats["adapter_tensors"] = load_adapter(model, adapter_arrays)

@@ -5,8 +5,9 @@ The output directory holds:
 * `saved_model/`: a TensorFlow SavedModel with a `serve(token_ids) -> logits` signature
   ((batch, length) int32 -> (batch, length, vocab) float32). Loading it needs only
   TensorFlow: `tf.saved_model.load(path).serve(ids)`; no tfllm, no mesh.
-* `model.weights.h5`: the Keras weights, to load into `tfllm.models.build_model(config)`
-  (no mesh) with `model.load_weights(...)` for fine-tuning or inspection in Keras.
+* `model.weights.h5`: the Keras weights, to load into
+  `tfllm.models.build_model(config.model, config.precision, config.lora)` (no mesh)
+  with `model.load_weights(...)` for fine-tuning or inspection in Keras.
 * `config.yaml` and, when the run has one, `tokenizer/` (copied from the workdir).
 """
 
@@ -38,7 +39,8 @@ def export_model(config, workdir: str, out_dir: str) -> dict:
     """
     out_dir = files.require_new_folder(out_dir, WorkdirError, keep=(workdir,))
     run_dir = Workdir(workdir)
-    model = build_model(config, None)  # plain tf.Variables on one device
+    # plain tf.Variables on one device
+    model = build_model(config.model, config.precision, config.lora, seed=config.train.seed)
     meta = run_dir.restore_weights(model, config=config.checkpoint)
     with files.written_atomically(out_dir) as tmp:  # only its own temporary folder is deleted
         # Keras writes by path, into that new folder (made by tfllm.files: no link)

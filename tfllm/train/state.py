@@ -52,7 +52,9 @@ def build_train_state(config, parallel, jit_compile: bool, model_cls=None,
         no AdamW (whose moments alone are twice the float32 weights), loss scale or
         train step.
     """
-    model = build_model(config, parallel, model_cls=model_cls)
+    sections = (config.model, config.precision, config.lora)
+    model = build_model(*sections, parallel=parallel, seed=config.train.seed,
+                        model_cls=model_cls)
     reference = objective = None
     if config.train.objective == "dpo":
         if (config.lora.rank == 0 and config.dpo.loss != "orpo"  # ORPO: reference-free
@@ -61,7 +63,8 @@ def build_train_state(config, parallel, jit_compile: bool, model_cls=None,
             # no gradient), initialized as the model (the same seed); an imported run
             # loads the imported weights into it (`tfllm.train.loop`), and checkpoints
             # save it, so a resumed run keeps its reference.
-            reference = build_model(config, parallel, model_cls=model_cls, frozen=True)
+            reference = build_model(*sections, parallel=parallel, seed=config.train.seed,
+                                    model_cls=model_cls, frozen=True)
         objective = DpoLoss(config.dpo, reference)
     if not optimizer:
         return TrainState(model, None, None, None, objective, reference)
