@@ -34,8 +34,10 @@ def _tiny_steps_run_once(monkeypatch, tiny_step_dir):
         if dump_to:  # the HLO dump is what the caller reads: run it
             return run_tiny(config, shape, layers, timeout=timeout, jit_compile=jit_compile,
                             tiny=tiny, dump_to=dump_to)
+        # the tiny width too: a test may run the same config at two widths
         paths = {n: tiny_step_dir / (session_key([to_dict(config), sorted(shape.items()), n,
-                                                  jit_compile, tiny]) + ".json")
+                                                  jit_compile, tiny,
+                                                  measured.tiny_width(dict(shape))]) + ".json")
                  for n in sorted(layers)}
         with contextlib.ExitStack() as stack:
             for path in paths.values():  # in layer order: two workers never deadlock

@@ -53,6 +53,48 @@ def test_the_tiny_step_splits_its_gradient_buckets_like_the_real_block():
         block(t) / block(config))
 
 
+def test_the_tiny_width_divides_every_axis_and_stays_small_on_large_meshes():
+    # llama-70b's fsdp=16,model=8: 24 x 16, not 24 x 128 (3,072 wide, ~200M parameters a
+    # layer, more than a 23 GiB host ran on 128 CPU devices)
+    config = load_config(os.path.join(ROOT, "configs", "llama-70b.yaml"))
+    shape = footprint.mesh_shape(config)
+    t = measured.tiny_config(config, 1, shape)
+    assert t.model.hidden_dim == 24 * 16
+    m = t.model
+    for width in (m.hidden_dim, m.intermediate_dim, m.vocab_size,
+                  m.num_query_heads * m.head_dim, m.num_key_value_heads * m.head_dim):
+        assert all(width % size == 0 for size in shape.values())
+    assert footprint.mesh_plan(t, 128).units  # the rules lay every weight out
+
+
+# Two 1-layer tiny steps without XLA (the collectives are the same): ~1-2 min.
+@pytest.mark.slow
+def test_scaled_collectives_do_not_depend_on_the_tiny_width(monkeypatch):
+    # data x fsdp splits the sequence: its activations' gradients are reduced over the
+    # gathered sequence (8 x tokens x hidden on data=2,fsdp=4), once scaled as weights
+    config = load_config(os.path.join(ROOT, "configs", "llama-1b.yaml"),
+                         ["mesh.axes=data=2,fsdp=4"])
+    shape = footprint.mesh_shape(config)
+    totals = []
+    for unit in (4, 8):  # tiny widths 96 and 192
+        monkeypatch.setattr(measured, "tiny_width", lambda s, u=unit: 24 * u)
+        run = measured.run_tiny(config, shape, layers=(1,), jit_compile=False)[1]
+        tiny = measured.tiny_config(config, 1, shape)
+        scaled = measured.scaled_collectives(run["collectives"],
+                                             measured.scales(config, tiny, shape), shape)
+        by_class = {}
+        for (_, _, carries), g in scaled.items():
+            by_class[carries] = by_class.get(carries, 0) + g["bytes"]
+        totals.append(by_class)
+    assert totals[0]["activation"] > 0
+    # the same classes and bytes at either width: merged buffers are padded to 1024
+    # elements (a tiny share of either), small ones scale as an upper bound
+    assert set(totals[0]) == set(totals[1])
+    for carries, n in totals[0].items():
+        if carries != "small":
+            assert n == pytest.approx(totals[1][carries], rel=0.01), carries
+
+
 def _sharded_elements(config, shape):
     rows = footprint.mesh_plan(config, math.prod(shape.values())).rows
     return {r.path: math.prod(r.shape) for r in rows

@@ -10,7 +10,7 @@ DTensor really executes (`tfllm.compiler.costs`) and scales it to the real model
    TensorFlow with one device). The busiest device's collectives are kept.
 2. **Classify.** Each collective's element count names what it carries. The tiny
    dimensions are chosen so that the weight kinds have distinct sizes (hidden H = 24 x
-   devices; query and output H x H, key and value H x H or H x H/2 under grouped
+   the largest mesh axis; query and output H x H, key and value H x H or H x H/2 under grouped
    queries, MLP 3 H x H, vocabulary 5 H x H): a count equal to a weight's compute-layout
    size (its shard over the non-fsdp axes: what a gather yields and a gradient
    reduction carries) is that weight; a multiple of the device's micro-batch tokens is an
@@ -68,11 +68,10 @@ def tiny_config(config, layers: int, shape: Dict[str, int]):
       layers: the tiny model's layer count.
       shape: the mesh shape ({"fsdp": 8}).
     """
-    devices = math.prod(shape.values())
     tp = shape.get("model", 1)
     m = config.model
     grouped = (m.num_key_value_heads or m.num_query_heads) < m.num_query_heads
-    hidden = 24 * devices
+    hidden = tiny_width(shape)
     kv_heads = tp
     query_heads = kv_heads * (2 if grouped else 1)
     t = copy.deepcopy(config)
@@ -98,6 +97,16 @@ def tiny_config(config, layers: int, shape: Dict[str, int]):
     t.mesh.gradient_bucket_mb = config.mesh.gradient_bucket_mb * (
         _largest_block(t, shape) / _largest_block(config, shape))
     return t
+
+
+def tiny_width(shape: Dict[str, int]) -> int:
+    """The tiny model's hidden width on a mesh: 24 x the largest mesh axis. DTensor
+    splits a tensor dimension over one mesh axis at most, so every width and vocabulary
+    of the tiny model (multiples of it) divides over any axis that splits it; 24 x the
+    device count (as before) made llama-70b's fsdp=16,model=8 tiny model 3,072 wide,
+    about 200M parameters per layer, more than this 23 GiB host could run on 128 CPU
+    devices."""
+    return 24 * max(shape.values())
 
 
 def _largest_block(config, shape) -> int:
@@ -158,13 +167,19 @@ def scales(config, tiny, shape) -> dict:
     token_scale = _micro_tokens(config, shape) / tokens
     hidden_scale = config.model.hidden_dim / tiny.model.hidden_dim
     # The widths an activation of the tiny program can have (a merged buffer, a multiple
-    # of 1024, can also be a multiple of the tokens: the width tells them apart).
+    # of 1024, can also be a multiple of the tokens: the width tells them apart). Under a
+    # sequence split an activation's gradient is reduced over the whole gathered sequence
+    # of several projections at once: on data=2,fsdp=4 a float32 all-reduce of 8 x
+    # tokens x hidden, which multiples up to the axis size (4) took for a merged weight
+    # buffer and scaled as weights (hidden squared): its bytes then followed the tiny
+    # width. Multiples up to the device count classify it, and the scaled figures no
+    # longer depend on the tiny width (tests/plan/test_measured.py).
     m, tp = tiny.model, shape.get("model", 1)
-    seq = max(shape.values())
+    devices = math.prod(shape.values())
     widths = {1, m.hidden_dim, m.hidden_dim // tp, m.vocab_size // tp,
               m.intermediate_dim // tp, m.num_query_heads * m.head_dim // tp,
               m.num_key_value_heads * m.head_dim // tp}
-    widths |= {w * s for w in widths for s in range(2, seq + 1)}
+    widths |= {w * s for w in widths for s in range(2, devices + 1)}
     return {"weights": weights, "tokens": tokens, "token": token_scale, "widths": widths,
             "activation": token_scale * hidden_scale, "small": hidden_scale,
             "merged": sum(real_sizes.values()) / sum(tiny_sizes.values())}
