@@ -127,14 +127,16 @@ def from_local(parallel, local_tokens: np.ndarray, rows: Sequence[int], micro_ba
     return tuple(tuple(put(p) for p in micro) for micro in zip(*parts))
 
 
-def local_rows(parallel, micro_batch_rows: int, row_length: int) -> list:
+def local_rows(parallel, micro_batch_rows: int, row_length: int,
+               rows_axis: Optional[str]) -> list:
     """The rows of each (M, T+1) micro-batch that this client's devices hold (all of them
-    without a mesh)."""
+    without a mesh), the rows split over `rows_axis` (`rules.BatchLayout.rows_axis`: what
+    `batch_spec` resolves) and the rest whole."""
     if parallel is None:
         return list(range(micro_batch_rows))
     shape = (micro_batch_rows, row_length)
     rows = set()
-    for _, start, size in parallel.local_blocks(shape, batch_spec(parallel, shape)):
+    for _, start, size in parallel.local_blocks(shape, (rows_axis, None)):
         rows.update(range(start[0], start[0] + size[0]))
     return sorted(rows)
 
@@ -197,7 +199,8 @@ class DeviceFeed:
         #: the mesh axis of the rows, and of the model's sequence (None: not split)
         self.batch_axis, self.sequence_axis = layout.rows_axis, layout.sequence_axis
         #: the rows of each micro-batch this client reads
-        self.rows = local_rows(parallel, self.micro_batch_rows, self.row_length)
+        self.rows = local_rows(parallel, self.micro_batch_rows, self.row_length,
+                               self.batch_axis)
         self._synthetic = None
         self._train = None
         self._peeked = None
