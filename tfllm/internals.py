@@ -18,7 +18,7 @@ What is fenced:
   graphs of a block (`collect_executed_graphs`), the eager context's coordination
   service (`eager_context`), the names DTensor's SPMD expansion gives the ops it inserts
   (`is_dtensor_op_name`), whether ops being built will be compiled by XLA
-  (`in_xla_context`).
+  (`in_xla_context`), XLA's optimization barrier (`optimization_barrier`).
 * Keras (the Keras <-> DTensor bridge): `Variable._value` (`is_allocated`),
   `Variable._initializer/_initialize` (`adopt`), `Layer._flatten_layers` (`all_layers`), the deferred-initialization list in
   `keras.src.backend.common.global_state` (`forget_deferred`, `abstract_backbone`),
@@ -124,6 +124,20 @@ def in_xla_context() -> bool:
         raise _missing("tensorflow", "control_flow_util.GraphOrParentsInXlaContext")
     return bool(check(tf.compat.v1.get_default_graph()))
 
+
+
+def optimization_barrier(*tensors):
+    """XLA's optimization barrier (`XlaOptimizationBarrier`) of `tensors`: the same
+    tensors, each available only once all of them are computed; nothing is fused across
+    it and it moves no data. Only inside an XLA compile (`in_xla_context`)."""
+    try:
+        from tensorflow.compiler.tf2xla.python import xla
+    except ImportError:
+        raise _missing("tensorflow", "tensorflow.compiler.tf2xla.python.xla") from None
+    barrier = getattr(xla, "optimization_barrier", None)
+    if barrier is None:
+        raise _missing("tensorflow", "tf2xla xla.optimization_barrier")
+    return barrier(*tensors)
 
 # Names of the ops DTensor's SPMD expansion inserts: the reshapes and slices around its
 # collectives and relayouts, and ops it rewrites (an AssignAdd into read, add and assign;

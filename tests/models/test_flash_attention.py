@@ -319,21 +319,22 @@ def _h100_kernels(kv_heads, block, length=1024, heads=8, dim=64):
 @pytest.mark.slow
 @pytest.mark.skipif(importlib.util.find_spec("jax") is None,
                     reason='needs the plan extra (deviceless H100 compile): pip install -e ".[plan]"')
-@pytest.mark.parametrize("kv_heads, bytes_per_score", [(8, 41.6), (2, 37.5)])
+@pytest.mark.parametrize("kv_heads, bytes_per_score", [(8, 40.7), (2, 37.2)])
 def test_compiled_for_h100_blocked_attention_moves_bounded_bytes_per_score(kv_heads,
                                                                            bytes_per_score):
     # 1 x 1024 tokens, 8 query heads of 64, blocks of 256: 10 (256 x 256) units of the
     # causal triangle, 4 rows of them (benchmarks/attention_bytes.py measures the
-    # 4096-token layer). Measured (2026-11-29 11:30 UTC, jax 0.10.2, the one release
-    # tfllm's compile child accepts: the counts are deterministic there): 27 GEMMs, 72
-    # kernels, 40.8 (kv 8) and 36.7 (kv 2) bytes per unit score element counting sliced
+    # 4096-token layer). Measured (2026-11-29 14:24 UTC, jax 0.10.2, the one release
+    # tfllm's compile child accepts: the counts are deterministic there): 27 GEMMs, 68
+    # kernels, 39.9 (kv 8) and 36.4 (kv 2) bytes per unit score element counting sliced
     # reads (the standard path: 23 bytes per score of the whole T x T matrix). The byte
-    # bounds allow 2% over that; before rows of tiles and dP - delta in one GEMM (tiles of
-    # 256 x 256, dP a float32 result) it was 49 and 47 bytes and 133 kernels.
+    # bounds allow 2% over that; before the tiles waited through barriers (11:30 UTC: 72
+    # kernels, 40.8 and 36.7 bytes), and before rows of tiles and dP - delta in one GEMM
+    # (tiles of 256 x 256, dP a float32 result) it was 49 and 47 bytes and 133 kernels.
     kernels, tiles, scores = _h100_kernels(kv_heads, 256)
     gemms = [k for k in kernels if k.gemm_flops]
     assert {k.operand_type for k in gemms} == {"bf16"}
     assert len(gemms) <= 7 * 4  # per row of tiles: scores, P x V; scores, dP, dV, dQ, dK
     # the same bounds for grouped queries (kv 2): no repeated keys, no per-tile transposes
-    assert len(kernels) <= 8 * tiles  # 7.2 measured
+    assert len(kernels) <= 7 * tiles  # 6.8 measured
     assert sum(k.bytes for k in kernels) <= bytes_per_score * scores

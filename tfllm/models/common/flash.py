@@ -6,8 +6,9 @@ Neither pass keeps a (T, S) matrix: the forward pass keeps, per query, its outpu
 log-sum-exp of its scores; the backward pass recomputes one tile of scores at a time from
 them. A tile is a block of queries against the keys it may see (up to `max_keys`): one
 GEMM and one softmax for a whole row of (block_q, block_k) units. Tiles run one after
-another (each waits on the previous tile's GEMM outputs), so activation memory is linear
-in the sequence; key blocks that the causal mask (or a sliding window) hides from a whole
+another (each waits on the previous tile's GEMM outputs: under XLA on one device
+through an optimization barrier, which moves no data; see `after`), so activation
+memory is linear in the sequence; key blocks that the causal mask (or a sliding window) hides from a whole
 query block are skipped in both passes.
 
 Numerics: scores leave their GEMM in the compute dtype, as in `Attention.attend`; the
@@ -15,7 +16,8 @@ softmax, the running maximum, the normalizer, the accumulated output and the sum
 gradients across tiles are float32; P (exp(S - max), normalized after P x V) and dS are
 cast to the compute dtype for their GEMMs. The backward pass takes the softmax's
 correction term from the float32 output (FlashAttention-2's delta = rowsum(dO * O)) and
-subtracts it inside the dP GEMM (dO and V carry two more columns), so dP - delta is
+subtracts it inside the dP GEMM (dO and V carry two more columns; the forward's P x V
+reads the same widened V, so that XLA copies each tile's values once), so dP - delta is
 rounded to the compute dtype once, after the cancellation. No GEMM of either pass takes a
 float32 operand under XLA.
 
@@ -31,6 +33,7 @@ from typing import Callable, List, Optional, Tuple
 import tensorflow as tf
 
 from tfllm import internals
+from tfllm.parallel.context import current
 
 _PAD = 8  # dO and V get 8 columns for delta (see grad)
 _NEG = -1e30  # not -inf: exp(-inf - -inf) is NaN; a masked score stays finite
@@ -128,13 +131,30 @@ def flash_attention(q, k, v, *, scale: float, block_q: int, block_k: int,
             s = tf.where(allowed, s, _NEG)
         return s, allowed  # (B, K, G, P, t, s)
 
-    def after(x, previous):
-        """x, made to wait for `previous` (a tensor or a list of them, of x's rank): an
-        exact x + 0 * y[..., :1] (broadcast), which XLA does not fold, so that the tiles
-        run one after another instead of side by side with all their scores alive."""
+    def after(x, previous, exact=True):
+        """x, made to wait for `previous` (a tile's GEMM output or a list of them: (B, K,
+        G, P, t, D) queries' or (B, s, K, D) keys'), so that the tiles run one after
+        another instead of side by side with all their scores alive.
+
+        Under XLA on one device: an optimization barrier of x and `previous` (no
+        kernel, no bytes), which orders the GPU program; and, unless `exact` is False,
+        x + 0 * y of one element of each query-side y (broadcast, exact), because XLA's
+        CPU compiler removes barriers before it schedules (barriers alone: its
+        temporaries grew 2.9x from 512 to 1024 tokens). Elsewhere, and on a DTensor
+        mesh (its layout propagation has no rule for the barrier), x + 0 * y of every
+        y (TensorFlow does not fold it). The sums cost a fusion per operand and tile, so
+        under the barrier they go only where the data does not already order the tile:
+        its score and dP GEMMs' operands (benchmarks/results/attention_bytes.md)."""
         if previous is None:
             return x
-        for y in previous if isinstance(previous, list) else [previous]:
+        previous = previous if isinstance(previous, list) else [previous]
+        if internals.in_xla_context() and current() is None:
+            x = internals.optimization_barrier(x, *previous)[0]
+            if not exact:
+                return x
+            previous = [y for y in previous if y.shape.rank == 6]  # the small ones
+        for y in previous:
+            y = key_row(y) if y.shape.rank == 4 else y[:, :, :, :, -1:]
             x = x + tf.cast(0.0, x.dtype) * tf.cast(y[..., :1], x.dtype)
         return x
 
@@ -155,9 +175,17 @@ def flash_attention(q, k, v, *, scale: float, block_q: int, block_k: int,
         x = tf.transpose(x, (0, 3, 4, 1, 2, 5))
         return tf.reshape(x, (batch, pieces, length, heads, dim))
 
+    widths = [[0, 0]] * 5 + [[0, _PAD - 2]]  # zero columns after the two (see grad)
+
     @tf.custom_gradient
     def attend(q, k, v):
         qg = grouped(q)  # (B, K, G, P, L, D)
+        # V with the backward's two columns of -1 (and zeros to D + 8), in both passes:
+        # P x V takes it too (and drops the 8 columns it gives), so that XLA lays out each
+        # tile's values once for P x V and the backward's dP - delta GEMM, as it does the
+        # keys for the scores and dQ, instead of a second copy per tile in the backward
+        minus = -tf.ones_like(v[:, :, :, :1])  # (B, S, K, 1)
+        v_delta = tf.pad(tf.concat([v, minus, minus], -1), widths[2:])  # (B, S, K, D+8)
         outs, lses, last = [], [], None
         for i, (qa, qb) in enumerate(q_blocks):
             q_i = after(qg[:, :, :, :, qa:qb], last)  # (B, K, G, P, t, D)
@@ -171,33 +199,34 @@ def flash_attention(q, k, v, *, scale: float, block_q: int, block_k: int,
                 # (as between tiles below), not P / l as tf.nn.softmax: XLA then sums P
                 # in the pass that writes it, where P / l needs the sum first, one more
                 # pass over the row's scores (benchmarks/results/attention_bytes.md)
-                out_i = tf.cast(tf.einsum("bkgpts,bskd->bkgptd", tf.cast(p, v.dtype),
-                                          v[:, ka:kb]), tf.float32) / l  # (B, K, G, P, t, D)
+                pv = tf.einsum("bkgpts,bskd->bkgptd", tf.cast(p, v.dtype),
+                               v_delta[:, ka:kb])  # (B, K, G, P, t, D + 8)
+                out_i = tf.cast(pv[..., :dim], tf.float32) / l  # (B, K, G, P, t, D)
             else:  # an online softmax over the row's tiles
                 m = l = acc = pv = None
                 for ka, kb in tiles[i]:
                     # tile after tile, too: else XLA computes all of a block's scores first
                     # (waiting on the last tile's GEMM output, which a fusion reads directly)
-                    q_ij = q_i if pv is None else after(q_i, pv[:, :, :, :, -1:])
+                    q_ij = q_i if pv is None else after(q_i, pv)
                     s, _ = tile_scores(q_ij, k[:, ka:kb], qa, qb, ka, kb)
                     m_new = tf.reduce_max(s, axis=-1, keepdims=True)  # (B, K, G, P, t, 1)
                     if m is not None:
                         m_new = tf.maximum(m, m_new)
                     p = tf.exp(s - m_new)  # float32
                     pv = tf.einsum("bkgpts,bskd->bkgptd", tf.cast(p, v.dtype),
-                                   v[:, ka:kb])  # (B, K, G, P, t, D)
+                                   v_delta[:, ka:kb])  # (B, K, G, P, t, D + 8)
                     if m is None:
                         l = tf.reduce_sum(p, axis=-1, keepdims=True)
-                        acc = tf.cast(pv, tf.float32)
+                        acc = tf.cast(pv[..., :dim], tf.float32)
                     else:
                         alpha = tf.exp(m - m_new)  # rescales what the earlier tiles gave
                         l = l * alpha + tf.reduce_sum(p, axis=-1, keepdims=True)
-                        acc = acc * alpha + tf.cast(pv, tf.float32)
+                        acc = acc * alpha + tf.cast(pv[..., :dim], tf.float32)
                     m = m_new
                 out_i = acc / l  # (B, K, G, P, t, D) float32
             outs.append(out_i)
             lses.append(m + tf.math.log(l))  # (B, K, G, P, t, 1)
-            last = outs[-1][:, :, :, :, -1:]
+            last = pv  # the row's last P x V (a GEMM's output, not the divided one)
         out32 = tf.concat(outs, axis=4)  # (B, K, G, P, L, D)
         out = ungrouped(tf.cast(out32, q.dtype))
         lse = tf.concat(lses, axis=4)  # (B, K, G, P, L, 1)
@@ -214,10 +243,7 @@ def flash_attention(q, k, v, *, scale: float, block_q: int, block_k: int,
             # both padded to D + 8 with zeros (tensor-core GEMMs take multiples of 8)
             hi = tf.cast(delta, q.dtype)
             lo = tf.cast(delta - tf.cast(hi, tf.float32), q.dtype)
-            widths = [[0, 0]] * 5 + [[0, _PAD - 2]]  # zero columns after the two
             dog_delta = tf.pad(tf.concat([dog, hi, lo], -1), widths)  # (B, K, G, P, L, D+8)
-            minus = -tf.ones_like(v[:, :, :, :1])  # (B, S, K, 1)
-            v_delta = tf.pad(tf.concat([v, minus, minus], -1), widths[2:])  # (B, S, K, D+8)
 
             dq = []
             # float32 sums of the key and value gradients, per key block
@@ -239,7 +265,9 @@ def flash_attention(q, k, v, *, scale: float, block_q: int, block_k: int,
                     # are done: else XLA may compute several rows' scores side by side
                     # (the backward's score GEMMs need only q, k and lse) and activation
                     # memory grows as the square of the sequence
-                    q_ij, do_ij, dod_ij = (after(x, done) for x in (q_i, do_i, dod_i))
+                    # (dO's GEMM, dV, also needs P, which waits through q)
+                    q_ij, dod_ij = after(q_i, done), after(dod_i, done)
+                    do_ij = after(do_i, done, exact=False)
                     k_j = k[:, ka:kb]  # (B, s, K, D)
                     s, allowed = tile_scores(q_ij, k_j, qa, qb, ka, kb)
                     p = tf.exp(s - lse_i)  # the forward pass's probabilities, recomputed
@@ -255,7 +283,7 @@ def flash_attention(q, k, v, *, scale: float, block_q: int, block_k: int,
                             else dq_i + tf.cast(dq_ij, tf.float32))
                     add(dv, dv_ij, ka, kb)
                     add(dk, dk_ij, ka, kb)
-                    done = [dq_ij[:, :, :, :, -1:], key_row(dk_ij), key_row(dv_ij)]
+                    done = [dq_ij, dk_ij, dv_ij]
                 dq.append(tf.cast(dq_i, q.dtype))
             return (ungrouped(tf.concat(dq, axis=4)), tf.cast(tf.concat(dk, axis=1), k.dtype),
                     tf.cast(tf.concat(dv, axis=1), v.dtype))
