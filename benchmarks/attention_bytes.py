@@ -12,7 +12,9 @@ operand that the fusion only slices read as its slices (`partial_reads`; what th
 kernel reads). Rows: 32 and 8 key/value heads, blocked (`Attention.attend_blocked`,
 tiles of 512 and 1024) and standard (`Attention.attend`); and blocked with its causal
 tiles' masks computed from the rows' positions, as the training forward pass makes them
-(`masks.row_positions`), instead of constants.
+(`masks.row_positions`), instead of constants; and blocked with the waits a DTensor mesh
+gets (every tfllm train step runs under one, one device included: `+ 0 * y` sums instead
+of XLA's optimization barrier, which DTensor cannot lay out).
 
     python benchmarks/attention_bytes.py --out benchmarks/results/attention_bytes
 """
@@ -32,13 +34,15 @@ import tensorflow as tf
 from tfllm.compiler import hlo_stats
 from tfllm.compiler.targets import get_target
 from tfllm.models.common.attention import Attention, AttentionSettings
+from tfllm.models.common import flash
 from tfllm.models.common.flash import blocks
 from tfllm.plan.planner import compile_in_child
 from host_info import cpu_name  # noqa: E402  (benchmarks/host_info.py)
 
 LENGTH, HEADS, HEAD_DIM = 4096, 32, 128
-# key/value heads:tile (0: standard attention)[:p (masks from positions)]
-ROWS = ("32:512", "32:1024", "32:0", "32:512:p", "8:512", "8:1024", "8:0")
+# key/value heads:tile (0: standard attention)[:p (masks from positions) | :m (the waits
+# on a DTensor mesh)]
+ROWS = ("32:512", "32:1024", "32:0", "32:512:p", "32:512:m", "8:512", "8:1024", "8:0")
 
 
 def causal_tiles(length: int, block: int) -> int:
@@ -47,9 +51,15 @@ def causal_tiles(length: int, block: int) -> int:
     return sum(1 for qa, qb in spans for ka, _ in spans if ka <= qb - 1)
 
 
-def program(kv_heads: int, block: int, length: int = LENGTH, positions: bool = False) -> bytes:
+def program(kv_heads: int, block: int, length: int = LENGTH, positions: bool = False,
+            mesh_waits: bool = False) -> bytes:
     """The serialized HLO of one attention core's forward and backward (`positions`: the
-    blocked tiles' masks from a (1, T) argument of positions, else constants)."""
+    blocked tiles' masks from a (1, T) argument of positions, else constants;
+    `mesh_waits`: the tiles wait as under a DTensor mesh, `flash.after`'s sums)."""
+    if mesh_waits:
+        from unittest import mock
+        with mock.patch.object(flash, "current", lambda: "a DTensor mesh"):
+            return program(kv_heads, block, length, positions)
     layer = Attention(AttentionSettings(hidden_dim=HEADS * HEAD_DIM, num_query_heads=HEADS,
                                         num_key_value_heads=kv_heads, head_dim=HEAD_DIM,
                                         block_size=block), dtype="bfloat16")
@@ -86,10 +96,12 @@ def f32_gemm_operands(text: str) -> int:
     return count
 
 
-def measure(kv_heads: int, block: int, target, work: str, positions: bool = False) -> dict:
-    path = os.path.join(work, f"attention_{kv_heads}_{block}_{int(positions)}.hlo.pb")
+def measure(kv_heads: int, block: int, target, work: str, positions: bool = False,
+            mesh_waits: bool = False) -> dict:
+    path = os.path.join(work, f"attention_{kv_heads}_{block}_{int(positions)}"
+                              f"{int(mesh_waits)}.hlo.pb")
     with open(path, "wb") as f:
-        f.write(program(kv_heads, block, positions=positions))
+        f.write(program(kv_heads, block, positions=positions, mesh_waits=mesh_waits))
     compiled = compile_in_child(path, target)
     text = compiled["optimized_hlo"]
     whole, sliced = (hlo_stats.summarize(text, target, partial_reads=p) for p in (False, True))
@@ -97,6 +109,7 @@ def measure(kv_heads: int, block: int, target, work: str, positions: bool = Fals
     scores = tiles * HEADS * (block or LENGTH) ** 2 if block else HEADS * LENGTH ** 2
     return {"kv_heads": kv_heads, "block": block, "tiles": tiles,
             "masks": "positions" if positions else "constants",
+            "waits": "mesh" if mesh_waits else "barrier",
             "roofline_ms": whole["roofline_s"] * 1e3,
             "roofline_ms_sliced": sliced["roofline_s"] * 1e3,
             "hbm_gb": whole["bytes"] / 1e9, "hbm_gb_sliced": sliced["bytes"] / 1e9,
@@ -109,8 +122,6 @@ def measure(kv_heads: int, block: int, target, work: str, positions: bool = Fals
             "top_kernels": sliced["top_kernels"][:5]}
 
 
-
-
 def table(rows) -> list:
     lines = ["| kv heads | attention | tiles | roofline ms (whole / sliced) | HBM GB "
              "(whole / sliced) | B per score (sliced) | GEMMs | kernels | kernels/tile | "
@@ -119,6 +130,8 @@ def table(rows) -> list:
         kind = f"blocked {r['block']}" if r["block"] else "standard"
         if r.get("masks") == "positions":
             kind += ", masks from positions"
+        if r.get("waits") == "mesh":
+            kind += ", waits as on a DTensor mesh"
         lines.append(f"| {r['kv_heads']} | {kind} | {r['tiles']} | {r['roofline_ms']:.2f} / "
                      f"{r['roofline_ms_sliced']:.2f} | {r['hbm_gb']:.1f} / "
                      f"{r['hbm_gb_sliced']:.1f} | {r['bytes_per_score_sliced']:.1f} | "
@@ -158,7 +171,8 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as work:
         for pair in args.rows.split(","):
             kv, block, *flag = pair.split(":")
-            row = measure(int(kv), int(block), target, work, positions=flag == ["p"])
+            row = measure(int(kv), int(block), target, work, positions=flag == ["p"],
+                          mesh_waits=flag == ["m"])
             rows.append(row)
             print(json.dumps({k: v for k, v in row.items() if k != "top_kernels"}),
                   flush=True)

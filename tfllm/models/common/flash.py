@@ -143,16 +143,17 @@ def flash_attention(q, k, v, *, scale: float, block_q: int, block_k: int,
         temporaries grew 2.9x from 512 to 1024 tokens). Elsewhere, and on a DTensor
         mesh (its layout propagation has no rule for the barrier), x + 0 * y of every
         y (TensorFlow does not fold it). The sums cost a fusion per operand and tile, so
-        under the barrier they go only where the data does not already order the tile:
-        its score and dP GEMMs' operands (benchmarks/results/attention_bytes.md)."""
+        they go only where the data does not already order the tile (`exact`): its
+        score and dP GEMMs' operands; dV's GEMM waits through P
+        (benchmarks/results/attention_bytes.md)."""
         if previous is None:
             return x
         previous = previous if isinstance(previous, list) else [previous]
         if internals.in_xla_context() and current() is None:
             x = internals.optimization_barrier(x, *previous)[0]
-            if not exact:
-                return x
             previous = [y for y in previous if y.shape.rank == 6]  # the small ones
+        if not exact:  # the data orders it already: no sum (a fusion reading x) anywhere
+            return x
         for y in previous:
             y = key_row(y) if y.shape.rank == 4 else y[:, :, :, :, -1:]
             x = x + tf.cast(0.0, x.dtype) * tf.cast(y[..., :1], x.dtype)
