@@ -91,13 +91,24 @@ def _missing(library: str, what: str) -> RuntimeError:
 
 
 # ---- TensorFlow ------------------------------------------------------------------------
+def _tensorflow_internal(module: str, name: str):
+    """`module.name` of TensorFlow's internals, or the one-line error of a TensorFlow that
+    lacks the module or the name."""
+    import importlib
+    try:
+        found = importlib.import_module(module)
+    except ImportError:
+        raise _missing("tensorflow", module) from None
+    value = getattr(found, name, None)
+    if value is None:
+        raise _missing("tensorflow", f"{module}.{name}")
+    return value
+
+
 def set_xla_lazy_compilation(enabled: bool) -> None:
     """TF_XLA_FLAGS' --tf_xla_enable_lazy_compilation, settable after start-up."""
-    from tensorflow.python import pywrap_tfe
-    setter = getattr(pywrap_tfe, "TF_SetXlaEnableLazyCompilation", None)
-    if setter is None:
-        raise _missing("tensorflow", "pywrap_tfe.TF_SetXlaEnableLazyCompilation")
-    setter(bool(enabled))
+    _tensorflow_internal("tensorflow.python.pywrap_tfe",
+                         "TF_SetXlaEnableLazyCompilation")(bool(enabled))
 
 
 def eager_context():
@@ -115,29 +126,17 @@ def in_xla_context() -> bool:
     `tf.function(jit_compile=True)`, or a function it calls): ops that only XLA runs
     (a bf16 x bf16 -> float32 matmul) may be used there and nowhere else."""
     import tensorflow as tf
-    try:
-        from tensorflow.python.ops import control_flow_util
-    except ImportError:
-        raise _missing("tensorflow", "tensorflow.python.ops.control_flow_util") from None
-    check = getattr(control_flow_util, "GraphOrParentsInXlaContext", None)
-    if check is None:
-        raise _missing("tensorflow", "control_flow_util.GraphOrParentsInXlaContext")
+    check = _tensorflow_internal("tensorflow.python.ops.control_flow_util",
+                                 "GraphOrParentsInXlaContext")
     return bool(check(tf.compat.v1.get_default_graph()))
-
 
 
 def optimization_barrier(*tensors):
     """XLA's optimization barrier (`XlaOptimizationBarrier`) of `tensors`: the same
     tensors, each available only once all of them are computed; nothing is fused across
     it and it moves no data. Only inside an XLA compile (`in_xla_context`)."""
-    try:
-        from tensorflow.compiler.tf2xla.python import xla
-    except ImportError:
-        raise _missing("tensorflow", "tensorflow.compiler.tf2xla.python.xla") from None
-    barrier = getattr(xla, "optimization_barrier", None)
-    if barrier is None:
-        raise _missing("tensorflow", "tf2xla xla.optimization_barrier")
-    return barrier(*tensors)
+    return _tensorflow_internal("tensorflow.compiler.tf2xla.python.xla",
+                                "optimization_barrier")(*tensors)
 
 # Names of the ops DTensor's SPMD expansion inserts: the reshapes and slices around its
 # collectives and relayouts, and ops it rewrites (an AssignAdd into read, add and assign;
