@@ -7,9 +7,9 @@ planner's flags: no autotuning, cuBLAS GEMMs) and read by `tfllm.compiler.hlo_st
 the roofline time (each kernel bound by its GEMM FLOPs or its bytes), HBM bytes, GEMM
 calls, kernels, kernels per computed tile, and GEMMs with a float32 operand (they run at
 the TF32 rate and move twice the bytes). Bytes are counted two ways: every fusion
-operand read whole (as `tfllm plan` counts, and as the issue measured), and a fusion
-operand that the fusion only slices read as its slices (`partial_reads`; what the
-kernel reads). Rows: 32 and 8 key/value heads, blocked (`Attention.attend_blocked`,
+operand read whole (as the issue measured), and a fusion operand that the fusion only
+slices read as its slices (`partial_reads`; what the kernel reads, what `tfllm plan`
+counts, and how XLA's own GPU performance model counts an operand by its utilization). Rows: 32 and 8 key/value heads, blocked (`Attention.attend_blocked`,
 tiles of 512 and 1024) and standard (`Attention.attend`); and blocked with its causal
 tiles' masks computed from the rows' positions, as the training forward pass makes them
 (`masks.row_positions`), instead of constants; and blocked with the waits a DTensor mesh
@@ -147,9 +147,9 @@ def markdown(result: dict, before: Optional[dict] = None) -> str:
              f"the {result['target']} without a GPU on {result['cpu']} (TensorFlow "
              f"{result['tensorflow']}, jax {result['jax']}, Python {result['python']}). "
              "Roofline: each kernel bound by its GEMM FLOPs or its HBM bytes, one after "
-             "another. *whole*: every fusion operand read whole (tfllm plan's count, the "
-             "issue's 6.26 ms); *sliced*: an operand a fusion only slices read as its "
-             "slices.", ""] + table(result["rows"])
+             "another. *whole*: every fusion operand read whole (the issue's 6.26 ms); "
+             "*sliced*: an operand a fusion only slices read as its slices (what the "
+             "kernel reads, and tfllm plan's count).", ""] + table(result["rows"])
     if before:
         lines += ["", f"## Before ({before['commit']}: the same script with that commit's "
                   "flash.py and attention.py)", ""] + table(before["rows"])

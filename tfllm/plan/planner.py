@@ -148,7 +148,7 @@ def plan_program(config, target: Target, keep_dir: Optional[str] = None) -> dict
         work = keep_dir or tmp
         desc = export_in_child("step", config, work)
         compiled = compile_in_child(os.path.join(work, "step.hlo.pb"), target)
-    stats = hlo_stats.summarize(compiled["optimized_hlo"], target)
+    stats = hlo_stats.summarize(compiled["optimized_hlo"], target, partial_reads=True)
     m = compiled["memory"]
     return {
         "memory": {"arguments": m["arguments"], "outputs": m["outputs"],
@@ -178,7 +178,7 @@ def plan_block(local, target: Target, keep_dir: Optional[str] = None) -> dict:
         work = keep_dir or tmp
         desc = export_in_child("block", local, work)
         compiled = compile_in_child(os.path.join(work, "block.hlo.pb"), target)
-    stats = hlo_stats.summarize(compiled["optimized_hlo"], target)
+    stats = hlo_stats.summarize(compiled["optimized_hlo"], target, partial_reads=True)
     return dict(block_memory(desc, compiled["memory"]), compile_s=compiled["compile_s"],
                 kernels=stats["kernels"], flops=stats["flops"], bytes=stats["bytes"],
                 micro_rows=desc["micro_rows"],
