@@ -240,3 +240,25 @@ def test_the_block_buffers_are_the_sizes_the_compiled_program_moves():
     assert measured.classify(block.gathered, sc)[0] == "weight block"
     # XLA's clusters of the busiest device (what `tfllm plan` times the dispatch of)
     assert run["clusters"] > len(run["collectives"]) // 2 > 0
+
+
+@pytest.mark.parametrize("stderr, hinted", [
+    ("LLVM compilation error: Cannot allocate memory\n", True),
+    ("ValueError: something else\n", False)])
+def test_a_tiny_step_out_of_mappings_says_which_limit_to_raise(monkeypatch, tmp_path,
+                                                               stderr, hinted):
+    # llama-70b's 128-device tiny step failed in XLA's code generation this way with
+    # 10 GB of host memory free: the process had run out of memory mappings
+    import subprocess
+    monkeypatch.setattr(measured.subprocess, "run", lambda *a, **k:
+                        subprocess.CompletedProcess(a, 1, "", stderr))
+    with pytest.raises(measured.MeasureError) as e:
+        measured.run_tiny(tiny("fsdp=8"), {"fsdp": 8})
+    first = str(e.value).splitlines()[0]
+    assert first.startswith("the tiny step on 8 CPU devices failed:")
+    assert ("vm.max_map_count" in first and "--collectives assumed" in first) == hinted
+    assert stderr.strip() in str(e.value)  # the child's own words follow
+    limit = tmp_path / "max_map_count"
+    limit.write_text("65530\n")
+    assert ("vm.max_map_count is 65,530" in measured._out_of_mappings(stderr, str(limit))
+            ) == hinted

@@ -295,10 +295,30 @@ def run_tiny(config, shape, layers=(1, 2), timeout: float = 3600, jit_compile: b
         r = subprocess.run([sys.executable, "-m", "tfllm.plan.measured", job],
                            capture_output=True, text=True, timeout=timeout, env=env)
         if r.returncode != 0:
-            raise MeasureError(f"the tiny step on {devices} CPU devices failed:\n"
-                               f"{r.stderr[-3000:]}")
+            raise MeasureError(f"the tiny step on {devices} CPU devices failed:"
+                               f"{_out_of_mappings(r.stderr)}\n{r.stderr[-3000:]}")
         with open(job + ".out") as f:
             return {int(k): v for k, v in json.load(f).items()}
+
+
+def _out_of_mappings(stderr: str, limit_file: str = "/proc/sys/vm/max_map_count") -> str:
+    """What to do when the child's XLA ran out of memory: " " + one sentence, or "".
+
+    Each logical CPU device's compiled clusters are mapped into the process, so a wide
+    mesh needs more memory mappings than Linux allows by default (65,530): llama-70b's
+    tiny step on 128 devices held 157,000 mappings after 18 minutes, and XLA's code
+    generation then failed with "Cannot allocate memory" with 10 GB of host memory free
+    (benchmarks/results/h100_plan.md)."""
+    if "Cannot allocate memory" not in stderr and "std::bad_alloc" not in stderr:
+        return ""
+    try:
+        with open(limit_file) as f:
+            limit = f"vm.max_map_count is {int(f.read().split()[0]):,}"
+    except (OSError, ValueError, IndexError):
+        limit = "vm.max_map_count could not be read"
+    return (f" out of memory mappings or host memory ({limit}; each logical device maps "
+            "its compiled clusters): raise it (sysctl -w vm.max_map_count=1048576, as "
+            "root), plan on a host with more memory, or pass --collectives assumed")
 
 
 def measure(config, shape, target_bandwidth: float) -> dict:
