@@ -25,7 +25,13 @@ E4M3, E5M2 = "f8e4m3fn", "f8e5m2"
 # name: (mesh axes, None without a mesh; recipe; remat[; more settings])
 CASES = {
     "no_mesh": (None, "delayed", "none"),
-    "data2_model2_delayed": ("data=2,model=2", "delayed", "none"),
+    # Tensor parallelism: each device's GEMMs take its column or row of each kernel.
+    # model=2, not data=2,model=2 (where the bf16 backward dots were found): DTensor
+    # compiles every device's clusters (4 devices: 544 modules, 53 s of the process's
+    # 114; model=2: 14 s, AMD EPYC, 2026-11-29), and model=2 is the stricter check:
+    # with the backward dequantizing through `dequantize` itself (CSE merges it into
+    # the forward's), model=2 gets 14 bf16 backward dots, data=2,model=2 none.
+    "model2_delayed": ("model=2", "delayed", "none"),
     # Current scaling under remat=full on an FSDP mesh: the projections that read the
     # same input (q, k, v; gate, up) compute the same scale and FP8 bytes, and before
     # fp8_einsum made each call's scales its own, CSE merged them, so 3 of the 14
@@ -43,10 +49,10 @@ CASES = {
         "model.num_experts": 4, "model.num_experts_per_tok": 2,
         "model.moe_intermediate_dim": 32, "model.mlp_only_layers": "[]"}),
 }
-TIMEOUT_S = LONG_TF_HANG_S  # bounds a hang only: one process, three cases (83 s under -n 2)
+TIMEOUT_S = LONG_TF_HANG_S  # bounds a hang only: one process, four cases (~60 s idle)
 # CPU code generation at LLVM -O0: the HLO read here is XLA's input, which this does not
-# change. data=2,model=2 alone took 94 s instead of 156 s. The three cases: 13.5, 64 and
-# 52 CPU seconds (AMD EPYC, 2026-11-27).
+# change. data=2,model=2 alone took 94 s instead of 156 s (AMD EPYC, 2026-11-27). The four
+# cases: 6, 14, 34 and 26 CPU seconds (AMD EPYC, 2026-11-29; 5.6 s of start-up).
 XLA_COMPILE_FLAGS = "--xla_backend_optimization_level=0"
 
 
