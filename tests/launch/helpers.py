@@ -178,16 +178,20 @@ def free_port_pair():
 
 def reference_losses(tmp_path_factory):
     """One process, the mesh of the real-cluster jobs on two CPU devices (`TRAIN`): the
-    losses every run of those jobs must give."""
+    losses every run of those jobs must give. Run once per session (tests/harness.py's
+    `once_per_session`): test_real_slurm.py and test_real_ssh.py compare with the same."""
     import numpy as np
 
-    from tests.harness import TF_HANG_S, metrics_records, tfllm_command
-    workdir = tmp_path_factory.mktemp("reference") / "run"
-    result = subprocess.run(tfllm_command("train", "--config", "configs/tiny.yaml",
-                                          "--workdir", str(workdir), "--set",
-                                          "mesh.axes=data=2", "--set",
-                                          "mesh.num_cpu_devices=2", *TRAIN),
-                            cwd=ROOT, env=launcher_env(), capture_output=True, text=True,
-                            timeout=TF_HANG_S)
-    assert result.returncode == 0, result.stderr[-3000:]
-    return np.array([r["loss"] for r in metrics_records(workdir) if "loss" in r])
+    from tests.harness import TF_HANG_S, metrics_records, once_per_session, tfllm_command
+    command = ("train", "--config", "configs/tiny.yaml", "--set", "mesh.axes=data=2",
+               "--set", "mesh.num_cpu_devices=2", *TRAIN)
+
+    def run(folder):
+        workdir = folder / "run"
+        result = subprocess.run(tfllm_command(*command, "--workdir", str(workdir)),
+                                cwd=ROOT, env=launcher_env(), capture_output=True,
+                                text=True, timeout=TF_HANG_S)
+        assert result.returncode == 0, result.stderr[-3000:]
+        return [r["loss"] for r in metrics_records(workdir) if "loss" in r]
+
+    return np.array(once_per_session(tmp_path_factory, ["launch reference", command], run))
