@@ -139,7 +139,10 @@ def test_fsdp_reduce_scatters_a_block_once_whatever_the_bucket_size():
     assert reduces == [128, gathered[0]], reduces  # the norms' all-reduce; the shards' one
 
 
-CASES = [("fsdp=8", "gpt", "bfloat16"), ("fsdp=8", "llama", "bfloat16"),
+# Llama on fsdp=8 in bf16 is left out: its collectives are of the kinds (kind, dtype,
+# DTensor op, block gather or not) of GPT's on fsdp=8, and a subset of Llama's on
+# data=2,fsdp=4 and on fsdp=4,model=2 (measured 2026-11-29), which make each check below.
+CASES = [("fsdp=8", "gpt", "bfloat16"),
          ("data=2,fsdp=4", "llama", "bfloat16"), ("fsdp=4,model=2", "llama", "bfloat16"),
          ("data=2,fsdp=2,model=2", "gpt", "bfloat16"),
          ("data=2,fsdp=2,model=2", "llama", "bfloat16"), ("data=2,model=4", "llama", "float32")]
