@@ -262,3 +262,43 @@ def test_a_tiny_step_out_of_mappings_says_which_limit_to_raise(monkeypatch, tmp_
     limit.write_text("65530\n")
     assert ("vm.max_map_count is 65,530" in measured._out_of_mappings(stderr, str(limit))
             ) == hinted
+
+
+def test_a_proxy_mesh_shrinks_the_batch_axes_and_keeps_groups_apart():
+    # llama-70b's preset: 128 devices measured on 16, each group counted at its real size
+    assert measured.proxy_shape({"fsdp": 16, "model": 8}) == {"fsdp": 2, "model": 8}
+    assert measured.group_sizes({"fsdp": 2, "model": 8}, {"fsdp": 16, "model": 8}) == {
+        2: 16, 8: 8, 16: 128}
+    assert measured.proxy_shape({"data": 16, "fsdp": 8}) == {"data": 2, "fsdp": 4}
+    assert measured.proxy_shape({"fsdp": 8}) is None  # small enough to run as it is
+    # data=2,fsdp=2 would give both axes' groups one size: no proxy tells them apart
+    assert measured.group_sizes({"data": 2, "fsdp": 2}, {"data": 2, "fsdp": 16}) is None
+    assert measured.proxy_shape({"data": 4, "fsdp": 16, "model": 8}) is None
+    config = tiny("fsdp=8", **{"train.global_batch_size": 16})
+    proxy = measured.proxy_config(config, {"fsdp": 8}, {"fsdp": 2})
+    assert (proxy.mesh.axes, proxy.train.global_batch_size) == ("fsdp=2", 4)
+    # a shrunk axis that does not split the batch would change the rows: refused
+    with pytest.raises(measured.MeasureError, match="same rows"):
+        measured.proxy_config(tiny("fsdp=4,model=2", **{"train.global_batch_size": 16}),
+                              {"fsdp": 4, "model": 2}, {"fsdp": 4, "model": 1})
+
+
+@pytest.mark.slow
+def test_a_proxy_mesh_measures_what_the_mesh_itself_runs(monkeypatch):
+    # fsdp=4 on 4 CPU devices, and on a proxy of 2 with the batch halved: the same
+    # collectives, bytes and clusters (measured 2026-11-29 also for fsdp=8 against its
+    # fsdp=2 proxy, and fsdp=8,model=2 against fsdp=4,model=2: the same)
+    config = tiny("fsdp=4", **{"train.global_batch_size": 8})
+    direct = measured.measure(config, {"fsdp": 4}, 450e9)
+    monkeypatch.setattr(measured, "MAX_DEVICES", 2)
+    proxy = measured.measure(config, {"fsdp": 4}, 450e9)
+    assert "run on fsdp=2 (2 CPU devices" in proxy["basis"]
+    assert (proxy["count"], proxy["clusters"]) == (direct["count"], direct["clusters"])
+    rows = lambda r: {(g["kind"], g["dtype"], g["carries"]): g for g in r["groups"]}
+    for key, g in rows(direct).items():
+        p = rows(proxy)[key]
+        assert p["count"] == g["count"]
+        if key[2] == "small":  # scaled by the tiny width, an upper bound (module doc)
+            assert p["sent"] == pytest.approx(g["sent"], rel=0.05)
+        else:  # the same buffers at the same ring factor
+            assert p["sent"] == pytest.approx(g["sent"], rel=1e-9)

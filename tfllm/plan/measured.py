@@ -35,6 +35,7 @@ overestimate for grouped queries); collectives inside loops are counted once.
 from __future__ import annotations
 
 import copy
+import itertools
 import json
 import math
 import os
@@ -54,6 +55,12 @@ BASIS = ("measured: the executed CPU program of this mesh at a tiny scale "
 CLUSTERS_BASIS = ("measured: XLA clusters of the busiest device in DTensor's executed program "
                   "of this mesh (jit_compile, CPU devices, the model's family at tiny widths, "
                   "1 and 2 layers), a + b x layers")
+
+
+#: The most logical CPU devices a tiny step runs on. A wider mesh is measured on a proxy
+#: (`proxy_shape`): llama-70b's tiny step on 128 devices needed over 157,000 memory
+#: mappings and 21 GB of host memory and did not finish (benchmarks/results/h100_plan.md).
+MAX_DEVICES = 32
 
 
 class MeasureError(RuntimeError):
@@ -117,6 +124,62 @@ def _largest_block(config, shape) -> int:
 
 def _kind(path: str) -> str:
     return re.sub(r"block_\d+", "block", path)
+
+
+def group_sizes(proxy: Dict[str, int], shape: Dict[str, int]) -> Optional[Dict[int, int]]:
+    """{devices in a group on `proxy`: devices in the same group on `shape`} for every set
+    of mesh axes a collective can span, or None when two sets that differ on `shape` have
+    one size on `proxy` (a collective's group would not say which axes it spans)."""
+    out: Dict[int, int] = {}
+    axes = list(shape)
+    for r in range(1, len(axes) + 1):
+        for subset in itertools.combinations(axes, r):
+            p, real = (math.prod(m[a] for a in subset) for m in (proxy, shape))
+            if out.setdefault(p, real) != real:
+                return None
+    return out
+
+
+def proxy_shape(shape: Dict[str, int]) -> Optional[Dict[str, int]]:
+    """A mesh of at most `MAX_DEVICES` on which a device runs the program of `shape`'s,
+    or None when `shape` is that small already (or no proxy tells its groups apart).
+
+    Only the axes that split the batch (data, fsdp) shrink, each to a divisor of its size:
+    a device then holds the same compute-layout weights (their shard over the other axes),
+    gathers and reduces the same buffers and, with the global batch shrunk alike, the
+    same rows; only the collectives' group sizes differ, and `scaled_collectives` counts
+    each at its group on `shape` (`group_sizes`). The smallest such mesh is taken.
+    """
+    if math.prod(shape.values()) <= MAX_DEVICES:
+        return None
+    axes = [a for a in ("data", "fsdp") if shape.get(a, 1) > 2]
+    best = None
+    for sizes in itertools.product(*[[d for d in range(2, shape[a]) if shape[a] % d == 0]
+                                     for a in axes]):
+        proxy = dict(shape, **dict(zip(axes, sizes)))
+        devices = math.prod(proxy.values())
+        if devices <= MAX_DEVICES and group_sizes(proxy, shape) is not None and (
+                best is None or devices < math.prod(best.values())):
+            best = proxy
+    return best
+
+
+def proxy_config(config, shape: Dict[str, int], proxy: Dict[str, int]):
+    """`config` on the `proxy` mesh, its global batch shrunk with the batch axes so that a
+    device's rows stay the same.
+
+    Raises:
+      MeasureError: the batch does not shrink to the same rows per device.
+    """
+    shrink = math.prod(shape.values()) // math.prod(proxy.values())
+    p = copy.deepcopy(config)
+    p.mesh.axes = ",".join(f"{k}={v}" for k, v in proxy.items())
+    p.train.global_batch_size = config.train.global_batch_size // shrink
+    if (config.train.global_batch_size % shrink
+            or _micro_tokens(p, proxy) != _micro_tokens(config, shape)):
+        raise MeasureError(f"the proxy mesh {p.mesh.axes} of {config.mesh.axes} does not "
+                           "give a device the same rows; plan with --collectives assumed")
+    return p
 
 
 def _micro_tokens(config, shape) -> int:
@@ -216,8 +279,13 @@ def classify(elements: int, sc: dict):
     return "merged gradients", sc["merged"]
 
 
-def scaled_collectives(collectives: List[dict], sc: dict, shape) -> Dict[tuple, dict]:
-    """{(kind, dtype, class): {count, elements, bytes, sent}} of one tiny run, scaled."""
+def scaled_collectives(collectives: List[dict], sc: dict, shape,
+                       groups: Optional[Dict[int, int]] = None) -> Dict[tuple, dict]:
+    """{(kind, dtype, class): {count, elements, bytes, sent}} of one tiny run, scaled.
+
+    `groups`: on a proxy mesh (`proxy_shape`), each group size of the run's mesh `shape`
+    to the real mesh's (`group_sizes`): a collective is sent at its real group's ring
+    factor."""
     fsdp = shape.get("fsdp", 1)
     out: Dict[tuple, dict] = defaultdict(lambda: {"count": 0, "elements": 0.0,
                                                   "bytes": 0.0, "sent": 0.0})
@@ -237,6 +305,8 @@ def scaled_collectives(collectives: List[dict], sc: dict, shape) -> Dict[tuple, 
         t["count"] += 1
         t["elements"] += n
         t["bytes"] += n * c["itemsize"]
+        if groups:
+            group = groups.get(group, group)
         t["sent"] += _RING[kind] * (group - 1) / group * n * c["itemsize"]
     return dict(out)
 
@@ -329,11 +399,21 @@ def measure(config, shape, target_bandwidth: float) -> dict:
       shape: its mesh shape.
       target_bandwidth: link bytes per second the time is computed at.
     """
-    runs = run_tiny(config, shape)
+    proxy, groups, run_config = proxy_shape(shape), None, config
+    if math.prod(shape.values()) > MAX_DEVICES and proxy is None:
+        raise MeasureError(f"{config.mesh.axes}: more than {MAX_DEVICES} devices and no "
+                           "smaller mesh of its data and fsdp axes tells its collectives' "
+                           "groups apart; plan with --collectives assumed")
+    if proxy:
+        groups = group_sizes(proxy, shape)
+        run_config = proxy_config(config, shape, proxy)
+    run_shape = proxy or shape
+    runs = run_tiny(run_config, run_shape)
     scaled = {}
     for n, run in runs.items():
-        tiny = tiny_config(config, n, shape)
-        scaled[n] = scaled_collectives(run["collectives"], scales(config, tiny, shape), shape)
+        tiny = tiny_config(run_config, n, run_shape)
+        scaled[n] = scaled_collectives(run["collectives"],
+                                       scales(run_config, tiny, run_shape), run_shape, groups)
     rows = extrapolate(scaled[1], scaled[2], config.model.num_layers)
     # DTensor's clusters of one device: a + b x layers through the 1- and 2-layer
     # programs (each block adds the same clusters; checked against whole-depth programs
@@ -341,12 +421,15 @@ def measure(config, shape, target_bandwidth: float) -> dict:
     one, two = runs[1]["clusters"], runs[2]["clusters"]
     clusters = one + (two - one) * (config.model.num_layers - 1)
     sent = sum(r["sent"] for r in rows)
+    on_proxy = ("" if not proxy else f"; run on {run_config.mesh.axes} "
+                f"({math.prod(proxy.values())} CPU devices, the global batch shrunk alike), "
+                f"each collective sent at its group's ring factor on {config.mesh.axes}")
     detail = "; ".join(f"{r['kind']} {r['dtype']} {r['carries']} {r['sent'] / 1e9:.2f} GB"
                        for r in rows if r["sent"] >= 0.005e9)
     return {"bytes_per_device": sent, "detail": detail, "groups": rows,
             "count": sum(r["count"] for r in rows), "link_bandwidth": target_bandwidth,
-            "seconds": sent / target_bandwidth, "basis": BASIS,
-            "clusters": clusters, "clusters_basis": CLUSTERS_BASIS,
+            "seconds": sent / target_bandwidth, "basis": BASIS + on_proxy,
+            "clusters": clusters, "clusters_basis": CLUSTERS_BASIS + on_proxy,
             "tiny_runs": {str(n): len(r["collectives"]) for n, r in runs.items()},
             "tiny_clusters": {str(n): r["clusters"] for n, r in runs.items()}}
 
