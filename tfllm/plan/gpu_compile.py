@@ -42,8 +42,22 @@ from tfllm import files, internals
 #   had not finished in 13 CPU-minutes, and takes 220 s without. The program barely moves
 #   (890 -> 901 kernels: the 5 Triton softmax fusions become 16 ordinary ones; HBM bytes
 #   -0.1%, roofline -0.1%, temporaries +1.5 KB of 1.9 GB); benchmarks/results/h100_plan.md.
-PLAN_XLA_FLAGS = ("--xla_gpu_autotune_level=0", "--xla_gpu_enable_triton_gemm=false",
-                  "--xla_disable_hlo_passes=triton-softmax-rewriter")
+#   Standard attention's (T x T) softmax is another matter: the rewriter makes it one
+#   Triton fusion, and without it gpt2-small's step at 1 x 2048 moved 18% more bytes
+#   (26.54 -> 31.50 GB, roofline 8.46 -> 9.94 ms; measured 2026-11-29 on the same
+#   exported step), which a GPU running XLA's defaults would not. So the planner keeps
+#   the rewriter (`--triton-softmax`) for programs without blocked attention, whose
+#   compiles it barely slows (gpt2-small: 34 s with it, 31 without).
+PLAN_XLA_FLAGS = ("--xla_gpu_autotune_level=0", "--xla_gpu_enable_triton_gemm=false")
+NO_TRITON_SOFTMAX = "--xla_disable_hlo_passes=triton-softmax-rewriter"
+
+
+def xla_flags(given: str, argv) -> str:
+    """XLA_FLAGS for the compile: those `given`, the planner's, and the Triton softmax
+    rewriter turned off unless `argv` asks to keep it (`--triton-softmax`)."""
+    keep = "--triton-softmax" in argv
+    return " ".join((given,) + PLAN_XLA_FLAGS + (() if keep else (NO_TRITON_SOFTMAX,))).strip()
+
 
 def remove_copies(module) -> int:
     """Erases every `mhlo.copy` of an MLIR module (forwarding its operand); returns how many."""
@@ -140,6 +154,9 @@ def main(argv=None) -> int:
     parser.add_argument("--target-config", required=True,
                         help="A GpuTargetConfigProto text file.")
     parser.add_argument("--out", required=True, help="Where to write the JSON result.")
+    parser.add_argument("--triton-softmax", action="store_true",
+                        help="Keep XLA's Triton softmax rewriter (read before jax starts, "
+                             "see NO_TRITON_SOFTMAX).")
     args = parser.parse_args(argv)
     with open(args.hlo, "rb") as f:
         hlo = f.read()
@@ -158,6 +175,6 @@ if __name__ == "__main__":
     # neither. Must be set before jax loads its plugins.
     os.environ.setdefault("JAX_SKIP_CUDA_CONSTRAINTS_CHECK", "1")
     # XLA reads its flags once, when the backend starts: set them before jax does.
-    os.environ["XLA_FLAGS"] = " ".join(
-        (os.environ.get("XLA_FLAGS", ""),) + PLAN_XLA_FLAGS).strip()
+    import sys
+    os.environ["XLA_FLAGS"] = xla_flags(os.environ.get("XLA_FLAGS", ""), sys.argv)
     raise SystemExit(main())

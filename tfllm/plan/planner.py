@@ -25,8 +25,9 @@ checks) is printed beside the compile as the cross-check. Every figure says wher
 comes from (`sources`): compiled, measured, assumed.
 
 The compile takes minutes, not hours, because the planner's flags turn off XLA's Triton
-softmax rewriter (`tfllm.plan.gpu_compile.PLAN_XLA_FLAGS`: its tiling search was 88% of
-a blocked-attention layer's compile and grew with the batch).
+softmax rewriter for blocked attention (`tfllm.plan.gpu_compile.NO_TRITON_SOFTMAX`: its
+tiling search was 88% of a blocked-attention layer's compile and grew with the batch);
+standard attention keeps it, as a GPU running XLA's defaults does (`triton_softmax`).
 """
 
 from __future__ import annotations
@@ -71,8 +72,19 @@ def _host_memory() -> int:
 HOST_BYTES_PER_PARAM = 12
 
 
-def compile_in_child(hlo_path: str, target: Target, timeout: float = 1800) -> dict:
-    """Runs `tfllm.plan.gpu_compile` in a child process; returns its result + HLO text."""
+def triton_softmax(config) -> bool:
+    """Whether the plan's compile keeps XLA's Triton softmax rewriter: when the model's
+    attention is standard at its sequence length (not blocked), as on a GPU; blocked
+    attention's compile is the rewriter's slow case and barely moves without it
+    (`tfllm.plan.gpu_compile.NO_TRITON_SOFTMAX`)."""
+    chunk = config.model.attention_chunk
+    return not 0 < chunk < config.data.sequence_length
+
+
+def compile_in_child(hlo_path: str, target: Target, timeout: float = 1800,
+                     softmax: bool = False) -> dict:
+    """Runs `tfllm.plan.gpu_compile` in a child process; returns its result + HLO text.
+    `softmax`: keep XLA's Triton softmax rewriter (`triton_softmax`)."""
     work = os.path.dirname(hlo_path)
     config_path = os.path.join(work, f"{target.name}.txtpb")
     files.write_atomically(work, config_path, target.target_config())
@@ -80,7 +92,8 @@ def compile_in_child(hlo_path: str, target: Target, timeout: float = 1800) -> di
     env = dict(os.environ)
     env.pop("XLA_FLAGS", None)  # TensorFlow's flags (e.g. dumps) are not the planner's
     r = subprocess.run([sys.executable, "-m", "tfllm.plan.gpu_compile", hlo_path,
-                        "--target-config", config_path, "--out", out],
+                        "--target-config", config_path, "--out", out]
+                       + (["--triton-softmax"] if softmax else []),
                        capture_output=True, text=True, timeout=timeout, env=env)
     if r.returncode != 0:
         tail = "\n".join(l for l in r.stderr.splitlines()
@@ -147,7 +160,8 @@ def plan_program(config, target: Target, keep_dir: Optional[str] = None) -> dict
     with files.temporary_folder("tfllm-plan-") as tmp:
         work = keep_dir or tmp
         desc = export_in_child("step", config, work)
-        compiled = compile_in_child(os.path.join(work, "step.hlo.pb"), target)
+        compiled = compile_in_child(os.path.join(work, "step.hlo.pb"), target,
+                                    softmax=triton_softmax(config))
     stats = hlo_stats.summarize(compiled["optimized_hlo"], target, partial_reads=True)
     m = compiled["memory"]
     return {
@@ -177,7 +191,8 @@ def plan_block(local, target: Target, keep_dir: Optional[str] = None) -> dict:
     with files.temporary_folder("tfllm-plan-block-") as tmp:
         work = keep_dir or tmp
         desc = export_in_child("block", local, work)
-        compiled = compile_in_child(os.path.join(work, "block.hlo.pb"), target)
+        compiled = compile_in_child(os.path.join(work, "block.hlo.pb"), target,
+                                    softmax=triton_softmax(local))
     stats = hlo_stats.summarize(compiled["optimized_hlo"], target, partial_reads=True)
     return dict(block_memory(desc, compiled["memory"]), compile_s=compiled["compile_s"],
                 kernels=stats["kernels"], flops=stats["flops"], bytes=stats["bytes"],
