@@ -30,8 +30,12 @@ def test_tiny_weight_kinds_have_distinct_sizes_and_scale_to_the_model():
     kinds = {kind for kind, _ in sc["weights"].values()}
     # q/o, k/v, gate/up/down, embedding/lm head, norms: one size each (per compute layout);
     # and the buffers blocks move their weights in (tfllm.parallel.blocks)
-    weights = [kind for kind, _ in sc["weights"].values() if kind != "block"]
+    weights = [kind for kind, _ in sc["weights"].values()
+               if kind != "block" and not kind.endswith("(whole)")]
     assert len(weights) == 5 and "llama/block/attention/key/kernel" in kinds
+    # the embedding split over model also travels whole: its gradient, summed over the
+    # whole vocabulary and reduced over the batch axes
+    assert "llama/token_embedding/embeddings (whole)" in kinds
     assert "block" in kinds
     # a weight count is that weight; tokens x hidden an activation; <= 1024 small
     size, (kind, s) = next(iter(sc["weights"].items()))
@@ -288,7 +292,7 @@ def test_a_proxy_mesh_measures_what_the_mesh_itself_runs(monkeypatch):
     # fsdp=4 on 4 CPU devices, and on a proxy of 2 with the batch halved: the same
     # collectives, bytes and clusters (measured 2026-11-29 also for fsdp=8 against its
     # fsdp=2 proxy, and fsdp=8,model=2 against fsdp=4,model=2: the same)
-    config = tiny("fsdp=4", **{"train.global_batch_size": 8})
+    config = tiny("fsdp=4")  # the step the tests above run (one run per session)
     direct = measured.measure(config, {"fsdp": 4}, 450e9)
     monkeypatch.setattr(measured, "MAX_DEVICES", 2)
     proxy = measured.measure(config, {"fsdp": 4}, 450e9)
@@ -302,3 +306,52 @@ def test_a_proxy_mesh_measures_what_the_mesh_itself_runs(monkeypatch):
             assert p["sent"] == pytest.approx(g["sent"], rel=0.05)
         else:  # the same buffers at the same ring factor
             assert p["sent"] == pytest.approx(g["sent"], rel=1e-9)
+
+
+def test_a_proxy_counts_a_gathered_activation_at_its_real_group():
+    # an activation gathered over fsdp (DTensor: an all-reduce of the zero-padded group's
+    # rows) holds the group's rows: on fsdp=8 twice what it holds on an fsdp=4 proxy;
+    # a weight's gather holds the same weight whatever the group
+    config = tiny("fsdp=4,model=2")
+    shape = {"fsdp": 4, "model": 2}
+    t = measured.tiny_config(config, 1, shape)
+    sc = measured.scales(config, t, shape)
+    rows = sc["tokens"] * t.model.hidden_dim * 4  # a group of 4 devices' rows
+    block = next(n for n, (kind, _) in sc["weights"].items() if kind == "block")
+    collectives = [
+        {"kind": "all-reduce", "dtype": "float32", "elements": rows, "itemsize": 4,
+         "group_size": 4, "dtensor_op": "all-gather"},
+        {"kind": "all-gather", "dtype": "float16", "elements": block, "itemsize": 2,
+         "group_size": 4, "dtensor_op": "all-gather"}]
+    groups = measured.group_sizes(shape, {"fsdp": 8, "model": 2})
+    as_run = measured.scaled_collectives(collectives, sc, shape)
+    on_real = measured.scaled_collectives(collectives, sc, shape, groups)
+    act = ("all-reduce", "float32", "activation")
+    weights = ("all-gather", "float16", "weights")
+    assert on_real[act]["elements"] == 2 * as_run[act]["elements"]
+    assert on_real[act]["sent"] == pytest.approx(2 * 7 / 8 * on_real[act]["bytes"])
+    assert on_real[weights]["elements"] == as_run[weights]["elements"]
+    assert on_real[weights]["sent"] == pytest.approx(7 / 8 * on_real[weights]["bytes"])
+
+
+@pytest.mark.slow
+def test_a_proxy_of_a_tensor_parallel_mesh_measures_what_the_mesh_runs(monkeypatch):
+    # fsdp=8,model=2 on 16 CPU devices and on its fsdp=4,model=2 proxy, without XLA (the
+    # same collectives, ~1.5 min in all): the same counts and bytes but the small ones
+    # (scaled by the tiny width). It found the embedding's gradient, summed over the
+    # whole vocabulary, scaled as an activation: 2.4x its bytes, 3x apart on the proxy
+    monkeypatch.setattr(measured, "run_tiny",
+                        functools.partial(measured.run_tiny, jit_compile=False))
+    config = tiny("fsdp=8,model=2")
+    shape = {"fsdp": 8, "model": 2}
+    direct = measured.measure(config, shape, 450e9)
+    monkeypatch.setattr(measured, "MAX_DEVICES", 8)
+    proxy = measured.measure(config, shape, 450e9)
+    assert "run on fsdp=4,model=2" in proxy["basis"] and direct["count"] == proxy["count"]
+    rows = lambda r: {(g["kind"], g["dtype"], g["carries"]): g for g in r["groups"]}
+    assert rows(direct).keys() == rows(proxy).keys()
+    for key, g in rows(direct).items():
+        p = rows(proxy)[key]
+        assert p["count"] == g["count"]
+        assert p["sent"] == pytest.approx(g["sent"], rel=0.2 if key[2] == "small" else 1e-9)
+    assert rows(direct)[("reduce-scatter", "float32", "weights")]["count"] == 5

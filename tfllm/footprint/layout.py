@@ -159,6 +159,11 @@ class MeshPlan:
                                        partials, f"{u.name} backward"))
         return max(phases, key=lambda p: p.bytes)
 
+    def full_sizes(self) -> Dict[str, int]:
+        """{variable path: elements of its whole shape} of the trainable weights."""
+        return {r.path: math.prod(r.shape) for r in self.rows
+                if r.optimizer_bytes_per_device}
+
     def compute_sizes(self) -> Dict[str, int]:
         """{variable path: elements of its compute layout} of the trainable weights: the
         full shape divided by the non-fsdp mesh axes it is split over (what a gather

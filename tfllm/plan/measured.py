@@ -200,8 +200,8 @@ def scales(config, tiny, shape) -> dict:
     real = copy.deepcopy(config)
     real.model.num_layers = tiny.model.num_layers
     devices = math.prod(shape.values())
-    tiny_sizes = mesh_plan(tiny, devices).compute_sizes()
-    real_sizes = mesh_plan(real, devices).compute_sizes()
+    tiny_plan, real_plan = mesh_plan(tiny, devices), mesh_plan(real, devices)
+    tiny_sizes, real_sizes = tiny_plan.compute_sizes(), real_plan.compute_sizes()
     weights: Dict[int, tuple] = {}
     for path, n in tiny_sizes.items():
         s = real_sizes[path] / n
@@ -210,6 +210,14 @@ def scales(config, tiny, shape) -> dict:
             raise MeasureError(f"the tiny model's {kind} and {weights[n][0]} both have "
                                f"{n} elements but scale differently")
         weights.setdefault(n, (kind, s))
+    # A weight split over `model` can also travel whole: the embedding's gradient is
+    # summed over the whole vocabulary (UnsortedSegmentSum) and reduced over fsdp. Its
+    # count is a multiple of the tokens too, and scaled as an activation it followed the
+    # tiny width (fsdp=8,model=2 against its fsdp=4 proxy: 3 times apart)
+    real_full = real_plan.full_sizes()
+    for path, n in tiny_plan.full_sizes().items():
+        if path.endswith("embeddings"):  # only the lookup's gradient is summed whole
+            weights.setdefault(n, (_kind(path) + " (whole)", real_full[path] / n))
     # A block's weights travel and are reduced as one buffer (tfllm.parallel.blocks): its
     # sharded kernels together, its replicated norms apart (or with the kernels when
     # nothing is sharded); the final norm and head likewise.
@@ -302,11 +310,17 @@ def scaled_collectives(collectives: List[dict], sc: dict, shape,
         family = cls.split(" ")[0] if cls.startswith("weight") else cls.split(" (")[0]
         t = out[(kind, c["dtype"], family + ("s" if family == "weight" else ""))]
         n = c["elements"] * s
+        if groups:
+            real = groups.get(group, group)
+            if cls == "activation" and c.get("dtensor_op") == "all-gather":
+                # an activation gathered over the group (a sequence split's keys and
+                # values) holds every member's rows, each device's the same as on the
+                # real mesh: it grows with the group
+                n *= real / group
+            group = real
         t["count"] += 1
         t["elements"] += n
         t["bytes"] += n * c["itemsize"]
-        if groups:
-            group = groups.get(group, group)
         t["sent"] += _RING[kind] * (group - 1) / group * n * c["itemsize"]
     return dict(out)
 
