@@ -16,6 +16,7 @@ copies of its last prompt, and the copies' outputs are dropped.
 from __future__ import annotations
 
 import itertools
+import random
 import time
 from typing import Optional, Sequence, Union
 
@@ -200,7 +201,12 @@ class Generator:
         # 'while_cond' because a different function with the same name already
         # exists" when several loop programs ran on one mesh; unique names were not
         # the whole fix (see `_sample`), but they keep loop functions apart.
-        name = "decode_" + _letters(next(_LOOP_IDS))
+        # The counter alone was not enough: CI (2026-11-29, 2,029 tests on two workers)
+        # failed once with "Cannot add function 'decode_u1_cond' ... already exists"
+        # (the test passed alone and in its file; not reproduced). A random part keeps
+        # any two traces of a process apart.
+        name = "decode_" + _letters(next(_LOOP_IDS)) + "_" + _letters(
+            random.getrandbits(40))
         return tf.while_loop(more, one_token, state, name=name)[3]
 
     def _token_step_fn(self, token, done, cache, start, step, scalars, prompt_length):
