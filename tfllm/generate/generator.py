@@ -31,6 +31,8 @@ from tfllm.parallel.placement import to_numpy
 
 _BATCH = feed.BATCH_AXES
 _LOOP_IDS = itertools.count()
+# Its own generator: loop names never draw from (or shift) the user's `random` stream
+_NAME_BITS = random.Random()
 _TOKENS = feed.TOKEN_AXES
 
 Prompts = Union[Sequence[int], Sequence[Sequence[int]]]
@@ -206,7 +208,7 @@ class Generator:
         # (the test passed alone and in its file; not reproduced). A random part keeps
         # any two traces of a process apart.
         name = "decode_" + _letters(next(_LOOP_IDS)) + "_" + _letters(
-            random.getrandbits(40))
+            _NAME_BITS.getrandbits(40))
         return tf.while_loop(more, one_token, state, name=name)[3]
 
     def _token_step_fn(self, token, done, cache, start, step, scalars, prompt_length):
