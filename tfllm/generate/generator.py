@@ -5,8 +5,8 @@ next token into the same cache slot; each row's first real slot is its position 
 the slots before it are masked out. One compiled call prefills the whole prompt and
 picks the first token; a second compiled call runs the rest in a `tf.while_loop` over
 a fixed-size cache of P + max_new_tokens slots. On a mesh, where DTensor leaves a loop
-outside XLA, a compiled one-token step is called per token instead
-(`Generator._decode_stepwise`).
+outside XLA (and now and then fails to register its expanded loop functions), a
+one-token step is called per token instead (`Generator._decode_stepwise`).
 
 On a mesh the batch dimension is sharded over the batch mesh axis (data, else fsdp),
 which must divide it: a request with fewer rows (one prompt on data=2) is padded with
@@ -16,7 +16,6 @@ copies of its last prompt, and the copies' outputs are dropped.
 from __future__ import annotations
 
 import itertools
-import random
 import time
 from typing import Optional, Sequence, Union
 
@@ -31,8 +30,6 @@ from tfllm.parallel.placement import to_numpy
 
 _BATCH = feed.BATCH_AXES
 _LOOP_IDS = itertools.count()
-# Its own generator: loop names never draw from (or shift) the user's `random` stream
-_NAME_BITS = random.Random()
 _TOKENS = feed.TOKEN_AXES
 
 Prompts = Union[Sequence[int], Sequence[Sequence[int]]]
@@ -57,9 +54,13 @@ class Generator:
         self._prefill = compiled(self._prefill_fn)
         self._decode = compiled(self._decode_fn)
         self._token_step = compiled(self._token_step_fn)
-        # On a mesh DTensor leaves a while loop outside XLA: compiled decoding goes token
-        # by token. Without compilation (CPU meshes by default) the loop is faster.
-        self._stepwise = parallel is not None and jit_compile
+        # On a mesh decoding goes token by token, compiled or not: DTensor leaves a while
+        # loop outside XLA, and (TF 2.21) now and then fails a loop program's first run
+        # with "Cannot add function 'decode_..._cond' because a different function with
+        # the same name already exists" even on fresh traces with names no other trace
+        # had (CI, 2026-11-29: twice in ~2,000 tests, after `Retraced`'s retries; the
+        # test passed alone). A token step has no loop for DTensor to expand.
+        self._stepwise = parallel is not None
         self._reference_step = compiled(self._reference_step_fn)
         #: seconds and token counts of the last `generate` call (prefill, decode)
         self.last_timing = {}
@@ -199,16 +200,9 @@ class Generator:
 
         state = (tf.constant(1), context.constrain(first, _BATCH, "token"), cache, out,
                  done)
-        # A name unique to this trace. DTensor failed with "Cannot add function
-        # 'while_cond' because a different function with the same name already
-        # exists" when several loop programs ran on one mesh; unique names were not
-        # the whole fix (see `_sample`), but they keep loop functions apart.
-        # The counter alone was not enough: CI (2026-11-29, 2,029 tests on two workers)
-        # failed once with "Cannot add function 'decode_u1_cond' ... already exists"
-        # (the test passed alone and in its file; not reproduced). A random part keeps
-        # any two traces of a process apart.
-        name = "decode_" + _letters(next(_LOOP_IDS)) + "_" + _letters(
-            _NAME_BITS.getrandbits(40))
+        # Only runs off a mesh (on a mesh, `_decode_stepwise`). A name unique to the trace
+        # kept DTensor's loop functions apart while this loop also ran on meshes.
+        name = "decode_" + _letters(next(_LOOP_IDS))
         return tf.while_loop(more, one_token, state, name=name)[3]
 
     def _token_step_fn(self, token, done, cache, start, step, scalars, prompt_length):
