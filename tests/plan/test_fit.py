@@ -68,43 +68,34 @@ def test_each_preset_fits_its_h100s_as_shipped_and_is_the_plans_cheapest_fit(nam
     overruled = COMPILE_OVERRULED.get(name)
     if overruled:
         arithmetic_sets, _ = fit.suggest(plain, 8)
-        stored = json.load(open(os.path.join(ROOT, "benchmarks", "results",
-                                             overruled["compiled"])))
+        path = os.path.join(ROOT, "benchmarks", "results", overruled["compiled"])
+        with open(path) as f:
+            stored = json.load(f)
         # the compile of the arithmetic's choice: it fitted by the arithmetic, not compiled
         assert stored["fit"]["fits"] and not stored["memory"]["fits"]
         assert stored["memory"]["total"] > stored["memory"]["usable"]
-        assert {k: arithmetic_sets.get(k) for k in overruled["keys"]} == {
-            k: _chosen(stored_config(config, overruled)).get(k) for k in overruled["keys"]}
-        for key in overruled["keys"]:  # the rest of the search starts from the compile's
+        chosen = overruled["arithmetic"]
+        assert {k: arithmetic_sets.get(k) for k in chosen} == chosen
+        for key in chosen:  # the rest of the search starts from the preset's setting
             section, field = key.split(".")
-            setattr(getattr(plain, section), field,
-                    type(getattr(getattr(config, section), field))(_chosen(config)[key]))
+            setattr(getattr(plain, section), field, getattr(getattr(config, section), field))
     sets, _ = fit.suggest(plain, 8)
     if overruled:
-        sets.update({k: _chosen(config)[k] for k in overruled["keys"]})
+        sets.update({k: _chosen(config)[k] for k in overruled["arithmetic"]})
     assert sets == _chosen(config)
 
 
 #: Presets whose setting a compiled plan (`tfllm plan`) overruled the arithmetic estimate
-#: on: the keys it set, the stored JSON of the compile of the arithmetic's choice, and
-#: that choice. llama-70b: the arithmetic keeps standard attention at 8192 tokens under
-#: full remat (66.6 GiB of 75.1); XLA compiles it, with its Triton softmax rewriter, to
-#: 88.6 GiB (112 GiB of temporaries; blocked 512 compiles to 46.6).
-#: benchmarks/results/h100_plan.md, "llama-70b planned with measured collectives".
+#: on: the stored JSON of the compile of the arithmetic's choice, and that choice (the
+#: search's overrides; None: it kept the search's start). llama-70b: the arithmetic keeps
+#: standard attention at 8192 tokens under full remat (66.6 GiB of 75.1); XLA compiles
+#: it, with its Triton softmax rewriter, to 88.6 GiB (112 GiB of temporaries; blocked
+#: 512 compiles to 46.6). benchmarks/results/h100_plan.md, "llama-70b planned with
+#: measured collectives".
 COMPILE_OVERRULED = {
-    "llama-70b": {"keys": ["model.attention_chunk"],
-                  "compiled": "h100_llama70b_2026-11-29_standard.json",
-                  "config": {"model.attention_chunk": 0}},
+    "llama-70b": {"compiled": "h100_llama70b_2026-11-29_standard.json",
+                  "arithmetic": {"model.attention_chunk": None}},
 }
-
-
-def stored_config(config, overruled):
-    """`config` with the overruled settings as the stored compile had them."""
-    out = copy.deepcopy(config)
-    for key, value in overruled["config"].items():
-        section, field = key.split(".")
-        setattr(getattr(out, section), field, value)
-    return out
 
 
 def test_llama_70b_fits_no_single_node_and_says_how_many_devices_its_state_needs():

@@ -15,7 +15,6 @@ copies of its last prompt, and the copies' outputs are dropped.
 
 from __future__ import annotations
 
-import itertools
 import time
 from typing import Optional, Sequence, Union
 
@@ -29,7 +28,6 @@ from tfllm.parallel import context
 from tfllm.parallel.placement import to_numpy
 
 _BATCH = feed.BATCH_AXES
-_LOOP_IDS = itertools.count()
 _TOKENS = feed.TOKEN_AXES
 
 Prompts = Union[Sequence[int], Sequence[Sequence[int]]]
@@ -54,13 +52,6 @@ class Generator:
         self._prefill = compiled(self._prefill_fn)
         self._decode = compiled(self._decode_fn)
         self._token_step = compiled(self._token_step_fn)
-        # On a mesh decoding goes token by token, compiled or not: DTensor leaves a while
-        # loop outside XLA, and (TF 2.21) now and then fails a loop program's first run
-        # with "Cannot add function 'decode_..._cond' because a different function with
-        # the same name already exists" even on fresh traces with names no other trace
-        # had (CI, 2026-11-29: twice in ~2,000 tests, after `Retraced`'s retries; the
-        # test passed alone). A token step has no loop for DTensor to expand.
-        self._stepwise = parallel is not None
         self._reference_step = compiled(self._reference_step_fn)
         #: seconds and token counts of the last `generate` call (prefill, decode)
         self.last_timing = {}
@@ -92,7 +83,13 @@ class Generator:
         first, cache = self._prefill(tokens, start, options["scalars"], **options["static"])
         first_np = to_numpy(first)  # waits for the prefill, for the timing
         prefilled = time.perf_counter()
-        if not self._stepwise:  # one XLA program (or plain TF ops), the loop included
+        # On a mesh decoding goes token by token, compiled or not: DTensor leaves a while
+        # loop outside XLA, and (TF 2.21) now and then fails a loop program's first run
+        # with "Cannot add function 'decode_..._cond' because a different function with
+        # the same name already exists" even on fresh traces with names no other trace
+        # had (CI, 2026-11-29: twice in ~2,000 tests, after `Retraced`'s retries; the
+        # test passed alone). A token step has no loop for DTensor to expand.
+        if self.parallel is None:  # one XLA program, the loop included
             out = self._decode(first, cache, start, options["scalars"],
                                prompt_length=int(tokens.shape[1]),
                                max_new_tokens=max_new_tokens, **options["static"])
@@ -200,10 +197,8 @@ class Generator:
 
         state = (tf.constant(1), context.constrain(first, _BATCH, "token"), cache, out,
                  done)
-        # Only runs off a mesh (on a mesh, `_decode_stepwise`). A name unique to the trace
-        # kept DTensor's loop functions apart while this loop also ran on meshes.
-        name = "decode_" + _letters(next(_LOOP_IDS))
-        return tf.while_loop(more, one_token, state, name=name)[3]
+        # only off a mesh (on a mesh, `_decode_stepwise`)
+        return tf.while_loop(more, one_token, state, name="decode")[3]
 
     def _token_step_fn(self, token, done, cache, start, step, scalars, prompt_length):
         done = tf.logical_or(done, tf.equal(token, scalars["eos_id"]))
@@ -283,17 +278,6 @@ class Generator:
 
 #: tokens between the host's looks at whether every row has finished (mesh decoding)
 _STOP_CHECK = 8
-
-
-def _letters(number: int) -> str:
-    """`number` written with letters only (TF appends its own numeric uid to loop
-    function names; letters keep "decode1" + uid from reading like "decode12")."""
-    out = ""
-    while True:
-        number, digit = divmod(number, 26)
-        out = "abcdefghijklmnopqrstuvwxyz"[digit] + out
-        if not number:
-            return out
 
 
 def _as_prompts(prompt_ids):
