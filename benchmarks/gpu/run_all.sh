@@ -6,7 +6,10 @@
 # (EXPORTS=folder: time the steps there instead; PYTHON=interpreter: another than python3;
 # tests/plan/test_export_step.py runs it so, on CPU)
 # Each step is bounded (STEP_TIMEOUT_S, default 240 s) so that one slow compile cannot
-# take the whole lease; a failed step is recorded and the next one runs.
+# take the whole lease, and the whole run by TOTAL_S (default 540 s: a device command may
+# run 600 s): a step gets what is left, and the steps after the deadline are recorded as
+# skipped. A failed step is recorded and the next one runs. CASES="name name ...": only
+# those steps (e.g. the ones a lease did not reach).
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 OUT=${OUT:?set OUT to a folder for the results}
@@ -14,10 +17,19 @@ mkdir -p "$OUT"
 { date -u; nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv 2>&1
   "${PYTHON:-python3}" -c 'import jax, sys; print("python", sys.version.split()[0], "jax", jax.__version__, jax.devices())' 2>&1
 } > "$OUT/machine.txt"
+start=$(date +%s)
 for dir in "${EXPORTS:-benchmarks/gpu/exports}"/*/; do
   name=$(basename "$dir")
+  if [ -n "${CASES:-}" ] && [[ " $CASES " != *" $name "* ]]; then continue; fi
+  left=$(( ${TOTAL_S:-540} - ($(date +%s) - start) ))
+  if [ "$left" -lt 30 ]; then
+    echo "{\"name\": \"$name\", \"skipped\": \"TOTAL_S=${TOTAL_S:-540} reached\"}" >> "$OUT/steps.jsonl"
+    continue
+  fi
+  limit=${STEP_TIMEOUT_S:-240}
+  [ "$left" -lt "$limit" ] && limit=$left
   mkdir -p "$OUT/$name"
-  if timeout "${STEP_TIMEOUT_S:-240}" "${PYTHON:-python3}" benchmarks/gpu/run_step.py "$dir" \
+  if timeout "$limit" "${PYTHON:-python3}" benchmarks/gpu/run_step.py "$dir" \
       --out "$OUT/$name" --profile "$OUT/$name/profile" "$@" \
       > "$OUT/$name/result.json" 2> "$OUT/$name/stderr.txt"; then
     python3 -c 'import json,sys; r=json.load(open(sys.argv[1])); r["name"]=sys.argv[2]; print(json.dumps(r))' \

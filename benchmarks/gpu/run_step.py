@@ -30,7 +30,25 @@ import time
 import sys
 
 import numpy as np
-import jax
+
+# The XLA flags `tfllm train` sets for the step's precision policy
+# (tfllm.runtime.environment.POLICY_XLA_FLAGS: FP8 GEMMs need Triton GEMMs off), added
+# before jax starts its backend, which reads XLA_FLAGS once; a flag already in XLA_FLAGS
+# is the user's and is kept.
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+from tfllm.runtime import environment  # noqa: E402  (no TensorFlow in it)
+
+
+def _policy_flags(argv):
+    step_json = os.path.join(argv[1], "step.json") if len(argv) > 1 else ""
+    if not os.path.isfile(step_json):
+        return {}
+    with open(step_json) as f:
+        return environment.precision_flags(json.load(f)["config"]["policy"])
+
+
+_policy_flags(sys.argv)
+import jax  # noqa: E402
 
 jax.config.update("jax_enable_x64", True)  # the step has int64 parameters
 import jax.numpy as jnp  # noqa: E402
@@ -63,10 +81,8 @@ class HloStep:
     """step.hlo.pb through the plan extra's pinned jaxlib internals (the older path)."""
 
     def __init__(self, path, device):
-        # tfllm.plan.gpu_compile needs only jax: import it from this checkout (no
-        # TensorFlow here)
-        sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(
-            os.path.abspath(__file__)))))
+        # tfllm.plan.gpu_compile needs only jax: imported from this checkout (no
+        # TensorFlow here; sys.path above)
         from tfllm import internals
         from tfllm.plan.gpu_compile import hlo_to_mlir
         with open(path, "rb") as f:
@@ -221,7 +237,8 @@ def time_steps(directory, backend, steps, warmup, compiled, out_dir=None, profil
             "fp8_gemms": optimized.count("__cublas$lt$matmul$f8"),
             "peak_memory_gib": peak_memory_gib(device), "step_ms_all": [t * 1e3 for t in times],
             "program": "step.jax" if isinstance(compiled, PortableStep) else "step.hlo.pb",
-            "steps": steps, "jax": jax.__version__, "profile": profile}
+            "steps": steps, "jax": jax.__version__, "profile": profile,
+            "xla_flags": os.environ.get("XLA_FLAGS", "")}
 
 
 def main():

@@ -4,6 +4,7 @@ import gzip
 import importlib.util
 import json
 import os
+import shutil
 import subprocess
 import sys
 
@@ -99,20 +100,48 @@ def test_the_gpu_script_times_every_prepared_step_in_one_command(tmp_path):
     with gzip.open(str(step) + ".gz", "wb") as f:
         f.write(step.read_bytes())
     step.unlink()
+    shutil.copytree(exports / "tiny", exports / "untimed")  # not in CASES: not run
+
+    def run_all(out, **env):
+        r = subprocess.run(["bash", os.path.join(ROOT, "benchmarks", "gpu", "run_all.sh"),
+                            "--steps", "2", "--warmup", "1", "--backend", "cpu"],
+                           capture_output=True, text=True, timeout=TF_HANG_S, cwd=ROOT,
+                           env=dict(os.environ, OUT=str(out), EXPORTS=str(exports),
+                                    PYTHON=sys.executable, **env))
+        assert r.returncode == 0, r.stderr[-2000:]
+        return [json.loads(line) for line in (out / "steps.jsonl").read_text().splitlines()]
+
     out = tmp_path / "out"
-    r = subprocess.run(["bash", os.path.join(ROOT, "benchmarks", "gpu", "run_all.sh"),
-                        "--steps", "2", "--warmup", "1", "--backend", "cpu"],
-                       capture_output=True, text=True, timeout=TF_HANG_S, cwd=ROOT,
-                       env=dict(os.environ, OUT=str(out), EXPORTS=str(exports),
-                                PYTHON=sys.executable))
-    assert r.returncode == 0, r.stderr[-2000:]
-    (line,) = (out / "steps.jsonl").read_text().splitlines()
-    result = json.loads(line)
+    (result,) = run_all(out, CASES="tiny")
     assert result["name"] == "tiny" and "failed" not in result, result
     assert result["program"] == "step.jax" and result["steps"] == 2
+    assert "triton_gemm" not in result["xla_flags"]  # float32: XLA's defaults
     assert (out / "tiny" / "step.optimized.cpu.hlo.txt").exists()
     assert any((out / "tiny" / "profile").rglob("*.xplane.pb"))
     assert "jax" in (out / "machine.txt").read_text()
+    # Past the run's deadline every step is recorded as skipped, none started.
+    late = run_all(tmp_path / "late", TOTAL_S="0")
+    assert [(r["name"], "skipped" in r) for r in late] == [("tiny", True), ("untimed", True)]
+    assert not (tmp_path / "late" / "tiny").exists()
+
+
+@pytest.mark.skipif(not HAVE_JAX, reason="jax/jaxlib not installed (pip install jax)")
+def test_the_gpu_runner_compiles_an_fp8_step_as_tfllm_train_would(tmp_path, monkeypatch):
+    """run_step.py adds the XLA flags `tfllm train` sets for the step's policy before jax
+    starts (FP8: Triton GEMMs off, tests/plan/test_fp8_flags.py), the user's kept."""
+    spec = importlib.util.spec_from_file_location(
+        "run_step", os.path.join(ROOT, "benchmarks", "gpu", "run_step.py"))
+    run_step = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(run_step)
+    for policy, flags in (("fp8", "--xla_gpu_enable_triton_gemm=false"), ("bfloat16", "")):
+        (tmp_path / policy).mkdir()
+        (tmp_path / policy / "step.json").write_text(json.dumps({"config": {"policy": policy}}))
+        monkeypatch.setenv("XLA_FLAGS", "")
+        run_step._policy_flags(["run_step.py", str(tmp_path / policy)])
+        assert os.environ["XLA_FLAGS"] == flags
+    monkeypatch.setenv("XLA_FLAGS", "--xla_gpu_enable_triton_gemm=true")
+    run_step._policy_flags(["run_step.py", str(tmp_path / "fp8")])
+    assert os.environ["XLA_FLAGS"] == "--xla_gpu_enable_triton_gemm=true"
 
 
 @pytest.mark.parametrize("lora,precompute", [(0, False), (4, False), (0, True)])

@@ -123,8 +123,10 @@ def _load(args):
 
 
 def _persist_compiles(args, config, workdir) -> None:
-    """train.xla_cache, set as the process starts: TensorFlow parses TF_XLA_FLAGS at its
-    first device query, and a library call (a Run inside pytest or a notebook) would only
+    """train.xla_cache and the precision policy's XLA flags (FP8 GEMMs need Triton GEMMs
+    off: tfllm.runtime.environment.POLICY_XLA_FLAGS), set as the process starts:
+    TensorFlow parses TF_XLA_FLAGS at its first device query, XLA its XLA_FLAGS at the
+    first compile, and a library call (a Run inside pytest or a notebook) would only
     leak the setting into child processes, so only the command sets it. The folders it
     creates are kept in `args.created`: a command that fails removes them while they are
     still empty (`main`), so that a refused run leaves its workdir as it was."""
@@ -133,6 +135,7 @@ def _persist_compiles(args, config, workdir) -> None:
     directory = environment.xla_cache_dir(config.train.xla_cache, workdir, client_id())
     if directory:
         args.created = files.missing_folders(os.path.join(directory, "autotune"))
+    environment.precision_flags(config.precision.policy)  # FP8 GEMMs on a GPU
     try:
         environment.xla_cache(directory)
     except OSError as e:

@@ -64,6 +64,38 @@ def _add_flag(environ: MutableMapping[str, str], name: str, flag: str, value: st
     changes[name] = environ[name]
 
 
+# XLA GPU flags a precision policy needs (flag, value), set for the process by
+# `precision_flags`. FP8: XLA's Triton GEMM fusion, on by default, takes each dot with
+# its operands' convert/scale producers into a fusion before the cuBLASLt FP8 rewrite can
+# match them, and the f32 -> f8 -> bf16 convert pairs are then simplified away: the step
+# runs bf16 GEMMs with no FP8 rounding at all. Measured 2026-11-30 on an H200 (jax 0.11.2,
+# XLA's defaults): gpt2-small's and llama-7b's FP8 steps ran 0 `__cublas$lt$matmul$f8`
+# calls and were 11% and 3% slower than bf16 (benchmarks/results/gpu_h200_2026-11-30.md);
+# the same exported step compiled for an H100 without Triton GEMMs has 216 FP8 GEMMs
+# (tests/plan/test_fp8_flags.py). cuBLAS still runs every other GEMM.
+POLICY_XLA_FLAGS = {"fp8": (("--xla_gpu_enable_triton_gemm", "false"),)}
+
+
+def policy_xla_flags(policy: str) -> str:
+    """The XLA_FLAGS text `policy` needs on a GPU ("" for none)."""
+    return " ".join(f"{flag}={value}" for flag, value in POLICY_XLA_FLAGS.get(policy, ()))
+
+
+def precision_flags(policy: str,
+                    environ: MutableMapping[str, str] = os.environ) -> Dict[str, str]:
+    """Adds the XLA flags of `policy` (POLICY_XLA_FLAGS) to XLA_FLAGS, each unless the
+    user set that flag. XLA reads XLA_FLAGS once, at its first compile: `tfllm train`,
+    `eval`, `generate` and `bench` call this before TensorFlow starts.
+
+    Returns:
+      The variables changed.
+    """
+    changes: Dict[str, str] = {}
+    for flag, value in POLICY_XLA_FLAGS.get(policy, ()):
+        _add_flag(environ, "XLA_FLAGS", flag, value, changes)
+    return changes
+
+
 def xla_cache_dir(setting: str, workdir: Optional[str], client: int = 0) -> Optional[str]:
     """The directory `train.xla_cache` names, or None for no cache.
 
