@@ -12,7 +12,10 @@ Tolerances (float32): both sides compute the same sums of at most D = 32 or F = 
 products in different orders (torch's per-expert loop, our batched einsums), so they
 differ by a few ulps of the largest partial sum, ~1e-6 relative; rtol 1e-5 leaves 10x
 room, atol 1e-6 covers outputs that cancel to near zero. Gradients sum over B*T = 14
-tokens more: rtol 1e-4, atol 1e-6. Routing is compared exactly first (the chosen experts
+tokens more: rtol 1e-4, and an atol of 1e-5 of the tensor's largest value, since an
+element that cancels to near zero keeps the rounding of partial sums of that size (an
+input gradient of -0.0044 among values up to 2.97 once differed by 2.1e-6, 9 ulps of
+2.97, under a loaded machine; 1e-5 of it is ~80 ulps). Routing is compared exactly first (the chosen experts
 are the same indices), so a tolerance never hides a different routing.
 """
 
@@ -33,6 +36,7 @@ from tfllm.models.common.remat import recompute
 D, F, E, K, B, T = 32, 16, 8, 2, 2, 7
 RTOL, ATOL = 1e-5, 1e-6  # float32, same sums in another order (module docstring)
 GRAD_RTOL = 1e-4  # gradients sum over the tokens too
+GRAD_ATOL_OF_MAX = 1e-5  # of the gradient's largest value (module docstring)
 
 # name -> (transformers config class, its arguments, our MoeMLP arguments)
 VARIANTS = {
@@ -170,7 +174,8 @@ def test_gradients_equal_torch_autograd(variant, dispatch):
             block.experts.down_proj.grad.numpy().transpose(0, 2, 1)]
     for g, w in zip(got, want):
         assert np.abs(w).max() > 0  # every weight is reached
-        np.testing.assert_allclose(g, w, rtol=GRAD_RTOL, atol=ATOL)
+        np.testing.assert_allclose(g, w, rtol=GRAD_RTOL,
+                                   atol=max(ATOL, GRAD_ATOL_OF_MAX * np.abs(w).max()))
 
 
 @pytest.mark.parametrize("options", [dict(), dict(capacity_factor=1.0), DISPATCH["grouped"]],
