@@ -8,8 +8,8 @@
 # Each step is bounded (STEP_TIMEOUT_S, default 240 s) so that one slow compile cannot
 # take the whole lease, and the whole run by TOTAL_S (default 540 s: a device command may
 # run 600 s): a step gets what is left, and the steps after the deadline are recorded as
-# skipped. A failed step is recorded and the next one runs. CASES="name name ...": only
-# those steps (e.g. the ones a lease did not reach).
+# skipped. A failed step is recorded and the next one runs. The steps run in the order
+# of exports/ORDER (prepare.py's); CASES="name name ...": only those, in that order.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 OUT=${OUT:?set OUT to a folder for the results}
@@ -18,9 +18,11 @@ mkdir -p "$OUT"
   "${PYTHON:-python3}" -c 'import jax, sys; print("python", sys.version.split()[0], "jax", jax.__version__, jax.devices())' 2>&1
 } > "$OUT/machine.txt"
 start=$(date +%s)
-for dir in "${EXPORTS:-benchmarks/gpu/exports}"/*/; do
-  name=$(basename "$dir")
-  if [ -n "${CASES:-}" ] && [[ " $CASES " != *" $name "* ]]; then continue; fi
+exports=${EXPORTS:-benchmarks/gpu/exports}
+# CASES, else the order prepare.py wrote (exports/ORDER), else every export by name
+names=${CASES:-$(cat "$exports/ORDER" 2>/dev/null || (cd "$exports" && ls -d */ | tr -d /))}
+for name in $names; do
+  dir=$exports/$name
   left=$(( ${TOTAL_S:-540} - ($(date +%s) - start) ))
   if [ "$left" -lt 30 ]; then
     echo "{\"name\": \"$name\", \"skipped\": \"TOTAL_S=${TOTAL_S:-540} reached\"}" >> "$OUT/steps.jsonl"

@@ -20,6 +20,7 @@ cuBLAS / cuBLASLt calls (FP8 ones as `__cublas$lt$matmul$f8`).
 """
 
 import argparse
+import glob
 import gzip
 import json
 import os
@@ -195,6 +196,39 @@ def peak_memory_gib(device):
     return peak / 2**30 if peak is not None else None
 
 
+def profile_summary(path, steps, planes="/device:", lines="Stream", top=15):
+    """Where the traced steps' time went, per device plane of the trace at `path`: the
+    kernels (and copies) of its `lines` (CUPTI names each CUDA stream's line "Stream
+    #N(...)"), per step: count, busy ms (summed durations), span ms (first start to last
+    end) and the `top` names by time. Read with jax's own reader (no TensorFlow)."""
+    from jax.profiler import ProfileData
+    out = {}
+    for plane in ProfileData.from_file(path).planes:
+        if not plane.name.startswith(planes):
+            continue
+        totals, first, last = {}, None, None
+        for line in plane.lines:
+            if not line.name.startswith(lines):
+                continue
+            for e in line.events:
+                t = totals.setdefault(e.name, [0.0, 0])
+                t[0] += e.duration_ns / 1e6
+                t[1] += 1
+                first = e.start_ns if first is None else min(first, e.start_ns)
+                end = e.start_ns + e.duration_ns
+                last = end if last is None else max(last, end)
+        if not totals:
+            out[plane.name] = {"lines": [line.name for line in plane.lines]}
+            continue
+        ranked = sorted(totals.items(), key=lambda kv: -kv[1][0])
+        out[plane.name] = {
+            "events_per_step": sum(c for _, c in totals.values()) / steps,
+            "busy_ms_per_step": sum(ms for ms, _ in totals.values()) / steps,
+            "span_ms_per_step": (last - first) / 1e6 / steps,
+            "top": [[name, ms / steps, c / steps] for name, (ms, c) in ranked[:top]]}
+    return out
+
+
 def time_steps(directory, backend, steps, warmup, compiled, out_dir=None, profile=None):
     with open(os.path.join(directory, "step.json")) as f:
         desc = json.load(f)
@@ -219,10 +253,21 @@ def time_steps(directory, backend, steps, warmup, compiled, out_dir=None, profil
         one_step()
         if i >= warmup:
             times.append(time.perf_counter() - start)
+    trace = summary = None
     if profile:  # a trace TensorBoard's profile plugin or Perfetto opens
         with jax.profiler.trace(profile):
             for _ in range(3):
                 one_step()
+        # also flat beside the results, gzipped: a lent machine returns files a few
+        # folders deep only (the trace lies in PROFILE/plugins/profile/RUN/), and
+        # `tfllm.train.profile.summary` reads it here, where TensorFlow is
+        found = sorted(glob.glob(os.path.join(profile, "plugins", "profile", "*",
+                                              "*.xplane.pb")))
+        if found:
+            trace = os.path.join(out_dir or directory, "profile.xplane.pb.gz")
+            with open(found[-1], "rb") as f, gzip.open(trace, "wb") as g:
+                g.write(f.read())
+            summary = profile_summary(found[-1], 3)
     step_s = statistics.median(times)
     flops = desc["flops_per_token"] * desc["tokens_per_step"] / step_s
     peak = matmul_peak(device)
@@ -237,7 +282,8 @@ def time_steps(directory, backend, steps, warmup, compiled, out_dir=None, profil
             "fp8_gemms": optimized.count("__cublas$lt$matmul$f8"),
             "peak_memory_gib": peak_memory_gib(device), "step_ms_all": [t * 1e3 for t in times],
             "program": "step.jax" if isinstance(compiled, PortableStep) else "step.hlo.pb",
-            "steps": steps, "jax": jax.__version__, "profile": profile,
+            "steps": steps, "jax": jax.__version__, "profile": profile, "trace": trace,
+            "profile_summary": summary,
             "xla_flags": os.environ.get("XLA_FLAGS", "")}
 
 

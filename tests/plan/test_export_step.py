@@ -118,6 +118,12 @@ def test_the_gpu_script_times_every_prepared_step_in_one_command(tmp_path):
     assert "triton_gemm" not in result["xla_flags"]  # float32: XLA's defaults
     assert (out / "tiny" / "step.optimized.cpu.hlo.txt").exists()
     assert any((out / "tiny" / "profile").rglob("*.xplane.pb"))
+    assert result["trace"] == str(out / "tiny" / "profile.xplane.pb.gz")  # flat, gzipped
+    with gzip.open(result["trace"]) as f:
+        from tfllm.train.profile import summary
+        (out / "trace.xplane.pb").write_bytes(f.read())
+    assert summary(str(out / "trace.xplane.pb"))["planes"]  # what TensorFlow's side reads
+    assert result["profile_summary"] == {}  # no device plane on a CPU
     assert "jax" in (out / "machine.txt").read_text()
     # Past the run's deadline every step is recorded as skipped, none started.
     late = run_all(tmp_path / "late", TOTAL_S="0")
@@ -126,13 +132,39 @@ def test_the_gpu_script_times_every_prepared_step_in_one_command(tmp_path):
 
 
 @pytest.mark.skipif(not HAVE_JAX, reason="jax/jaxlib not installed (pip install jax)")
+def test_the_gpu_runner_summarizes_where_a_traced_step_spent_its_time(tmp_path):
+    """run_step.py's profile summary, on a CPU trace (its host threads standing in for a
+    GPU's streams): the matmul is found, counted per step and timed."""
+    import jax
+    import jax.numpy as jnp
+    run_step = _run_step_module()
+    f = jax.jit(lambda x: jnp.tanh(x @ x))
+    x = jnp.ones((512, 512))
+    f(x).block_until_ready()
+    with jax.profiler.trace(str(tmp_path)):
+        for _ in range(3):
+            f(x).block_until_ready()
+    (path,) = tmp_path.rglob("*.xplane.pb")
+    (plane,) = run_step.profile_summary(str(path), 3, planes="/host:CPU", lines="").values()
+    assert plane["events_per_step"] > 0
+    assert 0 < plane["busy_ms_per_step"] and 0 < plane["span_ms_per_step"]
+    assert len(plane["top"]) <= 15 and plane["top"][0][1] >= plane["top"][-1][1]
+    assert run_step.profile_summary(str(path), 3) == {}  # no device plane here
+
+
+def _run_step_module():
+    spec = importlib.util.spec_from_file_location(
+        "run_step", os.path.join(ROOT, "benchmarks", "gpu", "run_step.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.skipif(not HAVE_JAX, reason="jax/jaxlib not installed (pip install jax)")
 def test_the_gpu_runner_compiles_an_fp8_step_as_tfllm_train_would(tmp_path, monkeypatch):
     """run_step.py adds the XLA flags `tfllm train` sets for the step's policy before jax
     starts (FP8: Triton GEMMs off, tests/plan/test_fp8_flags.py), the user's kept."""
-    spec = importlib.util.spec_from_file_location(
-        "run_step", os.path.join(ROOT, "benchmarks", "gpu", "run_step.py"))
-    run_step = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(run_step)
+    run_step = _run_step_module()
     for policy, flags in (("fp8", "--xla_gpu_enable_triton_gemm=false"), ("bfloat16", "")):
         (tmp_path / policy).mkdir()
         (tmp_path / policy / "step.json").write_text(json.dumps({"config": {"policy": policy}}))
