@@ -317,6 +317,9 @@ COMMANDS = {
     'python -m pytest -q -n 2 -m "not slow"':
         ("ci", ".ci/run", "the quick tier of the same suite: -m \"not slow\""),
     "python -m pytest -q -n 2": ("ci", ".ci/run", "the full suite"),
+    # the heavy tier (tests/heavy.txt: over an hour on 2 cores) and everything (two hours)
+    "python -m pytest -q -n 2 -m heavy": ("not run", "takes longer than the suite allows"),
+    "TFLLM_HEAVY=1 python -m pytest -q -n 2": ("not run", "takes longer than the suite allows"),
     # docs/testing.md, "A busy machine": the loaded run a maintainer repeats
     'python3 -c "while True: pass" & python3 -c "while True: pass" &': ("not run", "shell"),
     "python -m pytest -q -n 2 tests/notebooks -k fresh_execution":

@@ -165,3 +165,18 @@ def test_the_tier_timeouts_bound_hangs_with_room_for_a_busy_machine():
 ])
 def test_a_python_process_is_told_apart_from_other_commands(argv, python):
     assert starts_python(argv) == python
+
+
+def test_every_heavy_test_is_named_as_it_exists():
+    import os
+    """tests/heavy.txt names tests by node id: each one's module holds its function (a
+    renamed test would otherwise silently run in CI again, or never)."""
+    import re
+    from tests.tiers import heavy_ids
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    ids = heavy_ids()
+    assert len(ids) > 0
+    for node in ids:
+        path, name = node.split("::")[0], re.sub(r"\[.*$", "", node.split("::")[-1])
+        with open(os.path.join(root, path)) as f:
+            assert f"def {name}(" in f.read(), node

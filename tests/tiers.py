@@ -107,11 +107,38 @@ if getattr(subprocess.Popen.__init__, "__name__", "") != "_guarded_popen_init":
     subprocess.Popen.__init__ = _guarded_popen_init
 
 
+HEAVY_FILE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "heavy.txt")
+HEAVY_ENV = "TFLLM_HEAVY"
+
+
+def heavy_ids(path=HEAVY_FILE) -> set:
+    """The node ids tests/heavy.txt lists (lines "SECONDS  NODE_ID"; # comments)."""
+    with open(path) as f:
+        return {line.split()[1] for line in f if line.strip() and not line.startswith("#")}
+
+
+def runs_heavy(config) -> bool:
+    """Whether this run keeps the `heavy` tests: asked for (TFLLM_HEAVY=1, or any -m or
+    -k expression, which then decides), named by node id on the command line, or a child
+    pytest that runs one test (harness.run_in_child)."""
+    return (os.environ.get(HEAVY_ENV) == "1" or bool(config.option.markexpr)
+            or bool(config.option.keyword) or any("::" in str(a) for a in config.args)
+            or bool(os.environ.get("TFLLM_TEST_IN_CHILD")))
+
+
 def pytest_collection_modifyitems(config, items):
+    heavy = heavy_ids()
     for item in items:
         if item.get_closest_marker("timeout") is None:
             item.add_marker(pytest.mark.timeout(
                 TIER_TIMEOUT_S["slow" if _is_slow(item) else "quick"]))
+        if item.nodeid in heavy:
+            item.add_marker(pytest.mark.heavy)
+    if not runs_heavy(config):
+        kept = [i for i in items if i.nodeid not in heavy]
+        if len(kept) < len(items):
+            config.hook.pytest_deselected(items=[i for i in items if i.nodeid in heavy])
+            items[:] = kept
 
 
 @pytest.hookimpl(hookwrapper=True)
