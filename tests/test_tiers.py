@@ -4,6 +4,7 @@ The cases say how long they took: the hooks read clocks that the cases advance (
 run's config stash holds them), so these tests pass on any machine at any load.
 """
 
+import os
 import re
 import sys
 
@@ -168,10 +169,8 @@ def test_a_python_process_is_told_apart_from_other_commands(argv, python):
 
 
 def test_every_heavy_test_is_named_as_it_exists():
-    import os
     """tests/heavy.txt names tests by node id: each one's module holds its function (a
     renamed test would otherwise silently run in CI again, or never)."""
-    import re
     from tests.tiers import heavy_ids
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     ids = heavy_ids()

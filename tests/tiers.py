@@ -107,6 +107,8 @@ if getattr(subprocess.Popen.__init__, "__name__", "") != "_guarded_popen_init":
     subprocess.Popen.__init__ = _guarded_popen_init
 
 
+from tests.harness import IN_CHILD  # noqa: E402  (run_in_child's marker variable)
+
 HEAVY_FILE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "heavy.txt")
 HEAVY_ENV = "TFLLM_HEAVY"
 
@@ -123,7 +125,7 @@ def runs_heavy(config) -> bool:
     pytest that runs one test (harness.run_in_child)."""
     return (os.environ.get(HEAVY_ENV) == "1" or bool(config.option.markexpr)
             or bool(config.option.keyword) or any("::" in str(a) for a in config.args)
-            or bool(os.environ.get("TFLLM_TEST_IN_CHILD")))
+            or bool(os.environ.get(IN_CHILD)))
 
 
 def pytest_collection_modifyitems(config, items):
@@ -135,10 +137,10 @@ def pytest_collection_modifyitems(config, items):
         if item.nodeid in heavy:
             item.add_marker(pytest.mark.heavy)
     if not runs_heavy(config):
-        kept = [i for i in items if i.nodeid not in heavy]
-        if len(kept) < len(items):
-            config.hook.pytest_deselected(items=[i for i in items if i.nodeid in heavy])
-            items[:] = kept
+        left_out = [i for i in items if i.nodeid in heavy]
+        if left_out:
+            config.hook.pytest_deselected(items=left_out)
+            items[:] = [i for i in items if i.nodeid not in heavy]
 
 
 @pytest.hookimpl(hookwrapper=True)
