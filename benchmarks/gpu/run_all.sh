@@ -8,7 +8,8 @@
 # Each step is bounded (STEP_TIMEOUT_S, default 240 s) so that one slow compile cannot
 # take the whole lease, and the whole run by TOTAL_S (default 540 s: a device command may
 # run 600 s): a step gets what is left, and the steps after the deadline are recorded as
-# skipped. A failed step is recorded and the next one runs. The steps run in the order
+# skipped. A failed or stopped step is recorded (with the phases it reached, and its
+# timing if it got that far) and the next one runs. The steps run in the order
 # of exports/ORDER (prepare.py's); CASES="name name ...": only those, in that order.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
@@ -37,7 +38,22 @@ for name in $names; do
     python3 -c 'import json,sys; r=json.load(open(sys.argv[1])); r["name"]=sys.argv[2]; print(json.dumps(r))' \
       "$OUT/$name/result.json" "$name" >> "$OUT/steps.jsonl"
   else
-    echo "{\"name\": \"$name\", \"failed\": $?, \"stderr\": $(tail -c 1500 "$OUT/$name/stderr.txt" | python3 -c 'import json,sys; print(json.dumps(sys.stdin.read()))')}" >> "$OUT/steps.jsonl"
+    # failed or stopped (124: the timeout): its exit status, the phases it reached
+    # (run_step.py's progress lines), the stderr's end, and the timing if it got that far
+    python3 - "$OUT/$name" "$name" $? >> "$OUT/steps.jsonl" <<'PY'
+import json, os, sys
+folder, name, status = sys.argv[1], sys.argv[2], int(sys.argv[3])
+with open(os.path.join(folder, "stderr.txt"), errors="replace") as f:
+    err = f.read()
+record = {"name": name, "failed": status, "stderr": err[-1500:],
+          "reached": [json.loads(line.split(" ", 1)[1]) for line in err.splitlines()
+                      if line.startswith("run_step: {")]}
+partial = os.path.join(folder, "result.partial.json")
+if os.path.exists(partial):
+    with open(partial) as f:
+        record = {**json.load(f), **record}
+print(json.dumps(record))
+PY
   fi
   tail -n 1 "$OUT/steps.jsonl" | cut -c1-300
 done

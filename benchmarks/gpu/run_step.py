@@ -20,6 +20,7 @@ cuBLAS / cuBLASLt calls (FP8 ones as `__cublas$lt$matmul$f8`).
 """
 
 import argparse
+import functools
 import glob
 import gzip
 import json
@@ -31,6 +32,8 @@ import time
 import sys
 
 import numpy as np
+
+_STARTED = time.perf_counter()
 
 # The XLA flags `tfllm train` sets for the step's precision policy
 # (tfllm.runtime.environment.POLICY_XLA_FLAGS: FP8 GEMMs need Triton GEMMs off), added
@@ -115,26 +118,45 @@ def compile_step(directory, backend):
     return HloStep(os.path.join(directory, "step.hlo.pb"), device)
 
 
-def random_inputs(desc, seed=0):
-    rng = np.random.default_rng(seed)
+def _fill_kind(param):
+    """How an input is filled: token ids in [1, vocab), the spike guard off, counters at
+    zero, the step at 10, Adam's second moments small and positive, FP8 scales near one,
+    weights and first moments small and non-zero."""
+    role = param["role"]
+    if role == "optimizer_state" and param["name"].startswith("optimizer/v/"):
+        return "second_moment"
+    return role if role in ("batch", "loss_limit", "counter", "step", "fp8_state") else "normal"
+
+
+def _fill(kind, shape, dtype, vocab, key):
+    if kind == "batch":
+        return jax.random.randint(key, shape, 1, vocab, dtype)  # no zeros
+    if kind == "loss_limit":
+        return jnp.full(shape, jnp.inf, dtype)
+    if kind in ("counter", "step"):
+        return jnp.full(shape, 10 if kind == "step" else 0, dtype)
+    normal = jax.random.normal(key, shape, jnp.float32)
+    if kind == "second_moment":
+        return (jnp.abs(normal) * 1e-4 + 1e-6).astype(dtype)
+    if kind == "fp8_state":
+        return (jnp.abs(normal) + 0.5).astype(dtype)
+    return (normal * 0.02).astype(dtype)
+
+
+def random_inputs(desc, device, seed=0):
+    """The step's inputs, made on `device` by jax.random: drawing them with numpy on the
+    host took ~36 s per 10^9 values on a CPU core, so llama-1b's 3.7 x 10^9 (weights and
+    both Adam moments) alone ran past the first lease's 110 s bound; on the device they
+    take a fraction of a second. One small program per distinct (fill, shape, dtype)."""
     vocab = desc["config"]["vocab_size"]
-    out = []
-    for p in desc["params"]:
-        shape, dtype = p["shape"], np.dtype(p["dtype"])
-        if p["role"] == "batch":
-            out.append(rng.integers(1, vocab, shape).astype(dtype))  # no zeros
-        elif p["role"] == "loss_limit":  # the spike guard off
-            out.append(np.full(shape, np.inf, dtype))
-        elif p["role"] == "counter":
-            out.append(np.zeros(shape, dtype))
-        elif p["role"] == "step":
-            out.append(np.full(shape, 10, dtype))
-        elif p["role"] == "optimizer_state" and p["name"].startswith("optimizer/v/"):
-            out.append((np.abs(rng.normal(size=shape)) * 1e-4 + 1e-6).astype(dtype))
-        elif p["role"] == "fp8_state":
-            out.append((np.abs(rng.normal(size=shape)) + 0.5).astype(dtype))
-        else:
-            out.append((rng.normal(size=shape) * 0.02).astype(dtype))
+    key = jax.device_put(jax.random.key(seed), device)
+    programs, out = {}, []
+    with jax.default_device(device):
+        for i, p in enumerate(desc["params"]):
+            spec = (_fill_kind(p), tuple(p["shape"]), jnp.dtype(p["dtype"]))
+            if spec not in programs:
+                programs[spec] = jax.jit(functools.partial(_fill, *spec, vocab))
+            out.append(programs[spec](jax.random.fold_in(key, i)))
     return out
 
 
@@ -229,7 +251,16 @@ def profile_summary(path, steps, planes="/device:", lines="Stream", top=15):
     return out
 
 
-def time_steps(directory, backend, steps, warmup, compiled, out_dir=None, profile=None):
+def progress(phase, **fields):
+    """One line on stderr per phase, with the seconds since the runner started: where a
+    step bounded by run_all.sh's timeout spent its time shows in the stderr it keeps."""
+    line = {"t_s": round(time.perf_counter() - _STARTED, 2), "phase": phase, **fields}
+    print("run_step:", json.dumps(line), file=sys.stderr, flush=True)
+
+
+def time_steps(directory, backend, steps, warmup, compiled, out_dir=None, profile=None,
+               phases=None):
+    phases = {} if phases is None else phases
     with open(os.path.join(directory, "step.json")) as f:
         desc = json.load(f)
     device = compiled.device
@@ -237,7 +268,12 @@ def time_steps(directory, backend, steps, warmup, compiled, out_dir=None, profil
     with open(os.path.join(out_dir or directory, f"step.optimized.{backend}.hlo.txt"),
               "w") as f:
         f.write(optimized)
-    args = [jax.device_put(a, device) for a in random_inputs(desc)]
+    start = time.perf_counter()
+    args = random_inputs(desc, device)
+    for a in args:
+        a.block_until_ready()
+    phases["inputs_s"] = time.perf_counter() - start
+    progress("inputs on the device", s=round(phases["inputs_s"], 2))
     updates = [(i, o["param"]) for i, o in enumerate(desc["outputs"]) if o["role"] == "update"]
 
     def one_step():
@@ -251,10 +287,35 @@ def time_steps(directory, backend, steps, warmup, compiled, out_dir=None, profil
     for i in range(warmup + steps):
         start = time.perf_counter()
         one_step()
+        if i == 0:
+            phases["first_step_s"] = time.perf_counter() - start
+            progress("first step", s=round(phases["first_step_s"], 3))
         if i >= warmup:
             times.append(time.perf_counter() - start)
+    phases["timed_steps_s"] = sum(times)
+    step_s = statistics.median(times)
+    progress("timed", steps=steps, median_ms=round(step_s * 1e3, 3))
+    flops = desc["flops_per_token"] * desc["tokens_per_step"] / step_s
+    kind = device.device_kind
+    sheet = next((v for k, v in DATASHEET_BF16_TFLOPS.items() if k in kind), None)
+    result = {"device": kind, "backend": backend, **desc["config"],
+              "params": desc["num_params"], "tokens_per_s": desc["tokens_per_step"] / step_s,
+              "step_ms": step_s * 1e3, "tflops": flops / 1e12,
+              "mfu_datasheet": flops / (sheet * 1e12) if sheet else None,
+              "gemm_calls": gemm_report(optimized),
+              "fp8_gemms": optimized.count("__cublas$lt$matmul$f8"),
+              "peak_memory_gib": peak_memory_gib(device),
+              "step_ms_all": [t * 1e3 for t in times],
+              "program": "step.jax" if isinstance(compiled, PortableStep) else "step.hlo.pb",
+              "steps": steps, "jax": jax.__version__, "phases_s": phases,
+              "xla_flags": os.environ.get("XLA_FLAGS", "")}
+    # the timing kept before the profile and the matmul reference run: run_all.sh records
+    # it if the step is stopped in either
+    with open(os.path.join(out_dir or directory, "result.partial.json"), "w") as f:
+        json.dump(result, f)
     trace = summary = None
     if profile:  # a trace TensorBoard's profile plugin or Perfetto opens
+        start = time.perf_counter()
         with jax.profiler.trace(profile):
             for _ in range(3):
                 one_step()
@@ -268,23 +329,14 @@ def time_steps(directory, backend, steps, warmup, compiled, out_dir=None, profil
             with open(found[-1], "rb") as f, gzip.open(trace, "wb") as g:
                 g.write(f.read())
             summary = profile_summary(found[-1], 3)
-    step_s = statistics.median(times)
-    flops = desc["flops_per_token"] * desc["tokens_per_step"] / step_s
+        phases["profile_s"] = time.perf_counter() - start
+        progress("profiled", s=round(phases["profile_s"], 2))
+    del args  # the step's state off the device before the reference matmul
+    start = time.perf_counter()
     peak = matmul_peak(device)
-    kind = device.device_kind
-    sheet = next((v for k, v in DATASHEET_BF16_TFLOPS.items() if k in kind), None)
-    return {"device": kind, "backend": backend, **desc["config"],
-            "params": desc["num_params"], "tokens_per_s": desc["tokens_per_step"] / step_s,
-            "step_ms": step_s * 1e3, "tflops": flops / 1e12,
-            "mfu_datasheet": flops / (sheet * 1e12) if sheet else None,
-            "matmul_peak_tflops": peak / 1e12, "mfu_measured_peak": flops / peak,
-            "gemm_calls": gemm_report(optimized),
-            "fp8_gemms": optimized.count("__cublas$lt$matmul$f8"),
-            "peak_memory_gib": peak_memory_gib(device), "step_ms_all": [t * 1e3 for t in times],
-            "program": "step.jax" if isinstance(compiled, PortableStep) else "step.hlo.pb",
-            "steps": steps, "jax": jax.__version__, "profile": profile, "trace": trace,
-            "profile_summary": summary,
-            "xla_flags": os.environ.get("XLA_FLAGS", "")}
+    phases["matmul_peak_s"] = time.perf_counter() - start
+    return {**result, "matmul_peak_tflops": peak / 1e12, "mfu_measured_peak": flops / peak,
+            "profile": profile, "trace": trace, "profile_summary": summary}
 
 
 def main():
@@ -301,13 +353,19 @@ def main():
     parser.add_argument("--out", help="folder for the optimized HLO (default: DIR)")
     parser.add_argument("--profile", help="write a profiler trace of 3 steps here")
     args = parser.parse_args()
+    phases = {"start_s": time.perf_counter() - _STARTED}  # jax imported
+    progress("jax imported", jax=jax.__version__)
+    start = time.perf_counter()
     compiled = compile_step(args.directory, args.backend)
+    phases["compile_s"] = time.perf_counter() - start
+    progress("compiled", s=round(phases["compile_s"], 2))
     result = {}
     if args.check:
         result.update(check(args.directory, compiled))
     if not args.check or args.steps:
         result.update(time_steps(args.directory, args.backend, args.steps or 50, args.warmup,
-                                 compiled, args.out, args.profile))
+                                 compiled, args.out, args.profile, phases))
+    result["phases_s"] = phases
     print(json.dumps(result))
 
 

@@ -125,10 +125,67 @@ def test_the_gpu_script_times_every_prepared_step_in_one_command(tmp_path):
     assert summary(str(out / "trace.xplane.pb"))["planes"]  # what TensorFlow's side reads
     assert result["profile_summary"] == {}  # no device plane on a CPU
     assert "jax" in (out / "machine.txt").read_text()
+    # where the time went, per phase, in the result and as progress lines on stderr
+    assert {"start_s", "compile_s", "inputs_s", "first_step_s", "timed_steps_s",
+            "profile_s", "matmul_peak_s"} <= set(result["phases_s"])
+    reached = [line for line in (out / "tiny" / "stderr.txt").read_text().splitlines()
+               if line.startswith("run_step: {")]
+    assert [json.loads(line.split(" ", 1)[1])["phase"] for line in reached] == [
+        "jax imported", "compiled", "inputs on the device", "first step", "timed",
+        "profiled"]
+    # A step stopped after its timing (here a stand-in interpreter that prints what
+    # run_step.py would and exits as `timeout` does) keeps the timing and the phases.
+    fake = tmp_path / "stopped.py"
+    fake.write_text(
+        f"#!{sys.executable}\n"
+        "import json, os, sys\n"
+        "if '--out' not in sys.argv: sys.exit(0)  # run_all.sh's machine description\n"
+        "out = sys.argv[sys.argv.index('--out') + 1]\n"
+        "print('run_step: ' + json.dumps({'t_s': 1.0, 'phase': 'timed'}), file=sys.stderr)\n"
+        "json.dump({'step_ms': 12.5}, open(os.path.join(out, 'result.partial.json'), 'w'))\n"
+        "sys.exit(124)\n")
+    fake.chmod(0o755)
+    stopped = tmp_path / "stopped"
+    r = subprocess.run(["bash", os.path.join(ROOT, "benchmarks", "gpu", "run_all.sh")],
+                       capture_output=True, text=True, timeout=TF_HANG_S, cwd=ROOT,
+                       env=dict(os.environ, OUT=str(stopped), EXPORTS=str(exports),
+                                CASES="tiny", PYTHON=str(fake)))
+    (record,) = [json.loads(line) for line in
+                 (stopped / "steps.jsonl").read_text().splitlines()]
+    assert record["failed"] == 124 and record["step_ms"] == 12.5
+    assert record["reached"] == [{"t_s": 1.0, "phase": "timed"}]
     # Past the run's deadline every step is recorded as skipped, none started.
     late = run_all(tmp_path / "late", TOTAL_S="0")
     assert [(r["name"], "skipped" in r) for r in late] == [("tiny", True), ("untimed", True)]
     assert not (tmp_path / "late" / "tiny").exists()
+
+
+@pytest.mark.skipif(not HAVE_JAX, reason="jax/jaxlib not installed (pip install jax)")
+def test_the_gpu_runner_makes_the_inputs_on_the_device():
+    """run_step.py draws the step's inputs with jax.random on the device (numpy on the
+    host took minutes for llama-1b): each role filled as the step needs it."""
+    import jax
+    run_step = _run_step_module()
+    p = lambda role, name, shape, dtype="float32": {
+        "role": role, "name": name, "shape": shape, "dtype": dtype}
+    desc = {"config": {"vocab_size": 50}, "params": [
+        p("batch", "batch", [4, 9], "int32"), p("loss_limit", "limit", []),
+        p("counter", "train/guard_skipped", [], "int64"),
+        p("step", "optimizer/iterations", [], "int64"),
+        p("weight", "model/w", [64, 32]), p("weight", "model/w2", [64, 32]),
+        p("optimizer_state", "optimizer/m/w", [64, 32]),
+        p("optimizer_state", "optimizer/v/w", [64, 32]),
+        p("fp8_state", "model/w/amax_history", [16])]}
+    device = jax.devices("cpu")[0]
+    batch, limit, counter, step, w, w2, m, v, amax = [
+        np.asarray(a) for a in run_step.random_inputs(desc, device)]
+    assert batch.dtype == np.int32 and batch.shape == (4, 9)
+    assert batch.min() >= 1 and batch.max() < 50 and len(np.unique(batch)) > 10
+    assert np.isinf(limit) and counter == 0 and step == 10 and step.dtype == np.int64
+    assert 0.01 < w.std() < 0.03 and w.dtype == np.float32
+    assert not np.array_equal(w, w2)  # a key per input
+    assert (v > 0).all() and v.max() < 1e-3 and 0.01 < m.std() < 0.03
+    assert (amax >= 0.5).all()
 
 
 @pytest.mark.skipif(not HAVE_JAX, reason="jax/jaxlib not installed (pip install jax)")
