@@ -6,8 +6,9 @@
 A notebook teaches the same thing on any machine: a laptop, a Mac without the `plan`
 extra, a host with one GPU (where `mesh.device_type=auto` would pick the GPU and refuse
 an 8-device mesh). `start` hides the GPUs from TensorFlow and splits the CPU into
-logical devices, so every mesh in the notebook is a CPU mesh, and turns each unmet need
-into one line that says what to install or do.
+logical devices, so every mesh in the notebook is a CPU mesh, makes the host's allocator
+one a profile traces (TensorFlow's BFC: `tfllm.runtime.environment.traced_cpu_allocations`),
+and turns each unmet need into one line that says what to install or do.
 """
 
 from __future__ import annotations
@@ -53,6 +54,10 @@ def start(devices: int = 8, needs: Sequence[str] = (), posix: bool = False) -> s
             raise NotebookNeeds(f"this notebook needs the `{extra}` extra ({', '.join(missing)} "
                                 f"missing): pip install -e \".[{extra}]\" from the repository "
                                 "root, then restart the kernel.")
+    from tfllm.runtime import environment
+    # Before the CPU devices are made: a profile's memory peak (notebook 01, section 6)
+    # on every CPU, not only where oneDNN's allocator is TensorFlow's default.
+    environment.traced_cpu_allocations()
     import tensorflow as tf
 
     from tfllm.runtime.devices import setup_cpu_devices

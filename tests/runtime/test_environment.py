@@ -36,3 +36,11 @@ def test_xla_cache_flags_are_added_once_and_never_replace_the_users(tmp_path):
     assert environment.xla_cache(str(tmp_path / "other"), env) == {}  # already set: kept
     assert str(tmp_path / "other") not in env["TF_XLA_FLAGS"]
     assert environment.xla_cache(None, env) == {}
+
+
+def test_traced_cpu_allocations_picks_tensorflows_bfc_unless_the_user_chose():
+    env = {}
+    assert environment.traced_cpu_allocations(env) == {"TF_CPU_ALLOCATOR_USE_BFC": "true"}
+    env = {"TF_CPU_ALLOCATOR_USE_BFC": "false"}
+    assert environment.traced_cpu_allocations(env) == {}
+    assert env["TF_CPU_ALLOCATOR_USE_BFC"] == "false"

@@ -55,6 +55,30 @@ def gpu_memory(reserve_mb: int, allocator: str,
     return changes
 
 
+# TensorFlow's host allocator is a BFC allocator when this is true
+# (`ProcessState::GetCPUAllocator`, tensorflow/core/common_runtime/process_state.cc, reads
+# it when the first CPU device is made). Only allocators that trace their allocations put
+# `MemoryAllocation` events in a profile (BFC's `AddTraceMe`): GPU devices' BFC, oneDNN's
+# CPU allocator (BFC inside) and this one. TensorFlow's plain CPU allocator traces none,
+# and it is the default wherever oneDNN is off: with TF_ENABLE_ONEDNN_OPTS=0, and on every
+# x86 CPU without AVX512_VNNI, AVX512_BF16, AVX_VNNI or AMX (oneDNN's default,
+# `IsMklEnabled`, tensorflow/core/util/port.cc).
+CPU_BFC_ENV = "TF_CPU_ALLOCATOR_USE_BFC"
+
+
+def traced_cpu_allocations(environ: MutableMapping[str, str] = os.environ) -> Dict[str, str]:
+    """Makes the host's allocator one that a profile traces (TensorFlow's BFC allocator),
+    so that a trace holds the memory peak on any CPU, oneDNN on or off; unless the user
+    set CPU_BFC_ENV. Must run before TensorFlow makes its CPU devices.
+
+    Returns:
+      The variables set.
+    """
+    changes: Dict[str, str] = {}
+    _set_default(environ, CPU_BFC_ENV, "true", changes)
+    return changes
+
+
 def _add_flag(environ: MutableMapping[str, str], name: str, flag: str, value: str,
               changes: Dict[str, str]) -> None:
     current = environ.get(name, "")
