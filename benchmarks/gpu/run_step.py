@@ -64,15 +64,20 @@ DATASHEET_BF16_TFLOPS = {"H100": 989.4, "H200": 989.4, "A100": 312.0}
 class PortableStep:
     """step.jax through public APIs: jax.export.deserialize, jax.jit, lower, compile."""
 
-    def __init__(self, path, device):
+    def __init__(self, path, device, donate=()):
         # step.jax.gz: the same, compressed (prepare.py: folded constants, such as causal
         # masks, compress well)
         with (gzip.open if path.endswith(".gz") else open)(path, "rb") as f:
             exported = jax.export.deserialize(bytearray(f.read()))
         self.device = device
         shapes = [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in exported.in_avals]
+        # `donate`: the inputs the step updates (weights, optimizer states, counters), whose
+        # buffers the updated values take, as TensorFlow's step updates its variables in
+        # place: without it the device holds the old state and the new one at once, and
+        # the peak memory read is the state's size above the training step's
         with jax.default_device(device):
-            self.compiled = jax.jit(exported.call).lower(*shapes).compile()
+            self.compiled = jax.jit(exported.call, donate_argnums=tuple(donate)).lower(
+                *shapes).compile()
 
     def run(self, args):
         return list(self.compiled(*args))
@@ -111,10 +116,12 @@ def compile_step(directory, backend):
     """The step of DIR compiled for the first device of `backend`: step.jax where it is
     there (any recent jax), else step.hlo.pb (the plan extra's jax)."""
     device = jax.devices(backend)[0]
+    with open(os.path.join(directory, "step.json")) as f:
+        donate = sorted(o["param"] for o in json.load(f)["outputs"] if o["role"] == "update")
     for name in ("step.jax", "step.jax.gz"):
         portable = os.path.join(directory, name)
         if os.path.exists(portable):
-            return PortableStep(portable, device)
+            return PortableStep(portable, device, donate)
     return HloStep(os.path.join(directory, "step.hlo.pb"), device)
 
 
