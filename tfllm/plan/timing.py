@@ -33,11 +33,13 @@ from __future__ import annotations
 
 from typing import Optional
 
-#: Fraction of the dense peak that cuBLAS reaches on large bf16/FP8 GEMMs on Hopper: NVIDIA
-#: reports roughly 3/4 of peak for large square GEMMs ("New cuBLAS 12.0 Features and Matrix
-#: Multiplication Performance on NVIDIA Hopper GPUs", NVIDIA technical blog, 2023); tile
-#: quantization of small GEMMs costs more, not modelled.
-GEMM_EFFICIENCY = 0.75
+#: Fraction of the dense peak that GEMMs reach on Hopper, measured: an 8192-square bf16
+#: GEMM compiled by XLA (jax 0.11.2) on the first lent H200 ran at 642-722 TFLOP/s in the
+#: five runs of benchmarks/gpu/run_step.py, median 687 of the datasheet's 989.4
+#: (benchmarks/results/gpu_h200_2026-11-30.json, `matmul_peak_tflops`; the H200's peak is
+#: the H100's). It replaces the ~3/4 of NVIDIA's cuBLAS 12.0 blog (2023), which the plans
+#: up to 2026-11-30 used. Tile quantization of small GEMMs costs more, not modelled.
+GEMM_EFFICIENCY = 0.69
 #: Seconds per kernel beyond its roofline time: launch latency and the tail of a kernel
 #: before the next one starts on the same stream, "a few microseconds" per kernel in
 #: NVIDIA's "Getting Started with CUDA Graphs" (technical blog, 2019), which measured the
