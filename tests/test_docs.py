@@ -292,7 +292,7 @@ COMMANDS = {
     "--set train.global_batch_size=16":
         ("not run", "takes longer than the suite allows"),
     # docs/planning.md's example; its output: benchmarks/results/
-    # h100_llama7b_fsdp8_b16_2026-11-29_bf16.json (428 s on 2 cores)
+    # h100_llama7b_fsdp8_b16_2026-11-30_bf16.txt (576 s on 2 cores)
     "tfllm plan --config configs/llama-7b.yaml --set mesh.axes=fsdp=8 "
     "--set precision.policy=bfloat16 --set data.sequence_length=2048 "
     "--set train.global_batch_size=16 --set train.grad_accum_steps=1 "
