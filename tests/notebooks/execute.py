@@ -75,9 +75,10 @@ KERNELS = {
     # AVX-512 without AMX (Intel Ice Lake and Cascade Lake, AMD EPYC Zen 4 and 5)
     "avx512": {"ONEDNN_MAX_CPU_ISA": "AVX512_CORE_FP16", "XLA_FLAGS": "--xla_cpu_max_isa=AVX512"},
     # oneDNN off (TF_ENABLE_ONEDNN_OPTS=0, as a user may set it; TensorFlow on CPUs that are
-    # not x86): Eigen's kernels, and XLA capped at AVX2 as on a CPU without AVX-512.
-    # Notebook 01's memory profile fails there: TensorFlow's own CPU allocator records no
-    # allocations (oneDNN's does).
+    # not x86, and by default on x86 CPUs without AVX-512 VNNI/BF16, AVX-VNNI or AMX):
+    # Eigen's kernels, and XLA capped at AVX2 as on a CPU without AVX-512. TensorFlow's
+    # plain CPU allocator records no allocations there (oneDNN's does), so notebook 01's
+    # memory profile runs on the BFC allocator that `start_notebook` picks.
     "eigen": {"TF_ENABLE_ONEDNN_OPTS": "0", "XLA_FLAGS": "--xla_cpu_max_isa=AVX2"},
 }
 
