@@ -152,9 +152,10 @@ def _fill(kind, shape, dtype, vocab, key):
 
 def random_inputs(desc, device, seed=0):
     """The step's inputs, made on `device` by jax.random: drawing them with numpy on the
-    host took ~36 s per 10^9 values on a CPU core, so llama-1b's 3.7 x 10^9 (weights and
-    both Adam moments) alone ran past the first lease's 110 s bound; on the device they
-    take a fraction of a second. One small program per distinct (fill, shape, dtype)."""
+    host took ~36 s per 10^9 values on a CPU core here, so llama-1b's 3.7 x 10^9 (weights
+    and both Adam moments) likely took most of the first lease's 110 s bound (inferred:
+    that lease timed no phases); on a GPU they should take well under a second. One small
+    program per distinct (fill, shape, dtype)."""
     vocab = desc["config"]["vocab_size"]
     key = jax.device_put(jax.random.key(seed), device)
     programs, out = {}, []
