@@ -226,17 +226,29 @@ def peak_memory_gib(device):
     return peak / 2**30 if peak is not None else None
 
 
+#: GPU kernel names of matrix multiplications: cuBLAS/cuBLASLt's (sm90_xmma_gemm_*,
+#: nvjet_*, cutlass*) and XLA's Triton GEMM fusions (the fusion gemm_fusion_dot.N runs
+#: as the kernel gemm_fusion_dot_N)
+GEMM_KERNEL = re.compile(r"gemm|xmma|nvjet|cutlass|matmul", re.I)
+#: kernels shorter than this are the ones a per-kernel launch cost would dominate
+SHORT_KERNEL_NS = 5000
+
+
 def profile_summary(path, steps, planes="/device:", lines="Stream", top=15):
     """Where the traced steps' time went, per device plane of the trace at `path`: the
     kernels (and copies) of its `lines` (CUPTI names each CUDA stream's line "Stream
     #N(...)"), per step: count, busy ms (summed durations), span ms (first start to last
-    end) and the `top` names by time. Read with jax's own reader (no TensorFlow)."""
+    end), the GEMMs' share of busy (`GEMM_KERNEL`: what sets the plan's GEMM efficiency
+    against its roofline), the kernels under 5 us (count and ms: what a per-kernel
+    launch cost would dominate), the median kernel, and the `top` names by time. Busy
+    well below span means the stream waited (launch or host time); busy near span with a
+    large GEMM share means slow kernels. Read with jax's own reader (no TensorFlow)."""
     from jax.profiler import ProfileData
     out = {}
     for plane in ProfileData.from_file(path).planes:
         if not plane.name.startswith(planes):
             continue
-        totals, first, last = {}, None, None
+        totals, first, last, durations = {}, None, None, []
         for line in plane.lines:
             if not line.name.startswith(lines):
                 continue
@@ -244,6 +256,7 @@ def profile_summary(path, steps, planes="/device:", lines="Stream", top=15):
                 t = totals.setdefault(e.name, [0.0, 0])
                 t[0] += e.duration_ns / 1e6
                 t[1] += 1
+                durations.append(e.duration_ns)
                 first = e.start_ns if first is None else min(first, e.start_ns)
                 end = e.start_ns + e.duration_ns
                 last = end if last is None else max(last, end)
@@ -251,10 +264,16 @@ def profile_summary(path, steps, planes="/device:", lines="Stream", top=15):
             out[plane.name] = {"lines": [line.name for line in plane.lines]}
             continue
         ranked = sorted(totals.items(), key=lambda kv: -kv[1][0])
+        short = [d for d in durations if d < SHORT_KERNEL_NS]
         out[plane.name] = {
             "events_per_step": sum(c for _, c in totals.values()) / steps,
             "busy_ms_per_step": sum(ms for ms, _ in totals.values()) / steps,
             "span_ms_per_step": (last - first) / 1e6 / steps,
+            "gemm_busy_ms_per_step": sum(ms for name, (ms, _) in totals.items()
+                                         if GEMM_KERNEL.search(name)) / steps,
+            "short_events_per_step": len(short) / steps,
+            "short_ms_per_step": sum(short) / 1e6 / steps,
+            "median_event_us": statistics.median(durations) / 1e3,
             "top": [[name, ms / steps, c / steps] for name, (ms, c) in ranked[:top]]}
     return out
 

@@ -208,7 +208,24 @@ def test_the_gpu_runner_summarizes_where_a_traced_step_spent_its_time(tmp_path):
     assert plane["events_per_step"] > 0
     assert 0 < plane["busy_ms_per_step"] and 0 < plane["span_ms_per_step"]
     assert len(plane["top"]) <= 15 and plane["top"][0][1] >= plane["top"][-1][1]
+    # a CPU's matmul runs as a fusion (jax 0.10.2: "ynn_fusion"), not under a GPU GEMM's
+    # name (test below); the short events (under 5 us) are some of the events and time
+    assert 0 <= plane["gemm_busy_ms_per_step"] <= plane["busy_ms_per_step"]
+    assert 0 <= plane["short_events_per_step"] <= plane["events_per_step"]
+    assert 0 <= plane["short_ms_per_step"] <= plane["busy_ms_per_step"]
+    assert plane["median_event_us"] > 0
     assert run_step.profile_summary(str(path), 3) == {}  # no device plane here
+
+
+def test_the_gpu_runner_counts_cublas_and_triton_gemm_kernels_as_gemms():
+    run_step = _run_step_module()
+    gemms = ["sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n_tilesize128x128x64_warpgroupsize1x1x1",
+             "nvjet_hsh_128x256_64x4_1x2_h_bz_coopA_TNT", "gemm_fusion_dot_12",
+             "cutlass3x_sm90_tensorop_s64x128x16gemm_bf16_bf16_f32_bf16_bf16_128x128x64"]
+    others = ["loop_add_fusion_3", "input_reduce_fusion_17", "loop_transpose_fusion",
+              "fusion_42", "ncclDevKernel_AllReduce_Sum_f32_RING_LL", "Memcpy HtoD"]
+    assert all(run_step.GEMM_KERNEL.search(n) for n in gemms)
+    assert not any(run_step.GEMM_KERNEL.search(n) for n in others)
 
 
 def _run_step_module():
