@@ -217,6 +217,7 @@ def test_the_gpu_runner_summarizes_where_a_traced_step_spent_its_time(tmp_path):
     assert run_step.profile_summary(str(path), 3) == {}  # no device plane here
 
 
+@pytest.mark.skipif(not HAVE_JAX, reason="jax/jaxlib not installed (pip install jax)")
 def test_the_gpu_runner_counts_cublas_and_triton_gemm_kernels_as_gemms():
     run_step = _run_step_module()
     gemms = ["sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n_tilesize128x128x64_warpgroupsize1x1x1",
